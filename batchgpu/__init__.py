@@ -1,0 +1,42 @@
+"""batchgpu: record GPU compute as a small command graph, execute it with one submit, many times."""
+
+from __future__ import annotations
+
+from .batch import GpuCommandBatch, default_device
+from .device import Device
+from .errors import (
+    BatchError,
+    CompileError,
+    DeviceError,
+    DeviceMismatchError,
+    DTypeError,
+    LimitError,
+    NotExecutedError,
+    ShapeError,
+    UnsupportedError,
+)
+from .kernels import Kernel
+from .limits import Limits
+from .ops import OPS
+from .tensor import Tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "OPS",
+    "BatchError",
+    "CompileError",
+    "DTypeError",
+    "Device",
+    "DeviceError",
+    "DeviceMismatchError",
+    "GpuCommandBatch",
+    "Kernel",
+    "LimitError",
+    "Limits",
+    "NotExecutedError",
+    "ShapeError",
+    "Tensor",
+    "UnsupportedError",
+    "default_device",
+]

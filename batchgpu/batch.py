@@ -1,0 +1,394 @@
+"""GpuCommandBatch: record ops once, execute many times with one submit, read back asynchronously."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .device import Device
+from .dtypes import FLOATS, as_dtype, host_array
+from .errors import BatchError, DeviceMismatchError, DTypeError, NotExecutedError, ShapeError
+from .executors.base import Execution, Plan
+from .kernels import Kernel
+from .limits import check_launch
+from .ops import OPS, Node
+from .ops.custom import normalize_grid, pack_scalars
+from .ops.elementwise import BINARY, UNARY
+from .tensor import Storage, Tensor
+
+Scalar = int | float | np.number
+Operand = Tensor | Scalar
+
+_default_device: Device | None = None
+
+
+def default_device() -> Device:
+    """The process-wide default Device, created on first use."""
+    global _default_device
+    if _default_device is None:
+        _default_device = Device()
+    return _default_device
+
+
+def _unary(op: str) -> Callable[[GpuCommandBatch, Tensor], Tensor]:
+    def record(self: GpuCommandBatch, x: Tensor) -> Tensor:
+        return self._record(op, (x,))
+
+    record.__name__ = record.__qualname__ = op
+    record.__doc__ = f"Record ``{op}(x)``: {UNARY[op][4]}, elementwise."
+    return record
+
+
+def _binary(op: str) -> Callable[[GpuCommandBatch, Operand, Operand], Tensor]:
+    def record(self: GpuCommandBatch, a: Operand, b: Operand) -> Tensor:
+        return self._record(op, (a, b))
+
+    record.__name__ = record.__qualname__ = op
+    record.__doc__ = f"Record ``{op}(a, b)``: {BINARY[op][3]}, broadcasting like numpy; either may be a Python scalar."
+    return record
+
+
+class GpuCommandBatch:
+    """A recorded command graph on one device.
+
+    Record ops (each returns a :class:`Tensor` handle), then ``execute()``: one command encoder, one
+    queue submit (readback copies included), returning once submitted. ``read``/``read_sync`` return
+    numpy arrays. Re-execute with new inputs via ``execute({x: array})``: nothing is re-recorded and
+    no pipeline is recompiled.
+    """
+
+    _names = itertools.count()
+
+    def __init__(self, device: Device | None = None, *, name: str = "") -> None:
+        self.device = device or default_device()
+        self.name = name or f"batch{next(self._names)}"
+        self._nodes: list[Node] = []
+        self._storages: list[Storage] = []
+        self._births: dict[int, int] = {}  # storage id -> record index
+        self._host: dict[Storage, np.ndarray] = {}  # latest data of inputs and constants
+        self._dirty: dict[Storage, np.ndarray] = {}  # data to upload on the next execute
+        self._wanted: set[Storage] = set()  # storages the user has read
+        self._readback: tuple[Storage, ...] | None = None
+        self._plan: Plan | None = None
+        self._execution: Execution | None = None
+        self._recorded = 0
+        self._executed_mark = -1
+        self._released = False
+
+    def __repr__(self) -> str:
+        return f"GpuCommandBatch({self.name!r}, {len(self._nodes)} ops, {self.device!r})"
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        """The recorded ops, in order."""
+        return tuple(self._nodes)
+
+    # inputs ----------------------------------------------------------------------------------
+
+    def upload(self, data: Any, dtype: Any = None, *, name: str = "") -> Tensor:
+        """A batch input holding ``data``; uploaded by ``execute()``, replaceable via ``execute({x: new})``.
+
+        float64/int64 data is refused unless ``dtype`` asks for a cast."""
+        self._check_open("upload")
+        array = host_array(data, dtype, what=f"upload {name}".strip())
+        self.device.check_storable(f"upload {name}".strip(), array.shape, array.dtype)
+        tensor = self._new_tensor(array.shape, array.dtype, "input", name or f"input{self._recorded}")
+        self._host[tensor.storage] = self._dirty[tensor.storage] = array
+        return tensor
+
+    def empty(self, shape: Sequence[int] | int, dtype: Any = np.float32, *, name: str = "") -> Tensor:
+        """An uninitialized tensor for custom kernels to write into."""
+        self._check_open("empty")
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        resolved = as_dtype(dtype, what="empty")
+        self.device.check_storable(f"empty {name}".strip(), shape, resolved)
+        return self._new_tensor(shape, resolved, "output", name or f"empty{self._recorded}")
+
+    def _new_tensor(self, shape: tuple[int, ...], dtype: np.dtype, kind: str, name: str) -> Tensor:
+        storage = Storage(math.prod(shape) * dtype.itemsize, kind, dtype)
+        self._own(storage)
+        return Tensor(shape, dtype, storage, device=self.device, batch=self, name=name)
+
+    def _own(self, storage: Storage) -> None:
+        self._storages.append(storage)
+        self._births[storage.id] = self._recorded
+        self._recorded += 1
+        self._plan = None
+
+    # ops -------------------------------------------------------------------------------------
+
+    neg = _unary("neg")
+    abs = _unary("abs")
+    exp = _unary("exp")
+    log = _unary("log")
+    sqrt = _unary("sqrt")
+    rsqrt = _unary("rsqrt")
+    tanh = _unary("tanh")
+    sigmoid = _unary("sigmoid")
+    relu = _unary("relu")
+    gelu = _unary("gelu")
+    silu = _unary("silu")
+    copy = _unary("copy")
+    add = _binary("add")
+    sub = _binary("sub")
+    mul = _binary("mul")
+    div = _binary("div")
+    maximum = _binary("maximum")
+    minimum = _binary("minimum")
+
+    def matmul(self, a: Tensor, b: Tensor, *, transpose_a: bool = False, transpose_b: bool = False) -> Tensor:
+        """``a @ b`` (2-D, batched with broadcast batch dims, 1-D promoted like numpy); the transposes
+        swap the last two dims of an operand without a copy."""
+        return self._record("matmul", (a, b), transpose_a=transpose_a, transpose_b=transpose_b)
+
+    def sum(self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
+        """Sum over ``axis`` (int, tuple, or None for all); integer sums wrap like int32."""
+        return self._record("sum", (x,), axis=axis, keepdims=keepdims)
+
+    def mean(self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
+        """Mean over ``axis`` (floats only)."""
+        return self._record("mean", (x,), axis=axis, keepdims=keepdims)
+
+    def max(self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
+        """Maximum over ``axis``."""
+        return self._record("max", (x,), axis=axis, keepdims=keepdims)
+
+    def softmax(self, x: Tensor, axis: int = -1) -> Tensor:
+        """Numerically stable softmax along ``axis``."""
+        return self._record("softmax", (x,), axis=axis)
+
+    def reshape(self, x: Tensor, *shape: int | Sequence[int]) -> Tensor:
+        """Same data, new shape (one dim may be -1): a free view, no copy."""
+        flat = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)) else shape
+        return self._record("reshape", (x,), shape=flat)
+
+    def permute(self, x: Tensor, axes: Sequence[int]) -> Tensor:
+        """Reorder axes (``numpy.transpose(x, axes)``), materialized in a new buffer."""
+        return self._record("permute", (x,), axes=tuple(axes))
+
+    def transpose(self, x: Tensor, axes: Sequence[int] | None = None) -> Tensor:
+        """Reverse the axes, or permute them by ``axes``."""
+        return self._record("permute", (x,), axes=None if axes is None else tuple(axes))
+
+    def slice(self, x: Tensor, key: Any) -> Tensor:
+        """``x[key]`` with ints, slices (any step) and Ellipsis; also available as ``x[key]``."""
+        return self._record("slice", (x,), key=key)
+
+    def concat(self, tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+        """Join tensors along ``axis`` (``numpy.concatenate``)."""
+        return self._record("concat", tuple(tensors), axis=axis)
+
+    def cast(self, x: Tensor, dtype: Any) -> Tensor:
+        """Convert to ``dtype`` (float to int truncates toward zero; out-of-range values saturate on GPU)."""
+        return self._record("cast", (x,), dtype=as_dtype(dtype, what="cast"))
+
+    def launch(
+        self,
+        kernel: Kernel,
+        grid: int | Sequence[int],
+        buffers: Sequence[Tensor] = (),
+        scalars: Sequence[Scalar] = (),
+    ) -> None:
+        """Run a custom :class:`Kernel` over ``grid`` workgroups. ``buffers`` are bound read_write at
+        bindings 0..n-1 and written in place; ``scalars`` form one uniform struct at binding n."""
+        if not isinstance(kernel, Kernel):
+            raise BatchError(f"launch: expected a batchgpu.Kernel, got {type(kernel).__name__}")
+        grid3 = normalize_grid(kernel, grid)
+        packed = pack_scalars(kernel, scalars)
+        self._record("launch", tuple(buffers), kernel=kernel, grid=grid3, scalars=tuple(scalars), packed_scalars=packed)
+
+    # recording core --------------------------------------------------------------------------
+
+    def _record(self, op: str, operands: Sequence[Any], **params: Any) -> Any:
+        """Validate, infer, lower and check one op against the device; commit only if all pass."""
+        self._check_open(op)
+        spec = OPS[op]
+        constants: list[tuple[Storage, np.ndarray]] = []
+        inputs = tuple(self._operand(op, i, value, operands, constants) for i, value in enumerate(operands))
+        shape, dtype = spec.infer(inputs, params)
+        outputs: tuple[Tensor, ...] = ()
+        if shape is not None:
+            self.device.check_storable(op, shape, dtype)
+            storage = inputs[0].storage if spec.view else Storage(math.prod(shape) * dtype.itemsize, "output", dtype)
+            outputs = (Tensor(shape, dtype, storage, device=self.device, batch=self, name=f"{op}{self._recorded}"),)
+        node = Node(spec, inputs, params, outputs)
+        if spec.lower is not None:
+            node.launches = spec.lower(node)
+        for launch in node.launches:
+            check_launch(launch, self.device.limits, self.device.name)
+            if launch.kernel is not None:
+                self.device.executor.prepare(launch)
+        self._commit(node, constants)
+        return outputs[0] if outputs else None
+
+    def _commit(self, node: Node, constants: list[tuple[Storage, np.ndarray]]) -> None:
+        for storage, value in constants:
+            self._own(storage)
+            self._host[storage] = self._dirty[storage] = value
+        if node.outputs and not node.spec.view:
+            self._own(node.output.storage)
+        for storage in node.scratch:
+            self._own(storage)
+        self._nodes.append(node)
+        self._recorded += 1
+        self._plan = None
+        self._readback = None
+
+    def _operand(
+        self, op: str, index: int, value: Any, operands: Sequence[Any], constants: list[tuple[Storage, np.ndarray]]
+    ) -> Tensor:
+        argument = ("a", "b")[index] if len(operands) == 2 and op != "launch" else f"inputs[{index}]"
+        if isinstance(value, Tensor):
+            self._check_member(op, argument, value)
+            return value
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+            raise BatchError(f"{op}: {argument} must be a Tensor or a Python scalar, got {type(value).__name__}")
+        partner = next((o for o in operands if isinstance(o, Tensor)), None)
+        if partner is None:
+            raise BatchError(f"{op}: at least one operand must be a Tensor")
+        array = _scalar_array(op, argument, value, partner.dtype)
+        storage = Storage(array.nbytes, "const", array.dtype)
+        constants.append((storage, array))
+        return Tensor((), array.dtype, storage, device=self.device, batch=self, name=f"scalar {value!r}")
+
+    def _check_member(self, op: str, argument: str, tensor: Tensor) -> None:
+        if tensor.device is not self.device:
+            raise DeviceMismatchError(
+                f"{op}: {argument} {tensor.describe()} lives on {tensor.device!r}, but this batch runs on {self.device!r}"
+            )
+        if tensor.batch is not None and tensor.batch is not self:
+            raise DeviceMismatchError(
+                f"{op}: {argument} {tensor.describe()} belongs to batch {tensor.batch.name!r}, not {self.name!r}; "
+                f"read it back and upload it, or make it resident with Device.tensor"
+            )
+
+    def _check_open(self, op: str) -> None:
+        if self._released:
+            raise BatchError(f"{op}: batch {self.name!r} was released")
+
+    # execution -------------------------------------------------------------------------------
+
+    def execute(self, feeds: Mapping[Tensor, Any] | None = None) -> None:
+        """Upload new inputs, encode every op and the readback copies, submit once; returns without
+        waiting for the GPU."""
+        self._check_open("execute")
+        writes = {**self._dirty, **self._validate_feeds(feeds or {})}
+        executor = self.device.executor
+        if self._plan is None:
+            self._plan = executor.plan(self._nodes, self._storages)
+        readback = self._readback_storages()
+        if self._execution is not None:
+            self._execution.abandon()
+            self._execution = None
+        self._execution = executor.run(self._plan, list(writes.items()), readback)
+        self._host.update(writes)
+        self._dirty.clear()
+        self._executed_mark = self._recorded
+
+    async def execute_async(self, feeds: Mapping[Tensor, Any] | None = None) -> None:
+        """``execute()`` for asyncio code: submits and returns; await ``read`` for results."""
+        self.execute(feeds)
+
+    def _validate_feeds(self, feeds: Mapping[Tensor, Any]) -> dict[Storage, np.ndarray]:
+        validated = {}
+        for tensor, data in feeds.items():
+            if not isinstance(tensor, Tensor) or tensor.batch is not self or tensor.storage.kind != "input":
+                raise BatchError(f"execute: feed key {tensor!r} is not an input (from upload) of batch {self.name!r}")
+            array = host_array(data, what=f"execute feed {tensor.name}")
+            if array.dtype != tensor.dtype:
+                raise DTypeError(
+                    f"execute: feed for {tensor.describe()} has dtype {array.dtype.name}, expected {tensor.dtype.name}"
+                )
+            if array.shape != tensor.shape:
+                raise ShapeError(f"execute: feed for {tensor.describe()} has shape {array.shape}, expected {tensor.shape}")
+            validated[tensor.storage] = array
+        return validated
+
+    def _readback_storages(self) -> tuple[Storage, ...]:
+        """Storages copied back in every execute's submit: final outputs nobody consumes, plus
+        whatever the user has read before."""
+        if self._readback is None:
+            last_write: dict[Storage, int] = {}
+            last_read: dict[Storage, int] = {}
+            for index, node in enumerate(self._nodes):
+                for tensor in node.inputs:
+                    last_read[tensor.storage] = index
+                written = [t.storage for t in node.outputs] or [t.storage for t in node.inputs]
+                for storage in written:
+                    last_write[storage] = index
+            sinks = {
+                s for s, w in last_write.items() if s.kind == "output" and last_read.get(s, -1) <= w
+            }
+            self._readback = tuple(sorted(sinks | self._wanted, key=lambda s: s.id))
+        return self._readback
+
+    # readback --------------------------------------------------------------------------------
+
+    async def read(self, tensor: Tensor) -> np.ndarray:
+        """The tensor's value after the latest execute, as a numpy array; awaits the GPU without
+        blocking the event loop."""
+        storage = self._check_readable(tensor)
+        assert self._plan is not None and self._execution is not None
+        flat = await self.device.executor.read(self._plan, self._execution, storage)
+        return self._finish_read(tensor, flat)
+
+    def read_sync(self, tensor: Tensor) -> np.ndarray:
+        """Blocking ``read``."""
+        storage = self._check_readable(tensor)
+        assert self._plan is not None and self._execution is not None
+        flat = self.device.executor.read_sync(self._plan, self._execution, storage)
+        return self._finish_read(tensor, flat)
+
+    def _finish_read(self, tensor: Tensor, flat: np.ndarray) -> np.ndarray:
+        if tensor.storage not in self._wanted:
+            self._wanted.add(tensor.storage)
+            self._readback = None
+        return flat[: tensor.size].reshape(tensor.shape).copy()
+
+    def _check_readable(self, tensor: Tensor) -> Storage:
+        self._check_open("read")
+        if not isinstance(tensor, Tensor):
+            raise BatchError(f"read: expected a Tensor, got {type(tensor).__name__}")
+        self._check_member("read", "tensor", tensor)
+        if tensor.resident:
+            used = any(t.storage is tensor.storage for node in self._nodes for t in node.inputs)
+            if not used:
+                raise BatchError(f"read: {tensor.describe()} is not used by batch {self.name!r}; use Device.read")
+            if self._executed_mark < 0:
+                raise NotExecutedError(f"read: batch {self.name!r} was never executed; call execute() first")
+            return tensor.storage
+        if self._executed_mark < 0:
+            raise NotExecutedError(
+                f"read: {tensor.describe()} was not executed: batch {self.name!r} was never executed; call execute() first"
+            )
+        if self._births[tensor.storage.id] >= self._executed_mark:
+            raise NotExecutedError(
+                f"read: {tensor.describe()} was recorded after the last execute() of batch {self.name!r}; execute again"
+            )
+        return tensor.storage
+
+    def release(self) -> None:
+        """Free the batch's device buffers now; the batch can no longer be used."""
+        if self._execution is not None:
+            self._execution.abandon()
+        self._plan = self._execution = None
+        self._nodes.clear()
+        self._released = True
+
+
+def _scalar_array(op: str, argument: str, value: Scalar, dtype: np.dtype) -> np.ndarray:
+    """A Python scalar as a 0-d array of the partner tensor's dtype, refusing lossy conversions."""
+    if dtype not in FLOATS and not float(value).is_integer():
+        raise DTypeError(f"{op}: {argument} = {value!r} cannot be represented in {dtype.name}; cast the tensor first")
+    if dtype not in FLOATS:
+        info = np.iinfo(dtype)
+        if not info.min <= int(value) <= info.max:
+            raise DTypeError(f"{op}: {argument} = {value!r} is out of range for {dtype.name}")
+    return np.asarray(value, dtype=dtype)

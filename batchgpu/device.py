@@ -1,0 +1,94 @@
+"""Device: one executor, its limits and counters, and the tensors resident on it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from .dtypes import host_array
+from .errors import BatchError, DeviceMismatchError, DTypeError, LimitError, ShapeError
+from .executors import Executor, Stats, create_executor
+from .limits import Limits
+from .tensor import Storage, Tensor
+
+ENV_DEVICE = "BATCHGPU_DEVICE"
+
+
+class Device:
+    """A compute device behind one executor.
+
+    ``Device()`` uses ``$BATCHGPU_DEVICE`` or else ``"wgpu"`` on the best adapter;
+    ``Device("reference")`` is the numpy executor. ``adapter`` picks a wgpu adapter by index,
+    summary substring or object. ``poison=True`` fills new output buffers with a sentinel so tests
+    catch elements a kernel never writes.
+    """
+
+    def __init__(self, kind: str | None = None, *, adapter: Any = None, poison: bool = False) -> None:
+        self.kind = kind or os.environ.get(ENV_DEVICE) or "wgpu"
+        self.executor: Executor = create_executor(self.kind, adapter=adapter, poison=poison)
+
+    @property
+    def name(self) -> str:
+        return self.executor.name
+
+    @property
+    def limits(self) -> Limits:
+        return self.executor.limits
+
+    @property
+    def features(self) -> frozenset[str]:
+        return self.executor.features
+
+    @property
+    def stats(self) -> Stats:
+        """Counters: pipelines_compiled, submits, dispatches, bytes_uploaded, bytes_read, buffers."""
+        return self.executor.stats
+
+    def __repr__(self) -> str:
+        return f"Device({self.kind!r}, {self.name!r})"
+
+    def check_storable(self, what: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        """Raise if a tensor of ``shape``/``dtype`` cannot live on this device."""
+        if not self.executor.supports(dtype):
+            raise DTypeError(f"{what}: dtype {dtype.name} is not supported on {self.name} (feature shader-f16 missing)")
+        if any(extent <= 0 for extent in shape):
+            raise ShapeError(f"{what}: shape {shape} has a zero or negative extent; tensors must be non-empty")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        limit = self.limits.max_storage_buffer_binding_size
+        if nbytes > limit:
+            raise LimitError(
+                f"{what}: tensor of shape {shape} {dtype.name} is {nbytes} bytes; "
+                f"max_storage_buffer_binding_size of {self.name} is {limit}"
+            )
+
+    def tensor(self, data: Any, dtype: Any = None, *, name: str = "") -> Tensor:
+        """Upload ``data`` once as a resident tensor (weights) usable by every batch on this device."""
+        array = host_array(data, dtype, what=f"Device.tensor {name}".strip())
+        self.check_storable(f"Device.tensor {name}".strip(), array.shape, array.dtype)
+        storage = Storage(array.nbytes, "resident", array.dtype)
+        self.executor.alloc_resident(storage, array)
+        return Tensor(array.shape, array.dtype, storage, device=self, name=name)
+
+    def _check_resident(self, what: str, tensor: Tensor) -> None:
+        if not isinstance(tensor, Tensor) or not tensor.resident:
+            raise BatchError(f"{what}: expected a resident tensor from Device.tensor, got {tensor!r}")
+        if tensor.device is not self:
+            raise DeviceMismatchError(f"{what}: {tensor.describe()} lives on {tensor.device!r}, not on {self!r}")
+
+    def write(self, tensor: Tensor, data: Any) -> None:
+        """Overwrite a resident tensor with new data of the same shape and dtype."""
+        self._check_resident("Device.write", tensor)
+        array = host_array(data, what=f"Device.write {tensor.name}")
+        if array.dtype != tensor.dtype:
+            raise DTypeError(f"Device.write: {tensor.describe()} expects dtype {tensor.dtype.name}, got {array.dtype.name}")
+        if array.shape != tensor.shape:
+            raise ShapeError(f"Device.write: {tensor.describe()} expects shape {tensor.shape}, got {array.shape}")
+        self.executor.write_resident(tensor.storage, array)
+
+    def read(self, tensor: Tensor) -> np.ndarray:
+        """Copy a resident tensor to a numpy array (blocking)."""
+        self._check_resident("Device.read", tensor)
+        flat = self.executor.read_resident(tensor.storage)
+        return flat[: tensor.size].reshape(tensor.shape)

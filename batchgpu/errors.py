@@ -1,0 +1,39 @@
+"""One error hierarchy for everything the library raises on bad input or device trouble."""
+
+from __future__ import annotations
+
+
+class BatchError(Exception):
+    """Base class of every batchgpu error."""
+
+
+class ShapeError(BatchError, ValueError):
+    """An op got tensors whose shapes do not fit together."""
+
+
+class DTypeError(BatchError, TypeError):
+    """An op got a dtype it does not support, or dtypes that do not match."""
+
+
+class DeviceMismatchError(BatchError, ValueError):
+    """A tensor belongs to another batch or another device."""
+
+
+class NotExecutedError(BatchError, RuntimeError):
+    """A tensor was read before the batch that produces it was executed."""
+
+
+class LimitError(BatchError, ValueError):
+    """A size or launch configuration exceeds a queried device limit."""
+
+
+class CompileError(BatchError, RuntimeError):
+    """A shader (built-in or custom) failed to compile; carries the shader name and compiler message."""
+
+
+class DeviceError(BatchError, RuntimeError):
+    """The device reported an error (validation, lost device, failed mapping)."""
+
+
+class UnsupportedError(BatchError, NotImplementedError):
+    """The executor or adapter lacks a feature the op needs."""

@@ -1,0 +1,95 @@
+"""The executor protocol every backend implements, and the counters it keeps."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ..kernels import Launch
+from ..limits import Limits
+from ..ops import Node
+from ..tensor import Storage
+
+
+@dataclass
+class Stats:
+    """Monotonic counters of one device (``buffers_live`` and ``staging_idle`` are gauges)."""
+
+    pipelines_compiled: int = 0
+    submits: int = 0
+    dispatches: int = 0
+    bytes_uploaded: int = 0
+    bytes_read: int = 0
+    buffers_created: int = 0
+    buffers_live: int = 0
+    staging_idle: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        """A plain dict copy, handy for before/after comparisons."""
+        return asdict(self)
+
+
+class Plan(ABC):
+    """What an executor built once for a recorded graph: buffers, pipelines, bind groups/arguments."""
+
+
+class Execution(ABC):
+    """One submitted execute: where its readback results will come from."""
+
+    def abandon(self) -> None:
+        """Called when a newer execute supersedes this one; frees what is no longer needed."""
+
+
+class Executor(ABC):
+    """compile, allocate, upload, encode the plan, submit, read back."""
+
+    kind: str
+    name: str
+    limits: Limits
+    features: frozenset[str]
+    stats: Stats
+
+    @abstractmethod
+    def supports(self, dtype: np.dtype) -> bool:
+        """Whether tensors of ``dtype`` can live on this device."""
+
+    @abstractmethod
+    def alloc_resident(self, storage: Storage, data: np.ndarray) -> None:
+        """Allocate a device-owned storage and upload ``data`` into it."""
+
+    @abstractmethod
+    def write_resident(self, storage: Storage, data: np.ndarray) -> None:
+        """Overwrite a resident storage."""
+
+    @abstractmethod
+    def read_resident(self, storage: Storage) -> np.ndarray:
+        """Copy a resident storage to the host (flat array of its dtype)."""
+
+    def prepare(self, launch: Launch) -> None:
+        """Compile what ``launch`` needs now, so errors surface at record time (optional)."""
+
+    @abstractmethod
+    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage]) -> Plan:
+        """Build buffers, pipelines and bindings for ``nodes``; ``storages`` are every non-resident
+        storage the batch owns (inputs, constants, outputs, scratch)."""
+
+    @abstractmethod
+    def run(
+        self, plan: Plan, writes: Sequence[tuple[Storage, np.ndarray]], readback: Sequence[Storage]
+    ) -> Execution:
+        """Upload ``writes``, encode every launch and the readback copies, and submit once."""
+
+    @abstractmethod
+    async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
+        """The flat contents of ``storage`` after ``execution``, without blocking the event loop."""
+
+    @abstractmethod
+    def read_sync(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
+        """Blocking version of :meth:`read`."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "features": sorted(self.features)}

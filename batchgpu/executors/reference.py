@@ -1,0 +1,103 @@
+"""The numpy reference executor: runs a recorded graph op by op with each spec's numpy reference.
+It defines the semantics every device executor is tested against."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..dtypes import FLOAT16, FLOAT32, SUPPORTED
+from ..errors import NotExecutedError
+from ..limits import Limits
+from ..ops import Node
+from ..tensor import Storage, Tensor
+from .base import Execution, Executor, Plan, Stats
+
+
+class ReferencePlan(Plan):
+    def __init__(self, nodes: Sequence[Node], arrays: dict[Storage, np.ndarray]) -> None:
+        self.nodes = list(nodes)
+        self.arrays = arrays
+
+
+class ReferenceExecution(Execution):
+    def __init__(self, results: dict[Storage, np.ndarray]) -> None:
+        self.results = results
+
+
+class ReferenceExecutor(Executor):
+    kind = "reference"
+    name = "numpy reference"
+
+    def __init__(self) -> None:
+        self.limits = Limits()
+        self.features = frozenset({"shader-f16"})
+        self.stats = Stats()
+        self._resident: dict[Storage, np.ndarray] = {}
+
+    def supports(self, dtype: np.dtype) -> bool:
+        return dtype in SUPPORTED
+
+    def alloc_resident(self, storage: Storage, data: np.ndarray) -> None:
+        self._resident[storage] = data.reshape(-1).copy()
+        self.stats.bytes_uploaded += data.nbytes
+
+    def write_resident(self, storage: Storage, data: np.ndarray) -> None:
+        self._resident[storage][:] = data.reshape(-1)
+        self.stats.bytes_uploaded += data.nbytes
+
+    def read_resident(self, storage: Storage) -> np.ndarray:
+        self.stats.bytes_read += storage.nbytes
+        return self._resident[storage].copy()
+
+    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage]) -> ReferencePlan:
+        arrays = {s: np.zeros(s.nbytes // s.dtype.itemsize, dtype=s.dtype) for s in storages}
+        for node in nodes:
+            for tensor in node.inputs:
+                if tensor.resident:
+                    arrays[tensor.storage] = self._resident[tensor.storage]
+        return ReferencePlan(nodes, arrays)
+
+    def run(
+        self, plan: Plan, writes: Sequence[tuple[Storage, np.ndarray]], readback: Sequence[Storage]
+    ) -> ReferenceExecution:
+        assert isinstance(plan, ReferencePlan)
+        for storage, data in writes:
+            plan.arrays[storage][:] = data.reshape(-1)
+            self.stats.bytes_uploaded += data.nbytes
+        for node in plan.nodes:
+            self._run_node(plan, node)
+            self.stats.dispatches += len(node.launches)
+        self.stats.submits += 1
+        return ReferenceExecution({s: plan.arrays[s].copy() for s in readback})
+
+    def _run_node(self, plan: ReferencePlan, node: Node) -> None:
+        if node.spec.view:
+            return
+        views = [_view(plan.arrays, t) for t in node.inputs]
+        if not node.outputs:  # in-place (custom kernels): hand the kernel writable views
+            node.spec.reference(views, node.params)
+            return
+        upcast = [v.astype(FLOAT32) if v.dtype == FLOAT16 else v for v in views]
+        result = node.spec.reference(upcast, node.params)
+        out = node.output
+        plan.arrays[out.storage][: out.size] = np.asarray(result).astype(out.dtype).reshape(-1)
+
+    async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
+        return self.read_sync(plan, execution, storage)
+
+    def read_sync(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
+        assert isinstance(plan, ReferencePlan) and isinstance(execution, ReferenceExecution)
+        if storage in execution.results:
+            data = execution.results[storage]
+        elif storage in plan.arrays:
+            data = plan.arrays[storage].copy()
+        else:
+            raise NotExecutedError(f"read: {storage} is not part of this batch's plan")
+        self.stats.bytes_read += data.nbytes
+        return data
+
+
+def _view(arrays: dict[Storage, np.ndarray], tensor: Tensor) -> np.ndarray:
+    return arrays[tensor.storage][: tensor.size].reshape(tensor.shape)

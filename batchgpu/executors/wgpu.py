@@ -1,0 +1,431 @@
+"""The wgpu executor: WGSL kernels on Vulkan, Metal, D3D12, GL or lavapipe through wgpu-py.
+
+Planning builds every buffer, pipeline (from the device's cache) and bind group once; ``run`` writes
+the inputs, encodes all dispatches in one compute pass plus the readback copies in one command
+encoder, and submits once. Readback maps one pooled staging buffer per execute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import FLOAT16, SUPPORTED
+from ..errors import CompileError, DeviceError, LimitError
+from ..kernels import Launch
+from ..limits import Limits, split_groups
+from ..ops import Node
+from ..shaders import render_wgsl
+from ..tensor import Storage
+from .base import Execution, Executor, Plan, Stats
+
+log = logging.getLogger("batchgpu")
+
+POISON_BYTE = 0x7F
+"""Fill byte of new output buffers when the device was made with ``poison=True`` (NaN for float16,
+3.4e38 for float32, 2139062143 for int32): an element a kernel fails to write shows up in tests."""
+
+REQUESTED_FEATURES = ("shader-f16", "timestamp-query", "timestamp-query-inside-passes", "subgroup")
+
+
+def _quiet_environment() -> None:
+    """Give Mesa's WSI a private XDG_RUNTIME_DIR so it does not print 'XDG_RUNTIME_DIR is invalid'."""
+    current = os.environ.get("XDG_RUNTIME_DIR")
+    if current and os.path.isdir(current):
+        return
+    path = os.path.join(tempfile.gettempdir(), f"batchgpu-runtime-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.environ["XDG_RUNTIME_DIR"] = path
+
+
+def _adapter_rank(adapter: Any) -> tuple[int, int]:
+    """Lower is better: discrete before integrated before CPU, native APIs before OpenGL."""
+    info = adapter.info
+    type_rank = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}.get(info.get("adapter_type"), 4)
+    backend_rank = 1 if info.get("backend_type") == "OpenGL" else 0
+    return (backend_rank, type_rank)
+
+
+def choose_adapter(wgpu: Any, adapter: Any = None) -> Any:
+    """Pick an adapter: None (best), an index into the enumerated list, a summary substring or an adapter."""
+    if adapter is not None and not isinstance(adapter, (int, str)):
+        return adapter
+    adapters = wgpu.gpu.enumerate_adapters_sync()
+    if not adapters:
+        raise DeviceError("wgpu: no adapter found (on a machine without a GPU install mesa-vulkan-drivers)")
+    if isinstance(adapter, int):
+        if not 0 <= adapter < len(adapters):
+            raise DeviceError(f"wgpu: adapter index {adapter} out of range (found {len(adapters)})")
+        return adapters[adapter]
+    if isinstance(adapter, str):
+        matches = [a for a in adapters if adapter.lower() in a.summary.lower()]
+        if not matches:
+            raise DeviceError(f"wgpu: no adapter matches {adapter!r}; found {[a.summary for a in adapters]}")
+        adapters = matches
+    return min(adapters, key=_adapter_rank)
+
+
+class StagingPool:
+    """MAP_READ staging buffers reused across executes, bucketed by power-of-two size."""
+
+    def __init__(self, device: Any, wgpu: Any, stats: Stats, max_idle_per_size: int = 4) -> None:
+        self._device = device
+        self._usage = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
+        self._idle: dict[int, list[Any]] = {}
+        self._stats = stats
+        self._max_idle = max_idle_per_size
+
+    def acquire(self, nbytes: int) -> Any:
+        size = max(256, 1 << (nbytes - 1).bit_length())
+        bucket = self._idle.get(size)
+        if bucket:
+            self._stats.staging_idle -= 1
+            return bucket.pop()
+        self._stats.buffers_created += 1
+        return self._device.create_buffer(size=size, usage=self._usage, label="batchgpu.staging")
+
+    def release(self, buffer: Any) -> None:
+        bucket = self._idle.setdefault(buffer.size, [])
+        if len(bucket) < self._max_idle:
+            bucket.append(buffer)
+            self._stats.staging_idle += 1
+        else:
+            buffer.destroy()
+
+
+class PipelineCache:
+    """Compiled pipelines of one device, keyed by WGSL source, entry point, constants and layout."""
+
+    def __init__(self, device: Any, wgpu: Any, stats: Stats) -> None:
+        self._device = device
+        self._wgpu = wgpu
+        self._stats = stats
+        self._modules: dict[str, Any] = {}
+        self._pipelines: dict[tuple, Any] = {}
+        self._layouts: dict[tuple[int, bool], Any] = {}
+
+    def get(self, launch: Launch) -> Any:
+        source = launch.kernel.wgsl if launch.kernel else render_wgsl(launch.family, launch.types, launch.snippets)
+        key = (source, launch.entry, launch.constants, launch.kernel is not None and _custom_layout_key(launch))
+        pipeline = self._pipelines.get(key)
+        if pipeline is None:
+            pipeline = self._pipelines[key] = self._compile(launch, source)
+        return pipeline
+
+    def _shader_name(self, launch: Launch) -> str:
+        return f"kernel {launch.kernel.name}" if launch.kernel else f"shaders/wgsl/{launch.family}.wgsl"
+
+    def _compile(self, launch: Launch, source: str) -> Any:
+        started = time.perf_counter()
+        module = self._modules.get(source)
+        try:
+            if module is None:
+                module = self._device.create_shader_module(code=source, label=self._shader_name(launch))
+                self._modules[source] = module
+            layout = self._custom_layout(launch) if launch.kernel else "auto"
+            pipeline = self._device.create_compute_pipeline(
+                layout=layout,
+                compute={
+                    "module": module,
+                    "entry_point": launch.entry,
+                    "constants": {name: float(value) for name, value in launch.constants},
+                },
+                label=f"{launch.label}:{launch.entry}",
+            )
+        except self._wgpu.GPUError as exc:
+            self._modules.pop(source, None)
+            raise CompileError(f"{launch.label}: {self._shader_name(launch)} failed to compile: {exc}") from None
+        self._stats.pipelines_compiled += 1
+        log.info("compiled %s:%s in %.1f ms", self._shader_name(launch), launch.entry,
+                 1e3 * (time.perf_counter() - started))
+        return pipeline
+
+    def _custom_layout(self, launch: Launch) -> Any:
+        key = _custom_layout_key(launch)
+        layout = self._layouts.get(key)
+        if layout is None:
+            storage_count, has_uniform = key
+            stage = self._wgpu.ShaderStage.COMPUTE
+            entries = [{"binding": i, "visibility": stage, "buffer": {"type": "storage"}} for i in range(storage_count)]
+            if has_uniform:
+                entries.append({"binding": storage_count, "visibility": stage, "buffer": {"type": "uniform"}})
+            group = self._device.create_bind_group_layout(entries=entries)
+            layout = self._layouts[key] = self._device.create_pipeline_layout(bind_group_layouts=[group])
+        return layout
+
+
+def _custom_layout_key(launch: Launch) -> tuple[int, bool]:
+    uniform = any(b.kind == "uniform" for b in launch.bindings)
+    return (len(launch.bindings) - uniform, uniform)
+
+
+@dataclass
+class ReadbackLayout:
+    """Where each read-back storage lands in the one staging buffer of an execute."""
+
+    copies: list[tuple[Storage, Any, int, int]]  # storage, source buffer, staging offset, bytes
+    total: int
+
+
+class WgpuPlan(Plan):
+    def __init__(self, buffers: dict[Storage, Any], dispatches: list[tuple], params_buffer: Any) -> None:
+        self.buffers = buffers
+        self.dispatches = dispatches
+        self.params_buffer = params_buffer
+        self.readback_layouts: dict[tuple[Storage, ...], ReadbackLayout] = {}
+
+    def readback_layout(self, readback: Sequence[Storage]) -> ReadbackLayout:
+        key = tuple(readback)
+        layout = self.readback_layouts.get(key)
+        if layout is None:
+            copies, offset = [], 0
+            for storage in key:
+                buffer = self.buffers[storage]
+                copies.append((storage, buffer, offset, buffer.size))
+                offset += buffer.size
+            layout = self.readback_layouts[key] = ReadbackLayout(copies, offset)
+        return layout
+
+
+class WgpuExecution(Execution):
+    def __init__(self, pool: StagingPool, staging: Any, layout: ReadbackLayout) -> None:
+        self.pool = pool
+        self.staging = staging
+        self.layout = layout
+        self.results: dict[Storage, np.ndarray] | None = None
+        self.fetching: asyncio.Future | None = None
+
+    def abandon(self) -> None:
+        if self.staging is not None and self.fetching is None and self.results is None:
+            self.pool.release(self.staging)
+            self.staging = None
+
+
+class WgpuExecutor(Executor):
+    kind = "wgpu"
+
+    def __init__(self, adapter: Any = None, *, poison: bool = False) -> None:
+        _quiet_environment()
+        import wgpu
+
+        self._wgpu = wgpu
+        chosen = choose_adapter(wgpu, adapter)
+        features = [f for f in REQUESTED_FEATURES if f in chosen.features]
+        wanted_limits = {k: v for k, v in chosen.limits.items() if k.replace("-", "_") in Limits.__dataclass_fields__}
+        self.device = chosen.request_device_sync(required_features=features, required_limits=wanted_limits)
+        self.adapter = chosen
+        self.name = chosen.summary
+        self.features = frozenset(self.device.features)
+        self.limits = Limits.from_mapping(dict(self.device.limits))
+        self.stats = Stats()
+        self.poison = poison
+        self.pipelines = PipelineCache(self.device, wgpu, self.stats)
+        self.staging = StagingPool(self.device, wgpu, self.stats)
+        self._resident: dict[int, Any] = {}  # storage id -> buffer
+        self._usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+
+    def describe(self) -> dict[str, Any]:
+        info = dict(self.adapter.info)
+        return {**super().describe(), "backend": info.get("backend_type"), "adapter_type": info.get("adapter_type")}
+
+    def supports(self, dtype: np.dtype) -> bool:
+        return dtype in SUPPORTED and (dtype != FLOAT16 or "shader-f16" in self.features)
+
+    # buffers ----------------------------------------------------------------------------------
+
+    def _create_buffer(self, storage: Storage, label: str) -> Any:
+        size = max(4, -(-storage.nbytes // 4) * 4)
+        if size > self.limits.max_buffer_size:
+            raise LimitError(f"{label}: max_buffer_size exceeded: {size} > {self.limits.max_buffer_size}")
+        buffer = self.device.create_buffer(size=size, usage=self._usage, label=label)
+        self.stats.buffers_created += 1
+        self.stats.buffers_live += 1
+        weakref.finalize(buffer, _decrement_live, self.stats)
+        return buffer
+
+    def _write(self, buffer: Any, data: np.ndarray) -> None:
+        raw = data.reshape(-1).view(np.uint8)
+        if raw.nbytes % 4:
+            raw = np.concatenate([raw, np.zeros(-raw.nbytes % 4, np.uint8)])
+        self.device.queue.write_buffer(buffer, 0, raw)
+        self.stats.bytes_uploaded += data.nbytes
+
+    def alloc_resident(self, storage: Storage, data: np.ndarray) -> None:
+        buffer = self._create_buffer(storage, f"resident {storage.id}")
+        self._resident[storage.id] = buffer
+        weakref.finalize(storage, self._resident.pop, storage.id, None)
+        self._write(buffer, data)
+
+    def write_resident(self, storage: Storage, data: np.ndarray) -> None:
+        self._write(self._resident[storage.id], data)
+
+    def read_resident(self, storage: Storage) -> np.ndarray:
+        buffer = self._resident[storage.id]
+        execution = self._submit_copies([(storage, buffer, 0, buffer.size)], buffer.size)
+        return self._map_sync(execution)[storage]
+
+    # planning ---------------------------------------------------------------------------------
+
+    def prepare(self, launch: Launch) -> None:
+        self.pipelines.get(launch)
+
+    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage]) -> WgpuPlan:
+        buffers: dict[Storage, Any] = {}
+        for storage in storages:
+            buffers[storage] = self._create_buffer(storage, f"{storage.kind} {storage.id}")
+            if self.poison and storage.kind in ("output", "scratch"):
+                self.device.queue.write_buffer(buffers[storage], 0, bytes([POISON_BYTE]) * buffers[storage].size)
+        launches = [launch for node in nodes for launch in node.launches]
+        for launch in launches:
+            for binding in launch.bindings:
+                if binding.storage is not None and binding.storage not in buffers:
+                    buffers[binding.storage] = self._resident[binding.storage.id]
+        params_buffer, offsets = self._params_buffer(launches)
+        dispatches = []
+        for launch, offset in zip(launches, offsets):
+            pipeline = self.pipelines.get(launch)
+            bind_group = self._bind_group(pipeline, launch, buffers, params_buffer, offset)
+            grid = split_groups(launch.groups, self.limits) if isinstance(launch.groups, int) else launch.groups
+            dispatches.append((pipeline, bind_group, *grid))
+        return WgpuPlan(buffers, dispatches, params_buffer)
+
+    def _params_buffer(self, launches: Sequence[Launch]) -> tuple[Any, list[int]]:
+        align = self.limits.min_uniform_buffer_offset_alignment
+        offsets, total = [], 0
+        for launch in launches:
+            offsets.append(total)
+            total += -(-max(len(launch.params), 16) // align) * align
+        if total == 0:
+            return None, offsets
+        data = bytearray(total)
+        for launch, offset in zip(launches, offsets):
+            data[offset : offset + len(launch.params)] = launch.params
+        buffer = self.device.create_buffer(
+            size=total, usage=self._wgpu.BufferUsage.UNIFORM | self._wgpu.BufferUsage.COPY_DST, label="params"
+        )
+        self.device.queue.write_buffer(buffer, 0, bytes(data))
+        return buffer, offsets
+
+    def _bind_group(self, pipeline: Any, launch: Launch, buffers: dict, params_buffer: Any, offset: int) -> Any:
+        entries = []
+        for binding in launch.bindings:
+            if binding.kind == "uniform":
+                resource = {"buffer": params_buffer, "offset": offset, "size": len(launch.params)}
+            else:
+                buffer = buffers[binding.storage]
+                resource = {"buffer": buffer, "offset": 0, "size": buffer.size}
+            entries.append({"binding": binding.slot, "resource": resource})
+        try:
+            return self.device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=entries)
+        except self._wgpu.GPUError as exc:
+            raise DeviceError(f"{launch.label}: binding buffers failed ({launch.describe()}): {exc}") from None
+
+    # execution --------------------------------------------------------------------------------
+
+    def run(
+        self, plan: Plan, writes: Sequence[tuple[Storage, np.ndarray]], readback: Sequence[Storage]
+    ) -> WgpuExecution:
+        assert isinstance(plan, WgpuPlan)
+        for storage, data in writes:
+            self._write(plan.buffers[storage], data)
+        encoder = self.device.create_command_encoder()
+        if plan.dispatches:
+            compute = encoder.begin_compute_pass()
+            for pipeline, bind_group, x, y, z in plan.dispatches:
+                compute.set_pipeline(pipeline)
+                compute.set_bind_group(0, bind_group)
+                compute.dispatch_workgroups(x, y, z)
+            compute.end()
+        layout = plan.readback_layout(readback)
+        execution = self._encode_copies(encoder, layout.copies, layout.total, layout)
+        self._submit(encoder)
+        self.stats.dispatches += len(plan.dispatches)
+        return execution
+
+    def _encode_copies(self, encoder: Any, copies: list, total: int, layout: ReadbackLayout | None = None) -> WgpuExecution:
+        staging = self.staging.acquire(total) if total else None
+        for _, buffer, offset, size in copies:
+            encoder.copy_buffer_to_buffer(buffer, 0, staging, offset, size)
+        return WgpuExecution(self.staging, staging, layout or ReadbackLayout(copies, total))
+
+    def _submit(self, encoder: Any) -> None:
+        try:
+            self.device.queue.submit([encoder.finish()])
+        except self._wgpu.GPUError as exc:
+            raise DeviceError(f"submit failed: {exc}") from None
+        self.stats.submits += 1
+
+    def _submit_copies(self, copies: list, total: int) -> WgpuExecution:
+        encoder = self.device.create_command_encoder()
+        execution = self._encode_copies(encoder, copies, total)
+        self._submit(encoder)
+        return execution
+
+    def _extra_execution(self, plan: WgpuPlan, storage: Storage) -> WgpuExecution:
+        """A storage that was not in the execute's readback set: copy it in a submit of its own."""
+        buffer = plan.buffers[storage]
+        return self._submit_copies([(storage, buffer, 0, buffer.size)], buffer.size)
+
+    def _copy_out(self, execution: WgpuExecution) -> dict[Storage, np.ndarray]:
+        staging = execution.staging
+        mapped = staging.read_mapped(0, execution.layout.total, copy=False)
+        results = {
+            storage: np.frombuffer(mapped, np.uint8, count=size, offset=offset).view(storage.dtype).copy()
+            for storage, _, offset, size in execution.layout.copies
+        }
+        staging.unmap()
+        self.stats.bytes_read += execution.layout.total
+        execution.staging = None
+        execution.pool.release(staging)
+        return results
+
+    def _map_sync(self, execution: WgpuExecution) -> dict[Storage, np.ndarray]:
+        if execution.results is None:
+            if execution.fetching is not None:
+                raise DeviceError("read_sync: an async read of the same execute is in flight; await it instead")
+            try:
+                execution.staging.map_sync("READ_NOSYNC", 0, execution.layout.total)
+            except Exception as exc:
+                raise DeviceError(f"read: mapping the staging buffer failed: {exc}") from None
+            execution.results = self._copy_out(execution)
+        return execution.results
+
+    async def _map_async(self, execution: WgpuExecution) -> dict[Storage, np.ndarray]:
+        if execution.results is None:
+            if execution.fetching is None:
+                execution.fetching = asyncio.ensure_future(self._fetch(execution))
+            await execution.fetching
+        assert execution.results is not None
+        return execution.results
+
+    async def _fetch(self, execution: WgpuExecution) -> None:
+        try:
+            await execution.staging.map_async("READ_NOSYNC", 0, execution.layout.total)
+        except Exception as exc:
+            raise DeviceError(f"read: mapping the staging buffer failed: {exc}") from None
+        execution.results = self._copy_out(execution)
+
+    async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
+        assert isinstance(plan, WgpuPlan) and isinstance(execution, WgpuExecution)
+        if not any(s is storage for s, *_ in execution.layout.copies):
+            execution = self._extra_execution(plan, storage)
+        return (await self._map_async(execution))[storage]
+
+    def read_sync(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
+        assert isinstance(plan, WgpuPlan) and isinstance(execution, WgpuExecution)
+        if not any(s is storage for s, *_ in execution.layout.copies):
+            execution = self._extra_execution(plan, storage)
+        return self._map_sync(execution)[storage]
+
+
+def _decrement_live(stats: Stats) -> None:
+    stats.buffers_live -= 1

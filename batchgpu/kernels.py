@@ -1,0 +1,148 @@
+"""Kernels and launches: what a recorded op asks an executor to run, in executor-neutral terms."""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .dtypes import WGSL_COMPUTE_TYPE, WGSL_TYPE
+
+if TYPE_CHECKING:
+    from .tensor import Storage
+
+MAX_DIMS = 8
+"""Tensors handed to the built-in strided kernels have at most this many dimensions."""
+
+DEFAULT_WORKGROUP = 256
+"""Invocations per workgroup of the built-in 1-D kernels (the WebGPU minimum for this limit)."""
+
+
+class Kernel:
+    """A user kernel: WGSL source (and later CUDA source) with an entry point.
+
+    Buffers passed to ``batch.launch`` are bound in order at ``@group(0) @binding(i)`` as
+    ``var<storage, read_write>``; scalars, if any, as one ``var<uniform>`` struct of 4-byte fields at
+    ``@binding(len(buffers))``. ``reference`` is an optional numpy function ``f(*arrays, *scalars)``
+    that updates the arrays in place; the reference executor runs it.
+    """
+
+    def __init__(
+        self,
+        wgsl: str,
+        entry: str = "main",
+        *,
+        name: str | None = None,
+        reference: Callable[..., None] | None = None,
+        workgroup_size: tuple[int, ...] | None = None,
+    ) -> None:
+        self.wgsl = wgsl
+        self.entry = entry
+        self.name = name or entry
+        self.reference = reference
+        parsed = workgroup_size or parse_workgroup_size(wgsl, entry)
+        self.workgroup_size: tuple[int, int, int] | None = _pad3(parsed) if parsed else None
+        self.workgroup_bytes = parse_workgroup_bytes(wgsl)
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r}, entry={self.entry!r})"
+
+
+def _pad3(size: Sequence[int]) -> tuple[int, int, int]:
+    padded = tuple(size) + (1,) * (3 - len(size))
+    return (int(padded[0]), int(padded[1]), int(padded[2]))
+
+
+_WORKGROUP_SIZE = r"@workgroup_size\(\s*([^)]*)\)"
+_ENTRY = r"(?:@\w+(?:\([^)]*\))?\s*)*fn\s+{entry}\s*\("
+
+
+def parse_workgroup_size(source: str, entry: str) -> tuple[int, ...] | None:
+    """The literal ``@workgroup_size`` of ``entry``, or None when it is not a literal."""
+    pattern = _WORKGROUP_SIZE + r"\s*" + _ENTRY.format(entry=re.escape(entry))
+    match = re.search(pattern, source)
+    if not match:
+        return None
+    parts = [p.strip().rstrip("ui") for p in match.group(1).split(",") if p.strip()]
+    if not all(p.isdigit() for p in parts):
+        return None
+    return tuple(int(p) for p in parts)
+
+
+_SCALAR_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2}
+_WORKGROUP_ARRAY = re.compile(
+    r"var\s*<\s*workgroup\s*>\s*\w+\s*:\s*array\s*<\s*(?:vec([234])\s*<\s*)?(f32|i32|u32|f16)\s*>?\s*,\s*(\d+)[ui]?\s*>"
+)
+
+
+def parse_workgroup_bytes(source: str) -> int:
+    """Bytes of workgroup memory declared as literal-sized arrays of scalars or vectors."""
+    total = 0
+    for lanes, scalar, count in _WORKGROUP_ARRAY.findall(source):
+        width = int(lanes or 1)
+        stride = _SCALAR_BYTES[scalar] * (4 if width == 3 else width)
+        total += stride * int(count)
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """One buffer bound to a launch: a storage (whole) or the launch's uniform parameters."""
+
+    slot: int
+    kind: str  # "read", "write" (read_write storage) or "uniform"
+    storage: Storage | None = None
+    nbytes: int = 0
+
+
+@dataclass(slots=True)
+class Launch:
+    """One kernel dispatch, described without executor objects.
+
+    Built-in kernels name a shader ``family`` (``shaders/wgsl/<family>.wgsl``) rendered with type
+    aliases and op snippets; custom kernels carry their ``kernel``. ``groups`` is a 1-D workgroup
+    count (split over x/y by the executor when over the per-dimension limit) or an explicit grid.
+    """
+
+    label: str
+    entry: str
+    groups: int | tuple[int, int, int]
+    bindings: tuple[Binding, ...]
+    params: bytes = b""
+    family: str = ""
+    types: tuple[tuple[str, str], ...] = ()
+    snippets: tuple[tuple[str, str], ...] = ()
+    constants: tuple[tuple[str, float], ...] = ()
+    kernel: Kernel | None = None
+    workgroup_size: tuple[int, int, int] = (DEFAULT_WORKGROUP, 1, 1)
+    workgroup_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        name = self.kernel.name if self.kernel else f"{self.family}.{self.entry}"
+        return f"kernel {name}, workgroup {self.workgroup_size}, groups {self.groups}"
+
+
+def wgsl_aliases(**dtypes: np.dtype) -> tuple[tuple[str, str], ...]:
+    """Type aliases for a WGSL template: each name maps to a storage type; ``C`` is the compute type
+    of the first dtype (float16 computes in f32)."""
+    aliases = [(alias, WGSL_TYPE[dtype]) for alias, dtype in dtypes.items()]
+    first = next(iter(dtypes.values()))
+    aliases.append(("C", WGSL_COMPUTE_TYPE[first]))
+    return tuple(aliases)
+
+
+def pack_params(header: Sequence[int | float], header_format: str, *arrays: Sequence[int]) -> bytes:
+    """Pack a uniform struct: a 16-byte header (4 fields) then ``array<vec4<u32|i32>, 2>`` blocks.
+
+    ``header_format`` is a 4-letter struct format (``I`` u32, ``i`` i32, ``f`` f32).
+    """
+    out = struct.pack("<" + header_format, *header)
+    for values in arrays:
+        padded = list(values) + [0] * (MAX_DIMS - len(values))
+        out += (np.asarray(padded, dtype=np.int64) & 0xFFFFFFFF).astype("<u4").tobytes()
+    return out

@@ -1,0 +1,84 @@
+"""Device limits, queried from the device, and the checks every launch passes before submit."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+from .errors import LimitError
+
+if TYPE_CHECKING:
+    from .kernels import Launch
+
+UNLIMITED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The compute limits batchgpu checks; names follow WebGPU's ``GPUSupportedLimits``."""
+
+    max_storage_buffer_binding_size: int = UNLIMITED
+    max_buffer_size: int = UNLIMITED
+    max_compute_workgroups_per_dimension: int = UNLIMITED
+    max_compute_invocations_per_workgroup: int = UNLIMITED
+    max_compute_workgroup_size_x: int = UNLIMITED
+    max_compute_workgroup_size_y: int = UNLIMITED
+    max_compute_workgroup_size_z: int = UNLIMITED
+    max_compute_workgroup_storage_size: int = UNLIMITED
+    max_storage_buffers_per_shader_stage: int = UNLIMITED
+    max_uniform_buffer_binding_size: int = UNLIMITED
+    min_uniform_buffer_offset_alignment: int = 1
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, int]) -> Limits:
+        """Build from a mapping with WebGPU names, dashed (``max-buffer-size``) or underscored."""
+        normalized = {key.replace("-", "_"): value for key, value in values.items()}
+        return cls(**{f.name: int(normalized[f.name]) for f in fields(cls) if f.name in normalized})
+
+
+def split_groups(groups: int, limits: Limits) -> tuple[int, int, int]:
+    """Spread a 1-D workgroup count over x and y so neither exceeds the per-dimension limit.
+
+    Kernels recover the linear index as ``wg.x + wg.y * num_workgroups.x`` and bounds-check it.
+    """
+    per_dim = limits.max_compute_workgroups_per_dimension
+    if groups <= per_dim:
+        return (max(groups, 1), 1, 1)
+    y = math.ceil(groups / per_dim)
+    x = math.ceil(groups / y)
+    return (x, y, 1)
+
+
+def check_launch(launch: Launch, limits: Limits, device_name: str) -> None:
+    """Raise LimitError naming the op, the limit and both values if ``launch`` exceeds ``limits``."""
+
+    def fail(limit: str, actual: int, allowed: int) -> None:
+        raise LimitError(
+            f"{launch.label}: {limit} exceeded: {actual} > {allowed} on {device_name} ({launch.describe()})"
+        )
+
+    for axis, size in zip("xyz", launch.workgroup_size):
+        allowed = getattr(limits, f"max_compute_workgroup_size_{axis}")
+        if size > allowed:
+            fail(f"max_compute_workgroup_size_{axis}", size, allowed)
+    invocations = math.prod(launch.workgroup_size)
+    if invocations > limits.max_compute_invocations_per_workgroup:
+        fail("max_compute_invocations_per_workgroup", invocations, limits.max_compute_invocations_per_workgroup)
+    if launch.workgroup_bytes > limits.max_compute_workgroup_storage_size:
+        fail("max_compute_workgroup_storage_size", launch.workgroup_bytes, limits.max_compute_workgroup_storage_size)
+    storage_count = sum(1 for b in launch.bindings if b.kind != "uniform")
+    if storage_count > limits.max_storage_buffers_per_shader_stage:
+        fail("max_storage_buffers_per_shader_stage", storage_count, limits.max_storage_buffers_per_shader_stage)
+    per_dim = limits.max_compute_workgroups_per_dimension
+    grid = split_groups(launch.groups, limits) if isinstance(launch.groups, int) else launch.groups
+    for axis, count in zip("xyz", grid):
+        if count > per_dim:
+            fail(f"max_compute_workgroups_per_dimension ({axis})", count, per_dim)
+    for binding in launch.bindings:
+        if binding.nbytes > limits.max_storage_buffer_binding_size:
+            fail(
+                f"max_storage_buffer_binding_size (binding {binding.slot})",
+                binding.nbytes,
+                limits.max_storage_buffer_binding_size,
+            )

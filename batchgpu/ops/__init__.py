@@ -1,0 +1,14 @@
+"""The op table: every op batchgpu records, keyed by name."""
+
+from __future__ import annotations
+
+from . import custom, elementwise, layout, matmul, reduce
+from .spec import Node, OpSpec
+
+OPS: dict[str, OpSpec] = {
+    spec.name: spec
+    for family in (elementwise, layout, matmul, reduce, custom)
+    for spec in family.SPECS
+}
+
+__all__ = ["OPS", "Node", "OpSpec"]

@@ -1,0 +1,96 @@
+"""Custom kernels: ``batch.launch(kernel, grid, buffers, scalars)`` runs user WGSL on tensors in place."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import BatchError, LimitError, UnsupportedError
+from ..kernels import Binding, Kernel, Launch
+from ..tensor import Tensor
+from .spec import Node, OpSpec
+
+
+def normalize_grid(kernel: Kernel, grid: int | Sequence[int]) -> tuple[int, int, int]:
+    """A 3-tuple of positive workgroup counts."""
+    dims = (grid,) if isinstance(grid, (int, np.integer)) else tuple(grid)
+    if not 1 <= len(dims) <= 3 or not all(isinstance(d, (int, np.integer)) for d in dims):
+        raise LimitError(f"launch {kernel.name}: grid must be 1 to 3 ints, got {grid!r}")
+    if any(d < 1 for d in dims):
+        raise LimitError(f"launch {kernel.name}: grid {tuple(dims)} has a workgroup count below 1")
+    padded = tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
+    return (padded[0], padded[1], padded[2])
+
+
+def pack_scalars(kernel: Kernel, scalars: Sequence[Any]) -> bytes:
+    """Scalars as a uniform struct of 4-byte fields: float -> f32, int -> i32 (u32 above 2**31 - 1),
+    numpy scalars keep their dtype; padded to 16 bytes."""
+    out = b""
+    for i, value in enumerate(scalars):
+        if isinstance(value, (np.floating, float)):
+            out += struct.pack("<f", float(value))
+        elif isinstance(value, np.unsignedinteger) or (isinstance(value, (int, np.integer)) and value > 2**31 - 1):
+            out += struct.pack("<I", int(value))
+        elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            out += struct.pack("<i", int(value))
+        else:
+            raise BatchError(f"launch {kernel.name}: scalars[{i}] = {value!r} is not an int or float")
+    return out + b"\0" * (-len(out) % 16)
+
+
+def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[None, None]:
+    kernel: Kernel = params["kernel"]
+    seen: dict[int, int] = {}
+    for i, tensor in enumerate(inputs):
+        if not isinstance(tensor, Tensor):
+            raise BatchError(f"launch {kernel.name}: buffers[{i}] is {type(tensor).__name__}, expected a Tensor")
+        if tensor.storage.id in seen:
+            raise BatchError(
+                f"launch {kernel.name}: buffers[{i}] and buffers[{seen[tensor.storage.id]}] are the same storage "
+                f"({tensor.describe()}); a read_write buffer can be bound once per launch"
+            )
+        seen[tensor.storage.id] = i
+    return None, None
+
+
+def _reference(arrays: list[np.ndarray], params: dict[str, Any]) -> None:
+    kernel: Kernel = params["kernel"]
+    if kernel.reference is None:
+        raise UnsupportedError(
+            f"launch {kernel.name}: the reference executor needs Kernel(..., reference=fn) to run a custom kernel"
+        )
+    kernel.reference(*arrays, *params["scalars"])
+
+
+def _lower(node: Node) -> list[Launch]:
+    kernel: Kernel = node.params["kernel"]
+    bindings = [Binding(i, "write", t.storage, t.storage.nbytes) for i, t in enumerate(node.inputs)]
+    params = node.params["packed_scalars"]
+    if params:
+        bindings.append(Binding(len(node.inputs), "uniform", None, len(params)))
+    return [
+        Launch(
+            label=f"launch {kernel.name}",
+            entry=kernel.entry,
+            groups=node.params["grid"],
+            bindings=tuple(bindings),
+            params=params,
+            kernel=kernel,
+            workgroup_size=kernel.workgroup_size or (1, 1, 1),
+            workgroup_bytes=kernel.workgroup_bytes,
+        )
+    ]
+
+
+LAUNCH = OpSpec(
+    name="launch",
+    infer=_infer,
+    reference=_reference,
+    lower=_lower,
+    doc="run a custom Kernel over a grid of workgroups, buffers bound read_write in place",
+)
+
+SPECS: list[OpSpec] = [LAUNCH]

@@ -1,0 +1,112 @@
+"""matmul: 2-D and batched (numpy broadcasting over batch dims), optional transposes, 1-D operands
+promoted like numpy. Lowered to one tiled kernel: 64x64 output tiles, 16-deep k tiles staged in
+workgroup memory, 4x4 outputs per invocation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import ShapeError
+from ..kernels import Launch, pack_params, wgsl_aliases
+from ..tensor import Tensor
+from .common import broadcast_strides, reads, uniform, writes
+from .spec import Node, OpSpec, same_dtype
+
+TILE = 64
+TILE_K = 16
+WORKGROUP = (16, 16, 1)
+MAX_BATCH_DIMS = 8
+
+
+def _operand_dims(a: Tensor, b: Tensor, params: dict[str, Any]) -> tuple[int, int, int, int]:
+    """M, K (from a) and K, N (from b) after transposes and 1-D promotion."""
+    a_rows, a_cols = (1, a.shape[0]) if a.ndim == 1 else a.shape[-2:]
+    b_rows, b_cols = (b.shape[0], 1) if b.ndim == 1 else b.shape[-2:]
+    if params.get("transpose_a") and a.ndim > 1:
+        a_rows, a_cols = a_cols, a_rows
+    if params.get("transpose_b") and b.ndim > 1:
+        b_rows, b_cols = b_cols, b_rows
+    return a_rows, a_cols, b_rows, b_cols
+
+
+def _batch_shapes(a: Tensor, b: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return (a.shape[:-2] if a.ndim > 2 else ()), (b.shape[:-2] if b.ndim > 2 else ())
+
+
+def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
+    a, b = inputs
+    dtype = same_dtype("matmul", inputs, ("a", "b"))
+    if a.ndim == 0 or b.ndim == 0:
+        raise ShapeError(f"matmul: operands must have at least 1 dim, got a {a.describe()} and b {b.describe()}")
+    m, k, k2, n = _operand_dims(a, b, params)
+    if k != k2:
+        raise ShapeError(
+            f"matmul: inner dims differ: a {a.describe()} gives K={k}, b {b.describe()} gives K={k2}"
+            f" (transpose_a={bool(params.get('transpose_a'))}, transpose_b={bool(params.get('transpose_b'))})"
+        )
+    a_batch, b_batch = _batch_shapes(a, b)
+    try:
+        batch = tuple(np.broadcast_shapes(a_batch, b_batch))
+    except ValueError:
+        raise ShapeError(
+            f"matmul: batch dims {a_batch} of a {a.describe()} and {b_batch} of b {b.describe()} do not broadcast"
+        ) from None
+    if len(batch) > MAX_BATCH_DIMS:
+        raise ShapeError(f"matmul: at most {MAX_BATCH_DIMS} batch dims are supported, got {len(batch)}")
+    shape = batch + ((m,) if a.ndim > 1 else ()) + ((n,) if b.ndim > 1 else ())
+    return shape, dtype
+
+
+def _reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
+    a, b = arrays
+    if params.get("transpose_a") and a.ndim > 1:
+        a = np.swapaxes(a, -1, -2)
+    if params.get("transpose_b") and b.ndim > 1:
+        b = np.swapaxes(b, -1, -2)
+    return np.matmul(a, b)
+
+
+def _lower(node: Node) -> list[Launch]:
+    a, b = node.inputs
+    out = node.output
+    m, k, _, n = _operand_dims(a, b, node.params)
+    a_cols = a.shape[-1]
+    b_cols = b.shape[-1] if b.ndim > 1 else 1
+    a_sm, a_sk = (1, a_cols) if node.params.get("transpose_a") and a.ndim > 1 else (a_cols, 1)
+    b_sk, b_sn = (1, b_cols) if node.params.get("transpose_b") and b.ndim > 1 else (b_cols, 1)
+    a_batch, b_batch = _batch_shapes(a, b)
+    batch = tuple(np.broadcast_shapes(a_batch, b_batch))
+    a_matrix = a.size // max(math.prod(a_batch), 1)
+    b_matrix = b.size // max(math.prod(b_batch), 1)
+    a_strides = tuple(s * a_matrix for s in broadcast_strides(a_batch, batch)) if batch else ()
+    b_strides = tuple(s * b_matrix for s in broadcast_strides(b_batch, batch)) if batch else ()
+    params = pack_params((m, n, k, len(batch)), "IIII", (a_sm, a_sk, b_sk, b_sn), batch, a_strides, b_strides)
+    groups = (math.ceil(n / TILE), math.ceil(m / TILE), max(math.prod(batch), 1))
+    return [
+        Launch(
+            label="matmul",
+            family="matmul",
+            entry="matmul",
+            types=wgsl_aliases(A=a.dtype, O=out.dtype),
+            groups=groups,
+            bindings=(reads(0, a), reads(1, b), writes(2, out.storage), uniform(3, params)),
+            params=params,
+            workgroup_size=WORKGROUP,
+            workgroup_bytes=2 * TILE * TILE_K * 4,
+        )
+    ]
+
+
+MATMUL = OpSpec(
+    name="matmul",
+    infer=_infer,
+    reference=_reference,
+    lower=_lower,
+    doc="a @ b, 2-D or batched with broadcast batch dims; transpose_a / transpose_b",
+)
+
+SPECS: list[OpSpec] = [MATMUL]

@@ -1,0 +1,35 @@
+"""Finding and rendering the shader sources under ``shaders/<language>/<family>``."""
+
+from __future__ import annotations
+
+import functools
+import string
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+SEARCH_PATH = (_HERE / "shaders", _HERE.parent / "shaders")  # inside a wheel, then a source checkout
+
+DEFAULT_SNIPPETS = {"UNARY": "x", "BINARY": "x"}
+
+
+def shader_root() -> Path:
+    """The folder holding ``wgsl/`` (and later ``cuda/``) shader families."""
+    for candidate in SEARCH_PATH:
+        if (candidate / "wgsl").is_dir():
+            return candidate
+    raise FileNotFoundError(f"batchgpu shaders not found in {[str(p) for p in SEARCH_PATH]}")
+
+
+@functools.cache
+def _template(language: str, family: str) -> string.Template:
+    suffix = {"wgsl": ".wgsl", "cuda": ".cu"}[language]
+    return string.Template((shader_root() / language / f"{family}{suffix}").read_text())
+
+
+@functools.cache
+def render_wgsl(family: str, types: tuple[tuple[str, str], ...], snippets: tuple[tuple[str, str], ...]) -> str:
+    """WGSL source of ``family`` with ``alias`` lines for ``types`` and ``${NAME}`` snippets filled in."""
+    header = "enable f16;\n" if any(t == "f16" for _, t in types) else ""
+    header += "".join(f"alias {name} = {wgsl_type};\n" for name, wgsl_type in types)
+    body = _template("wgsl", family).substitute({**DEFAULT_SNIPPETS, **dict(snippets)})
+    return header + body

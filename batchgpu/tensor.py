@@ -1,0 +1,140 @@
+"""Tensors: shape, dtype and the storage they view. Executor-neutral: no device objects here."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .batch import GpuCommandBatch
+    from .device import Device
+
+_storage_ids = itertools.count()
+
+
+class Storage:
+    """A span of device memory. Several tensors (reshape views) may share one storage.
+
+    ``kind`` is one of ``"input"`` (fed by execute), ``"resident"`` (owned by the device),
+    ``"const"`` (a literal recorded into the batch) or ``"output"`` (written by an op).
+    """
+
+    __slots__ = ("id", "nbytes", "kind", "dtype", "__weakref__")
+
+    def __init__(self, nbytes: int, kind: str, dtype: np.dtype) -> None:
+        self.id = next(_storage_ids)
+        self.nbytes = nbytes
+        self.kind = kind
+        self.dtype = dtype
+
+    def __repr__(self) -> str:
+        return f"Storage#{self.id}({self.kind}, {self.nbytes} B)"
+
+
+class Tensor:
+    """A typed, shaped view of a storage, recorded in a batch or resident on a device.
+
+    Tensors are handles: they hold no data on the host. Read a batch tensor with
+    ``batch.read(t)`` / ``batch.read_sync(t)`` and a resident tensor with ``device.read(t)``.
+    """
+
+    __slots__ = ("shape", "dtype", "storage", "batch", "device", "name", "__weakref__")
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+        storage: Storage,
+        *,
+        device: Device,
+        batch: GpuCommandBatch | None = None,
+        name: str = "",
+    ) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.storage = storage
+        self.device = device
+        self.batch = batch
+        self.name = name or f"t{storage.id}"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def resident(self) -> bool:
+        return self.batch is None
+
+    def describe(self) -> str:
+        """Short text naming the tensor for error messages."""
+        where = "resident" if self.resident else "batch"
+        return f"{self.name} ({where}, shape {self.shape}, {self.dtype.name})"
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.describe()})"
+
+    def __getitem__(self, key: Any) -> Tensor:
+        return self._require_batch("[]").slice(self, key)
+
+    def _require_batch(self, op: str) -> GpuCommandBatch:
+        if self.batch is None:
+            raise TypeError(f"{op}: {self.describe()} is resident; record ops through a GpuCommandBatch")
+        return self.batch
+
+    def _binary(self, op: str, other: Any, *, reverse: bool = False) -> Tensor:
+        batch = self._require_batch(op)
+        left, right = (other, self) if reverse else (self, other)
+        return getattr(batch, op)(left, right)
+
+    def __add__(self, other: Any) -> Tensor:
+        return self._binary("add", other)
+
+    def __radd__(self, other: Any) -> Tensor:
+        return self._binary("add", other, reverse=True)
+
+    def __sub__(self, other: Any) -> Tensor:
+        return self._binary("sub", other)
+
+    def __rsub__(self, other: Any) -> Tensor:
+        return self._binary("sub", other, reverse=True)
+
+    def __mul__(self, other: Any) -> Tensor:
+        return self._binary("mul", other)
+
+    def __rmul__(self, other: Any) -> Tensor:
+        return self._binary("mul", other, reverse=True)
+
+    def __truediv__(self, other: Any) -> Tensor:
+        return self._binary("div", other)
+
+    def __rtruediv__(self, other: Any) -> Tensor:
+        return self._binary("div", other, reverse=True)
+
+    def __matmul__(self, other: Any) -> Tensor:
+        return self._binary("matmul", other)
+
+    def __neg__(self) -> Tensor:
+        return self._require_batch("neg").neg(self)
+
+    __hash__ = object.__hash__
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides, in elements."""
+    strides = []
+    step = 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return tuple(reversed(strides))

@@ -1,0 +1,72 @@
+// Reductions over the middle extent of an (outer, r, inner) view. OP 0 sums, 1 takes the max;
+// MEAN scales the sum by 1/r. Aliases: A (input), O (output), C (accumulator type).
+// reduce_rows (inner == 1): one workgroup per row, strided partials then a tree in workgroup memory.
+// reduce_cols (inner > 1): one thread per output walks r with stride inner.
+
+override WG: u32 = 256u;
+override OP: u32 = 0u;
+override MEAN: bool = false;
+
+struct Params {
+    outer: u32,
+    r: u32,
+    inner: u32,
+    scale: f32,
+}
+
+@group(0) @binding(0) var<storage, read> a: array<A>;
+@group(0) @binding(1) var<storage, read_write> out: array<O>;
+@group(0) @binding(2) var<uniform> p: Params;
+
+var<workgroup> partial: array<C, WG>;
+
+fn combine(x: C, y: C) -> C {
+    if OP == 1u { return max(x, y); }
+    return x + y;
+}
+
+fn start(first: u32) -> C {
+    // max starts from the row's first element (always present); sum from zero.
+    if OP == 1u { return C(a[first]); }
+    return C(0);
+}
+
+fn finish(x: C) -> O {
+    if MEAN { return O(f32(x) * p.scale); }
+    return O(x);
+}
+
+@compute @workgroup_size(WG)
+fn reduce_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+               @builtin(num_workgroups) groups: vec3<u32>) {
+    let row = wid.x + wid.y * groups.x;
+    let valid = row < p.outer;
+    let base = min(row, p.outer - 1u) * p.r;
+    var acc = start(base);
+    for (var k = lid.x; k < p.r; k += WG) {
+        acc = combine(acc, C(a[base + k]));
+    }
+    partial[lid.x] = acc;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
+        if lid.x < stride {
+            partial[lid.x] = combine(partial[lid.x], partial[lid.x + stride]);
+        }
+        workgroupBarrier();
+    }
+    if lid.x == 0u && valid {
+        out[row] = finish(partial[0]);
+    }
+}
+
+@compute @workgroup_size(WG)
+fn reduce_cols(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    let i = gid.x + gid.y * groups.x * WG;
+    if i >= p.outer * p.inner { return; }
+    let base = (i / p.inner) * p.r * p.inner + i % p.inner;
+    var acc = start(base);
+    for (var k = 0u; k < p.r; k++) {
+        acc = combine(acc, C(a[base + k * p.inner]));
+    }
+    out[i] = finish(acc);
+}

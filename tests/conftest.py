@@ -1,0 +1,50 @@
+"""Shared fixtures: one real wgpu device (lavapipe on CPU machines) and the numpy reference device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import batchgpu as bg
+
+TOLERANCES = {
+    np.dtype(np.float32): dict(rtol=2e-5, atol=2e-6),
+    np.dtype(np.float16): dict(rtol=2e-3, atol=2e-3),
+    np.dtype(np.int32): dict(rtol=0, atol=0),
+    np.dtype(np.uint32): dict(rtol=0, atol=0),
+}
+
+
+@pytest.fixture(scope="session")
+def gpu() -> bg.Device:
+    """The real default wgpu device, with poisoned output buffers so unwritten elements fail."""
+    return bg.Device("wgpu", poison=True)
+
+
+@pytest.fixture(scope="session")
+def ref() -> bg.Device:
+    return bg.Device("reference")
+
+
+def random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype, domain: str = "any") -> np.ndarray:
+    """Random non-zero test data; ``positive`` keeps log/sqrt inputs in their domain."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        data = rng.uniform(0.1, 3.0, shape) if domain == "positive" else rng.standard_normal(shape) * 2
+    elif dtype.kind == "u":
+        data = rng.integers(1, 1000, shape)
+    else:
+        data = rng.integers(-1000, 1000, shape)
+        data[data == 0] = 7
+    return np.asarray(data).astype(dtype)
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray, dtype=None, scale: float = 1.0) -> None:
+    """Compare with the per-dtype tolerance (``scale`` widens float tolerances for long sums)."""
+    dtype = np.dtype(dtype or expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    tol = TOLERANCES[dtype]
+    np.testing.assert_allclose(
+        actual.astype(np.float64), expected.astype(np.float64), rtol=tol["rtol"] * scale, atol=tol["atol"] * scale
+    )
