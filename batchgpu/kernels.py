@@ -136,12 +136,18 @@ def wgsl_aliases(**dtypes: np.dtype) -> tuple[tuple[str, str], ...]:
     return tuple(aliases)
 
 
+def pack_struct(layout: str, *values: int | float) -> bytes:
+    """Pack 4-byte uniform fields (``I`` u32, ``i`` i32, ``f`` f32), padded to 16 bytes."""
+    out = struct.pack("<" + layout, *values)
+    return out + b"\0" * (-len(out) % 16)
+
+
 def pack_params(header: Sequence[int | float], header_format: str, *arrays: Sequence[int]) -> bytes:
     """Pack a uniform struct: a 16-byte header (4 fields) then ``array<vec4<u32|i32>, 2>`` blocks.
 
     ``header_format`` is a 4-letter struct format (``I`` u32, ``i`` i32, ``f`` f32).
     """
-    out = struct.pack("<" + header_format, *header)
+    out = pack_struct(header_format, *header)
     for values in arrays:
         padded = list(values) + [0] * (MAX_DIMS - len(values))
         out += (np.asarray(padded, dtype=np.int64) & 0xFFFFFFFF).astype("<u4").tobytes()

@@ -89,10 +89,14 @@ def _unary_spec(name: str) -> OpSpec:
             check_dtype(name, "signed", x)
         return x.shape, x.dtype
 
+    def reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return fn(arrays[0])
+
     return OpSpec(
         name=name,
         infer=infer,
-        reference=lambda arrays, params: fn(arrays[0]),
+        reference=reference,
         lower=lambda node: _unary_launch(node, expression, node.inputs[0].dtype),
         dtypes=dtypes,
         domain=domain,

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import compute_dtype
-from ..kernels import DEFAULT_WORKGROUP, Launch, pack_params, wgsl_aliases
+from ..kernels import DEFAULT_WORKGROUP, Launch, pack_struct, wgsl_aliases
 from ..tensor import Storage, Tensor, contiguous_strides
 from .common import check_rank, groups_for, reads, uniform, writes
 from .layout import strided_copy
@@ -78,29 +78,65 @@ class _Meta:
         return f"array of shape {self.shape}"
 
 
+ROW_CHUNK = DEFAULT_WORKGROUP * 256
+"""Elements one workgroup reduces in one pass; longer rows take extra passes over partials. Keeps
+every invocation's loop short (llvmpipe caps loops near 65,535 iterations) and spreads long rows
+over many workgroups."""
+
+COLUMN_LIMIT = 4096
+"""Longest reduced extent walked by one thread in the column kernels; longer ones are permuted into
+rows first."""
+
+
 def _reduce_lower(node: Node, name: str) -> list[Launch]:
     (x,), out = node.inputs, node.output
     axes = reduce_axes(name, x, node.params.get("axis"))
-    launches: list[Launch] = []
-    source: Tensor = x
-    if axes and axes != tuple(range(axes[0], axes[-1] + 1)):
-        source, launch = _move_axes_last(node, x, axes)
-        launches.append(launch)
-        axes = tuple(range(x.ndim - len(axes), x.ndim))
     if not axes:
-        outer, r, inner = x.size, 1, 1
-    else:
-        outer, r, inner = three_way(source.shape, axes[0], axes[-1])
-    launches.append(
-        row_or_column_launch(
-            name, "reduce", source, out.storage, out.dtype, outer, r, inner,
-            constants=(("OP", REDUCE_OPS[name]), ("MEAN", name == "mean")),
-        )
-    )
+        return [_reduce_launch(name, x, out.storage, out.dtype, x.size, 1, 1, 1.0)]
+    outer, r, inner = three_way(x.shape, axes[0], axes[-1])
+    launches: list[Launch] = []
+    source = x
+    contiguous_run = axes == tuple(range(axes[0], axes[-1] + 1))
+    if not contiguous_run or (inner > 1 and r > COLUMN_LIMIT):
+        source, launch = move_axes_last(node, x, axes)
+        launches.append(launch)
+        r = math.prod(x.shape[a] for a in axes)
+        outer, inner = x.size // r, 1
+    if inner > 1:
+        return [*launches, _reduce_launch(name, source, out.storage, out.dtype, outer, r, inner, 1.0 / r)]
+    return launches + _row_passes(node, name, source, outer, r)
+
+
+def _row_passes(node: Node, name: str, source: Tensor, outer: int, r: int) -> list[Launch]:
+    """Reduce (outer, r) rows, through partial sums of ROW_CHUNK elements while rows are long."""
+    out = node.output
+    scale = 1.0 / r
+    launches = []
+    while r > ROW_CHUNK:
+        chunks = math.ceil(r / ROW_CHUNK)
+        partial_dtype = compute_dtype(source.dtype)
+        storage = node.new_scratch(outer * chunks * partial_dtype.itemsize, partial_dtype)
+        op = "sum" if name == "mean" else name
+        launches.append(_reduce_launch(op, source, storage, partial_dtype, outer, r, 1, 1.0, chunk=ROW_CHUNK))
+        source = Tensor((outer, chunks), partial_dtype, storage, device=source.device, batch=source.batch,
+                        name=f"{name}.partials")
+        r = chunks
+    launches.append(_reduce_launch(name, source, out.storage, out.dtype, outer, r, 1, scale))
     return launches
 
 
-def _move_axes_last(node: Node, x: Tensor, axes: tuple[int, ...]) -> tuple[Tensor, Launch]:
+def _reduce_launch(
+    name: str, x: Tensor, out: Storage, out_dtype: np.dtype, outer: int, r: int, inner: int, scale: float,
+    chunk: int = 0,
+) -> Launch:
+    return row_or_column_launch(
+        name, "reduce", x, out, out_dtype, outer, r, inner, scale=scale, chunk=chunk or r,
+        constants=(("OP", REDUCE_OPS[name]), ("MEAN", name == "mean")),
+    )
+
+
+def move_axes_last(node: Node, x: Tensor, axes: tuple[int, ...]) -> tuple[Tensor, Launch]:
+    """Copy ``x`` into a scratch tensor whose last dims are ``axes``."""
     order = tuple(d for d in range(x.ndim) if d not in axes) + axes
     shape = tuple(x.shape[d] for d in order)
     storage = node.new_scratch(x.nbytes, x.dtype)
@@ -121,22 +157,27 @@ def row_or_column_launch(
     outer: int,
     r: int,
     inner: int,
+    *,
+    scale: float = 1.0,
+    chunk: int = 0,
     constants: tuple[tuple[str, float], ...] = (),
 ) -> Launch:
-    """A launch of ``family``'s ``*_rows`` entry (one workgroup per row) or ``*_cols`` entry."""
-    params = pack_params((outer, r, inner, 1.0 / r), "IIIf")
+    """A launch of ``family``'s ``*_rows`` entry (one workgroup per row chunk) or ``*_cols`` entry
+    (one thread per output column). Rows of length ``r`` are cut into chunks of ``chunk``."""
+    chunk = chunk or r
+    chunks = math.ceil(r / chunk)
+    params = pack_struct("IIIfIIII", outer, r, inner, scale, chunk, chunks, 0, 0)
     rows = inner == 1
-    accumulator_bytes = compute_dtype(x.dtype).itemsize
     return Launch(
         label=label,
         family=family,
         entry=f"{family}_rows" if rows else f"{family}_cols",
         types=wgsl_aliases(A=x.dtype, O=out_dtype),
         constants=constants,
-        groups=outer if rows else groups_for(outer * inner),
+        groups=outer * chunks if rows else groups_for(outer * inner),
         bindings=(reads(0, x), writes(1, out), uniform(2, params)),
         params=params,
-        workgroup_bytes=DEFAULT_WORKGROUP * accumulator_bytes if rows else 0,
+        workgroup_bytes=DEFAULT_WORKGROUP * 4 if rows else 0,
     )
 
 
@@ -161,7 +202,25 @@ def _softmax_lower(node: Node) -> list[Launch]:
     (x,), out = node.inputs, node.output
     axis = normalize_axis("softmax", node.params.get("axis", -1), x.ndim, x)
     outer, r, inner = three_way(x.shape, axis, axis)
-    return [row_or_column_launch("softmax", "softmax", x, out.storage, out.dtype, outer, r, inner)]
+    if inner == 1 or r <= COLUMN_LIMIT:
+        return [row_or_column_launch("softmax", "softmax", x, out.storage, out.dtype, outer, r, inner)]
+    # Long columns: permute the axis last, softmax rows in scratch, permute back into the output.
+    rows, to_rows = move_axes_last(node, x, (axis,))
+    result = node.new_scratch(x.nbytes, x.dtype)
+    back = _inverse_order(x.ndim, axis)
+    strides = contiguous_strides(rows.shape)
+    return [
+        to_rows,
+        row_or_column_launch("softmax", "softmax", rows, result, x.dtype, x.size // r, r, 1),
+        strided_copy("softmax", Tensor(rows.shape, x.dtype, result, device=x.device, batch=x.batch), out.storage,
+                     out.dtype, out.shape, 0, tuple(strides[d] for d in back), 0, contiguous_strides(out.shape)),
+    ]
+
+
+def _inverse_order(ndim: int, axis: int) -> tuple[int, ...]:
+    """For each output dim, the dim of the axis-last layout it comes from."""
+    order = [d for d in range(ndim) if d != axis] + [axis]
+    return tuple(order.index(d) for d in range(ndim))
 
 
 SOFTMAX = OpSpec(

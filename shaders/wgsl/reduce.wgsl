@@ -1,6 +1,8 @@
 // Reductions over the middle extent of an (outer, r, inner) view. OP 0 sums, 1 takes the max;
 // MEAN scales the sum by 1/r. Aliases: A (input), O (output), C (accumulator type).
-// reduce_rows (inner == 1): one workgroup per row, strided partials then a tree in workgroup memory.
+// reduce_rows (inner == 1): one workgroup per chunk of a row (rows longer than `chunk` are cut into
+// `chunks` pieces whose partial results a second pass combines), strided partials, then a tree in
+// workgroup memory. Output index = row * chunks + chunk index.
 // reduce_cols (inner > 1): one thread per output walks r with stride inner.
 
 override WG: u32 = 256u;
@@ -12,6 +14,10 @@ struct Params {
     r: u32,
     inner: u32,
     scale: f32,
+    chunk: u32,
+    chunks: u32,
+    pad0: u32,
+    pad1: u32,
 }
 
 @group(0) @binding(0) var<storage, read> a: array<A>;
@@ -39,11 +45,14 @@ fn finish(x: C) -> O {
 @compute @workgroup_size(WG)
 fn reduce_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
                @builtin(num_workgroups) groups: vec3<u32>) {
-    let row = wid.x + wid.y * groups.x;
-    let valid = row < p.outer;
-    let base = min(row, p.outer - 1u) * p.r;
+    let item = wid.x + wid.y * groups.x;
+    let valid = item < p.outer * p.chunks;
+    let clamped = min(item, p.outer * p.chunks - 1u);
+    let piece = clamped % p.chunks;
+    let base = (clamped / p.chunks) * p.r + piece * p.chunk;
+    let count = min(p.chunk, p.r - piece * p.chunk);
     var acc = start(base);
-    for (var k = lid.x; k < p.r; k += WG) {
+    for (var k = lid.x; k < count; k += WG) {
         acc = combine(acc, C(a[base + k]));
     }
     partial[lid.x] = acc;
@@ -55,7 +64,7 @@ fn reduce_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_
         workgroupBarrier();
     }
     if lid.x == 0u && valid {
-        out[row] = finish(partial[0]);
+        out[item] = finish(partial[0]);
     }
 }
 

@@ -10,6 +10,10 @@ struct Params {
     r: u32,
     inner: u32,
     scale: f32,
+    chunk: u32,
+    chunks: u32,
+    pad0: u32,
+    pad1: u32,
 }
 
 @group(0) @binding(0) var<storage, read> a: array<A>;

@@ -1,0 +1,291 @@
+"""Every op on the wgpu executor against the numpy reference executor: random non-zero data, odd
+shapes (1, primes, non-multiples of tiles, broadcasts), each supported dtype, poisoned outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pytest
+
+import batchgpu as bg
+from batchgpu.ops.elementwise import BINARY, UNARY
+
+from .conftest import assert_close, random_array
+
+DTYPES = [np.float32, np.float16, np.int32, np.uint32]
+
+
+def allowed(op_dtypes: str, dtype) -> bool:
+    dtype = np.dtype(dtype)
+    return op_dtypes == "all" or (op_dtypes == "float" and dtype.kind == "f") or (
+        op_dtypes == "signed" and dtype.kind in "fi"
+    )
+
+
+def run_on(device: bg.Device, arrays: Sequence[np.ndarray], build: Callable) -> np.ndarray:
+    batch = bg.GpuCommandBatch(device)
+    inputs = [batch.upload(a) for a in arrays]
+    out = build(batch, *inputs)
+    batch.execute()
+    return batch.read_sync(out)
+
+
+def check(gpu, ref, arrays, build, dtype=None, scale=1.0) -> np.ndarray:
+    expected = run_on(ref, arrays, build)
+    actual = run_on(gpu, arrays, build)
+    assert_close(actual, expected, dtype, scale)
+    return actual
+
+
+UNARY_CASES = [
+    (op, dtype)
+    for op in sorted(UNARY)
+    for dtype in DTYPES
+    if allowed(UNARY[op][2], dtype) and not (op == "neg" and dtype == np.uint32)
+]
+BINARY_CASES = [(op, dtype) for op in sorted(BINARY) for dtype in DTYPES if allowed(BINARY[op][2], dtype)]
+
+
+@pytest.mark.parametrize("op,dtype", UNARY_CASES)
+def test_unary(gpu, ref, op, dtype):
+    domain = UNARY[op][3]
+    rng = np.random.default_rng(hash((op, str(dtype))) % 2**32)
+    for shape in [(1,), (257,), (3, 5, 11)]:
+        x = random_array(rng, shape, dtype, domain)
+        check(gpu, ref, [x], lambda b, t: getattr(b, op)(t), dtype)
+
+
+def test_unary_reference_matches_numpy(ref):
+    """The reference executor itself agrees with plain numpy (float64) on the float ops."""
+    rng = np.random.default_rng(1)
+    x = random_array(rng, (101,), np.float32)
+    pos = random_array(rng, (101,), np.float32, "positive")
+    numpy_fns = {"exp": np.exp, "tanh": np.tanh, "sqrt": np.sqrt, "log": np.log, "sigmoid": lambda v: 1 / (1 + np.exp(-v))}
+    for op, fn in numpy_fns.items():
+        data = pos if UNARY[op][3] == "positive" else x
+        np.testing.assert_allclose(run_on(ref, [data], lambda b, t, op=op: getattr(b, op)(t)), fn(data.astype(np.float64)), rtol=1e-6)
+
+
+def test_transcendentals_saturate(gpu, ref):
+    """Large magnitudes: tanh/sigmoid/silu/gelu stay finite and match the reference."""
+    x = np.array([-120.0, -30.0, -9.5, 0.25, 9.5, 30.0, 120.0], dtype=np.float32)
+    for op in ("tanh", "sigmoid", "silu", "gelu", "exp"):
+        check(gpu, ref, [x], lambda b, t, op=op: getattr(b, op)(t), np.float32)
+
+
+BROADCASTS = [((7,), (7,)), ((3, 1, 5), (4, 5)), ((1,), (13,)), ((2, 3, 4), (3, 1)), ((5, 1), (1, 6)), ((), (3, 2))]
+
+
+@pytest.mark.parametrize("op,dtype", BINARY_CASES)
+def test_binary_broadcast(gpu, ref, op, dtype):
+    rng = np.random.default_rng(hash((op, str(dtype), 2)) % 2**32)
+    for a_shape, b_shape in BROADCASTS:
+        a = random_array(rng, a_shape, dtype)
+        b = random_array(rng, b_shape, dtype, "positive" if op == "div" else "any")
+        if op == "sub" and np.dtype(dtype) == np.uint32:
+            a = a + np.uint32(1000)  # keep unsigned differences non-negative
+        check(gpu, ref, [a, b], lambda bt, x, y: getattr(bt, op)(x, y), dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_python_scalars(gpu, ref, dtype):
+    x = random_array(np.random.default_rng(3), (4, 9), dtype)
+    check(gpu, ref, [x], lambda b, t: b.mul(b.add(t, 3), 2), dtype)
+    check(gpu, ref, [x], lambda b, t: b.sub(5, t), dtype)
+    check(gpu, ref, [x], lambda b, t: (t + 1) * 2 - t, dtype)
+    if np.dtype(dtype).kind == "f":
+        check(gpu, ref, [x], lambda b, t: b.div(1.5, b.add(b.abs(t), 0.5)), dtype)
+
+
+MATMUL_CASES = [
+    ((1, 1), (1, 1), {}),
+    ((5, 7), (7, 3), {}),
+    ((67, 129), (129, 65), {}),
+    ((3, 17, 33), (3, 33, 19), {}),
+    ((2, 1, 5, 7), (3, 7, 4), {}),
+    ((3, 17, 33), (33, 19), {}),
+    ((33, 17), (33, 19), {"transpose_a": True}),
+    ((17, 33), (19, 33), {"transpose_b": True}),
+    ((2, 33, 17), (2, 19, 33), {"transpose_a": True, "transpose_b": True}),
+    ((31,), (31, 5), {}),
+    ((4, 31), (31,), {}),
+    ((1, 300), (300, 1), {}),
+]
+
+
+@pytest.mark.parametrize("a_shape,b_shape,params", MATMUL_CASES)
+def test_matmul_float32(gpu, ref, a_shape, b_shape, params):
+    rng = np.random.default_rng(sum(a_shape) * 31 + sum(b_shape))
+    a = random_array(rng, a_shape, np.float32)
+    b = random_array(rng, b_shape, np.float32)
+    k = a_shape[-2] if params.get("transpose_a") else a_shape[-1]
+    check(gpu, ref, [a, b], lambda bt, x, y: bt.matmul(x, y, **params), np.float32, scale=4 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int32, np.uint32])
+def test_matmul_other_dtypes(gpu, ref, dtype):
+    rng = np.random.default_rng(5)
+    a = random_array(rng, (19, 70), dtype) // (1 if np.dtype(dtype).kind == "f" else 10)
+    b = random_array(rng, (70, 23), dtype) // (1 if np.dtype(dtype).kind == "f" else 10)
+    a, b = a.astype(dtype), b.astype(dtype)
+    check(gpu, ref, [a, b], lambda bt, x, y: bt.matmul(x, y), dtype, scale=10)
+
+
+def test_matmul_large_tile_edges(gpu, ref):
+    """Several 64x64 tiles plus ragged edges in every dim and k not a multiple of 16."""
+    rng = np.random.default_rng(6)
+    a = random_array(rng, (130, 67), np.float32)
+    b = random_array(rng, (67, 193), np.float32)
+    check(gpu, ref, [a, b], lambda bt, x, y: bt.matmul(x, y), np.float32, scale=40)
+
+
+REDUCE_CASES = [
+    ((1,), None, False),
+    ((257,), 0, False),
+    ((3, 5, 7), None, False),
+    ((3, 5, 7), -1, False),
+    ((3, 5, 7), 1, True),
+    ((3, 5, 7), 0, False),
+    ((3, 5, 7), (0, 2), False),
+    ((3, 5, 7), (1, 2), True),
+    ((2, 1000), 1, False),
+    ((1000, 3), 0, False),
+]
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+@pytest.mark.parametrize("shape,axis,keepdims", REDUCE_CASES)
+def test_reductions_float32(gpu, ref, op, shape, axis, keepdims):
+    x = random_array(np.random.default_rng(len(shape) * 7 + shape[0]), shape, np.float32)
+    check(gpu, ref, [x], lambda b, t: getattr(b, op)(t, axis=axis, keepdims=keepdims), np.float32, scale=20)
+
+
+@pytest.mark.parametrize("op,dtype", [("sum", np.int32), ("max", np.int32), ("sum", np.uint32),
+                                      ("max", np.uint32), ("sum", np.float16), ("mean", np.float16), ("max", np.float16)])
+def test_reductions_other_dtypes(gpu, ref, op, dtype):
+    x = random_array(np.random.default_rng(8), (6, 333), dtype)
+    for axis in (None, 0, 1):
+        check(gpu, ref, [x], lambda b, t, axis=axis: getattr(b, op)(t, axis=axis), dtype, scale=4)
+
+
+@pytest.mark.parametrize("shape,axis", [((1,), -1), ((3, 5, 7), -1), ((3, 5, 7), 1), ((3, 5, 7), 0), ((2, 1000), -1),
+                                        ((4, 49152), -1)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_softmax(gpu, ref, shape, axis, dtype):
+    x = random_array(np.random.default_rng(9), shape, dtype) * 4
+    out = check(gpu, ref, [x], lambda b, t: b.softmax(t, axis=axis), dtype, scale=2)
+    np.testing.assert_allclose(out.astype(np.float64).sum(axis=axis), 1.0, rtol=5e-3 if dtype == np.float16 else 1e-5)
+
+
+def test_softmax_large_values_are_stable(gpu, ref):
+    x = np.array([[1000.0, 1001.0, 999.0], [-1000.0, -1001.0, -999.0]], dtype=np.float32)
+    out = check(gpu, ref, [x], lambda b, t: b.softmax(t), np.float32)
+    assert np.isfinite(out).all()
+
+
+def test_reshape_is_a_free_view(gpu, ref):
+    x = random_array(np.random.default_rng(10), (6, 35), np.float32)
+    batch = bg.GpuCommandBatch(gpu)
+    t = batch.upload(x)
+    v = batch.reshape(t, (5, -1, 7))
+    assert v.shape == (5, 6, 7) and v.storage is t.storage
+    assert len(batch.nodes[0].launches) == 0
+    check(gpu, ref, [x], lambda b, t: b.relu(b.reshape(t, 3, 70)), np.float32)
+
+
+@pytest.mark.parametrize("axes", [None, (1, 0, 2), (2, 0, 1), (0, 2, 1)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32])
+def test_transpose_permute(gpu, ref, axes, dtype):
+    x = random_array(np.random.default_rng(11), (3, 5, 7), dtype)
+    check(gpu, ref, [x], lambda b, t: b.transpose(t, axes), dtype)
+
+
+@pytest.mark.parametrize("key", [
+    (slice(1, 4),),
+    (slice(None), 2),
+    (Ellipsis, slice(None, None, -2)),
+    (1, slice(2, None), slice(None, 5, 3)),
+    (-1,),
+    (slice(None, None, -1), slice(1, -1)),
+])
+def test_slice(gpu, ref, key):
+    x = random_array(np.random.default_rng(12), (5, 6, 7), np.float32)
+    check(gpu, ref, [x], lambda b, t: b.slice(t, key), np.float32)
+    check(gpu, ref, [x], lambda b, t: t[key], np.float32)
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_concat(gpu, ref, axis):
+    rng = np.random.default_rng(13)
+    shapes = {0: [(2, 3, 5), (1, 3, 5), (4, 3, 5)], 1: [(2, 1, 5), (2, 3, 5), (2, 7, 5)],
+              -1: [(2, 3, 1), (2, 3, 2), (2, 3, 11)]}[axis]
+    arrays = [random_array(rng, s, np.int32) for s in shapes]
+    check(gpu, ref, arrays, lambda b, *ts: b.concat(ts, axis=axis), np.int32)
+
+
+@pytest.mark.parametrize("src,dst", [(np.float32, np.int32), (np.float32, np.float16), (np.float16, np.float32),
+                                     (np.int32, np.float32), (np.uint32, np.float32), (np.int32, np.uint32),
+                                     (np.float32, np.uint32), (np.uint32, np.int32)])
+def test_cast(gpu, ref, src, dst):
+    rng = np.random.default_rng(14)
+    x = random_array(rng, (257,), src, "positive" if np.dtype(dst) == np.uint32 else "any")
+    check(gpu, ref, [x], lambda b, t: b.cast(t, dst), dst)
+
+
+def test_chain_of_ops_matches_numpy(gpu, ref):
+    """A small layer through several families in one batch: also checks intermediate plumbing."""
+    rng = np.random.default_rng(15)
+    x = random_array(rng, (7, 33), np.float32)
+    w = random_array(rng, (33, 12), np.float32)
+
+    def build(b, tx, tw):
+        h = b.gelu(b.matmul(tx, tw))
+        h = b.sub(h, b.mean(h, axis=-1, keepdims=True))
+        return b.softmax(b.concat([h, b.transpose(b.slice(h, (slice(None), slice(0, 7))), None)], axis=1))
+
+    check(gpu, ref, [x, w], build, np.float32, scale=20)
+
+
+@pytest.mark.slow
+def test_op_above_one_dispatch_limit(gpu):
+    """2^25 elements need more workgroups than one dimension allows: the dispatch is split."""
+    n = 2**25
+    groups = n // 256
+    assert groups > gpu.limits.max_compute_workgroups_per_dimension
+    rng = np.random.default_rng(16)
+    x = rng.standard_normal(n, dtype=np.float32)
+    batch = bg.GpuCommandBatch(gpu)
+    t = batch.upload(x)
+    y = batch.add(batch.relu(t), 1.5)
+    s = batch.sum(y)
+    batch.execute()
+    np.testing.assert_array_equal(batch.read_sync(y), np.maximum(x, 0) + np.float32(1.5))
+    np.testing.assert_allclose(batch.read_sync(s), (np.maximum(x, 0) + 1.5).astype(np.float64).sum(), rtol=1e-4)
+
+
+def test_many_rows_split_over_two_dims(gpu, ref):
+    """Row reductions use one workgroup per row: more rows than one grid dimension allows."""
+    rows = gpu.limits.max_compute_workgroups_per_dimension + 17
+    x = random_array(np.random.default_rng(17), (rows, 3), np.float32)
+    check(gpu, ref, [x], lambda b, t: b.max(t, axis=1), np.float32)
+    check(gpu, ref, [x], lambda b, t: b.softmax(t), np.float32)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+def test_long_rows_take_several_passes(gpu, ref, op):
+    """Rows longer than one workgroup's chunk reduce through partials (and long columns get permuted)."""
+    from batchgpu.ops.reduce import COLUMN_LIMIT, ROW_CHUNK
+
+    rng = np.random.default_rng(18)
+    x = random_array(rng, (2, 3 * ROW_CHUNK + 5), np.float32)
+    check(gpu, ref, [x], lambda b, t: getattr(b, op)(t, axis=1), np.float32, scale=100)
+    y = random_array(rng, (COLUMN_LIMIT + 3, 5), np.float32)
+    check(gpu, ref, [y], lambda b, t: getattr(b, op)(t, axis=0), np.float32, scale=100)
+
+
+def test_softmax_long_columns(gpu, ref):
+    from batchgpu.ops.reduce import COLUMN_LIMIT
+
+    x = random_array(np.random.default_rng(19), (COLUMN_LIMIT + 3, 2, 3), np.float32)
+    check(gpu, ref, [x], lambda b, t: b.softmax(t, axis=0), np.float32)
