@@ -75,6 +75,7 @@ class GpuCommandBatch:
         self._readback: tuple[Storage, ...] | None = None
         self._plan: Plan | None = None
         self._execution: Execution | None = None
+        self._executed_plan: Plan | None = None  # the plan of _execution, kept when recording resets _plan
         self._recorded = 0
         self._executed_mark = -1
         self._released = False
@@ -244,16 +245,21 @@ class GpuCommandBatch:
     def _operand(
         self, op: str, index: int, value: Any, operands: Sequence[Any], constants: list[tuple[Storage, np.ndarray]]
     ) -> Tensor:
-        argument = ("a", "b")[index] if len(operands) == 2 and op != "launch" else f"inputs[{index}]"
+        if op == "launch":
+            argument = f"buffers[{index}]"
+        else:
+            argument = ("a", "b")[index] if len(operands) == 2 else f"inputs[{index}]"
         if isinstance(value, Tensor):
             self._check_member(op, argument, value)
             return value
+        if op == "launch":  # buffers are written in place: a scalar would silently become a constant
+            raise BatchError(f"{op}: {argument} must be a Tensor, got {type(value).__name__}")
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
             raise BatchError(f"{op}: {argument} must be a Tensor or a Python scalar, got {type(value).__name__}")
         partner = next((o for o in operands if isinstance(o, Tensor)), None)
         if partner is None:
             raise BatchError(f"{op}: at least one operand must be a Tensor")
-        array = _scalar_array(op, argument, value, partner.dtype)
+        array = _scalar_array(op, argument, value, partner)
         storage = Storage(array.nbytes, "const", array.dtype)
         constants.append((storage, array))
         return Tensor((), array.dtype, storage, device=self.device, batch=self, name=f"scalar {value!r}")
@@ -261,7 +267,8 @@ class GpuCommandBatch:
     def _check_member(self, op: str, argument: str, tensor: Tensor) -> None:
         if tensor.device is not self.device:
             raise DeviceMismatchError(
-                f"{op}: {argument} {tensor.describe()} lives on {tensor.device!r}, but this batch runs on {self.device!r}"
+                f"{op}: {argument} {tensor.describe()} lives on another device ({tensor.device!r}) than batch "
+                f"{self.name!r} ({self.device!r}); read it back and upload it to this device"
             )
         if tensor.batch is not None and tensor.batch is not self:
             raise DeviceMismatchError(
@@ -279,15 +286,20 @@ class GpuCommandBatch:
         """Upload new inputs, encode every op and the readback copies, submit once; returns without
         waiting for the GPU."""
         self._check_open("execute")
-        writes = {**self._dirty, **self._validate_feeds(feeds or {})}
+        feeds = self._validate_feeds(feeds or {})
         executor = self.device.executor
-        if self._plan is None:
-            self._plan = executor.plan(self._nodes, self._storages)
+        plan = self._plan
+        if plan is None:  # a new plan has new buffers: every input and constant is uploaded again
+            plan = executor.plan(self._nodes, self._storages)
+            writes = {**self._host, **self._dirty, **feeds}
+        else:
+            writes = {**self._dirty, **feeds}
         readback = self._readback_storages()
         if self._execution is not None:
             self._execution.abandon()
-            self._execution = None
-        self._execution = executor.run(self._plan, list(writes.items()), readback)
+            self._execution = self._executed_plan = None
+        self._execution = executor.run(plan, list(writes.items()), readback)
+        self._plan = self._executed_plan = plan
         self._host.update(writes)
         self._dirty.clear()
         self._executed_mark = self._recorded
@@ -335,15 +347,15 @@ class GpuCommandBatch:
         """The tensor's value after the latest execute, as a numpy array; awaits the GPU without
         blocking the event loop."""
         storage = self._check_readable(tensor)
-        assert self._plan is not None and self._execution is not None
-        flat = await self.device.executor.read(self._plan, self._execution, storage)
+        assert self._executed_plan is not None and self._execution is not None
+        flat = await self.device.executor.read(self._executed_plan, self._execution, storage)
         return self._finish_read(tensor, flat)
 
     def read_sync(self, tensor: Tensor) -> np.ndarray:
         """Blocking ``read``."""
         storage = self._check_readable(tensor)
-        assert self._plan is not None and self._execution is not None
-        flat = self.device.executor.read_sync(self._plan, self._execution, storage)
+        assert self._executed_plan is not None and self._execution is not None
+        flat = self.device.executor.read_sync(self._executed_plan, self._execution, storage)
         return self._finish_read(tensor, flat)
 
     def _finish_read(self, tensor: Tensor, flat: np.ndarray) -> np.ndarray:
@@ -363,14 +375,19 @@ class GpuCommandBatch:
                 raise BatchError(f"read: {tensor.describe()} is not used by batch {self.name!r}; use Device.read")
             if self._executed_mark < 0:
                 raise NotExecutedError(f"read: batch {self.name!r} was never executed; call execute() first")
-            return tensor.storage
-        if self._executed_mark < 0:
+        elif self._executed_mark < 0:
             raise NotExecutedError(
-                f"read: {tensor.describe()} was not executed: batch {self.name!r} was never executed; call execute() first"
+                f"read: {tensor.describe()} was not executed: batch {self.name!r} was never executed; "
+                f"call execute() first"
             )
-        if self._births[tensor.storage.id] >= self._executed_mark:
+        elif self._births[tensor.storage.id] >= self._executed_mark:
             raise NotExecutedError(
                 f"read: {tensor.describe()} was recorded after the last execute() of batch {self.name!r}; execute again"
+            )
+        if self._execution is None:
+            raise NotExecutedError(
+                f"read: the last execute() of batch {self.name!r} failed, so {tensor.describe()} has no value; "
+                f"execute again"
             )
         return tensor.storage
 
@@ -378,17 +395,23 @@ class GpuCommandBatch:
         """Free the batch's device buffers now; the batch can no longer be used."""
         if self._execution is not None:
             self._execution.abandon()
-        self._plan = self._execution = None
+        self._plan = self._execution = self._executed_plan = None
         self._nodes.clear()
         self._released = True
 
 
-def _scalar_array(op: str, argument: str, value: Scalar, dtype: np.dtype) -> np.ndarray:
+def _scalar_array(op: str, argument: str, value: Scalar, partner: Tensor) -> np.ndarray:
     """A Python scalar as a 0-d array of the partner tensor's dtype, refusing lossy conversions."""
+    dtype = partner.dtype
     if dtype not in FLOATS and not float(value).is_integer():
-        raise DTypeError(f"{op}: {argument} = {value!r} cannot be represented in {dtype.name}; cast the tensor first")
+        raise DTypeError(
+            f"{op}: {argument} = {value!r} cannot be represented in {dtype.name}, the dtype of "
+            f"{partner.describe()}; cast the tensor first"
+        )
     if dtype not in FLOATS:
         info = np.iinfo(dtype)
         if not info.min <= int(value) <= info.max:
-            raise DTypeError(f"{op}: {argument} = {value!r} is out of range for {dtype.name}")
+            raise DTypeError(
+                f"{op}: {argument} = {value!r} is out of range for {dtype.name}, the dtype of {partner.describe()}"
+            )
     return np.asarray(value, dtype=dtype)

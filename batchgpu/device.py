@@ -75,7 +75,9 @@ class Device:
         if not isinstance(tensor, Tensor) or not tensor.resident:
             raise BatchError(f"{what}: expected a resident tensor from Device.tensor, got {tensor!r}")
         if tensor.device is not self:
-            raise DeviceMismatchError(f"{what}: {tensor.describe()} lives on {tensor.device!r}, not on {self!r}")
+            raise DeviceMismatchError(
+                f"{what}: {tensor.describe()} lives on another device ({tensor.device!r}), not on this one ({self!r})"
+            )
 
     def write(self, tensor: Tensor, data: Any) -> None:
         """Overwrite a resident tensor with new data of the same shape and dtype."""

@@ -56,4 +56,4 @@ def host_array(data: Any, dtype: Any = None, *, what: str) -> np.ndarray:
         target = array.dtype
     else:
         target = as_dtype(dtype, what=what)
-    return np.ascontiguousarray(array, dtype=target)
+    return np.asarray(array, dtype=target, order="C")  # unlike ascontiguousarray, keeps 0-d data 0-d

@@ -76,9 +76,7 @@ def check_launch(launch: Launch, limits: Limits, device_name: str) -> None:
         if count > per_dim:
             fail(f"max_compute_workgroups_per_dimension ({axis})", count, per_dim)
     for binding in launch.bindings:
-        if binding.nbytes > limits.max_storage_buffer_binding_size:
-            fail(
-                f"max_storage_buffer_binding_size (binding {binding.slot})",
-                binding.nbytes,
-                limits.max_storage_buffer_binding_size,
-            )
+        kind = "uniform" if binding.kind == "uniform" else "storage"
+        allowed = getattr(limits, f"max_{kind}_buffer_binding_size")
+        if binding.nbytes > allowed:
+            fail(f"max_{kind}_buffer_binding_size (binding {binding.slot})", binding.nbytes, allowed)

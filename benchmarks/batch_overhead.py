@@ -1,6 +1,6 @@
 """Host overhead of batchgpu on a chain of many tiny elementwise ops, against raw wgpu-py (issue 2).
 
-Run from a checkout: ``python benchmarks/batch_overhead.py [--ops 1000] [--repeat 9] [--json PATH]``.
+Run from a checkout: ``python benchmarks/batch_overhead.py [--ops 1000] [--repeat 15] [--json PATH]``.
 
 Every figure is measured in one process on one ``bg.Device()``. The workload is a chain of ``--ops``
 elementwise ops alternating ``y = y + a`` / ``y = y * m`` on a ``(--size,)`` float32 tensor, so each
@@ -19,7 +19,8 @@ the cost of getting work to it.
        so only ``--naive-ops`` ops are run and the time is scaled per op.
   (d)  raw wgpu-py floor: pipelines and bind groups made beforehand; timed is only the loop
        ``set_pipeline; set_bind_group; dispatch_workgroups`` over all ops inside one compute pass
-       (host encoding), and separately the whole encode + submit + wait (map the last result).
+       (host encoding), and separately the whole encode + submit + wait (map the last result);
+       also the same dispatches with one encoder + submit each, then wait (the raw twin of (b)).
   rec  re-recording the chain into a fresh batch (host time of the ``add``/``mul`` calls, pipelines
        already cached), and the first ``execute()`` after it (planning: buffers + bind groups).
 
@@ -248,6 +249,7 @@ def setup_raw(device: Any, x0: np.ndarray, ops: int) -> Bench:
         pipelines.append(
             device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main"})
         )
+    setup_started = time.perf_counter()  # buffers + bind groups: the raw twin of the library's plan
     chain = [device.create_buffer_with_data(data=x0, usage=usage.STORAGE)]
     chain += [device.create_buffer(size=nbytes, usage=usage.STORAGE | usage.COPY_SRC) for _ in range(ops)]
     add = device.create_buffer_with_data(data=np.full_like(x0, ADD_VALUE), usage=usage.STORAGE)
@@ -267,6 +269,7 @@ def setup_raw(device: Any, x0: np.ndarray, ops: int) -> Bench:
             ],
         )
         work.append((pipeline, bind_group))
+    setup = time.perf_counter() - setup_started
     groups = -(-n // 256)
     timings: dict[str, float] = {}
 
@@ -290,13 +293,32 @@ def setup_raw(device: Any, x0: np.ndarray, ops: int) -> Bench:
         staging.unmap()
         return result
 
+    def run_per_op() -> np.ndarray:
+        """The same dispatches, one encoder and one submit each (compare with (b)); then wait."""
+        for pipeline, bind_group in work:
+            encoder = device.create_command_encoder()
+            compute = encoder.begin_compute_pass()
+            compute.set_pipeline(pipeline)
+            compute.set_bind_group(0, bind_group)
+            compute.dispatch_workgroups(groups, 1, 1)
+            compute.end()
+            device.queue.submit([encoder.finish()])
+        encoder = device.create_command_encoder()
+        encoder.copy_buffer_to_buffer(chain[-1], 0, staging, 0, nbytes)
+        device.queue.submit([encoder.finish()])
+        staging.map_sync("READ")
+        result = np.frombuffer(staging.read_mapped(), np.float32).copy()
+        staging.unmap()
+        return result
+
     check("(d)", run(), numpy_chain(x0, ops))  # warm-up
+    check("(d) per op", run_per_op(), numpy_chain(x0, ops))
 
     def one_round() -> dict[str, float]:
         full = timed(run)
-        return {**timings, "encode_submit_wait_s": full}
+        return {**timings, "encode_submit_wait_s": full, "submit_per_op_wait_s": timed(run_per_op)}
 
-    return Bench({}, one_round)
+    return Bench({"setup_s": setup}, one_round)
 
 
 # report ---------------------------------------------------------------------------------------
@@ -309,7 +331,7 @@ def us_per_op(seconds: float, ops: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=1000, help="ops in the chain (default 1000)")
-    parser.add_argument("--repeat", type=int, default=9, help="timed rounds; each figure shows the median")
+    parser.add_argument("--repeat", type=int, default=15, help="timed rounds; each figure shows the median")
     parser.add_argument("--size", type=int, default=256, help="elements of the float32 tensor (default 256)")
     parser.add_argument("--naive-ops", type=int, default=50, help="ops run for (c), scaled per op (default 50)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
@@ -323,12 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     raw_device = dev.executor.device
     x0 = np.random.default_rng(0).standard_normal(args.size).astype(np.float32)
 
-    benches = {
+    benches = {  # (a) and (d) run back to back in each round: their ratio is the one most sensitive to load
         "a": setup_library_batch(dev, x0, ops),
-        "rerecord": setup_rerecord(dev, x0, ops),
+        "d": setup_raw(raw_device, x0, ops),
         "b": setup_library_per_op(dev, x0, ops),
         "c": setup_naive(raw_device, x0, naive_ops),
-        "d": setup_raw(raw_device, x0, ops),
+        "rerecord": setup_rerecord(dev, x0, ops),
     }
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in benches}
     for _ in range(repeat):
@@ -353,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         "d_loop": us_per_op(d["loop_s"], ops),
         "d_encode_submit": us_per_op(d["encode_submit_s"], ops),
         "d_encode_submit_wait": us_per_op(d["encode_submit_wait_s"], ops),
+        "d_submit_per_op_wait": us_per_op(d["submit_per_op_wait_s"], ops),
+        "d_setup": us_per_op(d["setup_s"], ops),
         "rerecord": us_per_op(rec["record_s"], ops),
         "rerecord_plan": us_per_op(rec["plan_execute_s"], ops),
         "reexecute": us_per_op(a["execute_s"], ops),
@@ -365,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         "rerecord_over_raw_loop": per_op["rerecord"] / per_op["d_loop"],
         "batch_over_raw_full": per_op["a_execute_read"] / per_op["d_encode_submit_wait"],
         "per_op_submit_over_batch": per_op["b_execute_read"] / per_op["a_execute_read"],
+        "plan_over_raw_setup": per_op["rerecord_plan"] / per_op["d_setup"],
+        "per_op_submit_lib_over_raw": per_op["b_execute_read"] / per_op["d_submit_per_op_wait"],
     }
     targets = {
         "naive_over_batch >= 10": ratios["naive_over_batch"] >= TARGET_NAIVE_OVER_BATCH,
@@ -385,8 +411,15 @@ def main(argv: list[str] | None = None) -> int:
             ops,
             per_op["d_encode_submit_wait"],
         ),
+        (
+            "(d) raw wgpu: 1 encoder+submit per dispatch, + wait",
+            d["submit_per_op_wait_s"],
+            ops,
+            per_op["d_submit_per_op_wait"],
+        ),
         ("library re-record (add/mul calls, fresh batch)", rec["record_s"], ops, per_op["rerecord"]),
         ("library first execute after record (plan)", rec["plan_execute_s"], ops, per_op["rerecord_plan"]),
+        ("(d) raw wgpu: create buffers + bind groups (once)", d["setup_s"], ops, per_op["d_setup"]),
         (
             "library first record (incl. 2 pipeline compiles)",
             a["first_record_s"],
@@ -417,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         f"re-record/(d)     record per op / raw dispatch loop per op    : {ratios['rerecord_over_raw_loop']:7.2f}x",
         f"(a)/(d)           batched execute+read / raw enc+submit+wait  : {ratios['batch_over_raw_full']:7.2f}x",
         f"(b)/(a)           one submit per op / one batch, execute+read : {ratios['per_op_submit_over_batch']:7.2f}x",
+        f"plan/(d) setup    library plan / raw buffers + bind groups    : {ratios['plan_over_raw_setup']:7.2f}x",
+        f"(b)/(d) per op    library / raw, one submit per op, + wait    : {ratios['per_op_submit_lib_over_raw']:7.2f}x",
         f"total run time {time.perf_counter() - began:.1f} s",
     ]
     print("\n".join(lines))

@@ -22,7 +22,11 @@ def small_layer(batch: bg.GpuCommandBatch, x: bg.Tensor, w: bg.Tensor, b: bg.Ten
 @pytest.fixture()
 def layer_data():
     rng = np.random.default_rng(20)
-    return random_array(rng, (5, 7), np.float32), random_array(rng, (7, 3), np.float32), random_array(rng, (3,), np.float32)
+    return (
+        random_array(rng, (5, 7), np.float32),
+        random_array(rng, (7, 3), np.float32),
+        random_array(rng, (3,), np.float32),
+    )
 
 
 def test_execute_is_one_submit_whatever_the_op_count(gpu):
@@ -103,7 +107,7 @@ def test_weights_stay_resident_across_batches(gpu, layer_data):
 
 
 def test_reading_an_intermediate_joins_later_submits(gpu, layer_data):
-    x, w, b = layer_data
+    x, w, _b = layer_data
     batch = bg.GpuCommandBatch(gpu)
     tx = batch.upload(x)
     h = batch.matmul(tx, gpu.tensor(w))
@@ -175,7 +179,7 @@ def test_staging_and_memory_stay_flat_over_10000_executes(gpu):
     rss_before = process.memory_info().rss
     buffers_before = gpu.stats.buffers_created
     live_before = gpu.stats.buffers_live
-    for i in range(10_000):
+    for _i in range(10_000):
         batch.execute()
         out = batch.read_sync(y)
     gc.collect()

@@ -18,8 +18,10 @@ DTYPES = [np.float32, np.float16, np.int32, np.uint32]
 
 def allowed(op_dtypes: str, dtype) -> bool:
     dtype = np.dtype(dtype)
-    return op_dtypes == "all" or (op_dtypes == "float" and dtype.kind == "f") or (
-        op_dtypes == "signed" and dtype.kind in "fi"
+    return (
+        op_dtypes == "all"
+        or (op_dtypes == "float" and dtype.kind == "f")
+        or (op_dtypes == "signed" and dtype.kind in "fi")
     )
 
 
@@ -61,10 +63,18 @@ def test_unary_reference_matches_numpy(ref):
     rng = np.random.default_rng(1)
     x = random_array(rng, (101,), np.float32)
     pos = random_array(rng, (101,), np.float32, "positive")
-    numpy_fns = {"exp": np.exp, "tanh": np.tanh, "sqrt": np.sqrt, "log": np.log, "sigmoid": lambda v: 1 / (1 + np.exp(-v))}
+    numpy_fns = {
+        "exp": np.exp,
+        "tanh": np.tanh,
+        "sqrt": np.sqrt,
+        "log": np.log,
+        "sigmoid": lambda v: 1 / (1 + np.exp(-v)),
+    }
     for op, fn in numpy_fns.items():
         data = pos if UNARY[op][3] == "positive" else x
-        np.testing.assert_allclose(run_on(ref, [data], lambda b, t, op=op: getattr(b, op)(t)), fn(data.astype(np.float64)), rtol=1e-6)
+        np.testing.assert_allclose(
+            run_on(ref, [data], lambda b, t, op=op: getattr(b, op)(t)), fn(data.astype(np.float64)), rtol=1e-6
+        )
 
 
 def test_transcendentals_saturate(gpu, ref):
@@ -161,16 +171,27 @@ def test_reductions_float32(gpu, ref, op, shape, axis, keepdims):
     check(gpu, ref, [x], lambda b, t: getattr(b, op)(t, axis=axis, keepdims=keepdims), np.float32, scale=20)
 
 
-@pytest.mark.parametrize("op,dtype", [("sum", np.int32), ("max", np.int32), ("sum", np.uint32),
-                                      ("max", np.uint32), ("sum", np.float16), ("mean", np.float16), ("max", np.float16)])
+@pytest.mark.parametrize(
+    "op,dtype",
+    [
+        ("sum", np.int32),
+        ("max", np.int32),
+        ("sum", np.uint32),
+        ("max", np.uint32),
+        ("sum", np.float16),
+        ("mean", np.float16),
+        ("max", np.float16),
+    ],
+)
 def test_reductions_other_dtypes(gpu, ref, op, dtype):
     x = random_array(np.random.default_rng(8), (6, 333), dtype)
     for axis in (None, 0, 1):
         check(gpu, ref, [x], lambda b, t, axis=axis: getattr(b, op)(t, axis=axis), dtype, scale=4)
 
 
-@pytest.mark.parametrize("shape,axis", [((1,), -1), ((3, 5, 7), -1), ((3, 5, 7), 1), ((3, 5, 7), 0), ((2, 1000), -1),
-                                        ((4, 49152), -1)])
+@pytest.mark.parametrize(
+    "shape,axis", [((1,), -1), ((3, 5, 7), -1), ((3, 5, 7), 1), ((3, 5, 7), 0), ((2, 1000), -1), ((4, 49152), -1)]
+)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_softmax(gpu, ref, shape, axis, dtype):
     x = random_array(np.random.default_rng(9), shape, dtype) * 4
@@ -201,14 +222,17 @@ def test_transpose_permute(gpu, ref, axes, dtype):
     check(gpu, ref, [x], lambda b, t: b.transpose(t, axes), dtype)
 
 
-@pytest.mark.parametrize("key", [
-    (slice(1, 4),),
-    (slice(None), 2),
-    (Ellipsis, slice(None, None, -2)),
-    (1, slice(2, None), slice(None, 5, 3)),
-    (-1,),
-    (slice(None, None, -1), slice(1, -1)),
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        (slice(1, 4),),
+        (slice(None), 2),
+        (Ellipsis, slice(None, None, -2)),
+        (1, slice(2, None), slice(None, 5, 3)),
+        (-1,),
+        (slice(None, None, -1), slice(1, -1)),
+    ],
+)
 def test_slice(gpu, ref, key):
     x = random_array(np.random.default_rng(12), (5, 6, 7), np.float32)
     check(gpu, ref, [x], lambda b, t: b.slice(t, key), np.float32)
@@ -218,15 +242,28 @@ def test_slice(gpu, ref, key):
 @pytest.mark.parametrize("axis", [0, 1, -1])
 def test_concat(gpu, ref, axis):
     rng = np.random.default_rng(13)
-    shapes = {0: [(2, 3, 5), (1, 3, 5), (4, 3, 5)], 1: [(2, 1, 5), (2, 3, 5), (2, 7, 5)],
-              -1: [(2, 3, 1), (2, 3, 2), (2, 3, 11)]}[axis]
+    shapes = {
+        0: [(2, 3, 5), (1, 3, 5), (4, 3, 5)],
+        1: [(2, 1, 5), (2, 3, 5), (2, 7, 5)],
+        -1: [(2, 3, 1), (2, 3, 2), (2, 3, 11)],
+    }[axis]
     arrays = [random_array(rng, s, np.int32) for s in shapes]
     check(gpu, ref, arrays, lambda b, *ts: b.concat(ts, axis=axis), np.int32)
 
 
-@pytest.mark.parametrize("src,dst", [(np.float32, np.int32), (np.float32, np.float16), (np.float16, np.float32),
-                                     (np.int32, np.float32), (np.uint32, np.float32), (np.int32, np.uint32),
-                                     (np.float32, np.uint32), (np.uint32, np.int32)])
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        (np.float32, np.int32),
+        (np.float32, np.float16),
+        (np.float16, np.float32),
+        (np.int32, np.float32),
+        (np.uint32, np.float32),
+        (np.int32, np.uint32),
+        (np.float32, np.uint32),
+        (np.uint32, np.int32),
+    ],
+)
 def test_cast(gpu, ref, src, dst):
     rng = np.random.default_rng(14)
     x = random_array(rng, (257,), src, "positive" if np.dtype(dst) == np.uint32 else "any")

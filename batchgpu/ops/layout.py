@@ -46,6 +46,8 @@ def strided_copy(
 
 def _reshape_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
     (x,) = inputs
+    if not all(isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) for s in params["shape"]):
+        raise ShapeError(f"reshape: target shape {tuple(params['shape'])!r} for {x.describe()} must be ints")
     shape = tuple(int(s) for s in params["shape"])
     unknown = [i for i, s in enumerate(shape) if s == -1]
     if len(unknown) > 1 or any(s < -1 for s in shape):
@@ -133,11 +135,13 @@ def slice_plan(x: Tensor, key: Any) -> tuple[tuple[int, ...], int, tuple[int, ..
     base = 0
     for axis, (k, extent, stride) in enumerate(zip(key, x.shape, strides)):
         if isinstance(k, slice):
+            if k.step == 0:
+                raise ShapeError(f"slice: step 0 in {k!r} for axis {axis} of {x.describe()}; steps must be non-zero")
             start, stop, step = k.indices(extent)
             shape.append(len(range(start, stop, step)))
             out_strides.append(stride * step)
             base += start * stride if shape[-1] else 0
-        elif isinstance(k, (int, np.integer)):
+        elif isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
             if not -extent <= k < extent:
                 raise ShapeError(f"slice: index {k} is out of range for axis {axis} of {x.describe()}")
             base += (int(k) % extent) * stride

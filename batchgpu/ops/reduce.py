@@ -24,7 +24,7 @@ def reduce_axes(op: str, x: Tensor, axis: int | Sequence[int] | None) -> tuple[i
     """Sorted, normalized, unique axes; None means all."""
     if axis is None:
         return tuple(range(x.ndim))
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    axes = tuple(axis) if np.iterable(axis) else (axis,)  # a float axis is refused below, not iterated
     normalized = sorted({normalize_axis(op, a, x.ndim, x) for a in axes})
     if len(normalized) != len(axes):
         from ..errors import ShapeError

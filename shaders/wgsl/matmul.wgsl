@@ -1,6 +1,6 @@
 // Tiled matmul: out[z] = A[z] (M x K) @ B[z] (K x N). Each 16x16 workgroup computes a 64x64 output
-// tile; k advances 16 at a time through tiles staged in workgroup memory; each invocation keeps 4x4
-// accumulators in registers. Operands are read through element strides, so transposes are free.
+// tile; k advances 16 at a time through tiles staged in workgroup memory (as vec4 rows/columns);
+// each invocation keeps 4x4 accumulators in four vec4 registers. Operands are read through element strides, so transposes are free.
 // Aliases: A (operand type), O (output), C (accumulator type).
 
 const TILE: u32 = 64u;
@@ -23,8 +23,18 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> out: array<O>;
 @group(0) @binding(3) var<uniform> p: Params;
 
-var<workgroup> a_tile: array<C, 1024>;   // [TK][TILE]
-var<workgroup> b_tile: array<C, 1024>;   // [TK][TILE]
+var<workgroup> a_tile: array<vec4<C>, 256>;   // [TK][TILE / 4]: 4 consecutive rows at one k
+var<workgroup> b_tile: array<vec4<C>, 256>;   // [TK][TILE / 4]: 4 consecutive columns at one k
+
+fn load_a(base: u32, row: u32, k: u32) -> C {
+    if row < p.m && k < p.k { return C(a[base + row * p.strides.x + k * p.strides.y]); }
+    return C(0);
+}
+
+fn load_b(base: u32, k: u32, col: u32) -> C {
+    if k < p.k && col < p.n { return C(b[base + k * p.strides.z + col * p.strides.w]); }
+    return C(0);
+}
 
 @compute @workgroup_size(16, 16)
 fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
@@ -41,57 +51,46 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
         a_base += index * p.a_batch_strides[d / 4u][d % 4u];
         b_base += index * p.b_batch_strides[d / 4u][d % 4u];
     }
-    let a_sm = p.strides.x;
-    let a_sk = p.strides.y;
-    let b_sk = p.strides.z;
-    let b_sn = p.strides.w;
     let row0 = wid.y * TILE;
     let col0 = wid.x * TILE;
-    let tid = lid.y * 16u + lid.x;
+    // Staging role of this invocation: one vec4 of the A tile and one of the B tile per k step.
+    let stage_k = lid.y;
+    let stage_row = row0 + lid.x * 4u;
+    let stage_col = col0 + lid.x * 4u;
 
-    var acc: array<C, 16>;
+    var acc0 = vec4<C>();
+    var acc1 = vec4<C>();
+    var acc2 = vec4<C>();
+    var acc3 = vec4<C>();
     for (var k0 = 0u; k0 < p.k; k0 += TK) {
-        for (var t = 0u; t < 4u; t++) {
-            let e = tid + t * 256u;
-            let am = e / TK;
-            let ak = e % TK;
-            var av = C(0);
-            if row0 + am < p.m && k0 + ak < p.k {
-                av = C(a[a_base + (row0 + am) * a_sm + (k0 + ak) * a_sk]);
-            }
-            a_tile[ak * TILE + am] = av;
-            let bk = e / TILE;
-            let bn = e % TILE;
-            var bv = C(0);
-            if k0 + bk < p.k && col0 + bn < p.n {
-                bv = C(b[b_base + (k0 + bk) * b_sk + (col0 + bn) * b_sn]);
-            }
-            b_tile[bk * TILE + bn] = bv;
-        }
+        let k = k0 + stage_k;
+        a_tile[stage_k * 16u + lid.x] = vec4<C>(load_a(a_base, stage_row, k), load_a(a_base, stage_row + 1u, k),
+                                                load_a(a_base, stage_row + 2u, k), load_a(a_base, stage_row + 3u, k));
+        b_tile[stage_k * 16u + lid.x] = vec4<C>(load_b(b_base, k, stage_col), load_b(b_base, k, stage_col + 1u),
+                                                load_b(b_base, k, stage_col + 2u), load_b(b_base, k, stage_col + 3u));
         workgroupBarrier();
         for (var kk = 0u; kk < TK; kk++) {
-            var ar: array<C, 4>;
-            var br: array<C, 4>;
-            for (var i = 0u; i < 4u; i++) {
-                ar[i] = a_tile[kk * TILE + lid.y * 4u + i];
-                br[i] = b_tile[kk * TILE + lid.x * 4u + i];
-            }
-            for (var i = 0u; i < 4u; i++) {
-                for (var j = 0u; j < 4u; j++) {
-                    acc[i * 4u + j] += ar[i] * br[j];
-                }
-            }
+            let av = a_tile[kk * 16u + lid.y];
+            let bv = b_tile[kk * 16u + lid.x];
+            acc0 += av.x * bv;
+            acc1 += av.y * bv;
+            acc2 += av.z * bv;
+            acc3 += av.w * bv;
         }
         workgroupBarrier();
     }
     let out_base = wid.z * p.m * p.n;
-    for (var i = 0u; i < 4u; i++) {
-        let row = row0 + lid.y * 4u + i;
-        for (var j = 0u; j < 4u; j++) {
-            let col = col0 + lid.x * 4u + j;
-            if row < p.m && col < p.n {
-                out[out_base + row * p.n + col] = O(acc[i * 4u + j]);
-            }
-        }
+    let row = row0 + lid.y * 4u;
+    let col = col0 + lid.x * 4u;
+    store_row(out_base, row, col, acc0);
+    store_row(out_base, row + 1u, col, acc1);
+    store_row(out_base, row + 2u, col, acc2);
+    store_row(out_base, row + 3u, col, acc3);
+}
+
+fn store_row(base: u32, row: u32, col: u32, values: vec4<C>) {
+    if row >= p.m { return; }
+    for (var j = 0u; j < 4u; j++) {
+        if col + j < p.n { out[base + row * p.n + col + j] = O(values[j]); }
     }
 }

@@ -1,0 +1,473 @@
+"""Bad input fails at record time with a documented BatchError subclass whose message names the op,
+the tensor and expected vs actual; a failed record leaves the batch, the caches and other tensors
+usable (every test re-executes the same batch afterwards and checks the results against numpy)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import batchgpu as bg
+
+from .conftest import assert_close, random_array
+
+
+@pytest.fixture(params=["gpu", "ref"])
+def dev(request: pytest.FixtureRequest) -> bg.Device:
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def other_device() -> bg.Device:
+    """A second device (the reference executor is cheap to create)."""
+    return bg.Device("reference")
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+class Probe:
+    """A small graph recorded and executed before the errors; ``check()`` proves afterwards that the
+    same batch still reads old results, records new ops on old inputs and executes them correctly."""
+
+    def __init__(self, batch: bg.GpuCommandBatch, rng: np.random.Generator) -> None:
+        self.batch, self.rng = batch, rng
+        self.xa = random_array(rng, (5, 7), np.float32)
+        self.ya = random_array(rng, (5, 7), np.float32)
+        self.x = batch.upload(self.xa, name="probe_x")
+        self.y = batch.upload(self.ya, name="probe_y")
+        self.s = batch.add(self.x, self.y)
+        batch.execute()
+        assert_close(batch.read_sync(self.s), self.xa + self.ya)
+
+    def check(self) -> None:
+        b = self.batch
+        za = random_array(self.rng, (5, 7), np.float32)
+        t = b.add(b.mul(self.x, b.upload(za)), self.y)
+        # recording after an execute must not disturb reading that execute's results
+        assert_close(b.read_sync(self.s), self.xa + self.ya)
+        b.execute()
+        assert_close(b.read_sync(t), self.xa * za + self.ya)
+        assert_close(b.read_sync(self.s), self.xa + self.ya)
+
+
+def new_batch(dev: bg.Device, rng: np.random.Generator) -> tuple[bg.GpuCommandBatch, Probe]:
+    batch = bg.GpuCommandBatch(dev)
+    return batch, Probe(batch, rng)
+
+
+@contextlib.contextmanager
+def fails(batch: bg.GpuCommandBatch, error: type[bg.BatchError], *fragments: str) -> Iterator[None]:
+    """Expect exactly ``error`` with every fragment in its message, and no trace of the attempt:
+    nothing recorded, compiled, allocated, uploaded or submitted."""
+    before = batch.device.stats.snapshot()
+    ops = len(batch)
+    with pytest.raises(bg.BatchError) as info:
+        yield
+    assert type(info.value) is error, f"expected {error.__name__}, got {type(info.value).__name__}: {info.value}"
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from {message!r}"
+    after = batch.device.stats.snapshot()
+    for counter in ("pipelines_compiled", "buffers_created", "bytes_uploaded", "submits", "dispatches"):
+        assert after[counter] == before[counter], (counter, before[counter], after[counter], message)
+    assert len(batch) == ops
+
+
+# shapes ----------------------------------------------------------------------------------------
+
+
+def test_add_shapes_that_do_not_broadcast(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    lhs = b.upload(random_array(rng, (3, 4), np.float32), name="lhs")
+    rhs = b.upload(random_array(rng, (5,), np.float32), name="rhs")
+    with fails(b, bg.ShapeError, "add", "lhs", "rhs", "(3, 4)", "(5,)"):
+        b.add(lhs, rhs)
+    with fails(b, bg.ShapeError, "sub", "lhs", "rhs"):
+        _ = lhs - rhs
+    probe.check()
+
+
+def test_matmul_inner_dims(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    left = b.upload(random_array(rng, (3, 4), np.float32), name="left")
+    right = b.upload(random_array(rng, (5, 6), np.float32), name="right")
+    with fails(b, bg.ShapeError, "matmul", "left", "right", "K=4", "K=5"):
+        b.matmul(left, right)
+    with fails(b, bg.ShapeError, "matmul", "K=3", "K=6"):
+        b.matmul(left, right, transpose_a=True, transpose_b=True)
+    batched = b.upload(random_array(rng, (2, 4, 5), np.float32), name="batched")
+    other = b.upload(random_array(rng, (3, 5, 6), np.float32), name="other")
+    with fails(b, bg.ShapeError, "matmul", "batch dims", "(2,)", "(3,)"):
+        b.matmul(batched, other)
+    probe.check()
+
+
+# dtypes ----------------------------------------------------------------------------------------
+
+
+def test_float32_plus_int32(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    xf = b.upload(random_array(rng, (6,), np.float32), name="xf")
+    xi = b.upload(random_array(rng, (6,), np.int32), name="xi")
+    with fails(b, bg.DTypeError, "add", "xi", "int32", "float32"):
+        b.add(xf, xi)
+    with fails(b, bg.DTypeError, "maximum", "xf", "int32", "float32"):
+        b.maximum(xi, xf)
+    probe.check()
+
+
+def test_float64_upload_needs_dtype(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    data = rng.standard_normal((4, 7)) * 3 + 1
+    with fails(b, bg.DTypeError, "upload", "weights", "float64", "float32"):
+        b.upload(data, name="weights")
+    with fails(b, bg.DTypeError, "upload", "int64"):
+        b.upload(rng.integers(1, 100, 5, dtype=np.int64))
+    with fails(b, bg.DTypeError, "Device.tensor", "float64"):
+        dev.tensor(data)
+    weights = b.upload(data, dtype=np.float32, name="weights")
+    assert weights.dtype == np.float32 and weights.shape == (4, 7)
+    doubled = b.mul(weights, 2.0)
+    b.execute()
+    assert_close(b.read_sync(doubled), data.astype(np.float32) * np.float32(2))
+    probe.check()
+
+
+def test_int_tensor_with_fractional_or_out_of_range_scalar(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    xa = random_array(rng, (9,), np.int32)
+    xi = b.upload(xa, name="counts")
+    with fails(b, bg.DTypeError, "add", "2.5", "int32", "counts"):
+        b.add(xi, 2.5)
+    with fails(b, bg.DTypeError, "mul", "0.5", "int32", "counts"):
+        _ = 0.5 * xi
+    with fails(b, bg.DTypeError, "add", str(2**40), "int32"):
+        b.add(xi, 2**40)
+    unsigned = b.upload(random_array(rng, (9,), np.uint32), name="unsigned")
+    with fails(b, bg.DTypeError, "sub", "-1", "uint32", "unsigned"):
+        b.sub(unsigned, -1)
+    plus = b.add(xi, 3.0)  # an integral float is fine
+    b.execute()
+    assert_close(b.read_sync(plus), xa + np.int32(3))
+    probe.check()
+
+
+@pytest.mark.parametrize("op", ["mean", "exp", "log", "softmax", "div"])
+def test_float_only_ops_refuse_int32(dev: bg.Device, rng: np.random.Generator, op: str) -> None:
+    b, probe = new_batch(dev, rng)
+    xi = b.upload(random_array(rng, (4, 5), np.int32), name="ints")
+    with fails(b, bg.DTypeError, op, "ints", "int32", "float32"):
+        b.div(xi, xi) if op == "div" else getattr(b, op)(xi)
+    probe.check()
+
+
+def test_neg_of_uint32(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    xu = b.upload(random_array(rng, (8,), np.uint32), name="unsigned")
+    with fails(b, bg.DTypeError, "neg", "unsigned", "uint32", "int32"):
+        b.neg(xu)
+    with fails(b, bg.DTypeError, "neg", "unsigned"):
+        _ = -xu
+    probe.check()
+
+
+def test_unsupported_dtypes(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    x = b.upload(random_array(rng, (3,), np.float32), name="x")
+    with fails(b, bg.DTypeError, "cast", "float64"):
+        b.cast(x, np.float64)
+    with fails(b, bg.DTypeError, "empty", "int8"):
+        b.empty((3,), np.int8)
+    with fails(b, bg.DTypeError, "upload", "object"):
+        b.upload([1.0, None])
+    probe.check()
+
+
+# operands from elsewhere -----------------------------------------------------------------------
+
+
+def test_tensor_of_another_batch(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    other = bg.GpuCommandBatch(dev, name="elsewhere")
+    stranger = other.upload(random_array(rng, (5, 7), np.float32), name="stranger")
+    with fails(b, bg.DeviceMismatchError, "add", "stranger", "elsewhere", b.name):
+        b.add(probe.x, stranger)
+    with fails(b, bg.DeviceMismatchError, "matmul", "stranger", "elsewhere"):
+        b.matmul(stranger, probe.x, transpose_b=True)
+    with fails(b, bg.DeviceMismatchError, "read", "stranger", "elsewhere"):
+        b.read_sync(stranger)
+    probe.check()
+
+
+def test_resident_tensor_of_another_device(dev: bg.Device, other_device: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    foreign = other_device.tensor(random_array(rng, (5, 7), np.float32), name="foreign")
+    with fails(b, bg.DeviceMismatchError, "add", "foreign", "another device"):
+        b.add(probe.x, foreign)
+    with fails(b, bg.DeviceMismatchError, "Device.read", "foreign"):
+        dev.read(foreign)
+    # a resident tensor of the batch's own device is fine
+    wa = random_array(rng, (5, 7), np.float32)
+    weights = dev.tensor(wa, name="weights")
+    scaled = b.mul(probe.x, weights)
+    b.execute()
+    assert_close(b.read_sync(scaled), probe.xa * wa)
+    probe.check()
+
+
+# reading ---------------------------------------------------------------------------------------
+
+
+def test_read_before_execute(dev: bg.Device, rng: np.random.Generator) -> None:
+    b = bg.GpuCommandBatch(dev, name="fresh")
+    xa = random_array(rng, (6,), np.float32)
+    x = b.upload(xa, name="x")
+    e = b.exp(x)
+    with fails(b, bg.NotExecutedError, "read", e.name, "fresh", "execute"):
+        b.read_sync(e)
+    with fails(b, bg.NotExecutedError, "read", "x"):
+        b.read_sync(x)
+    b.execute()
+    assert_close(b.read_sync(e), np.exp(xa))
+
+
+def test_read_of_tensor_recorded_after_the_last_execute(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    late = b.sub(probe.x, probe.y)
+    with fails(b, bg.NotExecutedError, "read", late.name, "after the last execute"):
+        b.read_sync(late)
+    assert_close(b.read_sync(probe.s), probe.xa + probe.ya)  # the executed result stays readable
+    b.execute()
+    assert_close(b.read_sync(late), probe.xa - probe.ya)
+    probe.check()
+
+
+@pytest.mark.asyncio
+async def test_async_read_before_execute(gpu: bg.Device, rng: np.random.Generator) -> None:
+    b = bg.GpuCommandBatch(gpu)
+    xa = random_array(rng, (6,), np.float32)
+    t = b.relu(b.upload(xa))
+    with pytest.raises(bg.NotExecutedError, match="never executed"):
+        await b.read(t)
+    await b.execute_async()
+    assert_close(await b.read(t), np.maximum(xa, 0))
+
+
+# axes, reshape, slices -------------------------------------------------------------------------
+
+
+BAD_AXES = [
+    ("sum", dict(axis=2), "axis 2"),
+    ("sum", dict(axis=-3), "axis -3"),
+    ("sum", dict(axis=(0, 0)), "repeated axis"),
+    ("sum", dict(axis=1.5), "axis 1.5"),
+    ("max", dict(axis=(1, 5)), "axis 5"),
+    ("mean", dict(axis=7), "axis 7"),
+    ("softmax", dict(axis=2), "axis 2"),
+    ("softmax", dict(axis=-3), "axis -3"),
+    ("softmax", dict(axis=None), "axis None"),
+]
+
+
+@pytest.mark.parametrize(("op", "kwargs", "fragment"), BAD_AXES, ids=[f"{o}-{k}" for o, k, _ in BAD_AXES])
+def test_bad_axis(dev: bg.Device, rng: np.random.Generator, op: str, kwargs: dict, fragment: str) -> None:
+    b, probe = new_batch(dev, rng)
+    x = b.upload(random_array(rng, (3, 4), np.float32), name="matrix")
+    with fails(b, bg.ShapeError, op, fragment, "matrix", "(3, 4)"):
+        getattr(b, op)(x, **kwargs)
+    probe.check()
+
+
+def test_bad_concat(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    first = b.upload(random_array(rng, (3, 4), np.float32), name="first")
+    second = b.upload(random_array(rng, (3, 5), np.float32), name="second")
+    with fails(b, bg.ShapeError, "concat", "axis 2", "first", "ndim 2"):
+        b.concat([first, first], axis=2)
+    with fails(b, bg.ShapeError, "concat", "second", "first", "(3, 5)", "(3, 4)", "axis 0"):
+        b.concat([first, second], axis=0)
+    with fails(b, bg.ShapeError, "concat", "at least one"):
+        b.concat([])
+    joined = b.concat([first, second], axis=1)
+    assert joined.shape == (3, 9)
+    probe.check()
+
+
+BAD_RESHAPES = [
+    ((5, 3), ("12 elements", "(5, 3)", "15 elements")),
+    ((-1, -1), ("invalid", "(-1, -1)")),
+    ((5, -1), ("cannot reshape", "12 elements", "(5, -1)")),
+    ((-2, -6), ("invalid", "(-2, -6)")),
+    ((2.5, 4), ("2.5",)),
+]
+
+
+@pytest.mark.parametrize(("shape", "fragments"), BAD_RESHAPES, ids=[str(s) for s, _ in BAD_RESHAPES])
+def test_bad_reshape(dev: bg.Device, rng: np.random.Generator, shape: tuple, fragments: tuple[str, ...]) -> None:
+    b, probe = new_batch(dev, rng)
+    xa = random_array(rng, (3, 4), np.float32)
+    x = b.upload(xa, name="grid")
+    with fails(b, bg.ShapeError, "reshape", "grid", *fragments):
+        b.reshape(x, shape)
+    flat = b.reshape(x, -1, 6)
+    b.execute()
+    assert_close(b.read_sync(flat), xa.reshape(-1, 6))
+    probe.check()
+
+
+BAD_KEYS = [
+    ((3,), "index 3", "axis 0"),
+    ((slice(None), -5), "index -5", "axis 1"),
+    ((0, 0, 0), "3 indices", "2 dims"),
+    ((slice(1, 1),), "no elements", "slice(1, 1"),
+    ((slice(None, None, 0),), "step", "0"),
+    ((True,), "True", "unsupported"),
+    ((None,), "None", "unsupported"),
+    (([0, 1],), "[0, 1]", "unsupported"),
+    ((Ellipsis, Ellipsis), "Ellipsis", "one"),
+]
+
+
+@pytest.mark.parametrize(("key", "fragment", "detail"), BAD_KEYS, ids=[repr(k) for k, _, _ in BAD_KEYS])
+def test_bad_slice(dev: bg.Device, rng: np.random.Generator, key: tuple, fragment: str, detail: str) -> None:
+    b, probe = new_batch(dev, rng)
+    xa = random_array(rng, (3, 4), np.float32)
+    x = b.upload(xa, name="table")
+    with fails(b, bg.ShapeError, "slice", "table", fragment, detail):
+        _ = x[key if len(key) > 1 else key[0]]
+    row = x[-1, 1::2]
+    b.execute()
+    assert_close(b.read_sync(row), xa[-1, 1::2])
+    probe.check()
+
+
+# feeds -----------------------------------------------------------------------------------------
+
+
+def test_bad_feeds(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    with fails(b, bg.ShapeError, "execute", "probe_x", "(7, 5)", "(5, 7)"):
+        b.execute({probe.x: random_array(rng, (7, 5), np.float32)})
+    with fails(b, bg.DTypeError, "execute", "probe_x", "int32", "float32"):
+        b.execute({probe.x: random_array(rng, (5, 7), np.int32)})
+    with fails(b, bg.DTypeError, "execute", "probe_x", "float64"):
+        b.execute({probe.x: rng.standard_normal((5, 7))})
+    with fails(b, bg.BatchError, "execute", probe.s.name, "not an input"):
+        b.execute({probe.s: random_array(rng, (5, 7), np.float32)})
+    resident = dev.tensor(random_array(rng, (5, 7), np.float32), name="resident_w")
+    with fails(b, bg.BatchError, "execute", "resident_w", "not an input"):
+        b.execute({resident: random_array(rng, (5, 7), np.float32)})
+    other = bg.GpuCommandBatch(dev)
+    foreign = other.upload(random_array(rng, (5, 7), np.float32), name="foreign_in")
+    with fails(b, bg.BatchError, "execute", "foreign_in", b.name):
+        b.execute({foreign: random_array(rng, (5, 7), np.float32)})
+    with fails(b, bg.BatchError, "execute", "'probe_x'", "not an input"):
+        b.execute({"probe_x": random_array(rng, (5, 7), np.float32)})
+    # a rejected feed uploads nothing: a good execute still sees the old inputs
+    b.execute()
+    assert_close(b.read_sync(probe.s), probe.xa + probe.ya)
+    new_x = random_array(rng, (5, 7), np.float32)
+    b.execute({probe.x: new_x})
+    assert_close(b.read_sync(probe.s), new_x + probe.ya)
+    probe.xa = new_x
+    probe.check()
+
+
+# sizes -----------------------------------------------------------------------------------------
+
+
+def test_tensor_over_storage_binding_limit(gpu: bg.Device, rng: np.random.Generator) -> None:
+    limit = gpu.limits.max_storage_buffer_binding_size
+    b, probe = new_batch(gpu, rng)
+    count = limit // 4 + 1
+    big = np.zeros(count, np.float32)  # lazily allocated pages: never touched
+    nbytes = str(count * 4)
+    with fails(b, bg.LimitError, "upload big", "max_storage_buffer_binding_size", nbytes, str(limit)):
+        b.upload(big, name="big")
+    with fails(b, bg.LimitError, "Device.tensor", "max_storage_buffer_binding_size", nbytes, str(limit)):
+        gpu.tensor(big)
+    with fails(b, bg.LimitError, "empty", "max_storage_buffer_binding_size", nbytes, str(limit)):
+        b.empty((count,), np.float32)
+    side = math.isqrt(limit // 4) + 1  # tiny inputs, an output over the limit
+    column = b.upload(random_array(rng, (side, 1), np.float32), name="column")
+    row = b.upload(random_array(rng, (1, side), np.float32), name="row")
+    with fails(b, bg.LimitError, "matmul", f"({side}, {side})", str(side * side * 4), str(limit)):
+        b.matmul(column, row)
+    probe.check()
+
+
+def test_matmul_batch_over_workgroups_per_dimension(gpu: bg.Device, rng: np.random.Generator) -> None:
+    per_dim = gpu.limits.max_compute_workgroups_per_dimension
+    b, probe = new_batch(gpu, rng)
+    stack = b.upload(random_array(rng, (per_dim + 1, 1, 1), np.float32), name="stack")
+    with fails(b, bg.LimitError, "matmul", "max_compute_workgroups_per_dimension", f"{per_dim + 1} > {per_dim}"):
+        b.matmul(stack, stack)
+    probe.check()
+
+
+def test_zero_size_shapes(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    with fails(b, bg.ShapeError, "upload", "(0, 3)"):
+        b.upload(np.zeros((0, 3), np.float32))
+    with fails(b, bg.ShapeError, "upload", "(0,)"):
+        b.upload([], dtype=np.float32)
+    with fails(b, bg.ShapeError, "empty", "(4, 0)"):
+        b.empty((4, 0))
+    with fails(b, bg.ShapeError, "empty", "(-2,)"):
+        b.empty(-2)
+    with fails(b, bg.ShapeError, "Device.tensor", "(2, 0)"):
+        dev.tensor(np.zeros((2, 0), np.int32))
+    # 0-d data is not empty: it keeps its shape and broadcasts like numpy
+    scalar = np.float32(rng.uniform(1, 2))
+    s = b.upload(scalar, name="scalar")
+    assert s.shape == ()
+    shifted = b.add(probe.x, s)
+    b.execute()
+    assert_close(b.read_sync(s), np.asarray(scalar))
+    assert_close(b.read_sync(shifted), probe.xa + scalar)
+    probe.check()
+
+
+# misuse ----------------------------------------------------------------------------------------
+
+
+def test_operands_that_are_not_tensors(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    with fails(b, bg.BatchError, "add", "at least one operand must be a Tensor"):
+        b.add(1.0, 2.0)
+    with fails(b, bg.BatchError, "mul", "b", "list"):
+        b.mul(probe.x, [1.0, 2.0])
+    with fails(b, bg.BatchError, "add", "b", "bool"):
+        b.add(probe.x, True)
+    probe.check()
+
+
+def test_released_batch(dev: bg.Device, rng: np.random.Generator) -> None:
+    b, probe = new_batch(dev, rng)
+    b2 = bg.GpuCommandBatch(dev, name="doomed")
+    xa = random_array(rng, (4,), np.float32)
+    x = b2.upload(xa)
+    y = b2.sqrt(b2.abs(x))
+    b2.execute()
+    b2.release()
+    for action, op in [
+        (lambda: b2.add(x, x), "add"),
+        (lambda: b2.upload(xa), "upload"),
+        (lambda: b2.empty(3), "empty"),
+        (lambda: b2.execute(), "execute"),
+        (lambda: b2.read_sync(y), "read"),
+    ]:
+        with fails(b2, bg.BatchError, op, "'doomed'", "released"):
+            action()
+    # its tensors cannot leak into a live batch, and the device keeps working
+    with fails(b, bg.DeviceMismatchError, "add", "doomed"):
+        b.add(probe.x, y)
+    probe.check()
