@@ -98,7 +98,7 @@ class GpuCommandBatch:
 
         float64/int64 data is refused unless ``dtype`` asks for a cast."""
         self._check_open("upload")
-        array = host_array(data, dtype, what=f"upload {name}".strip())
+        array = host_array(data, dtype, what=f"upload {name}".strip()).copy()  # later edits of data don't leak in
         self.device.check_storable(f"upload {name}".strip(), array.shape, array.dtype)
         tensor = self._new_tensor(array.shape, array.dtype, "input", name or f"input{self._recorded}")
         self._host[tensor.storage] = self._dirty[tensor.storage] = array
@@ -319,7 +319,9 @@ class GpuCommandBatch:
                     f"execute: feed for {tensor.describe()} has dtype {array.dtype.name}, expected {tensor.dtype.name}"
                 )
             if array.shape != tensor.shape:
-                raise ShapeError(f"execute: feed for {tensor.describe()} has shape {array.shape}, expected {tensor.shape}")
+                raise ShapeError(
+                    f"execute: feed for {tensor.describe()} has shape {array.shape}, expected {tensor.shape}"
+                )
             validated[tensor.storage] = array
         return validated
 
@@ -335,9 +337,7 @@ class GpuCommandBatch:
                 written = [t.storage for t in node.outputs] or [t.storage for t in node.inputs]
                 for storage in written:
                     last_write[storage] = index
-            sinks = {
-                s for s, w in last_write.items() if s.kind == "output" and last_read.get(s, -1) <= w
-            }
+            sinks = {s for s, w in last_write.items() if s.kind == "output" and last_read.get(s, -1) <= w}
             self._readback = tuple(sorted(sinks | self._wanted, key=lambda s: s.id))
         return self._readback
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -55,7 +56,7 @@ class Device:
             raise DTypeError(f"{what}: dtype {dtype.name} is not supported on {self.name} (feature shader-f16 missing)")
         if any(extent <= 0 for extent in shape):
             raise ShapeError(f"{what}: shape {shape} has a zero or negative extent; tensors must be non-empty")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         limit = self.limits.max_storage_buffer_binding_size
         if nbytes > limit:
             raise LimitError(
@@ -84,7 +85,9 @@ class Device:
         self._check_resident("Device.write", tensor)
         array = host_array(data, what=f"Device.write {tensor.name}")
         if array.dtype != tensor.dtype:
-            raise DTypeError(f"Device.write: {tensor.describe()} expects dtype {tensor.dtype.name}, got {array.dtype.name}")
+            raise DTypeError(
+                f"Device.write: {tensor.describe()} expects dtype {tensor.dtype.name}, got {array.dtype.name}"
+            )
         if array.shape != tensor.shape:
             raise ShapeError(f"Device.write: {tensor.describe()} expects shape {tensor.shape}, got {array.shape}")
         self.executor.write_resident(tensor.storage, array)

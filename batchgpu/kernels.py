@@ -136,6 +136,10 @@ def wgsl_aliases(**dtypes: np.dtype) -> tuple[tuple[str, str], ...]:
     return tuple(aliases)
 
 
+_DIMS_BLOCK = struct.Struct(f"<{MAX_DIMS}I")
+_ZEROS = (0,) * MAX_DIMS
+
+
 def pack_struct(layout: str, *values: int | float) -> bytes:
     """Pack 4-byte uniform fields (``I`` u32, ``i`` i32, ``f`` f32), padded to 16 bytes."""
     out = struct.pack("<" + layout, *values)
@@ -149,6 +153,5 @@ def pack_params(header: Sequence[int | float], header_format: str, *arrays: Sequ
     """
     out = pack_struct(header_format, *header)
     for values in arrays:
-        padded = list(values) + [0] * (MAX_DIMS - len(values))
-        out += (np.asarray(padded, dtype=np.int64) & 0xFFFFFFFF).astype("<u4").tobytes()
+        out += _DIMS_BLOCK.pack(*(int(v) & 0xFFFFFFFF for v in values), *_ZEROS[len(values) :])
     return out

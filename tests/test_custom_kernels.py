@@ -399,10 +399,13 @@ def test_bad_launch_arguments(dev: bg.Device, rng: np.random.Generator) -> None:
 def test_reference_executor_needs_reference_fn(ref: bg.Device, gpu: bg.Device, rng: np.random.Generator) -> None:
     bare = bg.Kernel(wgsl=SAXPY, entry="main", name="bare_saxpy")
     batch = bg.GpuCommandBatch(ref)
-    _, y, _, _, _ = record_saxpy(batch, rng, 257, bare)  # recording works: nothing runs yet
+    _, y, xa, ya, a = record_saxpy(batch, rng, 257)  # with a reference fn: runs
+    batch.execute()
+    assert_close(batch.read_sync(y), np.float32(a) * xa + ya)
+    record_saxpy(batch, rng, 257, bare)  # recording works: nothing runs yet
     with pytest.raises(bg.UnsupportedError, match=r"bare_saxpy.*reference"):
         batch.execute()
-    with pytest.raises(bg.NotExecutedError):
+    with pytest.raises(bg.NotExecutedError, match=r"last execute\(\) of batch .* failed"):
         batch.read_sync(y)
     assert_batch_works(bg.GpuCommandBatch(ref), rng)  # the device is fine
     on_gpu = bg.GpuCommandBatch(gpu)  # and wgpu runs the same kernel without a reference

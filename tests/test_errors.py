@@ -212,7 +212,7 @@ def test_resident_tensor_of_another_device(dev: bg.Device, other_device: bg.Devi
     foreign = other_device.tensor(random_array(rng, (5, 7), np.float32), name="foreign")
     with fails(b, bg.DeviceMismatchError, "add", "foreign", "another device"):
         b.add(probe.x, foreign)
-    with fails(b, bg.DeviceMismatchError, "Device.read", "foreign"):
+    with fails(b, bg.DeviceMismatchError, "Device.read", "foreign", "another device"):
         dev.read(foreign)
     # a resident tensor of the batch's own device is fine
     wa = random_array(rng, (5, 7), np.float32)

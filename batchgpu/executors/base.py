@@ -33,11 +33,11 @@ class Stats:
         return asdict(self)
 
 
-class Plan(ABC):
+class Plan:
     """What an executor built once for a recorded graph: buffers, pipelines, bind groups/arguments."""
 
 
-class Execution(ABC):
+class Execution:
     """One submitted execute: where its readback results will come from."""
 
     def abandon(self) -> None:
@@ -69,7 +69,7 @@ class Executor(ABC):
     def read_resident(self, storage: Storage) -> np.ndarray:
         """Copy a resident storage to the host (flat array of its dtype)."""
 
-    def prepare(self, launch: Launch) -> None:
+    def prepare(self, launch: Launch) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Compile what ``launch`` needs now, so errors surface at record time (optional)."""
 
     @abstractmethod
@@ -78,9 +78,7 @@ class Executor(ABC):
         storage the batch owns (inputs, constants, outputs, scratch)."""
 
     @abstractmethod
-    def run(
-        self, plan: Plan, writes: Sequence[tuple[Storage, np.ndarray]], readback: Sequence[Storage]
-    ) -> Execution:
+    def run(self, plan: Plan, writes: Sequence[tuple[Storage, np.ndarray]], readback: Sequence[Storage]) -> Execution:
         """Upload ``writes``, encode every launch and the readback copies, and submit once."""
 
     @abstractmethod

@@ -145,8 +145,9 @@ class PipelineCache:
             self._modules.pop(source, None)
             raise CompileError(f"{launch.label}: {self._shader_name(launch)} failed to compile: {exc}") from None
         self._stats.pipelines_compiled += 1
-        log.info("compiled %s:%s in %.1f ms", self._shader_name(launch), launch.entry,
-                 1e3 * (time.perf_counter() - started))
+        log.info(
+            "compiled %s:%s in %.1f ms", self._shader_name(launch), launch.entry, 1e3 * (time.perf_counter() - started)
+        )
         return pipeline
 
     def _custom_layout(self, launch: Launch) -> Any:
@@ -231,6 +232,7 @@ class WgpuExecutor(Executor):
         self.pipelines = PipelineCache(self.device, wgpu, self.stats)
         self.staging = StagingPool(self.device, wgpu, self.stats)
         self._resident: dict[int, Any] = {}  # storage id -> buffer
+        self._group_layouts: dict[Any, Any] = {}  # pipeline -> its bind group layout 0
         self._usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 
     def describe(self) -> dict[str, Any]:
@@ -324,8 +326,11 @@ class WgpuExecutor(Executor):
                 buffer = buffers[binding.storage]
                 resource = {"buffer": buffer, "offset": 0, "size": buffer.size}
             entries.append({"binding": binding.slot, "resource": resource})
+        layout = self._group_layouts.get(pipeline)
+        if layout is None:
+            layout = self._group_layouts[pipeline] = pipeline.get_bind_group_layout(0)
         try:
-            return self.device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=entries)
+            return self.device.create_bind_group(layout=layout, entries=entries)
         except self._wgpu.GPUError as exc:
             raise DeviceError(f"{launch.label}: binding buffers failed ({launch.describe()}): {exc}") from None
 
@@ -351,7 +356,9 @@ class WgpuExecutor(Executor):
         self.stats.dispatches += len(plan.dispatches)
         return execution
 
-    def _encode_copies(self, encoder: Any, copies: list, total: int, layout: ReadbackLayout | None = None) -> WgpuExecution:
+    def _encode_copies(
+        self, encoder: Any, copies: list, total: int, layout: ReadbackLayout | None = None
+    ) -> WgpuExecution:
         staging = self.staging.acquire(total) if total else None
         for _, buffer, offset, size in copies:
             encoder.copy_buffer_to_buffer(buffer, 0, staging, offset, size)

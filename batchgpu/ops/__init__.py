@@ -6,9 +6,7 @@ from . import custom, elementwise, layout, matmul, reduce
 from .spec import Node, OpSpec
 
 OPS: dict[str, OpSpec] = {
-    spec.name: spec
-    for family in (elementwise, layout, matmul, reduce, custom)
-    for spec in family.SPECS
+    spec.name: spec for family in (elementwise, layout, matmul, reduce, custom) for spec in family.SPECS
 }
 
 __all__ = ["OPS", "Node", "OpSpec"]

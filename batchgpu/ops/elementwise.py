@@ -114,9 +114,12 @@ def _binary_launch(node: Node, expression: str) -> list[Launch]:
     a, b = node.inputs
     out = node.output
     modes = (_mode(a, out.shape), _mode(b, out.shape))
-    shape, (a_strides, b_strides) = collapse(
-        out.shape, broadcast_strides(a.shape, out.shape), broadcast_strides(b.shape, out.shape)
-    )
+    if STRIDED in modes:
+        shape, (a_strides, b_strides) = collapse(
+            out.shape, broadcast_strides(a.shape, out.shape), broadcast_strides(b.shape, out.shape)
+        )
+    else:  # every input is read at the output index or is a scalar: no index math in the kernel
+        shape, a_strides, b_strides = (), (), ()
     params = pack_params((out.size, len(shape), 0, 0), "IIII", shape, a_strides, b_strides)
     return [
         Launch(
@@ -140,6 +143,8 @@ def _binary_spec(name: str) -> OpSpec:
         a, b = inputs
         dtype = same_dtype(name, inputs, ("a", "b"))
         check_dtype(name, dtypes, a, "a")
+        if a.shape == b.shape:
+            return a.shape, dtype
         check_rank(name, a)
         check_rank(name, b)
         try:

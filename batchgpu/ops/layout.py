@@ -99,9 +99,7 @@ def _permute_lower(node: Node) -> list[Launch]:
     strides = contiguous_strides(x.shape)
     src_strides = tuple(strides[a] for a in axes)
     return [
-        strided_copy(
-            "permute", x, out.storage, out.dtype, out.shape, 0, src_strides, 0, contiguous_strides(out.shape)
-        )
+        strided_copy("permute", x, out.storage, out.dtype, out.shape, 0, src_strides, 0, contiguous_strides(out.shape))
     ]
 
 
@@ -187,8 +185,7 @@ def _concat_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tup
     for i, t in enumerate(inputs[1:], start=1):
         if t.ndim != first.ndim or any(a != b for d, (a, b) in enumerate(zip(t.shape, first.shape)) if d != axis):
             raise ShapeError(
-                f"concat: tensors[{i}] {t.describe()} does not match tensors[0] {first.describe()} "
-                f"outside axis {axis}"
+                f"concat: tensors[{i}] {t.describe()} does not match tensors[0] {first.describe()} outside axis {axis}"
             )
     shape = list(first.shape)
     shape[axis] = sum(t.shape[axis] for t in inputs)

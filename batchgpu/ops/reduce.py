@@ -118,19 +118,36 @@ def _row_passes(node: Node, name: str, source: Tensor, outer: int, r: int) -> li
         storage = node.new_scratch(outer * chunks * partial_dtype.itemsize, partial_dtype)
         op = "sum" if name == "mean" else name
         launches.append(_reduce_launch(op, source, storage, partial_dtype, outer, r, 1, 1.0, chunk=ROW_CHUNK))
-        source = Tensor((outer, chunks), partial_dtype, storage, device=source.device, batch=source.batch,
-                        name=f"{name}.partials")
+        source = Tensor(
+            (outer, chunks), partial_dtype, storage, device=source.device, batch=source.batch, name=f"{name}.partials"
+        )
         r = chunks
     launches.append(_reduce_launch(name, source, out.storage, out.dtype, outer, r, 1, scale))
     return launches
 
 
 def _reduce_launch(
-    name: str, x: Tensor, out: Storage, out_dtype: np.dtype, outer: int, r: int, inner: int, scale: float,
+    name: str,
+    x: Tensor,
+    out: Storage,
+    out_dtype: np.dtype,
+    outer: int,
+    r: int,
+    inner: int,
+    scale: float,
     chunk: int = 0,
 ) -> Launch:
     return row_or_column_launch(
-        name, "reduce", x, out, out_dtype, outer, r, inner, scale=scale, chunk=chunk or r,
+        name,
+        "reduce",
+        x,
+        out,
+        out_dtype,
+        outer,
+        r,
+        inner,
+        scale=scale,
+        chunk=chunk or r,
         constants=(("OP", REDUCE_OPS[name]), ("MEAN", name == "mean")),
     )
 
@@ -212,8 +229,17 @@ def _softmax_lower(node: Node) -> list[Launch]:
     return [
         to_rows,
         row_or_column_launch("softmax", "softmax", rows, result, x.dtype, x.size // r, r, 1),
-        strided_copy("softmax", Tensor(rows.shape, x.dtype, result, device=x.device, batch=x.batch), out.storage,
-                     out.dtype, out.shape, 0, tuple(strides[d] for d in back), 0, contiguous_strides(out.shape)),
+        strided_copy(
+            "softmax",
+            Tensor(rows.shape, x.dtype, result, device=x.device, batch=x.batch),
+            out.storage,
+            out.dtype,
+            out.shape,
+            0,
+            tuple(strides[d] for d in back),
+            0,
+            contiguous_strides(out.shape),
+        ),
     ]
 
 
