@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from .batch import GpuCommandBatch, default_device
 from .device import Device
 from .errors import (
@@ -18,9 +20,12 @@ from .errors import (
 from .kernels import Kernel
 from .limits import Limits
 from .ops import OPS
+from .profiling import Profile
 from .tensor import Tensor
 
 __version__ = "0.1.0"
+
+logging.getLogger("batchgpu").addHandler(logging.NullHandler())  # compile events, cache hits/misses
 
 __all__ = [
     "OPS",
@@ -35,6 +40,7 @@ __all__ = [
     "LimitError",
     "Limits",
     "NotExecutedError",
+    "Profile",
     "ShapeError",
     "Tensor",
     "UnsupportedError",

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from . import profiling
 from .device import Device
 from .dtypes import FLOATS, as_dtype, host_array
 from .errors import BatchError, DeviceMismatchError, DTypeError, NotExecutedError, ShapeError
@@ -18,6 +20,7 @@ from .limits import check_launch
 from .ops import OPS, Node
 from .ops.custom import normalize_grid, pack_scalars
 from .ops.elementwise import BINARY, UNARY
+from .profiling import Profile
 from .tensor import Storage, Tensor
 
 Scalar = int | float | np.number
@@ -79,6 +82,8 @@ class GpuCommandBatch:
         self._recorded = 0
         self._executed_mark = -1
         self._released = False
+        self._record_spans: list[tuple[float, float]] = []  # host time of each record call (profiling)
+        self._profiled: profiling.Session | None = None  # the latest execute(profile=True)
 
     def __repr__(self) -> str:
         return f"GpuCommandBatch({self.name!r}, {len(self._nodes)} ops, {self.device!r})"
@@ -209,6 +214,7 @@ class GpuCommandBatch:
 
     def _record(self, op: str, operands: Sequence[Any], **params: Any) -> Any:
         """Validate, infer, lower and check one op against the device; commit only if all pass."""
+        started = time.perf_counter()
         self._check_open(op)
         spec = OPS[op]
         constants: list[tuple[Storage, np.ndarray]] = []
@@ -227,6 +233,7 @@ class GpuCommandBatch:
             if launch.kernel is not None:
                 self.device.executor.prepare(launch)
         self._commit(node, constants)
+        self._record_spans.append((started, time.perf_counter()))
         return outputs[0] if outputs else None
 
     def _commit(self, node: Node, constants: list[tuple[Storage, np.ndarray]]) -> None:
@@ -282,31 +289,51 @@ class GpuCommandBatch:
 
     # execution -------------------------------------------------------------------------------
 
-    def execute(self, feeds: Mapping[Tensor, Any] | None = None) -> None:
+    def execute(self, feeds: Mapping[Tensor, Any] | None = None, *, profile: bool = False) -> None:
         """Upload new inputs, encode every op and the readback copies, submit once; returns without
-        waiting for the GPU."""
+        waiting for the GPU. ``profile=True`` also times every dispatch (see :meth:`profile`)."""
         self._check_open("execute")
+        session = profiling.start(self, profile)
         feeds = self._validate_feeds(feeds or {})
         executor = self.device.executor
         plan = self._plan
         if plan is None:  # a new plan has new buffers: every input and constant is uploaded again
+            planning = time.perf_counter()
             plan = executor.plan(self._nodes, self._storages)
             writes = {**self._host, **self._dirty, **feeds}
+            if session is not None:
+                session.span("plan", planning)
         else:
             writes = {**self._dirty, **feeds}
         readback = self._readback_storages()
         if self._execution is not None:
+            if self._profiled is not None:
+                self._profiled.settle()  # read its timestamps before its readback buffer is recycled
             self._execution.abandon()
             self._execution = self._executed_plan = None
-        self._execution = executor.run(plan, list(writes.items()), readback)
+        self._execution = executor.run(plan, list(writes.items()), readback, profile=session)
         self._plan = self._executed_plan = plan
         self._host.update(writes)
         self._dirty.clear()
         self._executed_mark = self._recorded
+        if session is not None:
+            session.finish()
+            self._profiled = session
 
-    async def execute_async(self, feeds: Mapping[Tensor, Any] | None = None) -> None:
+    async def execute_async(self, feeds: Mapping[Tensor, Any] | None = None, *, profile: bool = False) -> None:
         """``execute()`` for asyncio code: submits and returns; await ``read`` for results."""
-        self.execute(feeds)
+        self.execute(feeds, profile=profile)
+
+    def profile(self) -> Profile:
+        """Timing of the latest ``execute(profile=True)``: per dispatch the op, kernel, shapes, workgroups,
+        GPU µs (wgpu timestamp queries) or host µs (reference executor) and share of the total, plus
+        host spans. ``print()`` it for a table. Waits for the GPU."""
+        return profiling.result(self)
+
+    def save_trace(self, path: Any) -> Any:
+        """Write the latest profiled execute as a Chrome trace-event JSON file (Perfetto, chrome://tracing):
+        one track for host recording/encoding, one for the GPU ops. Returns the path."""
+        return self.profile().save_trace(path)
 
     def _validate_feeds(self, feeds: Mapping[Tensor, Any]) -> dict[Storage, np.ndarray]:
         validated = {}
@@ -397,6 +424,8 @@ class GpuCommandBatch:
             self._execution.abandon()
         self._plan = self._execution = self._executed_plan = None
         self._nodes.clear()
+        self._record_spans.clear()
+        self._profiled = None
         self._released = True
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,12 +14,17 @@ from ..limits import Limits
 from ..ops import Node
 from ..tensor import Storage
 
+if TYPE_CHECKING:
+    from ..profiling import Session
+
 
 @dataclass
 class Stats:
     """Monotonic counters of one device (``buffers_live`` and ``staging_idle`` are gauges)."""
 
-    pipelines_compiled: int = 0
+    pipelines_compiled: int = 0  # pipelines created through wgpu by this process
+    pipeline_cache_hits: int = 0  # ... of which an earlier process built and dispatched (driver disk cache)
+    pipeline_cache_misses: int = 0  # ... of which are new: compiled from scratch by the driver
     submits: int = 0
     dispatches: int = 0
     bytes_uploaded: int = 0
@@ -78,8 +83,16 @@ class Executor(ABC):
         storage the batch owns (inputs, constants, outputs, scratch)."""
 
     @abstractmethod
-    def run(self, plan: Plan, writes: Sequence[tuple[Storage, np.ndarray]], readback: Sequence[Storage]) -> Execution:
-        """Upload ``writes``, encode every launch and the readback copies, and submit once."""
+    def run(
+        self,
+        plan: Plan,
+        writes: Sequence[tuple[Storage, np.ndarray]],
+        readback: Sequence[Storage],
+        *,
+        profile: Session | None = None,
+    ) -> Execution:
+        """Upload ``writes``, encode every launch and the readback copies, and submit once. With a
+        ``profile`` session, also note host spans and per-dispatch device times into it."""
 
     @abstractmethod
     async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:

@@ -3,7 +3,9 @@ It defines the semantics every device executor is tested against."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,6 +15,9 @@ from ..limits import Limits
 from ..ops import Node
 from ..tensor import Storage, Tensor
 from .base import Execution, Executor, Plan, Stats
+
+if TYPE_CHECKING:
+    from ..profiling import Session
 
 
 class ReferencePlan(Plan):
@@ -60,15 +65,24 @@ class ReferenceExecutor(Executor):
         return ReferencePlan(nodes, arrays)
 
     def run(
-        self, plan: Plan, writes: Sequence[tuple[Storage, np.ndarray]], readback: Sequence[Storage]
+        self,
+        plan: Plan,
+        writes: Sequence[tuple[Storage, np.ndarray]],
+        readback: Sequence[Storage],
+        *,
+        profile: Session | None = None,
     ) -> ReferenceExecution:
         assert isinstance(plan, ReferencePlan)
+        started = time.perf_counter()
         for storage, data in writes:
             plan.arrays[storage][:] = data.reshape(-1)
             self.stats.bytes_uploaded += data.nbytes
-        for node in plan.nodes:
-            self._run_node(plan, node)
-            self.stats.dispatches += len(node.launches)
+        if profile is not None:
+            profile_host_ops(self, plan, profile, started)
+        else:
+            for node in plan.nodes:
+                self._run_node(plan, node)
+                self.stats.dispatches += len(node.launches)
         self.stats.submits += 1
         return ReferenceExecution({s: plan.arrays[s].copy() for s in readback})
 
@@ -101,3 +115,16 @@ class ReferenceExecutor(Executor):
 
 def _view(arrays: dict[Storage, np.ndarray], tensor: Tensor) -> np.ndarray:
     return arrays[tensor.storage][: tensor.size].reshape(tensor.shape)
+
+
+def profile_host_ops(executor: ReferenceExecutor, plan: ReferencePlan, profile: Session, started: float) -> None:
+    """Run the ops timing each on the host: numpy has no GPU timeline."""
+    profile.message = "GPU timing unavailable on the reference executor (numpy): host time per op"
+    cursor = profile.span("upload", started)
+    for index, node in enumerate(plan.nodes):
+        begin = time.perf_counter()
+        executor._run_node(plan, node)
+        if node.launches:
+            profile.op_host[index] = (begin, time.perf_counter())
+        executor.stats.dispatches += len(node.launches)
+    profile.span("run ops", cursor)

@@ -15,10 +15,12 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..cache import DiskIndex, configure_driver_cache
+from ..coldstart import import_wgpu
 from ..dtypes import FLOAT16, SUPPORTED
 from ..errors import CompileError, DeviceError, LimitError
 from ..kernels import Launch
@@ -27,6 +29,10 @@ from ..ops import Node
 from ..shaders import render_wgsl
 from ..tensor import Storage
 from .base import Execution, Executor, Plan, Stats
+from .wgpu_timing import GpuTimer
+
+if TYPE_CHECKING:
+    from ..profiling import Session
 
 log = logging.getLogger("batchgpu")
 
@@ -112,6 +118,7 @@ class PipelineCache:
         self._modules: dict[str, Any] = {}
         self._pipelines: dict[tuple, Any] = {}
         self._layouts: dict[tuple[int, bool], Any] = {}
+        self.disk = DiskIndex(stats)  # pipelines built by earlier processes (see batchgpu/cache.py)
 
     def get(self, launch: Launch) -> Any:
         source = launch.kernel.wgsl if launch.kernel else render_wgsl(launch.family, launch.types, launch.snippets)
@@ -119,6 +126,7 @@ class PipelineCache:
         pipeline = self._pipelines.get(key)
         if pipeline is None:
             pipeline = self._pipelines[key] = self._compile(launch, source)
+            self.disk.created(pipeline, key)
         return pipeline
 
     def _shader_name(self, launch: Launch) -> str:
@@ -216,7 +224,8 @@ class WgpuExecutor(Executor):
 
     def __init__(self, adapter: Any = None, *, poison: bool = False) -> None:
         _quiet_environment()
-        import wgpu
+        driver_cache = configure_driver_cache()  # before the graphics instance exists
+        wgpu = import_wgpu()
 
         self._wgpu = wgpu
         chosen = choose_adapter(wgpu, adapter)
@@ -230,6 +239,7 @@ class WgpuExecutor(Executor):
         self.stats = Stats()
         self.poison = poison
         self.pipelines = PipelineCache(self.device, wgpu, self.stats)
+        self.pipelines.disk.open(chosen, driver_cache)
         self.staging = StagingPool(self.device, wgpu, self.stats)
         self._resident: dict[int, Any] = {}  # storage id -> buffer
         self._group_layouts: dict[Any, Any] = {}  # pipeline -> its bind group layout 0
@@ -298,6 +308,7 @@ class WgpuExecutor(Executor):
             bind_group = self._bind_group(pipeline, launch, buffers, params_buffer, offset)
             grid = split_groups(launch.groups, self.limits) if isinstance(launch.groups, int) else launch.groups
             dispatches.append((pipeline, bind_group, *grid))
+        self.pipelines.disk.dispatched([d[0] for d in dispatches])
         return WgpuPlan(buffers, dispatches, params_buffer)
 
     def _params_buffer(self, launches: Sequence[Launch]) -> tuple[Any, list[int]]:
@@ -337,22 +348,38 @@ class WgpuExecutor(Executor):
     # execution --------------------------------------------------------------------------------
 
     def run(
-        self, plan: Plan, writes: Sequence[tuple[Storage, np.ndarray]], readback: Sequence[Storage]
+        self,
+        plan: Plan,
+        writes: Sequence[tuple[Storage, np.ndarray]],
+        readback: Sequence[Storage],
+        *,
+        profile: Session | None = None,
     ) -> WgpuExecution:
         assert isinstance(plan, WgpuPlan)
+        timer = GpuTimer(self, plan, profile, time.perf_counter()) if profile is not None else None
         for storage, data in writes:
             self._write(plan.buffers[storage], data)
+        if timer:
+            timer.uploaded()
         encoder = self.device.create_command_encoder()
         if plan.dispatches:
-            compute = encoder.begin_compute_pass()
+            compute = encoder.begin_compute_pass(**timer.pass_descriptor()) if timer else encoder.begin_compute_pass()
+            if timer:
+                compute = timer.wrap(compute)  # writes a timestamp before and after each dispatch
             for pipeline, bind_group, x, y, z in plan.dispatches:
                 compute.set_pipeline(pipeline)
                 compute.set_bind_group(0, bind_group)
                 compute.dispatch_workgroups(x, y, z)
             compute.end()
         layout = plan.readback_layout(readback)
+        if timer:
+            layout = timer.extend_readback(encoder, layout)
         execution = self._encode_copies(encoder, layout.copies, layout.total, layout)
+        if timer:
+            timer.encoded()
         self._submit(encoder)
+        if timer:
+            timer.submitted(execution)
         self.stats.dispatches += len(plan.dispatches)
         return execution
 
