@@ -107,7 +107,7 @@ class PipelineIndex:
         return key in self.known
 
     def add(self, keys: list[str]) -> None:
-        new = [k for k in keys if k not in self.known]
+        new = [k for k in dict.fromkeys(keys) if k not in self.known]
         if not new:
             return
         self.known.update(new)

@@ -33,6 +33,8 @@ def profile_all(enabled: bool = True) -> None:
     """Profile every ``execute()`` of every batch from now on (``python -m batchgpu profile``)."""
     global _profile_all
     _profile_all = enabled
+    if enabled:
+        _profiled_batches.clear()
 
 
 def profiled_batches() -> list[GpuCommandBatch]:

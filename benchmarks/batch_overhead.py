@@ -321,6 +321,51 @@ def setup_raw(device: Any, x0: np.ndarray, ops: int) -> Bench:
     return Bench({"setup_s": setup}, one_round)
 
 
+# sweep over op counts (python -m batchgpu bench) ---------------------------------------------
+
+
+def sweep(
+    dev: bg.Device,
+    op_counts: list[int],
+    *,
+    repeat: int = 5,
+    size: int = 256,
+    naive_ops: int = 50,
+    progress: Callable[..., Any] | None = None,
+) -> list[dict[str, float]]:
+    """Milliseconds per batch of ``n`` chained ops for each ``n`` in ``op_counts``: (a) one batch,
+    execute + read; (b) one submit per op, execute all + read the last; (c) naive raw wgpu-py (run for
+    at most ``naive_ops`` ops and scaled to ``n``). Medians of ``repeat`` interleaved rounds."""
+    x0 = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    raw_device = dev.executor.device
+    rows = []
+    counts = progress(op_counts, "op counts") if progress else op_counts
+    for ops in counts:
+        naive = min(naive_ops, ops)
+        benches = {
+            "batched": setup_library_batch(dev, x0, ops),
+            "per_op_submit": setup_library_per_op(dev, x0, ops),
+            "naive": setup_naive(raw_device, x0, naive),
+        }
+        samples: dict[str, list[float]] = {name: [] for name in benches}
+        for _ in range(max(1, repeat)):
+            for name, bench in benches.items():
+                figures = bench.one_round()
+                samples[name].append(figures["total_s"] if name == "naive" else figures["execute_read_s"])
+        for bench in benches.values():
+            bench.close()
+        rows.append(
+            {
+                "ops": ops,
+                "batched_ms": 1e3 * statistics.median(samples["batched"]),
+                "per_op_submit_ms": 1e3 * statistics.median(samples["per_op_submit"]),
+                "naive_ms": 1e3 * statistics.median(samples["naive"]) * ops / naive,
+                "naive_ops_run": naive,
+            }
+        )
+    return rows
+
+
 # report ---------------------------------------------------------------------------------------
 
 

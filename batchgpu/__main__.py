@@ -1,0 +1,8 @@
+"""``python -m batchgpu info | bench | profile SCRIPT``: see :mod:`batchgpu.cli`."""
+
+from __future__ import annotations
+
+from .cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

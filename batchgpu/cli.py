@@ -1,0 +1,336 @@
+"""``python -m batchgpu``: ``info``, ``bench`` and ``profile``.
+
+- ``info``: wgpu adapters (backend, type, limits, features) and the one ``Device()`` picks, the cache
+  dir, and whether CUDA/HIP drivers load (batchgpu has no CUDA/HIP executor yet).
+- ``bench``: ms per batch vs op count for one batch / one submit per op / naive raw wgpu-py (from
+  ``benchmarks/batch_overhead.py``), decode tokens/s when ``benchmarks/decode.py`` provides
+  ``decode_tokens_per_s(dev, quick) -> {label: tokens/s}``, and a PNG plot (matplotlib).
+- ``profile SCRIPT [ARGS...]``: runs a script with every batch execute profiled, then prints each
+  batch's per-op table for its latest execute (and ``--trace`` writes a Chrome trace of them all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import json
+import logging
+import os
+import platform
+import runpy
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from . import __version__, cache, coldstart, profiling
+from .progress import progress
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+DEFAULT_OPS = (10, 100, 1000)
+PIPELINE_CACHE_NOTE = (
+    "pipeline-cache: the adapter has it, but wgpu-py 0.32 exposes no pipeline-cache API; batchgpu keeps "
+    "the driver's shader disk cache and a pipeline index in the cache dir instead"
+)
+QUICK_OPS = (10, 50)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m batchgpu", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log compiles (-v) and cache hits (-vv)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="adapters, the default device, cache dir, CUDA/HIP availability")
+    info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    info.add_argument("--all-limits", action="store_true", help="every adapter limit, not just those batchgpu checks")
+
+    bench = sub.add_parser("bench", help="benchmark suite: tables and a PNG plot")
+    bench.add_argument("--quick", action="store_true", help=f"op counts {QUICK_OPS}, 2 rounds (seconds, for tests)")
+    bench.add_argument("--ops", help=f"comma-separated op counts (default {','.join(map(str, DEFAULT_OPS))})")
+    bench.add_argument("--repeat", type=int, help="timed rounds per figure (default 5, quick 2)")
+    bench.add_argument("--plot", default="batchgpu-bench.png", help="PNG path (default batchgpu-bench.png)")
+    bench.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+
+    prof = sub.add_parser("profile", help="run a script with every batch execute profiled")
+    prof.add_argument("script", help="a Python script, e.g. examples/ffn_layer.py")
+    prof.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    prof.add_argument("--trace", metavar="PATH", help="write a Chrome trace (Perfetto) of every profiled batch")
+    prof.add_argument("--top", type=int, help="show only the N slowest dispatches per batch")
+
+    args = parser.parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO, format="%(name)s: %(message)s")
+    return {"info": cmd_info, "bench": cmd_bench, "profile": cmd_profile}[args.command](args)
+
+
+# info -------------------------------------------------------------------------------------------
+
+
+def native_driver(names: list[str], count_symbol: str, init: str | None = None) -> dict[str, Any]:
+    """Try to load a GPU driver library with ctypes; report the error text when it does not load."""
+    errors = []
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError as exc:
+            errors.append(str(exc))
+            continue
+        count = ctypes.c_int(0)
+        try:
+            if init is not None and getattr(lib, init)(0) != 0:
+                return {"available": False, "library": name, "reason": f"{init}(0) failed: no usable device/driver"}
+            status = getattr(lib, count_symbol)(ctypes.byref(count))
+        except AttributeError as exc:
+            return {"available": False, "library": name, "reason": str(exc)}
+        if status != 0:
+            return {"available": False, "library": name, "reason": f"{count_symbol} returned error {status}"}
+        return {"available": count.value > 0, "library": name, "devices": count.value, "reason": ""}
+    return {"available": False, "library": None, "reason": "; ".join(errors)}
+
+
+def cuda_hip_status() -> dict[str, dict[str, Any]]:
+    if sys.platform == "win32":
+        cuda_names, hip_names = ["nvcuda.dll"], ["amdhip64.dll", "amdhip64_6.dll"]
+    else:
+        cuda_names, hip_names = ["libcuda.so.1", "libcuda.so"], ["libamdhip64.so", "libamdhip64.so.6"]
+    status = {
+        "cuda": native_driver(cuda_names, "cuDeviceGetCount", init="cuInit"),
+        "hip": native_driver(hip_names, "hipGetDeviceCount"),
+    }
+    for entry in status.values():
+        entry["executor"] = "none yet: batchgpu has no CUDA/HIP executor (planned behind executors/base.py)"
+    return status
+
+
+def adapter_report(all_limits: bool) -> dict[str, Any]:
+    """The wgpu adapters, or why there are none."""
+    try:
+        cache.configure_driver_cache()
+        wgpu = coldstart.import_wgpu()
+        from .executors.wgpu import _adapter_rank, _quiet_environment
+        from .limits import Limits
+
+        _quiet_environment()
+        adapters = wgpu.gpu.enumerate_adapters_sync()
+    except Exception as exc:
+        return {"adapters": [], "default": None, "reason": f"wgpu unavailable: {type(exc).__name__}: {exc}"}
+    if not adapters:
+        return {"adapters": [], "default": None, "reason": "wgpu found no adapter (install mesa-vulkan-drivers)"}
+    checked = set(Limits.__dataclass_fields__)
+    listed = []
+    for index, adapter in enumerate(adapters):
+        info = dict(adapter.info)
+        limits = {k: v for k, v in dict(adapter.limits).items() if all_limits or k.replace("-", "_") in checked}
+        listed.append(
+            {
+                "index": index,
+                "summary": adapter.summary,
+                "backend": info.get("backend_type"),
+                "type": info.get("adapter_type"),
+                "vendor": info.get("vendor"),
+                "description": info.get("description"),
+                "features": sorted(adapter.features),
+                "limits": limits,
+            }
+        )
+    requested = os.environ.get("BATCHGPU_DEVICE")
+    best = min(range(len(adapters)), key=lambda i: _adapter_rank(adapters[i]))
+    return {"adapters": listed, "default": best, "reason": "", "BATCHGPU_DEVICE": requested}
+
+
+def wrap(text: str) -> str:
+    return textwrap.fill(text, width=110, initial_indent="    ", subsequent_indent="        ", break_on_hyphens=False)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    versions = {"batchgpu": __version__, "python": platform.python_version()}
+    for module in ("numpy", "wgpu"):
+        try:
+            versions[module] = __import__(module).__version__
+        except Exception as exc:  # reported, not fatal
+            versions[module] = f"unavailable ({exc})"
+    report = {
+        "versions": versions,
+        "cache_dir": str(cache.cache_dir()) if cache.cache_dir() else "off",
+        **adapter_report(args.all_limits),
+        "native": cuda_hip_status(),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print("batchgpu " + ", ".join(f"{k} {v}" for k, v in versions.items() if k != "batchgpu") + f" ({__version__})")
+    print(f"cache dir: {report['cache_dir']}  (${cache.ENV_CACHE_DIR}; 'off' disables)")
+    print()
+    if not report["adapters"]:
+        print(f"wgpu: no adapter: {report['reason']}")
+    for adapter in report["adapters"]:
+        mark = "   <- default: bg.Device()" if adapter["index"] == report["default"] else ""
+        print(f"[{adapter['index']}] {adapter['summary']}{mark}")
+        print(f"    backend {adapter['backend']}, type {adapter['type']}, vendor {adapter['vendor'] or '-'}")
+        print(wrap("features: " + (", ".join(adapter["features"]) or "-")))
+        print(wrap("limits: " + ", ".join(f"{k}={v}" for k, v in sorted(adapter["limits"].items()))))
+        if "pipeline-cache" in adapter["features"]:
+            print(wrap(PIPELINE_CACHE_NOTE))
+    if report["adapters"]:
+        print("default pick: discrete > integrated > virtual > CPU, native APIs before OpenGL", end="")
+        override = report.get("BATCHGPU_DEVICE")
+        print(f"; BATCHGPU_DEVICE={override}" if override else "")
+    print()
+    for name, entry in report["native"].items():
+        label = name.upper()
+        if entry["available"]:
+            print(f"{label}: driver {entry['library']} loads, {entry['devices']} device(s)")
+        else:
+            print(f"{label}: not available: {entry['reason']}")
+        print(f"    executor: {entry['executor']}")
+    return 0
+
+
+# bench ------------------------------------------------------------------------------------------
+
+
+def load_benchmark(name: str) -> ModuleType | None:
+    """``benchmarks/<name>.py`` of the source checkout, or None when absent."""
+    path = BENCHMARKS / f"{name}.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(f"batchgpu_benchmarks_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def decode_figures(dev: Any, quick: bool) -> dict[str, float] | None:
+    """Decode tokens/s from ``benchmarks/decode.py``'s ``decode_tokens_per_s``, when it exists."""
+    module = load_benchmark("decode")
+    run = getattr(module, "decode_tokens_per_s", None) if module else None
+    if run is None:
+        return None
+    return {str(k): float(v) for k, v in run(dev, quick=quick).items()}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    overhead = load_benchmark("batch_overhead")
+    if overhead is None:
+        print(f"bench needs the benchmarks/ folder of a source checkout; not found at {BENCHMARKS}", file=sys.stderr)
+        return 2
+    import batchgpu as bg
+
+    op_counts = [int(n) for n in args.ops.split(",")] if args.ops else list(QUICK_OPS if args.quick else DEFAULT_OPS)
+    repeat = args.repeat or (2 if args.quick else 5)
+    naive_ops = 5 if args.quick else 50
+    started = time.perf_counter()
+    dev = bg.Device()
+    print(f"device: {dev.name}")
+    print(f"chain of n alternating add/mul ops on (256,) float32; median of {repeat} rounds; ms per whole chain")
+    rows = overhead.sweep(dev, op_counts, repeat=repeat, naive_ops=naive_ops, progress=progress)
+    table = [
+        [
+            str(r["ops"]),
+            f"{r['batched_ms']:.2f}",
+            f"{r['per_op_submit_ms']:.2f}",
+            f"{r['naive_ms']:.2f}",
+            f"{r['naive_ms'] / r['batched_ms']:.1f}x",
+        ]
+        for r in rows
+    ]
+    header = ["ops", "batched ms", "per-op submit ms", "naive ms*", "naive/batched"]
+    print("\n".join(profiling.markdown_table(header, table, "rrrrr")))
+    print(f"* naive raw wgpu-py runs at most {naive_ops} ops per round and is scaled to n")
+    print()
+    decode = decode_figures(dev, args.quick)
+    if decode is None:
+        print("decode benchmark not available yet")
+    else:
+        cells = [[label, f"{tokens:.1f}"] for label, tokens in decode.items()]
+        print("\n".join(profiling.markdown_table(["decode", "tokens/s"], cells, "<r")))
+    plot = write_plot(rows, decode, dev.name, Path(args.plot)) if args.plot else None
+    if plot:
+        print(f"plot: {plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": dev.name, "sweep": rows, "decode": decode}, indent=2) + "\n")
+    print(f"bench took {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def write_plot(rows: list[dict[str, float]], decode: dict[str, float] | None, device: str, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install 'batchgpu[cli]')")
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    ops = [r["ops"] for r in rows]
+    for key, label, style in (
+        ("batched_ms", "one batch (1 submit)", "o-"),
+        ("per_op_submit_ms", "one submit per op", "s-"),
+        ("naive_ms", "naive raw wgpu-py", "^--"),
+    ):
+        left.plot(ops, [r[key] for r in rows], style, label=label)
+    left.set_xscale("log")
+    left.set_yscale("log")
+    left.set_xticks(ops, [str(n) for n in ops])
+    left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    left.set_xlabel("ops in the chain")
+    left.set_ylabel("ms per batch (execute + read)")
+    left.set_title("batch overhead")
+    left.grid(True, which="both", alpha=0.3)
+    left.legend()
+    if decode:
+        right.bar(list(decode), list(decode.values()))
+        right.set_ylabel("tokens/s")
+        right.set_title("decode")
+    else:
+        right.axis("off")
+        right.text(0.5, 0.5, "decode benchmark\nnot available yet", ha="center", va="center", fontsize=12)
+    fig.suptitle(device, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# profile ----------------------------------------------------------------------------------------
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    script = Path(args.script)
+    if not script.is_file():
+        print(f"profile: no such script: {script}", file=sys.stderr)
+        return 2
+    script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(script), *script_args]
+    sys.path.insert(0, str(script.resolve().parent))
+    profiling.profile_all(True)
+    code = 0
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        profiling.profile_all(False)
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    profiles = []
+    for batch in profiling.profiled_batches():
+        if batch._profiled is None:
+            print(f"\n(batch {batch.name!r} was released before its profile could be shown)")
+            continue
+        profile = batch.profile()
+        profiles.append(profile)
+        print()
+        print(profile.table(limit=args.top))
+    if not profiles:
+        print("\nprofile: the script executed no batch")
+    if args.trace and profiles:
+        print(f"\ntrace: {profiling.save_traces(profiles, args.trace)} (open in https://ui.perfetto.dev)")
+    return code
