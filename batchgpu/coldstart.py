@@ -40,6 +40,7 @@ log = logging.getLogger("batchgpu")
 
 ENV_FAST_IMPORT = "BATCHGPU_FAST_IMPORT"
 _SIMPLE_TYPE = re.compile(r"^\s*(const\s+)?([A-Za-z_]\w*)\s*(const\s*)?(\*|\[\s*(\d*)\s*\])?\s*$")
+_FUNCTION_TYPE = re.compile(r"^\s*([^()]+?)\s*\(([^()]*)\)\s*$")  # "void(WGPUMapAsyncStatus, void *)"
 _PICKLE_MODULES = ("cffi.model", "builtins", "copyreg")
 stats = {"header_cache": "unused", "fast_types": 0, "slow_types": 0, "import_s": 0.0}
 
@@ -87,7 +88,7 @@ class _header_cache:
         self._api = cffi.api
         self._original = self._api.FFI._cdef
         folder = cache.subdir("cffi")
-        if folder is None:
+        if folder is None:  # no header cache; the fast type lookup is installed after the import
             return
         versions = f"cffi {cffi.__version__} pycparser {pycparser.__version__} python {sys.version}"
         original = self._original
@@ -97,10 +98,10 @@ class _header_cache:
                 return original(ffi, csource, override=override, **options)
             digest = hashlib.sha256((versions + "\0" + csource).encode()).hexdigest()[:32]
             path = folder / f"header-{digest}.pickle"
-            if _load_header(ffi, csource, path):
-                return None
-            original(ffi, csource, override=override, **options)
-            _save_header(ffi, path)
+            if not _load_header(ffi, csource, path):
+                original(ffi, csource, override=override, **options)
+                _save_header(ffi, path)
+            install_fast_types(ffi)  # before wgpu-py's import names its first types
             return None
 
         self._api.FFI._cdef = cdef
@@ -172,10 +173,28 @@ def fast_type(parser: Any, cdecl: str, model: Any, resolve_common_type: Any) -> 
     """The (type, qualifiers) cffi's parser gives for a simple type string, or None when not simple.
 
     Mirrors ``cffi.cparser.Parser._get_type_and_quals`` for a typedef name or a one-word primitive,
-    optionally const, as is, as a pointer, or as an array."""
+    optionally const, as is, as a pointer, or as an array; and ``_parse_function_type`` for a function
+    type (callback signature) whose result and arguments are such simple types."""
     match = _SIMPLE_TYPE.match(cdecl)
     if match is None:
-        return None
+        function = _FUNCTION_TYPE.match(cdecl)
+        if function is None:
+            return None
+        result = fast_type(parser, function.group(1), model, resolve_common_type)
+        names = [a.strip() for a in function.group(2).split(",")] if function.group(2).strip() else []
+        if names == ["void"]:
+            names = []
+        args = [fast_type(parser, name, model, resolve_common_type) for name in names]
+        if result is None or any(a is None or a[0] is model.void_type for a in args) or "..." in names:
+            return None
+        arg_types = []
+        for tp, quals in args:  # type: ignore[misc]
+            if isinstance(tp, model.ArrayType):
+                tp = model.PointerType(tp.item, quals)
+            elif isinstance(tp, model.RawFunctionType):
+                tp = tp.as_function_pointer()
+            arg_types.append(tp)
+        return model.RawFunctionType(tuple(arg_types), result[0], False, None), 0
     const_before, name, const_after, suffix, length = match.groups()
     declared = parser._declarations.get("typedef " + name)
     if declared is not None:

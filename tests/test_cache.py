@@ -123,13 +123,14 @@ def test_header_cache_refuses_foreign_pickles():
 
 
 def wgpu_type_strings() -> set[str]:
-    """Every string literal in wgpu-py's native backend that looks like a simple C type."""
+    """Every string literal in wgpu-py's native backend that looks like a simple C type or a callback
+    signature of simple types."""
     import wgpu.backends.wgpu_native as native
 
     found: set[str] = set()
     for source in Path(native.__file__).parent.glob("*.py"):
-        for literal in re.findall(r'"([^"\n]{1,80})"', source.read_text()):
-            if coldstart._SIMPLE_TYPE.match(literal):
+        for literal in re.findall(r'"([^"\n]{1,200})"', source.read_text()):
+            if coldstart._SIMPLE_TYPE.match(literal) or coldstart._FUNCTION_TYPE.match(literal):
                 found.add(literal)
     return found
 
@@ -153,7 +154,7 @@ def test_fast_type_lookup_equals_cffi_parser():
         "WGPUChainedStruct * ",
         "const WGPUFeatureName *",
     }
-    checked = 0
+    checked = functions = 0
     for cdecl in sorted(strings):
         fast = coldstart.fast_type(parser, cdecl, model, resolve_common_type)
         if fast is None:
@@ -162,6 +163,16 @@ def test_fast_type_lookup_equals_cffi_parser():
         assert fast == slow, cdecl
         assert type(fast[0]) is type(slow[0]), cdecl
         checked += 1
-    assert checked >= 30
-    for not_simple in ("unsigned int", "struct WGPUChainedStruct *", "void(*)(int)", "long", "WGPUNoSuchType *"):
+        functions += isinstance(fast[0], model.RawFunctionType)
+    assert checked >= 30 and functions >= 5  # the callbacks wgpu-py declares are among them
+    for not_simple in (
+        "unsigned int",
+        "struct WGPUChainedStruct *",
+        "void(*)(int)",
+        "long",
+        "WGPUNoSuchType *",
+        "void(int, ...)",
+        "void(void, int)",
+        "void(WGPUNoSuchType)",
+    ):
         assert coldstart.fast_type(parser, not_simple, model, resolve_common_type) is None, not_simple
