@@ -102,10 +102,9 @@ class Session:
             if self.gpu_fetch is not None:
                 try:
                     gpu = self.gpu_fetch()
-                except Exception as exc:  # profiling must not break the batch
-                    self.message = f"GPU timestamps could not be read: {exc}"
-                finally:
-                    self.gpu_fetch = None
+                except Exception as exc:  # e.g. an async read of it in flight: try again later, never break the batch
+                    return Profile.build(self, None, f"GPU timestamps could not be read (yet): {exc}")
+                self.gpu_fetch = None
             self._profile = Profile.build(self, gpu)
         return self._profile
 
@@ -164,7 +163,7 @@ class Profile:
     op_host_spans: list[tuple[int, float, float]] = field(default_factory=list)  # (row, start s, end s): reference
 
     @classmethod
-    def build(cls, session: Session, gpu: np.ndarray | None) -> Profile:
+    def build(cls, session: Session, gpu: np.ndarray | None, message: str = "") -> Profile:
         rows: list[ProfileRow] = []
         for index, node in enumerate(session.nodes):
             for launch in node.launches:
@@ -173,7 +172,7 @@ class Profile:
         if session.dispatch_grids is not None:
             for row, grid in zip(rows, session.dispatch_grids):
                 row.dispatch = grid
-        message = session.message
+        message = message or session.message
         gpu_spans: list[tuple[int, float, float]] = []
         pass_span = None
         anchor = session.gpu_anchor if session.gpu_anchor is not None else (session.finished or session.started)

@@ -220,3 +220,19 @@ def test_trace_of_the_reference_executor_has_an_ops_track(ref, tmp_path):
     assert [e["name"] for e in ops] == [node.spec.name for node in batch.nodes if node.launches]
     run = next(e for e in _events(trace, 1) if e["name"] == "run ops")
     assert all(_inside(e, run) for e in ops)
+
+
+@pytest.mark.asyncio
+async def test_profile_after_an_async_read(gpu):
+    import asyncio
+
+    rng = np.random.default_rng(58)
+    batch = bg.GpuCommandBatch(gpu)
+    _, _, out = record_mixed(batch, rng)
+    batch.execute(profile=True)
+    reading = asyncio.ensure_future(batch.read(out))
+    await asyncio.sleep(0)  # the read is mapping the staging buffer now
+    batch.profile()  # does not break the read in flight (its GPU times may not be readable yet)
+    await reading
+    profile = batch.profile()
+    assert profile.gpu_timing and all(r.gpu_us > 0 for r in profile.rows)
