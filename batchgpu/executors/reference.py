@@ -4,7 +4,7 @@ It defines the semantics every device executor is tested against."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -73,16 +73,15 @@ class ReferenceExecutor(Executor):
         profile: Session | None = None,
     ) -> ReferenceExecution:
         assert isinstance(plan, ReferencePlan)
-        started = time.perf_counter()
+        run_node = self._run_node if profile is None else HostOpTimer(self._run_node, plan, profile)
         for storage, data in writes:
             plan.arrays[storage][:] = data.reshape(-1)
             self.stats.bytes_uploaded += data.nbytes
+        for node in plan.nodes:
+            run_node(plan, node)
+            self.stats.dispatches += len(node.launches)
         if profile is not None:
-            profile_host_ops(self, plan, profile, started)
-        else:
-            for node in plan.nodes:
-                self._run_node(plan, node)
-                self.stats.dispatches += len(node.launches)
+            run_node.done()
         self.stats.submits += 1
         return ReferenceExecution({s: plan.arrays[s].copy() for s in readback})
 
@@ -117,14 +116,27 @@ def _view(arrays: dict[Storage, np.ndarray], tensor: Tensor) -> np.ndarray:
     return arrays[tensor.storage][: tensor.size].reshape(tensor.shape)
 
 
-def profile_host_ops(executor: ReferenceExecutor, plan: ReferencePlan, profile: Session, started: float) -> None:
-    """Run the ops timing each on the host: numpy has no GPU timeline."""
-    profile.message = "GPU timing unavailable on the reference executor (numpy): host time per op"
-    cursor = profile.span("upload", started)
-    for index, node in enumerate(plan.nodes):
+
+class HostOpTimer:
+    """``_run_node`` timing each op on the host for ``execute(profile=True)``: numpy has no GPU timeline."""
+
+    def __init__(self, run_node: Callable[[ReferencePlan, Node], None], plan: ReferencePlan, profile: Session) -> None:
+        self.run_node = run_node
+        self.profile = profile
+        self.index = {id(node): i for i, node in enumerate(plan.nodes)}
+        self.started = time.perf_counter()
+        profile.message = "GPU timing unavailable on the reference executor (numpy): host time per op"
+
+    def __call__(self, plan: ReferencePlan, node: Node) -> None:
+        if self.started is not None:  # the writes before the first op
+            self.cursor = self.profile.span("upload", self.started)
+            self.started = None
         begin = time.perf_counter()
-        executor._run_node(plan, node)
+        self.run_node(plan, node)
         if node.launches:
-            profile.op_host[index] = (begin, time.perf_counter())
-        executor.stats.dispatches += len(node.launches)
-    profile.span("run ops", cursor)
+            self.profile.op_host[self.index[id(node)]] = (begin, time.perf_counter())
+
+    def done(self) -> None:
+        if self.started is not None:
+            self.cursor = self.profile.span("upload", self.started)
+        self.profile.span("run ops", self.cursor)
