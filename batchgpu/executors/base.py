@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -12,6 +12,7 @@ import numpy as np
 from ..kernels import Launch
 from ..limits import Limits
 from ..ops import Node
+from ..scalars import Scalar
 from ..tensor import Storage
 
 

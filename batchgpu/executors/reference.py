@@ -3,7 +3,7 @@ It defines the semantics every device executor is tested against."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -11,6 +11,7 @@ from ..dtypes import FLOAT16, FLOAT32, SUPPORTED
 from ..errors import NotExecutedError
 from ..limits import Limits
 from ..ops import Node
+from ..scalars import Scalar
 from ..tensor import Storage, Tensor
 from .base import Execution, Executor, Plan, Stats
 
@@ -51,7 +52,7 @@ class ReferenceExecutor(Executor):
         self.stats.bytes_read += storage.nbytes
         return self._resident[storage].copy()
 
-    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage]) -> ReferencePlan:
+    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> ReferencePlan:
         arrays = {s: np.zeros(s.nbytes // s.dtype.itemsize, dtype=s.dtype) for s in storages}
         for node in nodes:
             for tensor in node.inputs:
@@ -60,29 +61,36 @@ class ReferenceExecutor(Executor):
         return ReferencePlan(nodes, arrays)
 
     def run(
-        self, plan: Plan, writes: Sequence[tuple[Storage, np.ndarray]], readback: Sequence[Storage]
+        self,
+        plan: Plan,
+        writes: Sequence[tuple[Storage, np.ndarray]],
+        readback: Sequence[Storage],
+        scalars: Mapping[str, int | float],
     ) -> ReferenceExecution:
         assert isinstance(plan, ReferencePlan)
         for storage, data in writes:
             plan.arrays[storage][:] = data.reshape(-1)
             self.stats.bytes_uploaded += data.nbytes
         for node in plan.nodes:
-            self._run_node(plan, node)
+            self._run_node(plan, node, scalars)
             self.stats.dispatches += len(node.launches)
         self.stats.submits += 1
         return ReferenceExecution({s: plan.arrays[s].copy() for s in readback})
 
-    def _run_node(self, plan: ReferencePlan, node: Node) -> None:
+    def _run_node(self, plan: ReferencePlan, node: Node, scalars: Mapping[str, int | float]) -> None:
         if node.spec.view:
             return
+        params = {k: scalars[v.name] if isinstance(v, Scalar) else v for k, v in node.params.items()}
         views = [_view(plan.arrays, t) for t in node.inputs]
-        if not node.outputs:  # in-place (custom kernels): hand the kernel writable views
-            node.spec.reference(views, node.params)
+        if not node.outputs:  # in-place ops (custom kernels, cache writes) update writable views
+            node.spec.reference(views, params)
             return
         upcast = [v.astype(FLOAT32) if v.dtype == FLOAT16 else v for v in views]
-        result = node.spec.reference(upcast, node.params)
-        out = node.output
-        plan.arrays[out.storage][: out.size] = np.asarray(result).astype(out.dtype).reshape(-1)
+        results = node.spec.reference(upcast, params)
+        if len(node.outputs) == 1:
+            results = (results,)
+        for out, result in zip(node.outputs, results):
+            plan.arrays[out.storage][: out.size] = np.asarray(result).astype(out.dtype).reshape(-1)
 
     async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
         return self.read_sync(plan, execution, storage)

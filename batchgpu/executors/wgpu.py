@@ -13,7 +13,7 @@ import os
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,8 @@ from ..errors import CompileError, DeviceError, LimitError
 from ..kernels import Launch
 from ..limits import Limits, split_groups
 from ..ops import Node
+from ..scalars import SCALAR_BYTES, Scalar
+from ..scalars import pack as pack_scalars
 from ..shaders import render_wgsl
 from ..tensor import Storage
 from .base import Execution, Executor, Plan, Stats
@@ -178,10 +180,19 @@ class ReadbackLayout:
 
 
 class WgpuPlan(Plan):
-    def __init__(self, buffers: dict[Storage, Any], dispatches: list[tuple], params_buffer: Any) -> None:
+    def __init__(
+        self,
+        buffers: dict[Storage, Any],
+        dispatches: list[tuple],
+        params_buffer: Any,
+        scalars_buffer: Any,
+        scalars: tuple[Scalar, ...],
+    ) -> None:
         self.buffers = buffers
         self.dispatches = dispatches
         self.params_buffer = params_buffer
+        self.scalars_buffer = scalars_buffer
+        self.scalars = scalars
         self.readback_layouts: dict[tuple[Storage, ...], ReadbackLayout] = {}
 
     def readback_layout(self, readback: Sequence[Storage]) -> ReadbackLayout:
@@ -280,7 +291,7 @@ class WgpuExecutor(Executor):
     def prepare(self, launch: Launch) -> None:
         self.pipelines.get(launch)
 
-    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage]) -> WgpuPlan:
+    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> WgpuPlan:
         buffers: dict[Storage, Any] = {}
         for storage in storages:
             buffers[storage] = self._create_buffer(storage, f"{storage.kind} {storage.id}")
@@ -292,13 +303,15 @@ class WgpuExecutor(Executor):
                 if binding.storage is not None and binding.storage not in buffers:
                     buffers[binding.storage] = self._resident[binding.storage.id]
         params_buffer, offsets = self._params_buffer(launches)
+        uniform_usage = self._wgpu.BufferUsage.UNIFORM | self._wgpu.BufferUsage.COPY_DST
+        scalars_buffer = self.device.create_buffer(size=SCALAR_BYTES, usage=uniform_usage, label="scalars")
         dispatches = []
         for launch, offset in zip(launches, offsets):
             pipeline = self.pipelines.get(launch)
-            bind_group = self._bind_group(pipeline, launch, buffers, params_buffer, offset)
+            bind_group = self._bind_group(pipeline, launch, buffers, (params_buffer, offset), scalars_buffer)
             grid = split_groups(launch.groups, self.limits) if isinstance(launch.groups, int) else launch.groups
             dispatches.append((pipeline, bind_group, *grid))
-        return WgpuPlan(buffers, dispatches, params_buffer)
+        return WgpuPlan(buffers, dispatches, params_buffer, scalars_buffer, tuple(scalars))
 
     def _params_buffer(self, launches: Sequence[Launch]) -> tuple[Any, list[int]]:
         align = self.limits.min_uniform_buffer_offset_alignment
@@ -317,11 +330,15 @@ class WgpuExecutor(Executor):
         self.device.queue.write_buffer(buffer, 0, bytes(data))
         return buffer, offsets
 
-    def _bind_group(self, pipeline: Any, launch: Launch, buffers: dict, params_buffer: Any, offset: int) -> Any:
+    def _bind_group(
+        self, pipeline: Any, launch: Launch, buffers: dict, params: tuple[Any, int], scalars_buffer: Any
+    ) -> Any:
         entries = []
         for binding in launch.bindings:
             if binding.kind == "uniform":
-                resource = {"buffer": params_buffer, "offset": offset, "size": len(launch.params)}
+                resource = {"buffer": params[0], "offset": params[1], "size": len(launch.params)}
+            elif binding.kind == "scalars":
+                resource = {"buffer": scalars_buffer, "offset": 0, "size": SCALAR_BYTES}
             else:
                 buffer = buffers[binding.storage]
                 resource = {"buffer": buffer, "offset": 0, "size": buffer.size}
@@ -337,11 +354,17 @@ class WgpuExecutor(Executor):
     # execution --------------------------------------------------------------------------------
 
     def run(
-        self, plan: Plan, writes: Sequence[tuple[Storage, np.ndarray]], readback: Sequence[Storage]
+        self,
+        plan: Plan,
+        writes: Sequence[tuple[Storage, np.ndarray]],
+        readback: Sequence[Storage],
+        scalars: Mapping[str, int | float],
     ) -> WgpuExecution:
         assert isinstance(plan, WgpuPlan)
         for storage, data in writes:
             self._write(plan.buffers[storage], data)
+        if plan.scalars:
+            self.device.queue.write_buffer(plan.scalars_buffer, 0, pack_scalars(plan.scalars, scalars))
         encoder = self.device.create_command_encoder()
         if plan.dispatches:
             compute = encoder.begin_compute_pass()

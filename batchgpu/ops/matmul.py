@@ -38,8 +38,8 @@ def _batch_shapes(a: Tensor, b: Tensor) -> tuple[tuple[int, ...], tuple[int, ...
 
 
 def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
-    a, b = inputs
-    dtype = same_dtype("matmul", inputs, ("a", "b"))
+    a, b = inputs[:2]
+    dtype = same_dtype("matmul", inputs, ("a", "b", "bias"))
     if a.ndim == 0 or b.ndim == 0:
         raise ShapeError(f"matmul: operands must have at least 1 dim, got a {a.describe()} and b {b.describe()}")
     m, k, k2, n = _operand_dims(a, b, params)
@@ -58,20 +58,24 @@ def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int,
     if len(batch) > MAX_BATCH_DIMS:
         raise ShapeError(f"matmul: at most {MAX_BATCH_DIMS} batch dims are supported, got {len(batch)}")
     shape = batch + ((m,) if a.ndim > 1 else ()) + ((n,) if b.ndim > 1 else ())
+    if len(inputs) == 3 and inputs[2].shape != (n,):
+        raise ShapeError(f"matmul: bias {inputs[2].describe()} must have shape ({n},), one value per output column")
     return shape, dtype
 
 
 def _reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
-    a, b = arrays
+    a, b = arrays[:2]
     if params.get("transpose_a") and a.ndim > 1:
         a = np.swapaxes(a, -1, -2)
     if params.get("transpose_b") and b.ndim > 1:
         b = np.swapaxes(b, -1, -2)
-    return np.matmul(a, b)
+    out = np.matmul(a, b)
+    return out + arrays[2] if len(arrays) == 3 else out
 
 
 def _lower(node: Node) -> list[Launch]:
-    a, b = node.inputs
+    a, b = node.inputs[:2]
+    bias = node.inputs[2] if len(node.inputs) == 3 else a  # without bias, a stands in for the unread binding
     out = node.output
     m, k, _, n = _operand_dims(a, b, node.params)
     a_cols = a.shape[-1]
@@ -93,7 +97,8 @@ def _lower(node: Node) -> list[Launch]:
             entry="matmul",
             types=wgsl_aliases(A=a.dtype, O=out.dtype),
             groups=groups,
-            bindings=(reads(0, a), reads(1, b), writes(2, out.storage), uniform(3, params)),
+            constants=(("HAS_BIAS", len(node.inputs) == 3),),
+            bindings=(reads(0, a), reads(1, b), writes(2, out.storage), uniform(3, params), reads(4, bias)),
             params=params,
             workgroup_size=WORKGROUP,
             workgroup_bytes=2 * TILE * TILE_K * 4,
@@ -106,7 +111,7 @@ MATMUL = OpSpec(
     infer=_infer,
     reference=_reference,
     lower=_lower,
-    doc="a @ b, 2-D or batched with broadcast batch dims; transpose_a / transpose_b",
+    doc="a @ b (+ bias), 2-D or batched with broadcast batch dims; transpose_a / transpose_b",
 )
 
 SPECS: list[OpSpec] = [MATMUL]
