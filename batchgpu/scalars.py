@@ -44,7 +44,7 @@ class Scalar:
 def check_value(scalar: Scalar, value: object) -> int | float:
     """Validate one execute-time value of ``scalar``; returns it as a Python number."""
     if scalar.dtype == "f32":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        if isinstance(value, bool) or (not isinstance(value, (int, float)) and not hasattr(value, "__float__")):
             raise DTypeError(f"execute: scalar {scalar.name!r} (f32) got {value!r}")
         return float(value)  # type: ignore[arg-type]
     if isinstance(value, bool) or not float(value).is_integer():  # type: ignore[arg-type]

@@ -74,13 +74,20 @@ class Executor(ABC):
         """Compile what ``launch`` needs now, so errors surface at record time (optional)."""
 
     @abstractmethod
-    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage]) -> Plan:
+    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> Plan:
         """Build buffers, pipelines and bindings for ``nodes``; ``storages`` are every non-resident
-        storage the batch owns (inputs, constants, outputs, scratch)."""
+        storage the batch owns (inputs, constants, outputs, scratch); ``scalars`` its declared scalars."""
 
     @abstractmethod
-    def run(self, plan: Plan, writes: Sequence[tuple[Storage, np.ndarray]], readback: Sequence[Storage]) -> Execution:
-        """Upload ``writes``, encode every launch and the readback copies, and submit once."""
+    def run(
+        self,
+        plan: Plan,
+        writes: Sequence[tuple[Storage, np.ndarray]],
+        readback: Sequence[Storage],
+        scalars: Mapping[str, int | float],
+    ) -> Execution:
+        """Upload ``writes`` and the scalar values, encode every launch and the readback copies, and
+        submit once."""
 
     @abstractmethod
     async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:

@@ -6,7 +6,9 @@ from . import attention, custom, elementwise, gather, layout, matmul, norm, redu
 from .spec import Node, OpSpec
 
 OPS: dict[str, OpSpec] = {
-    spec.name: spec for family in (elementwise, layout, matmul, reduce, norm, attention, gather, custom) for spec in family.SPECS
+    spec.name: spec
+    for family in (elementwise, layout, matmul, reduce, norm, attention, gather, custom)
+    for spec in family.SPECS
 }
 
 __all__ = ["OPS", "Node", "OpSpec"]
