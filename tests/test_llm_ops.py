@@ -180,3 +180,57 @@ def test_matmul_bias_and_silu_mul(gpu, ref):
     g, u = random_array(rng, (3, 17), np.float32), random_array(rng, (3, 17), np.float32)
     out = check(gpu, ref, [g, u], lambda b, tg, tu: b.silu_mul(tg, tu), np.float32)
     np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+
+
+def quantized_pair(device_list, qtype: str, rows: int, k: int, seed: int):
+    """Random weights quantized with the gguf package, uploaded to each device, plus gguf's own
+    dequantization (the ground truth)."""
+    gguf_quants = pytest.importorskip("gguf.quants")
+    kind = getattr(gguf_quants.GGMLQuantizationType, qtype.upper())
+    w = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
+    raw = gguf_quants.quantize(w, kind)
+    truth = gguf_quants.dequantize(raw, kind).astype(np.float32)
+    return [d.quantized(raw, qtype, (rows, k)) for d in device_list], truth
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m,rows,k", [(1, 1, 32), (1, 1536, 576), (5, 67, 96), (9, 33, 64)])
+def test_quantized_matmul_against_gguf_dequantize(gpu, ref, qtype, m, rows, k):
+    (wg, wr), truth = quantized_pair([gpu, ref], qtype, rows, k, seed=m * 1000 + rows)
+    x = random_array(np.random.default_rng(51), (m, k), np.float32)
+    bias = random_array(np.random.default_rng(52), (rows,), np.float32)
+    expected = x.astype(np.float64) @ truth.T.astype(np.float64) + bias
+    results = []
+    for device, w in ((gpu, wg), (ref, wr)):
+        batch = bg.GpuCommandBatch(device)
+        y = batch.matmul(batch.upload(x), w, transpose_b=True, bias=batch.upload(bias))
+        batch.execute()
+        results.append(batch.read_sync(y))
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(results[1], expected, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(results[0], expected, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+def test_quantized_embedding(gpu, ref, qtype):
+    (wg, wr), truth = quantized_pair([gpu, ref], qtype, 50, 64, seed=53)
+    ids = np.array([3, 0, 49, 17, 3], np.int32)
+    for device, table in ((gpu, wg), (ref, wr)):
+        batch = bg.GpuCommandBatch(device)
+        out = batch.embedding(batch.upload(ids), table)
+        batch.execute()
+        np.testing.assert_allclose(batch.read_sync(out), truth[ids], rtol=1e-6, atol=1e-7)
+
+
+def test_quantized_errors(gpu):
+    (w,), _ = quantized_pair([gpu], "q8_0", 8, 64, seed=54)
+    batch = bg.GpuCommandBatch(gpu)
+    x = batch.upload(np.ones((2, 64), np.float32))
+    with pytest.raises(bg.ShapeError, match="transpose_b=True"):
+        batch.matmul(x, w)
+    with pytest.raises(bg.ShapeError, match="must end in K=64"):
+        batch.matmul(batch.upload(np.ones((2, 32), np.float32)), w, transpose_b=True)
+    with pytest.raises(bg.ShapeError, match="not a multiple"):
+        gpu.quantized(np.zeros(34, np.uint8), "q8_0", (1, 30))
+    with pytest.raises(bg.DTypeError, match="unknown block format"):
+        gpu.quantized(np.zeros(34, np.uint8), "q5_k", (1, 32))

@@ -12,7 +12,8 @@ from ..errors import NotExecutedError
 from ..limits import Limits
 from ..ops import Node
 from ..scalars import Scalar
-from ..tensor import Storage, Tensor
+from ..quant import dequantize_words
+from ..tensor import QuantTensor, Storage, Tensor
 from .base import Execution, Executor, Plan, Stats
 
 
@@ -36,6 +37,7 @@ class ReferenceExecutor(Executor):
         self.features = frozenset({"shader-f16"})
         self.stats = Stats()
         self._resident: dict[Storage, np.ndarray] = {}
+        self._dequant_cache: dict[int, np.ndarray] = {}
 
     def supports(self, dtype: np.dtype) -> bool:
         return dtype in SUPPORTED
@@ -46,6 +48,7 @@ class ReferenceExecutor(Executor):
 
     def write_resident(self, storage: Storage, data: np.ndarray) -> None:
         self._resident[storage][:] = data.reshape(-1)
+        self._dequant_cache.pop(storage.id, None)
         self.stats.bytes_uploaded += data.nbytes
 
     def read_resident(self, storage: Storage) -> np.ndarray:
@@ -81,7 +84,7 @@ class ReferenceExecutor(Executor):
         if node.spec.view:
             return
         params = {k: scalars[v.name] if isinstance(v, Scalar) else v for k, v in node.params.items()}
-        views = [_view(plan.arrays, t) for t in node.inputs]
+        views = [self._dequantized(t) if isinstance(t, QuantTensor) else _view(plan.arrays, t) for t in node.inputs]
         if not node.outputs:  # in-place ops (custom kernels, cache writes) update writable views
             node.spec.reference(views, params)
             return
@@ -91,6 +94,14 @@ class ReferenceExecutor(Executor):
             results = (results,)
         for out, result in zip(node.outputs, results):
             plan.arrays[out.storage][: out.size] = np.asarray(result).astype(out.dtype).reshape(-1)
+
+    def _dequantized(self, tensor: QuantTensor) -> np.ndarray:
+        """Quantized weights as float32, computed once per tensor."""
+        cached = self._dequant_cache.get(tensor.storage.id)
+        if cached is None:
+            words = self._resident[tensor.storage]
+            cached = self._dequant_cache[tensor.storage.id] = dequantize_words(words, tensor.qtype, tensor.shape)
+        return cached
 
     async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
         return self.read_sync(plan, execution, storage)

@@ -10,7 +10,7 @@ import numpy as np
 from ..dtypes import INT32
 from ..errors import DTypeError, ShapeError
 from ..kernels import DEFAULT_WORKGROUP, Binding, Launch, pack_struct, wgsl_aliases
-from ..tensor import Tensor
+from ..tensor import QuantTensor, Tensor
 from .common import groups_for, reads, uniform, writes
 from .reduce import move_axes_last
 from .spec import Node, OpSpec, normalize_axis
@@ -36,14 +36,18 @@ def _embedding_lower(node: Node) -> list[Launch]:
     ids, table = node.inputs
     out = node.output
     params = pack_struct("IIII", ids.size, table.shape[1], table.shape[0], 0)
+    if isinstance(table, QuantTensor):
+        entry, table_binding = f"embedding_{table.qtype}", reads(5, table)
+    else:
+        entry, table_binding = "embedding", reads(1, table)
     return [
         Launch(
             label="embedding",
             family="gather",
-            entry="embedding",
+            entry=entry,
             types=wgsl_aliases(A=table.dtype, O=out.dtype),
             groups=groups_for(out.size),
-            bindings=(reads(0, ids), reads(1, table), writes(2, out.storage), uniform(3, params)),
+            bindings=(reads(0, ids), table_binding, writes(2, out.storage), uniform(3, params)),
             params=params,
         )
     ]

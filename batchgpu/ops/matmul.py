@@ -1,6 +1,8 @@
 """matmul: 2-D and batched (numpy broadcasting over batch dims), optional transposes, 1-D operands
 promoted like numpy. Lowered to one tiled kernel: 64x64 output tiles, 16-deep k tiles staged in
-workgroup memory, 4x4 outputs per invocation."""
+workgroup memory, 4x4 outputs per invocation. With a quantized ``b`` (QuantTensor, rows of GGUF
+blocks) it lowers to ``qmatmul.wgsl``: one invocation per output feature, blocks dequantized in
+registers, up to 8 rows of ``a`` per invocation."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShapeError
-from ..kernels import Launch, pack_params, wgsl_aliases
-from ..tensor import Tensor
+from ..kernels import Launch, pack_params, pack_struct, wgsl_aliases
+from ..quant import BLOCK
+from ..tensor import QuantTensor, Tensor
 from .common import broadcast_strides, reads, uniform, writes
 from .spec import Node, OpSpec, same_dtype
 
@@ -20,6 +23,8 @@ TILE = 64
 TILE_K = 16
 WORKGROUP = (16, 16, 1)
 MAX_BATCH_DIMS = 8
+QUANT_WORKGROUP = 64
+QUANT_M_TILE = 8
 
 
 def _operand_dims(a: Tensor, b: Tensor, params: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -40,6 +45,8 @@ def _batch_shapes(a: Tensor, b: Tensor) -> tuple[tuple[int, ...], tuple[int, ...
 def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
     a, b = inputs[:2]
     dtype = same_dtype("matmul", inputs, ("a", "b", "bias"))
+    if isinstance(b, QuantTensor):
+        return _infer_quantized(inputs, params)
     if a.ndim == 0 or b.ndim == 0:
         raise ShapeError(f"matmul: operands must have at least 1 dim, got a {a.describe()} and b {b.describe()}")
     m, k, k2, n = _operand_dims(a, b, params)
@@ -63,6 +70,43 @@ def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int,
     return shape, dtype
 
 
+def _infer_quantized(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
+    a, w = inputs[:2]
+    rows, k = w.shape
+    if not params.get("transpose_b") or params.get("transpose_a"):
+        raise ShapeError(
+            f"matmul: quantized b {w.describe()} holds (out_features, K) rows of blocks: use "
+            f"matmul(a, b, transpose_b=True) without transpose_a"
+        )
+    if a.ndim == 0 or a.shape[-1] != k:
+        raise ShapeError(f"matmul: a {a.describe()} must end in K={k} to multiply quantized b {w.describe()}")
+    if len(inputs) == 3 and inputs[2].shape != (rows,):
+        raise ShapeError(f"matmul: bias {inputs[2].describe()} must have shape ({rows},)")
+    return (*a.shape[:-1], rows), a.dtype
+
+
+def _lower_quantized(node: Node) -> list[Launch]:
+    x, w = node.inputs[:2]
+    bias = node.inputs[2] if len(node.inputs) == 3 else x
+    out = node.output
+    rows, k = w.shape
+    m = x.size // k
+    params = pack_struct("IIII", m, rows, k, k // BLOCK)
+    return [
+        Launch(
+            label="matmul",
+            family="qmatmul",
+            entry=f"matmul_{w.qtype}",
+            types=wgsl_aliases(A=x.dtype, O=out.dtype),
+            groups=(math.ceil(rows / QUANT_WORKGROUP), math.ceil(m / QUANT_M_TILE), 1),
+            constants=(("HAS_BIAS", len(node.inputs) == 3),),
+            bindings=(reads(0, x), reads(1, w), writes(2, out.storage), uniform(3, params), reads(4, bias)),
+            params=params,
+            workgroup_size=(QUANT_WORKGROUP, 1, 1),
+        )
+    ]
+
+
 def _reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
     a, b = arrays[:2]
     if params.get("transpose_a") and a.ndim > 1:
@@ -74,6 +118,8 @@ def _reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
 
 
 def _lower(node: Node) -> list[Launch]:
+    if isinstance(node.inputs[1], QuantTensor):
+        return _lower_quantized(node)
     a, b = node.inputs[:2]
     bias = node.inputs[2] if len(node.inputs) == 3 else a  # without bias, a stands in for the unread binding
     out = node.output

@@ -16,6 +16,7 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> out: array<O>;
 @group(0) @binding(3) var<uniform> p: Params;
 @group(0) @binding(4) var<storage, read_write> indices: array<i32>;
+@group(0) @binding(5) var<storage, read> qtable: array<u32>;   // quantized table (batchgpu/quant.py layout)
 
 var<workgroup> best_value: array<C, WG>;
 var<workgroup> best_index: array<u32, WG>;
@@ -28,6 +29,43 @@ fn embedding(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgro
     var value = O(0);
     if id >= 0 && u32(id) < p.rows { value = O(table[u32(id) * p.width + i % p.width]); }
     out[i] = value;
+}
+
+// One weight of a quantized table: row `id`, column `c`.
+fn q4_1_weight(id: u32, c: u32) -> f32 {
+    let at = (id * (p.width / 32u) + c / 32u) * 5u;
+    let scale = unpack2x16float(qtable[at]);
+    let j = c % 32u;
+    let byte = (qtable[at + 1u + (j % 16u) / 4u] >> (8u * (j % 4u))) & 0xFFu;
+    let q = select(byte & 0x0Fu, byte >> 4u, j >= 16u);
+    return scale.x * f32(q) + scale.y;
+}
+
+fn q8_0_weight(id: u32, c: u32) -> f32 {
+    let at = (id * (p.width / 32u) + c / 32u) * 9u;
+    let j = c % 32u;
+    let q = extractBits(i32(qtable[at + 1u + j / 4u]), 8u * (j % 4u), 8u);
+    return unpack2x16float(qtable[at]).x * f32(q);
+}
+
+@compute @workgroup_size(WG)
+fn embedding_q4_1(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    let i = gid.x + gid.y * groups.x * WG;
+    if i >= p.count * p.width { return; }
+    let id = ids[i / p.width];
+    var value = 0.0;
+    if id >= 0 && u32(id) < p.rows { value = q4_1_weight(u32(id), i % p.width); }
+    out[i] = O(value);
+}
+
+@compute @workgroup_size(WG)
+fn embedding_q8_0(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    let i = gid.x + gid.y * groups.x * WG;
+    if i >= p.count * p.width { return; }
+    let id = ids[i / p.width];
+    var value = 0.0;
+    if id >= 0 && u32(id) < p.rows { value = q8_0_weight(u32(id), i % p.width); }
+    out[i] = O(value);
 }
 
 @compute @workgroup_size(WG)
