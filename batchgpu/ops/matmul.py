@@ -1,8 +1,8 @@
 """matmul: 2-D and batched (numpy broadcasting over batch dims), optional transposes, 1-D operands
 promoted like numpy. Lowered to one tiled kernel: 64x64 output tiles, 16-deep k tiles staged in
 workgroup memory, 4x4 outputs per invocation. With a quantized ``b`` (QuantTensor, rows of GGUF
-blocks) it lowers to ``qmatmul.wgsl``: one invocation per output feature, blocks dequantized in
-registers, up to 8 rows of ``a`` per invocation."""
+blocks) it lowers to ``qmatmul.wgsl``: one invocation per output (feature, row of ``a``), blocks
+dequantized in registers."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ TILE = 64
 TILE_K = 16
 WORKGROUP = (16, 16, 1)
 MAX_BATCH_DIMS = 8
+SKINNY_ROWS = 8
+SKINNY_WORKGROUP = 64
 QUANT_WORKGROUP = 64
-QUANT_M_TILE = 8
 
 
 def _operand_dims(a: Tensor, b: Tensor, params: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -70,6 +71,22 @@ def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int,
     return shape, dtype
 
 
+def _skinny_launch(node: Node, params: bytes, m: int, n: int, bias: Tensor) -> Launch:
+    """Few rows of a (decode): one invocation per output element, no tiles to fill."""
+    a, b = node.inputs[:2]
+    return Launch(
+        label="matmul",
+        family="matmul",
+        entry="matmul_skinny",
+        types=wgsl_aliases(A=a.dtype, O=node.output.dtype),
+        groups=(math.ceil(n / SKINNY_WORKGROUP), m, 1),
+        constants=(("HAS_BIAS", len(node.inputs) == 3),),
+        bindings=(reads(0, a), reads(1, b), writes(2, node.output.storage), uniform(3, params), reads(4, bias)),
+        params=params,
+        workgroup_size=(SKINNY_WORKGROUP, 1, 1),
+    )
+
+
 def _infer_quantized(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
     a, w = inputs[:2]
     rows, k = w.shape
@@ -98,7 +115,7 @@ def _lower_quantized(node: Node) -> list[Launch]:
             family="qmatmul",
             entry=f"matmul_{w.qtype}",
             types=wgsl_aliases(A=x.dtype, O=out.dtype),
-            groups=(math.ceil(rows / QUANT_WORKGROUP), math.ceil(m / QUANT_M_TILE), 1),
+            groups=(math.ceil(rows / QUANT_WORKGROUP), m, 1),
             constants=(("HAS_BIAS", len(node.inputs) == 3),),
             bindings=(reads(0, x), reads(1, w), writes(2, out.storage), uniform(3, params), reads(4, bias)),
             params=params,
@@ -135,6 +152,8 @@ def _lower(node: Node) -> list[Launch]:
     a_strides = tuple(s * a_matrix for s in broadcast_strides(a_batch, batch)) if batch else ()
     b_strides = tuple(s * b_matrix for s in broadcast_strides(b_batch, batch)) if batch else ()
     params = pack_params((m, n, k, len(batch)), "IIII", (a_sm, a_sk, b_sk, b_sn), batch, a_strides, b_strides)
+    if not batch and m <= SKINNY_ROWS:
+        return [_skinny_launch(node, params, m, n, bias)]
     groups = (math.ceil(n / TILE), math.ceil(m / TILE), max(math.prod(batch), 1))
     return [
         Launch(

@@ -100,3 +100,19 @@ fn store_row(base: u32, row: u32, col: u32, values: vec4<C>) {
         }
     }
 }
+
+// Skinny matmul for few rows of A (decode-style GEMV): one invocation per output (column, row);
+// workgroup y picks the row of A, whose loads are uniform across the workgroup. No workgroup memory or
+// private arrays: on CPU drivers (llvmpipe) both cost more than they save at this shape.
+@compute @workgroup_size(64)
+fn matmul_skinny(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let col = gid.x;
+    if col >= p.n { return; }
+    let row = wid.y;
+    var acc = C(0);
+    for (var k = 0u; k < p.k; k++) {
+        acc += C(a[row * p.strides.x + k * p.strides.y]) * C(b[k * p.strides.z + col * p.strides.w]);
+    }
+    if HAS_BIAS { acc += C(bias[col]); }
+    out[row * p.n + col] = O(acc);
+}
