@@ -11,8 +11,8 @@ from ..dtypes import FLOAT16, FLOAT32, SUPPORTED
 from ..errors import NotExecutedError
 from ..limits import Limits
 from ..ops import Node
-from ..scalars import Scalar
 from ..quant import dequantize_words
+from ..scalars import Scalar
 from ..tensor import QuantTensor, Storage, Tensor
 from .base import Execution, Executor, Plan, Stats
 

@@ -108,6 +108,19 @@ class GGUFWeights:
         return dequantize_words(to_device_words(data, qtype, shape), qtype, shape)  # type: ignore[arg-type]
 
 
+def load_tokenizer(weights: GGUFWeights) -> Any:
+    """A byte-level BPE tokenizer (``tokenizers`` package) built from the GGUF's own vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    fields = weights.reader.fields
+    vocab = {token: i for i, token in enumerate(fields["tokenizer.ggml.tokens"].contents())}
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
 Progress = Callable[[Sequence[str]], Any]
 
 
@@ -144,7 +157,9 @@ class Llama:
         cfg = self.config
         cache_shape = (max_context, cfg.kv_heads, cfg.head_dim)
         zeros = np.zeros(cache_shape, np.float32)
-        self.caches = [(device.tensor(zeros, name=f"k{i}"), device.tensor(zeros, name=f"v{i}")) for i in range(cfg.layers)]
+        self.caches = [
+            (device.tensor(zeros, name=f"k{i}"), device.tensor(zeros, name=f"v{i}")) for i in range(cfg.layers)
+        ]
         self._prefill: dict[int, StepBatch] = {}
         self._decode: StepBatch | None = None
         self.position = 0
@@ -170,14 +185,13 @@ class Llama:
         normed = batch.rms_norm(h, w["blk.0.attn_norm.weight"], cfg.eps)
         for i in range(cfg.layers):
             block = f"blk.{i}."
-            if i > 0:
-                normed, h = batch.add_rms_norm(ffn_out, h, w[block + "attn_norm.weight"], cfg.eps)
             attn = self._attention(batch, normed, i, pos, tokens)
             normed, h = batch.add_rms_norm(attn, h, w[block + "ffn_norm.weight"], cfg.eps)
             gate = batch.matmul(normed, w[block + "ffn_gate.weight"], transpose_b=True)
             up = batch.matmul(normed, w[block + "ffn_up.weight"], transpose_b=True)
             ffn_out = batch.matmul(batch.silu_mul(gate, up), w[block + "ffn_down.weight"], transpose_b=True)
-        normed, h = batch.add_rms_norm(ffn_out, h, w["output_norm.weight"], cfg.eps)
+            next_norm = f"blk.{i + 1}.attn_norm.weight" if i + 1 < cfg.layers else "output_norm.weight"
+            normed, h = batch.add_rms_norm(ffn_out, h, w[next_norm], cfg.eps)  # residual add fused in
         last = batch.slice(normed, (slice(tokens - 1, tokens),)) if tokens > 1 else normed
         logits = batch.matmul(last, w["token_embd.weight"], transpose_b=True)  # output head tied to embeddings
         return StepBatch(batch, ids, pos, batch.argmax(logits), logits)
