@@ -425,19 +425,21 @@ class GpuCommandBatch:
         return validated
 
     def _readback_storages(self) -> tuple[Storage, ...]:
-        """Storages copied back in every execute's submit: final outputs nobody consumes, plus
-        whatever the user has read before."""
+        """Storages copied back in every execute's submit: the tensors the user has read so far, or,
+        before any read, the batch's final outputs (written and never consumed)."""
         if self._readback is None:
-            last_write: dict[Storage, int] = {}
-            last_read: dict[Storage, int] = {}
-            for index, node in enumerate(self._nodes):
-                for tensor in node.inputs:
-                    last_read[tensor.storage] = index
-                for storage in node.written():
-                    last_write[storage] = index
-            sinks = {s for s, w in last_write.items() if s.kind == "output" and last_read.get(s, -1) <= w}
-            self._readback = tuple(sorted(sinks | self._wanted, key=lambda s: s.id))
+            self._readback = tuple(sorted(self._wanted or self._sinks(), key=lambda s: s.id))
         return self._readback
+
+    def _sinks(self) -> set[Storage]:
+        last_write: dict[Storage, int] = {}
+        last_read: dict[Storage, int] = {}
+        for index, node in enumerate(self._nodes):
+            for tensor in node.inputs:
+                last_read[tensor.storage] = index
+            for storage in node.written():
+                last_write[storage] = index
+        return {s for s, w in last_write.items() if s.kind == "output" and last_read.get(s, -1) <= w}
 
     # readback --------------------------------------------------------------------------------
 
