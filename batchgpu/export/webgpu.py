@@ -190,8 +190,9 @@ def _storages(batch: GpuCommandBatch, launches: Sequence[Launch], outputs: Seque
 
 
 def _stateful(batch: GpuCommandBatch) -> set[Storage]:
-    """Output storages whose contents before the batch matter: first used as an op's input (custom
-    kernels read and write their buffers in place; kv_write updates a cache)."""
+    """Storages whose device contents before the run matter and may differ from any host copy: outputs
+    first used as an op's input (custom kernels read and write their buffers in place; kv_write updates
+    a cache) and inputs some op updates in place (their device value persists until fed again)."""
     written: set[Storage] = set()
     stateful: set[Storage] = set()
     for node in batch.nodes:
@@ -199,34 +200,33 @@ def _stateful(batch: GpuCommandBatch) -> set[Storage]:
             if tensor.storage.kind in ("output", "scratch") and tensor.storage not in written:
                 stateful.add(tensor.storage)
         written.update(node.written())
+    stateful.update(s for s in written if s.kind == "input")
     return stateful
 
 
 def _initial_data(
     batch: GpuCommandBatch, storages: Sequence[Storage], feeds: Mapping[Storage, np.ndarray]
 ) -> dict[Storage, bytes]:
-    """Buffer contents at the start of the exported run, captured before the expected-output execute."""
+    """Buffer contents at the start of the exported run, captured before the expected-output execute:
+    what the batch's next execute would start from."""
     executor = batch.device.executor
     current = batch._plan is not None and batch._plan is batch._executed_plan and batch._execution is not None
     data: dict[Storage, bytes] = {}
     stateful = _stateful(batch)
     for storage in storages:
-        if storage.kind == "input" and storage in feeds:
+        if storage in feeds:
             array = feeds[storage]
-        elif storage.kind in ("input", "const"):
-            array = batch._host[storage]
         elif storage.kind == "resident":
             array = executor.read_resident(storage)
-        elif storage in stateful:
-            if current:
-                array = executor.read_sync(batch._plan, batch._execution, storage)
-            elif getattr(executor, "poison", False):  # a new plan's buffers start with the poison pattern
-                data[storage] = bytes([POISON_BYTE]) * storage.nbytes
-                continue
-            else:
-                continue  # a new buffer is zeros, on the device and in the browser alike
-        else:
+        elif storage in stateful and current:  # the device's value after the latest execute
+            array = executor.read_sync(batch._plan, batch._execution, storage)
+        elif storage.kind in ("input", "const"):  # a new plan uploads the host copy
+            array = batch._host[storage]
+        elif storage in stateful and getattr(executor, "poison", False):
+            data[storage] = bytes([POISON_BYTE]) * storage.nbytes  # a new plan's buffers hold the poison
             continue
+        else:
+            continue  # a new buffer is zeros, on the device and in the browser alike
         data[storage] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)[: storage.nbytes].tobytes()
     return data
 
