@@ -188,6 +188,45 @@ def test_browser_runs_custom_kernels_like_numpy(gpu: bg.Device, browser: Chromiu
     assert split == [list(split_groups(g, limits)) for g in (100000, 65535, 7)]
 
 
+# every built-in kernel -------------------------------------------------------------------------
+
+
+def test_browser_runs_every_builtin_kernel_like_the_reference(
+    ref: bg.Device, browser: Chromium, tmp_path: Path
+) -> None:
+    """Exported from the numpy reference device (no GPU needed to export): the browser compiles every
+    built-in WGSL family with its own compiler and must match numpy."""
+    rng = np.random.default_rng(11)
+
+    def f(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    batch = bg.GpuCommandBatch(ref, name="builtins")
+    x, p = batch.upload(f(6, 40), name="x"), batch.upload(rng.uniform(0.5, 2, (6, 40)).astype(np.float32), name="p")
+    w, bias = ref.tensor(f(40, 24), name="w"), ref.tensor(f(24), name="bias")
+    xi = batch.upload(rng.integers(-50, 50, (6, 40)).astype(np.int32), name="xi")
+    outs = [getattr(batch, op)(x) for op in ("neg", "abs", "exp", "tanh", "sigmoid", "relu", "gelu", "silu", "copy")]
+    outs += [getattr(batch, op)(p) for op in ("log", "sqrt", "rsqrt")]
+    outs += [getattr(batch, op)(x, p) for op in ("add", "sub", "mul", "div", "maximum", "minimum", "silu_mul")]
+    outs += [batch.add(x, 2.5), batch.matmul(x, w, bias=bias), batch.matmul(x, x, transpose_b=True)]
+    outs += [batch.matmul(batch.reshape(x, (2, 3, 40)), w), batch.sum(x, axis=1), batch.mean(x, axis=0)]
+    outs += [batch.max(x), batch.softmax(x), batch.rms_norm(x, batch.upload(f(40)))]
+    outs += [
+        *batch.add_rms_norm(x, p, batch.upload(f(40))),
+        batch.layer_norm(x, batch.upload(f(40)), batch.upload(f(40))),
+    ]
+    outs += [batch.transpose(x), batch.permute(batch.reshape(x, (2, 3, 40)), (2, 0, 1)), x[1:5, ::3]]
+    outs += [batch.concat([x, p], axis=1), batch.cast(x, np.int32), batch.argmax(x)]
+    outs += [batch.embedding(batch.upload(np.array([3, 0, 5, 9, 1], np.int32)), batch.upload(f(8, 16)))]
+    outs += [batch.sum(xi, axis=1), batch.mul(xi, xi), batch.max(batch.cast(xi, np.uint32), axis=0)]
+    out = batch.export_webgpu(tmp_path / "builtins", outputs=outs)
+    families = {(out / s["file"]).read_text() for s in manifest(out)["shaders"]}
+    assert len(families) >= 8 and manifest(out)["exported_from"] == "numpy reference"
+    result = open_page(browser, out, "index.html?runs=0")
+    assert_passed(result)
+    assert len(result["outputs"]) == len(outs)
+
+
 # per-execute scalars ---------------------------------------------------------------------------
 
 CHECK_PAGE = """<!doctype html><script type="module">
