@@ -219,9 +219,20 @@ def test_browser_runs_every_builtin_kernel_like_the_reference(
     outs += [batch.concat([x, p], axis=1), batch.cast(x, np.int32), batch.argmax(x)]
     outs += [batch.embedding(batch.upload(np.array([3, 0, 5, 9, 1], np.int32)), batch.upload(f(8, 16)))]
     outs += [batch.sum(xi, axis=1), batch.mul(xi, xi), batch.max(batch.cast(xi, np.uint32), axis=0)]
+    try:  # GGUF-quantized weights (qmatmul.wgsl, the quantized gather) where the gguf package is installed
+        from gguf import quants
+    except ImportError:
+        quants = None
+    if quants is not None:
+        for qtype in ("q4_1", "q8_0"):
+            kind = getattr(quants.GGMLQuantizationType, qtype.upper())
+            table = ref.quantized(quants.quantize(f(24, 64), kind), qtype, (24, 64), name=qtype)
+            outs += [batch.matmul(batch.upload(f(3, 64)), table, transpose_b=True)]
+            outs += [batch.embedding(batch.upload(np.array([5, 0, 23], np.int32)), table)]
     out = batch.export_webgpu(tmp_path / "builtins", outputs=outs)
     families = {(out / s["file"]).read_text() for s in manifest(out)["shaders"]}
     assert len(families) >= 8 and manifest(out)["exported_from"] == "numpy reference"
+    assert quants is None or sum("unpack2x16float" in source for source in families) >= 2
     result = open_page(browser, out, "index.html?runs=0")
     assert_passed(result)
     assert len(result["outputs"]) == len(outs)
