@@ -78,7 +78,7 @@ def export_webgpu(
     carries and runs with; missing ones keep the batch's current values. The batch is executed once on
     its own device with them to record the expected outputs (so, like ``execute``, this updates the
     batch's inputs and any in-place state). ``outputs`` are the tensors the program returns (default:
-    what ``execute`` reads back: the final outputs plus every tensor read before).
+    the storages ``execute`` copies back in its submit, each as the last tensor recorded on it).
 
     ``features`` are the optional WebGPU features the target browsers offer; the default is core
     WebGPU. A kernel whose WGSL needs a feature not listed (``enable f16`` needs ``shader-f16``, which
