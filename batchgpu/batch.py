@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -490,6 +491,23 @@ class GpuCommandBatch:
                 f"execute again"
             )
         return tensor.storage
+
+    def export_webgpu(
+        self,
+        out_dir: str | Path,
+        feeds: Mapping[Tensor, Any] | None = None,
+        scalars: Mapping[str, int | float] | None = None,
+        *,
+        features: Sequence[str] = (),
+        outputs: Sequence[Tensor] | None = None,
+        tolerance: tuple[float, float] | None = None,
+    ) -> Path:
+        """Write this batch as a standalone WebGPU program (``index.html``, ``batch.js``, the same WGSL,
+        inputs, weights and expected outputs) into ``out_dir``; executes the batch once with ``feeds``
+        and ``scalars`` to record the expected outputs. See :func:`batchgpu.export.export_webgpu`."""
+        from .export.webgpu import export_webgpu
+
+        return export_webgpu(self, out_dir, feeds, scalars, features=features, outputs=outputs, tolerance=tolerance)
 
     def release(self) -> None:
         """Free the batch's device buffers now; the batch can no longer be used."""
