@@ -41,7 +41,7 @@ struct Scalars {
 
 var<workgroup> scores: array<f32, SMAX>;
 var<workgroup> q_row: array<f32, HEAD_DIM>;
-var<workgroup> partial: array<f32, WG>;
+//!include tree
 
 fn position() -> u32 {
     if p.pos_slot == NO_SLOT { return p.pos_literal; }
@@ -77,24 +77,6 @@ fn kv_write(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgrou
     dst[target_row * row + i % row] = src[i];
 }
 
-fn tree(lid: u32, value: f32, take_max: bool) -> f32 {
-    partial[lid] = value;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if lid < stride {
-            if take_max {
-                partial[lid] = max(partial[lid], partial[lid + stride]);
-            } else {
-                partial[lid] = partial[lid] + partial[lid + stride];
-            }
-        }
-        workgroupBarrier();
-    }
-    let result = partial[0];
-    workgroupBarrier();
-    return result;
-}
-
 @compute @workgroup_size(WG)
 fn attention(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
              @builtin(num_workgroups) groups: vec3<u32>) {
@@ -122,14 +104,14 @@ fn attention(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id
         scores[j] = s;
         best = max(best, s);
     }
-    let top = tree(lid.x, best, true);
+    let top = tree_max(lid.x, best);
     var mass = 0.0;
     for (var j = lid.x; j < count; j += WG) {
         let e = exp(scores[j] - top);
         scores[j] = e;
         mass += e;
     }
-    let total = tree(lid.x, mass, false);
+    let total = tree_sum(lid.x, mass);
     if !valid { return; }
     for (var d = lid.x; d < p.head_dim; d += WG) {
         var acc = 0.0;

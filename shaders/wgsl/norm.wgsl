@@ -20,19 +20,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> summed: array<A>;
 @group(0) @binding(5) var<uniform> p: Params;
 
-var<workgroup> partial: array<f32, WG>;
-
-fn tree_sum(lid: u32, value: f32) -> f32 {
-    partial[lid] = value;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if lid < stride { partial[lid] = partial[lid] + partial[lid + stride]; }
-        workgroupBarrier();
-    }
-    let result = partial[0];
-    workgroupBarrier();
-    return result;
-}
+//!include tree
 
 fn row_of(wid: vec3<u32>, groups: vec3<u32>) -> u32 {
     return wid.x + wid.y * groups.x;
