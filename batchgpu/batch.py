@@ -6,6 +6,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ import numpy as np
 from . import profiling
 from .device import Device
 from .dtypes import FLOATS, as_dtype, host_array
-from .errors import BatchError, DeviceMismatchError, DTypeError, NotExecutedError, ShapeError
+from .errors import BatchError, DeviceMismatchError, DTypeError, LimitError, NotExecutedError, ShapeError
 from .executors.base import Execution, Plan
 from .kernels import Kernel
 from .limits import check_launch
@@ -21,10 +22,12 @@ from .ops import OPS, Node
 from .ops.custom import normalize_grid, pack_scalars
 from .ops.elementwise import BINARY, UNARY
 from .profiling import Profile
+from .scalars import MAX_SCALARS, SCALAR_FORMATS, Scalar, check_value
+from .scalars import resolve as resolve_scalars
 from .tensor import Storage, Tensor
 
-Scalar = int | float | np.number
-Operand = Tensor | Scalar
+Number = int | float | np.number
+Operand = Tensor | Number
 
 _default_device: Device | None = None
 
@@ -79,6 +82,8 @@ class GpuCommandBatch:
         self._plan: Plan | None = None
         self._execution: Execution | None = None
         self._executed_plan: Plan | None = None  # the plan of _execution, kept when recording resets _plan
+        self._scalars: dict[str, Scalar] = {}
+        self._scalar_values: dict[str, int | float] = {}
         self._recorded = 0
         self._executed_mark = -1
         self._released = False
@@ -117,6 +122,21 @@ class GpuCommandBatch:
         self.device.check_storable(f"empty {name}".strip(), shape, resolved)
         return self._new_tensor(shape, resolved, "output", name or f"empty{self._recorded}")
 
+    def scalar(self, name: str, dtype: str = "u32", value: int | float = 0) -> Scalar:
+        """A per-execute value (``"u32"``, ``"i32"`` or ``"f32"``) that ops such as ``rope`` and
+        ``attention`` read; set it with ``execute(scalars={name: value})``."""
+        self._check_open("scalar")
+        if name in self._scalars:
+            raise BatchError(f"scalar: batch {self.name!r} already declares a scalar named {name!r}")
+        if dtype not in SCALAR_FORMATS:
+            raise DTypeError(f"scalar {name!r}: dtype {dtype!r} is not one of {', '.join(SCALAR_FORMATS)}")
+        if len(self._scalars) >= MAX_SCALARS:
+            raise LimitError(f"scalar {name!r}: a batch holds at most {MAX_SCALARS} scalars")
+        declared = Scalar(name, dtype, len(self._scalars), self)
+        self._scalar_values[name] = check_value(declared, value)
+        self._scalars[name] = declared
+        return declared
+
     def _new_tensor(self, shape: tuple[int, ...], dtype: np.dtype, kind: str, name: str) -> Tensor:
         storage = Storage(math.prod(shape) * dtype.itemsize, kind, dtype)
         self._own(storage)
@@ -149,10 +169,22 @@ class GpuCommandBatch:
     maximum = _binary("maximum")
     minimum = _binary("minimum")
 
-    def matmul(self, a: Tensor, b: Tensor, *, transpose_a: bool = False, transpose_b: bool = False) -> Tensor:
-        """``a @ b`` (2-D, batched with broadcast batch dims, 1-D promoted like numpy); the transposes
-        swap the last two dims of an operand without a copy."""
-        return self._record("matmul", (a, b), transpose_a=transpose_a, transpose_b=transpose_b)
+    silu_mul = _binary("silu_mul")
+
+    def matmul(
+        self,
+        a: Tensor,
+        b: Tensor,
+        *,
+        transpose_a: bool = False,
+        transpose_b: bool = False,
+        bias: Tensor | None = None,
+    ) -> Tensor:
+        """``a @ b (+ bias)`` (2-D, batched with broadcast batch dims, 1-D promoted like numpy); the
+        transposes swap the last two dims of an operand without a copy; ``bias`` (one value per output
+        column) is added in the same kernel."""
+        operands = (a, b) if bias is None else (a, b, bias)
+        return self._record("matmul", operands, transpose_a=transpose_a, transpose_b=transpose_b)
 
     def sum(self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
         """Sum over ``axis`` (int, tuple, or None for all); integer sums wrap like int32."""
@@ -195,12 +227,63 @@ class GpuCommandBatch:
         """Convert to ``dtype`` (float to int truncates toward zero; out-of-range values saturate on GPU)."""
         return self._record("cast", (x,), dtype=as_dtype(dtype, what="cast"))
 
+    def rms_norm(self, x: Tensor, w: Tensor, eps: float = 1e-5) -> Tensor:
+        """``x / sqrt(mean(x**2, -1) + eps) * w`` per row, one workgroup reduction per row."""
+        return self._record("rms_norm", (x, w), eps=eps)
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, w: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+        """The residual add fused into the norm: returns ``(rms_norm(x + residual, w, eps), x + residual)``."""
+        return self._record("add_rms_norm", (x, residual, w), eps=eps)
+
+    def layer_norm(self, x: Tensor, w: Tensor, b: Tensor, eps: float = 1e-5) -> Tensor:
+        """``(x - mean) / sqrt(var + eps) * w + b`` over the last dim."""
+        return self._record("layer_norm", (x, w, b), eps=eps)
+
+    def rope(self, x: Tensor, pos: Scalar | int, theta: float = 10000.0) -> Tensor:
+        """Rotary embedding, rotate-half convention (Llama in transformers), of ``x`` shaped
+        (tokens, heads, head_dim); token t sits at position ``pos + t``."""
+        return self._record("rope", (x,), pos=self._own_scalar("rope", pos), theta=theta)
+
+    def kv_write(self, cache: Tensor, new: Tensor, pos: Scalar | int) -> Tensor:
+        """Write ``new`` (tokens, kv_heads, head_dim) into ``cache`` rows ``pos .. pos + tokens`` in
+        place; returns ``cache``. Executes check the position fits the cache."""
+        self._record("kv_write", (cache, new), pos=self._own_scalar("kv_write", pos))
+        return cache
+
+    def attention(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        pos: Scalar | int,
+        *,
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> Tensor:
+        """Attention of ``q`` (tokens, heads, head_dim) over cache rows ``[0, pos + tokens)``; query t
+        sees rows up to ``pos + t`` when causal. Grouped-query: heads a multiple of the cache's kv heads."""
+        pos = self._own_scalar("attention", pos)
+        return self._record("attention", (q, k_cache, v_cache), pos=pos, causal=causal, scale=scale)
+
+    def embedding(self, ids: Tensor, table: Tensor) -> Tensor:
+        """Rows of ``table`` picked by int32 ``ids`` (any shape); out-of-range ids give zero rows."""
+        return self._record("embedding", (ids, table))
+
+    def argmax(self, x: Tensor, axis: int = -1) -> Tensor:
+        """int32 index of the first maximum along ``axis`` (greedy sampling)."""
+        return self._record("argmax", (x,), axis=axis)
+
+    def _own_scalar(self, op: str, value: Any) -> Any:
+        if isinstance(value, Scalar) and value.batch is not self:
+            raise DeviceMismatchError(f"{op}: scalar {value.name!r} belongs to batch {value.batch.name!r}")
+        return value
+
     def launch(
         self,
         kernel: Kernel,
         grid: int | Sequence[int],
         buffers: Sequence[Tensor] = (),
-        scalars: Sequence[Scalar] = (),
+        scalars: Sequence[Number] = (),
     ) -> None:
         """Run a custom :class:`Kernel` over ``grid`` workgroups. ``buffers`` are bound read_write at
         bindings 0..n-1 and written in place; ``scalars`` form one uniform struct at binding n."""
@@ -219,12 +302,12 @@ class GpuCommandBatch:
         spec = OPS[op]
         constants: list[tuple[Storage, np.ndarray]] = []
         inputs = tuple(self._operand(op, i, value, operands, constants) for i, value in enumerate(operands))
-        shape, dtype = spec.infer(inputs, params)
-        outputs: tuple[Tensor, ...] = ()
-        if shape is not None:
-            self.device.check_storable(op, shape, dtype)
-            storage = inputs[0].storage if spec.view else Storage(math.prod(shape) * dtype.itemsize, "output", dtype)
-            outputs = (Tensor(shape, dtype, storage, device=self.device, batch=self, name=f"{op}{self._recorded}"),)
+        inferred = spec.infer(inputs, params)
+        outputs = tuple(
+            self._output(op, spec.view, inputs, shape, dtype, i)
+            for i, (shape, dtype) in enumerate(inferred if isinstance(inferred, list) else [inferred])
+            if shape is not None
+        )
         node = Node(spec, inputs, params, outputs)
         if spec.lower is not None:
             node.launches = spec.lower(node)
@@ -234,14 +317,25 @@ class GpuCommandBatch:
                 self.device.executor.prepare(launch)
         self._commit(node, constants)
         self._record_spans.append((started, time.perf_counter()))
+        if len(outputs) > 1:
+            return outputs
         return outputs[0] if outputs else None
 
+    def _output(
+        self, op: str, view: bool, inputs: Sequence[Tensor], shape: tuple[int, ...], dtype: np.dtype, index: int
+    ) -> Tensor:
+        self.device.check_storable(op, shape, dtype)
+        storage = inputs[0].storage if view else Storage(math.prod(shape) * dtype.itemsize, "output", dtype)
+        suffix = f".{index}" if index else ""
+        return Tensor(shape, dtype, storage, device=self.device, batch=self, name=f"{op}{self._recorded}{suffix}")
+
     def _commit(self, node: Node, constants: list[tuple[Storage, np.ndarray]]) -> None:
-        for storage, value in constants:
+        for storage, value in constants + node.constants:
             self._own(storage)
             self._host[storage] = self._dirty[storage] = value
-        if node.outputs and not node.spec.view:
-            self._own(node.output.storage)
+        if not node.spec.view:
+            for tensor in node.outputs:
+                self._own(tensor.storage)
         for storage in node.scratch:
             self._own(storage)
         self._nodes.append(node)
@@ -289,17 +383,25 @@ class GpuCommandBatch:
 
     # execution -------------------------------------------------------------------------------
 
-    def execute(self, feeds: Mapping[Tensor, Any] | None = None, *, profile: bool = False) -> None:
-        """Upload new inputs, encode every op and the readback copies, submit once; returns without
-        waiting for the GPU. ``profile=True`` also times every dispatch (see :meth:`profile`)."""
+    def execute(
+        self,
+        feeds: Mapping[Tensor, Any] | None = None,
+        *,
+        scalars: Mapping[str, int | float] | None = None,
+        profile: bool = False,
+    ) -> None:
+        """Upload new inputs and scalar values, encode every op and the readback copies, submit once;
+        returns without waiting for the GPU. Inputs and scalars keep their values until changed.
+        ``profile=True`` also times every dispatch (see :meth:`profile`)."""
         self._check_open("execute")
         session = profiling.start(self, profile)
         feeds = self._validate_feeds(feeds or {})
+        scalar_values = resolve_scalars(self._scalars, self._scalar_values, scalars or {})
         executor = self.device.executor
         plan = self._plan
         if plan is None:  # a new plan has new buffers: every input and constant is uploaded again
             planning = time.perf_counter()
-            plan = executor.plan(self._nodes, self._storages)
+            plan = executor.plan(self._nodes, self._storages, tuple(self._scalars.values()))
             writes = {**self._host, **self._dirty, **feeds}
             if session is not None:
                 session.span("plan", planning)
@@ -311,7 +413,8 @@ class GpuCommandBatch:
                 self._profiled.settle()  # read its timestamps before its readback buffer is recycled
             self._execution.abandon()
             self._execution = self._executed_plan = None
-        self._execution = executor.run(plan, list(writes.items()), readback, profile=session)
+        self._execution = executor.run(plan, list(writes.items()), readback, scalar_values, profile=session)
+        self._scalar_values = scalar_values
         self._plan = self._executed_plan = plan
         self._host.update(writes)
         self._dirty.clear()
@@ -320,9 +423,15 @@ class GpuCommandBatch:
             session.finish()
             self._profiled = session
 
-    async def execute_async(self, feeds: Mapping[Tensor, Any] | None = None, *, profile: bool = False) -> None:
+    async def execute_async(
+        self,
+        feeds: Mapping[Tensor, Any] | None = None,
+        *,
+        scalars: Mapping[str, int | float] | None = None,
+        profile: bool = False,
+    ) -> None:
         """``execute()`` for asyncio code: submits and returns; await ``read`` for results."""
-        self.execute(feeds, profile=profile)
+        self.execute(feeds, scalars=scalars, profile=profile)
 
     def profile(self) -> Profile:
         """Timing of the latest ``execute(profile=True)``: per dispatch the op, kernel, shapes, workgroups,
@@ -353,20 +462,21 @@ class GpuCommandBatch:
         return validated
 
     def _readback_storages(self) -> tuple[Storage, ...]:
-        """Storages copied back in every execute's submit: final outputs nobody consumes, plus
-        whatever the user has read before."""
+        """Storages copied back in every execute's submit: the tensors the user has read so far, or,
+        before any read, the batch's final outputs (written and never consumed)."""
         if self._readback is None:
-            last_write: dict[Storage, int] = {}
-            last_read: dict[Storage, int] = {}
-            for index, node in enumerate(self._nodes):
-                for tensor in node.inputs:
-                    last_read[tensor.storage] = index
-                written = [t.storage for t in node.outputs] or [t.storage for t in node.inputs]
-                for storage in written:
-                    last_write[storage] = index
-            sinks = {s for s, w in last_write.items() if s.kind == "output" and last_read.get(s, -1) <= w}
-            self._readback = tuple(sorted(sinks | self._wanted, key=lambda s: s.id))
+            self._readback = tuple(sorted(self._wanted or self._sinks(), key=lambda s: s.id))
         return self._readback
+
+    def _sinks(self) -> set[Storage]:
+        last_write: dict[Storage, int] = {}
+        last_read: dict[Storage, int] = {}
+        for index, node in enumerate(self._nodes):
+            for tensor in node.inputs:
+                last_read[tensor.storage] = index
+            for storage in node.written():
+                last_write[storage] = index
+        return {s for s, w in last_write.items() if s.kind == "output" and last_read.get(s, -1) <= w}
 
     # readback --------------------------------------------------------------------------------
 
@@ -418,6 +528,23 @@ class GpuCommandBatch:
             )
         return tensor.storage
 
+    def export_webgpu(
+        self,
+        out_dir: str | Path,
+        feeds: Mapping[Tensor, Any] | None = None,
+        scalars: Mapping[str, int | float] | None = None,
+        *,
+        features: Sequence[str] = (),
+        outputs: Sequence[Tensor] | None = None,
+        tolerance: tuple[float, float] | None = None,
+    ) -> Path:
+        """Write this batch as a standalone WebGPU program (``index.html``, ``batch.js``, the same WGSL,
+        inputs, weights and expected outputs) into ``out_dir``; executes the batch once with ``feeds``
+        and ``scalars`` to record the expected outputs. See :func:`batchgpu.export.export_webgpu`."""
+        from .export.webgpu import export_webgpu
+
+        return export_webgpu(self, out_dir, feeds, scalars, features=features, outputs=outputs, tolerance=tolerance)
+
     def release(self) -> None:
         """Free the batch's device buffers now; the batch can no longer be used."""
         if self._execution is not None:
@@ -429,7 +556,7 @@ class GpuCommandBatch:
         self._released = True
 
 
-def _scalar_array(op: str, argument: str, value: Scalar, partner: Tensor) -> np.ndarray:
+def _scalar_array(op: str, argument: str, value: Number, partner: Tensor) -> np.ndarray:
     """A Python scalar as a 0-d array of the partner tensor's dtype, refusing lossy conversions."""
     dtype = partner.dtype
     if dtype not in FLOATS and not float(value).is_integer():

@@ -12,7 +12,8 @@ from .dtypes import host_array
 from .errors import BatchError, DeviceMismatchError, DTypeError, LimitError, ShapeError
 from .executors import Executor, Stats, create_executor
 from .limits import Limits
-from .tensor import Storage, Tensor
+from .quant import to_device_words
+from .tensor import QuantTensor, Storage, Tensor
 
 ENV_DEVICE = "BATCHGPU_DEVICE"
 
@@ -71,6 +72,16 @@ class Device:
         storage = Storage(array.nbytes, "resident", array.dtype)
         self.executor.alloc_resident(storage, array)
         return Tensor(array.shape, array.dtype, storage, device=self, name=name)
+
+    def quantized(self, blocks: Any, qtype: str, shape: tuple[int, int], *, name: str = "") -> QuantTensor:
+        """Upload a (rows, K) matrix given as GGUF block bytes (``"q4_1"`` or ``"q8_0"``) once; kernels
+        read the blocks and dequantize in registers."""
+        rows, cols = (int(e) for e in shape)
+        words = to_device_words(np.asarray(blocks), qtype, (rows, cols))
+        self.check_storable(f"Device.quantized {name}".strip(), words.shape, words.dtype)
+        storage = Storage(words.nbytes, "resident", words.dtype)
+        self.executor.alloc_resident(storage, words)
+        return QuantTensor((rows, cols), storage, qtype.lower(), device=self, name=name)
 
     def _check_resident(self, what: str, tensor: Tensor) -> None:
         if not isinstance(tensor, Tensor) or not tensor.resident:

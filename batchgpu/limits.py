@@ -67,7 +67,7 @@ def check_launch(launch: Launch, limits: Limits, device_name: str) -> None:
         fail("max_compute_invocations_per_workgroup", invocations, limits.max_compute_invocations_per_workgroup)
     if launch.workgroup_bytes > limits.max_compute_workgroup_storage_size:
         fail("max_compute_workgroup_storage_size", launch.workgroup_bytes, limits.max_compute_workgroup_storage_size)
-    storage_count = sum(1 for b in launch.bindings if b.kind != "uniform")
+    storage_count = sum(1 for b in launch.bindings if b.kind in ("read", "write"))
     if storage_count > limits.max_storage_buffers_per_shader_stage:
         fail("max_storage_buffers_per_shader_stage", storage_count, limits.max_storage_buffers_per_shader_stage)
     per_dim = limits.max_compute_workgroups_per_dimension
@@ -76,7 +76,7 @@ def check_launch(launch: Launch, limits: Limits, device_name: str) -> None:
         if count > per_dim:
             fail(f"max_compute_workgroups_per_dimension ({axis})", count, per_dim)
     for binding in launch.bindings:
-        kind = "uniform" if binding.kind == "uniform" else "storage"
+        kind = "uniform" if binding.kind in ("uniform", "scalars") else "storage"
         allowed = getattr(limits, f"max_{kind}_buffer_binding_size")
         if binding.nbytes > allowed:
             fail(f"max_{kind}_buffer_binding_size (binding {binding.slot})", binding.nbytes, allowed)

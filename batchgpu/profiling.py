@@ -141,7 +141,7 @@ def _shape_text(node: Node) -> str:
 
     inputs = ", ".join(fmt(t.shape) for t in node.inputs)
     if node.outputs:
-        return f"{inputs} -> {fmt(node.output.shape)}"
+        return f"{inputs} -> {', '.join(fmt(t.shape) for t in node.outputs)}"
     return f"{inputs} (in place)"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import string
 from pathlib import Path
 
@@ -23,7 +24,15 @@ def shader_root() -> Path:
 @functools.cache
 def _template(language: str, family: str) -> string.Template:
     suffix = {"wgsl": ".wgsl", "cuda": ".cu"}[language]
-    return string.Template((shader_root() / language / f"{family}{suffix}").read_text())
+    return string.Template(_with_includes((shader_root() / language / f"{family}{suffix}").read_text()))
+
+
+_INCLUDE = re.compile(r"^//!include (\w+)$", re.MULTILINE)
+
+
+def _with_includes(text: str) -> str:
+    """Replace ``//!include NAME`` lines by ``shaders/wgsl/lib/NAME.wgsl`` (WGSL has no includes)."""
+    return _INCLUDE.sub(lambda m: (shader_root() / "wgsl" / "lib" / f"{m.group(1)}.wgsl").read_text(), text)
 
 
 @functools.cache

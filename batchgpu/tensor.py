@@ -130,6 +130,28 @@ class Tensor:
     __hash__ = object.__hash__
 
 
+class QuantTensor(Tensor):
+    """A resident (rows, K) weight matrix stored as GGUF blocks (``qtype`` ``"q4_1"`` or ``"q8_0"``).
+
+    ``shape``/``dtype`` are the logical float32 matrix; the storage holds the packed words. Use it as
+    ``b`` of ``matmul(x, w, transpose_b=True)`` (rows are output features, like a Linear weight) or as
+    an ``embedding`` table; kernels dequantize in registers.
+    """
+
+    __slots__ = ("qtype",)
+
+    def __init__(self, shape: tuple[int, ...], storage: Storage, qtype: str, *, device: Device, name: str = "") -> None:
+        super().__init__(shape, np.dtype(np.float32), storage, device=device, name=name)
+        self.qtype = qtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.nbytes
+
+    def describe(self) -> str:
+        return f"{self.name} (resident {self.qtype}, shape {self.shape})"
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Row-major strides, in elements."""
     strides = []

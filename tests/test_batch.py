@@ -114,13 +114,32 @@ def test_reading_an_intermediate_joins_later_submits(gpu, layer_data):
     y = batch.relu(h)
     batch.execute()
     submits = gpu.stats.submits
+    np.testing.assert_allclose(batch.read_sync(y), np.maximum(x @ w, 0), rtol=1e-5, atol=1e-6)
+    assert gpu.stats.submits == submits  # the final output rode in the execute's submit
     np.testing.assert_allclose(batch.read_sync(h), x @ w, rtol=1e-5, atol=1e-6)
-    assert gpu.stats.submits == submits + 1  # not a sink: one extra copy submit the first time
+    assert gpu.stats.submits == submits + 1  # not an output: one extra copy submit the first time
     batch.execute()
     submits = gpu.stats.submits
     np.testing.assert_allclose(batch.read_sync(h), x @ w, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(batch.read_sync(y), np.maximum(x @ w, 0), rtol=1e-5, atol=1e-6)
-    assert gpu.stats.submits == submits  # now it rides in the execute's submit
+    assert gpu.stats.submits == submits  # both now ride in the execute's submit
+
+
+def test_only_what_is_read_is_copied_back(gpu):
+    """Once the user reads some tensors, executes copy back only those (a decode step reads one id)."""
+    x = random_array(np.random.default_rng(28), (1000,), np.float32)
+    batch = bg.GpuCommandBatch(gpu)
+    tx = batch.upload(x)
+    big = batch.mul(tx, 2.0)  # an unconsumed output: copied back before any read
+    small = batch.argmax(tx)
+    batch.execute()
+    before = gpu.stats.bytes_read
+    assert batch.read_sync(small) == np.argmax(x)
+    assert gpu.stats.bytes_read - before == big.nbytes + 4  # the first execute copied both outputs
+    batch.execute()
+    before = gpu.stats.bytes_read
+    assert batch.read_sync(small) == np.argmax(x)
+    assert gpu.stats.bytes_read - before == 4  # now only the token-sized result
 
 
 def test_inputs_are_readable_and_keep_their_last_value(gpu):

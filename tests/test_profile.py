@@ -51,12 +51,12 @@ def test_profile_table_one_row_per_dispatch_with_gpu_times(gpu):
     assert sum(r.share for r in rows) == pytest.approx(1.0)
     assert profile.total_gpu_us == pytest.approx(sum(r.gpu_us for r in rows))
     matmul = rows[0]
-    assert matmul.kernel == "matmul.matmul" and matmul.shape == "6x40, 40x24 -> 6x24"
+    assert matmul.kernel.startswith("matmul.") and matmul.shape == "6x40, 40x24 -> 6x24"
     assert all(d >= 1 for d in matmul.dispatch)
     text = str(profile)
     for column in ("op", "kernel", "shape", "dispatch", "GPU us", "share"):
         assert column in text.splitlines()[1]
-    assert len([line for line in text.splitlines() if line.startswith("| ") and "matmul.matmul" in line]) == 1
+    assert len([line for line in text.splitlines() if line.startswith("| ") and matmul.kernel in line]) == 1
     host = profile.host_summary()
     assert set(host) == {"record", "upload", "encode", "submit", "execute"}  # no "plan": the first execute planned
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +12,7 @@ import numpy as np
 from ..kernels import Launch
 from ..limits import Limits
 from ..ops import Node
+from ..scalars import Scalar
 from ..tensor import Storage
 
 if TYPE_CHECKING:
@@ -78,9 +79,9 @@ class Executor(ABC):
         """Compile what ``launch`` needs now, so errors surface at record time (optional)."""
 
     @abstractmethod
-    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage]) -> Plan:
+    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> Plan:
         """Build buffers, pipelines and bindings for ``nodes``; ``storages`` are every non-resident
-        storage the batch owns (inputs, constants, outputs, scratch)."""
+        storage the batch owns (inputs, constants, outputs, scratch); ``scalars`` its declared scalars."""
 
     @abstractmethod
     def run(
@@ -88,11 +89,13 @@ class Executor(ABC):
         plan: Plan,
         writes: Sequence[tuple[Storage, np.ndarray]],
         readback: Sequence[Storage],
+        scalars: Mapping[str, int | float],
         *,
         profile: Session | None = None,
     ) -> Execution:
-        """Upload ``writes``, encode every launch and the readback copies, and submit once. With a
-        ``profile`` session, also note host spans and per-dispatch device times into it."""
+        """Upload ``writes`` and the scalar values, encode every launch and the readback copies, and
+        submit once. With a ``profile`` session, also note host spans and per-dispatch device times
+        into it."""
 
     @abstractmethod
     async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:

@@ -4,8 +4,8 @@ It defines the semantics every device executor is tested against."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,7 +13,9 @@ from ..dtypes import FLOAT16, FLOAT32, SUPPORTED
 from ..errors import NotExecutedError
 from ..limits import Limits
 from ..ops import Node
-from ..tensor import Storage, Tensor
+from ..quant import dequantize_words
+from ..scalars import Scalar
+from ..tensor import QuantTensor, Storage, Tensor
 from .base import Execution, Executor, Plan, Stats
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ class ReferenceExecutor(Executor):
         self.features = frozenset({"shader-f16"})
         self.stats = Stats()
         self._resident: dict[Storage, np.ndarray] = {}
+        self._dequant_cache: dict[int, np.ndarray] = {}
 
     def supports(self, dtype: np.dtype) -> bool:
         return dtype in SUPPORTED
@@ -50,13 +53,14 @@ class ReferenceExecutor(Executor):
 
     def write_resident(self, storage: Storage, data: np.ndarray) -> None:
         self._resident[storage][:] = data.reshape(-1)
+        self._dequant_cache.pop(storage.id, None)
         self.stats.bytes_uploaded += data.nbytes
 
     def read_resident(self, storage: Storage) -> np.ndarray:
         self.stats.bytes_read += storage.nbytes
         return self._resident[storage].copy()
 
-    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage]) -> ReferencePlan:
+    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> ReferencePlan:
         arrays = {s: np.zeros(s.nbytes // s.dtype.itemsize, dtype=s.dtype) for s in storages}
         for node in nodes:
             for tensor in node.inputs:
@@ -69,6 +73,7 @@ class ReferenceExecutor(Executor):
         plan: Plan,
         writes: Sequence[tuple[Storage, np.ndarray]],
         readback: Sequence[Storage],
+        scalars: Mapping[str, int | float],
         *,
         profile: Session | None = None,
     ) -> ReferenceExecution:
@@ -78,24 +83,35 @@ class ReferenceExecutor(Executor):
             plan.arrays[storage][:] = data.reshape(-1)
             self.stats.bytes_uploaded += data.nbytes
         for node in plan.nodes:
-            run_node(plan, node)
+            run_node(plan, node, scalars)
             self.stats.dispatches += len(node.launches)
         if profile is not None:
             run_node.done()
         self.stats.submits += 1
         return ReferenceExecution({s: plan.arrays[s].copy() for s in readback})
 
-    def _run_node(self, plan: ReferencePlan, node: Node) -> None:
+    def _run_node(self, plan: ReferencePlan, node: Node, scalars: Mapping[str, int | float]) -> None:
         if node.spec.view:
             return
-        views = [_view(plan.arrays, t) for t in node.inputs]
-        if not node.outputs:  # in-place (custom kernels): hand the kernel writable views
-            node.spec.reference(views, node.params)
+        params = {k: scalars[v.name] if isinstance(v, Scalar) else v for k, v in node.params.items()}
+        views = [self._dequantized(t) if isinstance(t, QuantTensor) else _view(plan.arrays, t) for t in node.inputs]
+        if not node.outputs:  # in-place ops (custom kernels, cache writes) update writable views
+            node.spec.reference(views, params)
             return
         upcast = [v.astype(FLOAT32) if v.dtype == FLOAT16 else v for v in views]
-        result = node.spec.reference(upcast, node.params)
-        out = node.output
-        plan.arrays[out.storage][: out.size] = np.asarray(result).astype(out.dtype).reshape(-1)
+        results = node.spec.reference(upcast, params)
+        if len(node.outputs) == 1:
+            results = (results,)
+        for out, result in zip(node.outputs, results):
+            plan.arrays[out.storage][: out.size] = np.asarray(result).astype(out.dtype).reshape(-1)
+
+    def _dequantized(self, tensor: QuantTensor) -> np.ndarray:
+        """Quantized weights as float32, computed once per tensor."""
+        cached = self._dequant_cache.get(tensor.storage.id)
+        if cached is None:
+            words = self._resident[tensor.storage]
+            cached = self._dequant_cache[tensor.storage.id] = dequantize_words(words, tensor.qtype, tensor.shape)
+        return cached
 
     async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
         return self.read_sync(plan, execution, storage)
@@ -120,19 +136,19 @@ def _view(arrays: dict[Storage, np.ndarray], tensor: Tensor) -> np.ndarray:
 class HostOpTimer:
     """``_run_node`` timing each op on the host for ``execute(profile=True)``: numpy has no GPU timeline."""
 
-    def __init__(self, run_node: Callable[[ReferencePlan, Node], None], plan: ReferencePlan, profile: Session) -> None:
+    def __init__(self, run_node: Callable[..., None], plan: ReferencePlan, profile: Session) -> None:
         self.run_node = run_node
         self.profile = profile
         self.index = {id(node): i for i, node in enumerate(plan.nodes)}
         self.started = time.perf_counter()
         profile.message = "GPU timing unavailable on the reference executor (numpy): host time per op"
 
-    def __call__(self, plan: ReferencePlan, node: Node) -> None:
+    def __call__(self, plan: ReferencePlan, node: Node, *args: Any) -> None:
         if self.started is not None:  # the writes before the first op
             self.cursor = self.profile.span("upload", self.started)
             self.started = None
         begin = time.perf_counter()
-        self.run_node(plan, node)
+        self.run_node(plan, node, *args)
         if node.launches:
             self.profile.op_host[self.index[id(node)]] = (begin, time.perf_counter())
 

@@ -13,7 +13,7 @@ import os
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,8 @@ from ..errors import CompileError, DeviceError, LimitError
 from ..kernels import Launch
 from ..limits import Limits, split_groups
 from ..ops import Node
+from ..scalars import SCALAR_BYTES, Scalar
+from ..scalars import pack as pack_scalars
 from ..shaders import render_wgsl
 from ..tensor import Storage
 from .base import Execution, Executor, Plan, Stats
@@ -186,10 +188,19 @@ class ReadbackLayout:
 
 
 class WgpuPlan(Plan):
-    def __init__(self, buffers: dict[Storage, Any], dispatches: list[tuple], params_buffer: Any) -> None:
+    def __init__(
+        self,
+        buffers: dict[Storage, Any],
+        dispatches: list[tuple],
+        params_buffer: Any,
+        scalars_buffer: Any,
+        scalars: tuple[Scalar, ...],
+    ) -> None:
         self.buffers = buffers
         self.dispatches = dispatches
         self.params_buffer = params_buffer
+        self.scalars_buffer = scalars_buffer
+        self.scalars = scalars
         self.readback_layouts: dict[tuple[Storage, ...], ReadbackLayout] = {}
 
     def readback_layout(self, readback: Sequence[Storage]) -> ReadbackLayout:
@@ -290,7 +301,7 @@ class WgpuExecutor(Executor):
     def prepare(self, launch: Launch) -> None:
         self.pipelines.get(launch)
 
-    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage]) -> WgpuPlan:
+    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> WgpuPlan:
         buffers: dict[Storage, Any] = {}
         for storage in storages:
             buffers[storage] = self._create_buffer(storage, f"{storage.kind} {storage.id}")
@@ -302,14 +313,16 @@ class WgpuExecutor(Executor):
                 if binding.storage is not None and binding.storage not in buffers:
                     buffers[binding.storage] = self._resident[binding.storage.id]
         params_buffer, offsets = self._params_buffer(launches)
+        uniform_usage = self._wgpu.BufferUsage.UNIFORM | self._wgpu.BufferUsage.COPY_DST
+        scalars_buffer = self.device.create_buffer(size=SCALAR_BYTES, usage=uniform_usage, label="scalars")
         dispatches = []
         for launch, offset in zip(launches, offsets):
             pipeline = self.pipelines.get(launch)
-            bind_group = self._bind_group(pipeline, launch, buffers, params_buffer, offset)
+            bind_group = self._bind_group(pipeline, launch, buffers, (params_buffer, offset), scalars_buffer)
             grid = split_groups(launch.groups, self.limits) if isinstance(launch.groups, int) else launch.groups
             dispatches.append((pipeline, bind_group, *grid))
         self.pipelines.disk.dispatched([d[0] for d in dispatches])
-        return WgpuPlan(buffers, dispatches, params_buffer)
+        return WgpuPlan(buffers, dispatches, params_buffer, scalars_buffer, tuple(scalars))
 
     def _params_buffer(self, launches: Sequence[Launch]) -> tuple[Any, list[int]]:
         align = self.limits.min_uniform_buffer_offset_alignment
@@ -328,11 +341,15 @@ class WgpuExecutor(Executor):
         self.device.queue.write_buffer(buffer, 0, bytes(data))
         return buffer, offsets
 
-    def _bind_group(self, pipeline: Any, launch: Launch, buffers: dict, params_buffer: Any, offset: int) -> Any:
+    def _bind_group(
+        self, pipeline: Any, launch: Launch, buffers: dict, params: tuple[Any, int], scalars_buffer: Any
+    ) -> Any:
         entries = []
         for binding in launch.bindings:
             if binding.kind == "uniform":
-                resource = {"buffer": params_buffer, "offset": offset, "size": len(launch.params)}
+                resource = {"buffer": params[0], "offset": params[1], "size": len(launch.params)}
+            elif binding.kind == "scalars":
+                resource = {"buffer": scalars_buffer, "offset": 0, "size": SCALAR_BYTES}
             else:
                 buffer = buffers[binding.storage]
                 resource = {"buffer": buffer, "offset": 0, "size": buffer.size}
@@ -352,6 +369,7 @@ class WgpuExecutor(Executor):
         plan: Plan,
         writes: Sequence[tuple[Storage, np.ndarray]],
         readback: Sequence[Storage],
+        scalars: Mapping[str, int | float],
         *,
         profile: Session | None = None,
     ) -> WgpuExecution:
@@ -359,6 +377,8 @@ class WgpuExecutor(Executor):
         timer = GpuTimer(self, plan, profile, time.perf_counter()) if profile is not None else None
         for storage, data in writes:
             self._write(plan.buffers[storage], data)
+        if plan.scalars:
+            self.device.queue.write_buffer(plan.scalars_buffer, 0, pack_scalars(plan.scalars, scalars))
         if timer:
             timer.uploaded()
         encoder = self.device.create_command_encoder()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from . import custom, elementwise, layout, matmul, reduce
+from . import attention, custom, elementwise, gather, layout, matmul, norm, reduce
 from .spec import Node, OpSpec
 
 OPS: dict[str, OpSpec] = {
-    spec.name: spec for family in (elementwise, layout, matmul, reduce, custom) for spec in family.SPECS
+    spec.name: spec
+    for family in (elementwise, layout, matmul, reduce, norm, attention, gather, custom)
+    for spec in family.SPECS
 }
 
 __all__ = ["OPS", "Node", "OpSpec"]

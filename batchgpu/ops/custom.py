@@ -90,6 +90,7 @@ LAUNCH = OpSpec(
     infer=_infer,
     reference=_reference,
     lower=_lower,
+    inplace="all",
     doc="run a custom Kernel over a grid of workgroups, buffers bound read_write in place",
 )
 

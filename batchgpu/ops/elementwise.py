@@ -57,6 +57,7 @@ BINARY: dict[str, tuple[str, Callable[[np.ndarray, np.ndarray], np.ndarray], str
     "div": ("x / y", np.divide, "float", "a / b (floats only)"),
     "maximum": ("max(x, y)", np.maximum, "all", "elementwise max"),
     "minimum": ("min(x, y)", np.minimum, "all", "elementwise min"),
+    "silu_mul": ("x / (1.0 + exp(-x)) * y", lambda a, b: a * _sigmoid(a) * b, "float", "silu(a) * b (SwiGLU), fused"),
 }
 
 CONTIGUOUS, SCALAR, STRIDED = 0, 1, 2

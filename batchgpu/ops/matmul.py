@@ -1,6 +1,8 @@
 """matmul: 2-D and batched (numpy broadcasting over batch dims), optional transposes, 1-D operands
 promoted like numpy. Lowered to one tiled kernel: 64x64 output tiles, 16-deep k tiles staged in
-workgroup memory, 4x4 outputs per invocation."""
+workgroup memory, 4x4 outputs per invocation. With a quantized ``b`` (QuantTensor, rows of GGUF
+blocks) it lowers to ``qmatmul.wgsl``: one invocation per output (feature, row of ``a``), blocks
+dequantized in registers."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShapeError
-from ..kernels import Launch, pack_params, wgsl_aliases
-from ..tensor import Tensor
+from ..kernels import Launch, pack_params, pack_struct, wgsl_aliases
+from ..quant import BLOCK
+from ..tensor import QuantTensor, Tensor
 from .common import broadcast_strides, reads, uniform, writes
 from .spec import Node, OpSpec, same_dtype
 
@@ -20,6 +23,9 @@ TILE = 64
 TILE_K = 16
 WORKGROUP = (16, 16, 1)
 MAX_BATCH_DIMS = 8
+SKINNY_ROWS = 8
+SKINNY_WORKGROUP = 64
+QUANT_WORKGROUP = 64
 
 
 def _operand_dims(a: Tensor, b: Tensor, params: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -38,8 +44,10 @@ def _batch_shapes(a: Tensor, b: Tensor) -> tuple[tuple[int, ...], tuple[int, ...
 
 
 def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
-    a, b = inputs
-    dtype = same_dtype("matmul", inputs, ("a", "b"))
+    a, b = inputs[:2]
+    dtype = same_dtype("matmul", inputs, ("a", "b", "bias"))
+    if isinstance(b, QuantTensor):
+        return _infer_quantized(inputs, params)
     if a.ndim == 0 or b.ndim == 0:
         raise ShapeError(f"matmul: operands must have at least 1 dim, got a {a.describe()} and b {b.describe()}")
     m, k, k2, n = _operand_dims(a, b, params)
@@ -58,20 +66,79 @@ def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int,
     if len(batch) > MAX_BATCH_DIMS:
         raise ShapeError(f"matmul: at most {MAX_BATCH_DIMS} batch dims are supported, got {len(batch)}")
     shape = batch + ((m,) if a.ndim > 1 else ()) + ((n,) if b.ndim > 1 else ())
+    if len(inputs) == 3 and inputs[2].shape != (n,):
+        raise ShapeError(f"matmul: bias {inputs[2].describe()} must have shape ({n},), one value per output column")
     return shape, dtype
 
 
+def _skinny_launch(node: Node, params: bytes, m: int, n: int, bias: Tensor) -> Launch:
+    """Few rows of a (decode): one invocation per output element, no tiles to fill."""
+    a, b = node.inputs[:2]
+    return Launch(
+        label="matmul",
+        family="matmul",
+        entry="matmul_skinny",
+        types=wgsl_aliases(A=a.dtype, O=node.output.dtype),
+        groups=(math.ceil(n / SKINNY_WORKGROUP), m, 1),
+        constants=(("HAS_BIAS", len(node.inputs) == 3),),
+        bindings=(reads(0, a), reads(1, b), writes(2, node.output.storage), uniform(3, params), reads(4, bias)),
+        params=params,
+        workgroup_size=(SKINNY_WORKGROUP, 1, 1),
+    )
+
+
+def _infer_quantized(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
+    a, w = inputs[:2]
+    rows, k = w.shape
+    if not params.get("transpose_b") or params.get("transpose_a"):
+        raise ShapeError(
+            f"matmul: quantized b {w.describe()} holds (out_features, K) rows of blocks: use "
+            f"matmul(a, b, transpose_b=True) without transpose_a"
+        )
+    if a.ndim == 0 or a.shape[-1] != k:
+        raise ShapeError(f"matmul: a {a.describe()} must end in K={k} to multiply quantized b {w.describe()}")
+    if len(inputs) == 3 and inputs[2].shape != (rows,):
+        raise ShapeError(f"matmul: bias {inputs[2].describe()} must have shape ({rows},)")
+    return (*a.shape[:-1], rows), a.dtype
+
+
+def _lower_quantized(node: Node) -> list[Launch]:
+    x, w = node.inputs[:2]
+    bias = node.inputs[2] if len(node.inputs) == 3 else x
+    out = node.output
+    rows, k = w.shape
+    m = x.size // k
+    params = pack_struct("IIII", m, rows, k, k // BLOCK)
+    return [
+        Launch(
+            label="matmul",
+            family="qmatmul",
+            entry=f"matmul_{w.qtype}",
+            types=wgsl_aliases(A=x.dtype, O=out.dtype),
+            groups=(math.ceil(rows / QUANT_WORKGROUP), m, 1),
+            constants=(("HAS_BIAS", len(node.inputs) == 3),),
+            bindings=(reads(0, x), reads(1, w), writes(2, out.storage), uniform(3, params), reads(4, bias)),
+            params=params,
+            workgroup_size=(QUANT_WORKGROUP, 1, 1),
+        )
+    ]
+
+
 def _reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
-    a, b = arrays
+    a, b = arrays[:2]
     if params.get("transpose_a") and a.ndim > 1:
         a = np.swapaxes(a, -1, -2)
     if params.get("transpose_b") and b.ndim > 1:
         b = np.swapaxes(b, -1, -2)
-    return np.matmul(a, b)
+    out = np.matmul(a, b)
+    return out + arrays[2] if len(arrays) == 3 else out
 
 
 def _lower(node: Node) -> list[Launch]:
-    a, b = node.inputs
+    if isinstance(node.inputs[1], QuantTensor):
+        return _lower_quantized(node)
+    a, b = node.inputs[:2]
+    bias = node.inputs[2] if len(node.inputs) == 3 else a  # without bias, a stands in for the unread binding
     out = node.output
     m, k, _, n = _operand_dims(a, b, node.params)
     a_cols = a.shape[-1]
@@ -85,6 +152,8 @@ def _lower(node: Node) -> list[Launch]:
     a_strides = tuple(s * a_matrix for s in broadcast_strides(a_batch, batch)) if batch else ()
     b_strides = tuple(s * b_matrix for s in broadcast_strides(b_batch, batch)) if batch else ()
     params = pack_params((m, n, k, len(batch)), "IIII", (a_sm, a_sk, b_sk, b_sn), batch, a_strides, b_strides)
+    if not batch and m <= SKINNY_ROWS:
+        return [_skinny_launch(node, params, m, n, bias)]
     groups = (math.ceil(n / TILE), math.ceil(m / TILE), max(math.prod(batch), 1))
     return [
         Launch(
@@ -93,7 +162,8 @@ def _lower(node: Node) -> list[Launch]:
             entry="matmul",
             types=wgsl_aliases(A=a.dtype, O=out.dtype),
             groups=groups,
-            bindings=(reads(0, a), reads(1, b), writes(2, out.storage), uniform(3, params)),
+            constants=(("HAS_BIAS", len(node.inputs) == 3),),
+            bindings=(reads(0, a), reads(1, b), writes(2, out.storage), uniform(3, params), reads(4, bias)),
             params=params,
             workgroup_size=WORKGROUP,
             workgroup_bytes=2 * TILE * TILE_K * 4,
@@ -106,7 +176,7 @@ MATMUL = OpSpec(
     infer=_infer,
     reference=_reference,
     lower=_lower,
-    doc="a @ b, 2-D or batched with broadcast batch dims; transpose_a / transpose_b",
+    doc="a @ b (+ bias), 2-D or batched with broadcast batch dims; transpose_a / transpose_b",
 )
 
 SPECS: list[OpSpec] = [MATMUL]

@@ -38,6 +38,7 @@ class OpSpec:
     dtypes: str = "all"  # "all", "float", "signed" (floats and int32)
     domain: str = "any"
     doc: str = ""
+    inplace: tuple[int, ...] | str = ()  # inputs the op writes in place ("all" for custom kernels)
 
 
 @dataclass(eq=False)
@@ -50,10 +51,22 @@ class Node:
     outputs: tuple[Tensor, ...] = ()
     launches: list[Launch] = field(default_factory=list)
     scratch: list[Storage] = field(default_factory=list)
+    constants: list[tuple[Storage, np.ndarray]] = field(default_factory=list)
 
     @property
     def output(self) -> Tensor:
         return self.outputs[0]
+
+    def written(self) -> list[Storage]:
+        """Storages this node writes: its outputs and any inputs it updates in place."""
+        inplace = range(len(self.inputs)) if self.spec.inplace == "all" else self.spec.inplace
+        return [t.storage for t in self.outputs] + [self.inputs[i].storage for i in inplace]
+
+    def new_constant(self, array: np.ndarray) -> Storage:
+        """A storage holding ``array`` (a lookup table), uploaded once with the batch's constants."""
+        storage = Storage(array.nbytes, "const", array.dtype)
+        self.constants.append((storage, array))
+        return storage
 
     def new_scratch(self, nbytes: int, dtype: np.dtype) -> Storage:
         """A temporary storage that lives as long as the batch, private to this node."""

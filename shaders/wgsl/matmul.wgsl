@@ -3,6 +3,7 @@
 // each invocation keeps 4x4 accumulators in four vec4 registers. Operands are read through element strides, so transposes are free.
 // Aliases: A (operand type), O (output), C (accumulator type).
 
+override HAS_BIAS: bool = false;
 const TILE: u32 = 64u;
 const TK: u32 = 16u;
 
@@ -22,6 +23,7 @@ struct Params {
 @group(0) @binding(1) var<storage, read> b: array<A>;
 @group(0) @binding(2) var<storage, read_write> out: array<O>;
 @group(0) @binding(3) var<uniform> p: Params;
+@group(0) @binding(4) var<storage, read> bias: array<A>;   // per output column, added when HAS_BIAS
 
 var<workgroup> a_tile: array<vec4<C>, 256>;   // [TK][TILE / 4]: 4 consecutive rows at one k
 var<workgroup> b_tile: array<vec4<C>, 256>;   // [TK][TILE / 4]: 4 consecutive columns at one k
@@ -91,6 +93,26 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
 fn store_row(base: u32, row: u32, col: u32, values: vec4<C>) {
     if row >= p.m { return; }
     for (var j = 0u; j < 4u; j++) {
-        if col + j < p.n { out[base + row * p.n + col + j] = O(values[j]); }
+        if col + j < p.n {
+            var value = values[j];
+            if HAS_BIAS { value += C(bias[col + j]); }
+            out[base + row * p.n + col + j] = O(value);
+        }
     }
+}
+
+// Skinny matmul for few rows of A (decode-style GEMV): one invocation per output (column, row);
+// workgroup y picks the row of A, whose loads are uniform across the workgroup. No workgroup memory or
+// private arrays: on CPU drivers (llvmpipe) both cost more than they save at this shape.
+@compute @workgroup_size(64)
+fn matmul_skinny(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let col = gid.x;
+    if col >= p.n { return; }
+    let row = wid.y;
+    var acc = C(0);
+    for (var k = 0u; k < p.k; k++) {
+        acc += C(a[row * p.strides.x + k * p.strides.y]) * C(b[k * p.strides.z + col * p.strides.w]);
+    }
+    if HAS_BIAS { acc += C(bias[col]); }
+    out[row * p.n + col] = O(acc);
 }

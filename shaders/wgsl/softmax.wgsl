@@ -20,31 +20,7 @@ struct Params {
 @group(0) @binding(1) var<storage, read_write> out: array<O>;
 @group(0) @binding(2) var<uniform> p: Params;
 
-var<workgroup> partial: array<f32, WG>;
-
-fn tree_max(lid: u32, value: f32) -> f32 {
-    partial[lid] = value;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if lid < stride { partial[lid] = max(partial[lid], partial[lid + stride]); }
-        workgroupBarrier();
-    }
-    let result = partial[0];
-    workgroupBarrier();
-    return result;
-}
-
-fn tree_sum(lid: u32, value: f32) -> f32 {
-    partial[lid] = value;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if lid < stride { partial[lid] = partial[lid] + partial[lid + stride]; }
-        workgroupBarrier();
-    }
-    let result = partial[0];
-    workgroupBarrier();
-    return result;
-}
+//!include tree
 
 @compute @workgroup_size(WG)
 fn softmax_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,

@@ -1,0 +1,348 @@
+// A batchgpu batch exported for WebGPU: the same WGSL kernels, override constants, bind groups and
+// single-submit command sequence as the Python wgpu executor, driven by manifest.json.
+//
+//   import { run, requestDevice } from "./batch.js";
+//   const device = await requestDevice();                 // asks for the features and limits the batch needs
+//   const outputs = await run(device, { x: new Float32Array(...) }, { pos: 3 });
+//   outputs.y                                             // a Float32Array / Int32Array / Uint32Array
+//
+// run(device, inputs, scalars) writes the given inputs (typed arrays, ArrayBuffers or plain arrays, by
+// input name) and scalars (numbers, by name), encodes every dispatch in one compute pass plus the
+// readback copies, submits once and resolves to the outputs. Inputs and scalars not given keep their
+// current values (at first: the exported ones), like GpuCommandBatch.execute. float16 outputs come back
+// as Float16Array where the browser has it, else as Uint16Array holding the raw half-precision bits.
+
+const HERE = new URL(".", import.meta.url);
+
+// WebGPU's default limits: higher needs are requested from the adapter.
+const DEFAULT_LIMITS = {
+  maxStorageBufferBindingSize: 134217728,
+  maxBufferSize: 268435456,
+  maxStorageBuffersPerShaderStage: 8,
+  maxUniformBufferBindingSize: 65536,
+  maxComputeWorkgroupStorageSize: 16384,
+  maxComputeInvocationsPerWorkgroup: 256,
+  maxComputeWorkgroupSizeX: 256,
+  maxComputeWorkgroupSizeY: 256,
+  maxComputeWorkgroupSizeZ: 64,
+  maxComputeWorkgroupsPerDimension: 65535,
+};
+
+export const ARRAY_TYPES = {
+  float32: Float32Array,
+  int32: Int32Array,
+  uint32: Uint32Array,
+  float16: globalThis.Float16Array ?? Uint16Array,
+};
+
+const loaded = new Map(); // base URL -> Promise of the loaded program
+
+async function fetchOk(url, as) {
+  const response = await fetch(url);
+  if (!response.ok) throw new Error(`batchgpu: fetching ${url} failed: HTTP ${response.status}`);
+  return as === "json" ? response.json() : as === "text" ? response.text() : response.arrayBuffer();
+}
+
+/** Fetch manifest.json, the WGSL, the parameters and the initial buffer contents (once per base URL). */
+export function load(base = HERE) {
+  const key = String(base);
+  if (!loaded.has(key)) {
+    const program = (async () => {
+      const manifest = await fetchOk(new URL("manifest.json", base), "json");
+      if (manifest.format !== "batchgpu-webgpu/1") throw new Error(`batchgpu: unknown export format ${manifest.format}`);
+      const [shaders, data, params] = await Promise.all([
+        Promise.all(manifest.shaders.map((s) => fetchOk(new URL(s.file, base), "text"))),
+        Promise.all(manifest.buffers.map((b) => (b.file ? fetchOk(new URL(b.file, base)) : null))),
+        manifest.params.size ? fetchOk(new URL(manifest.params.file, base)) : null,
+      ]);
+      return { base: key, manifest, shaders, data, params };
+    })();
+    loaded.set(key, program);
+    program.catch(() => loaded.delete(key));
+  }
+  return loaded.get(key);
+}
+
+/** The outputs the exporting device computed for the exported inputs and scalars. */
+export async function expectedOutputs(base = HERE) {
+  const { manifest } = await load(base);
+  const entries = await Promise.all(
+    manifest.outputs.map(async (o) => [o.name, new ARRAY_TYPES[o.dtype](await fetchOk(new URL(o.expected, base)))]),
+  );
+  return Object.fromEntries(entries);
+}
+
+function checkAdapterOrDevice(what, thing, manifest) {
+  const missing = manifest.features.filter((f) => !thing.features.has(f));
+  if (missing.length) {
+    throw new Error(`batchgpu: this batch needs the WebGPU feature(s) ${missing.join(", ")}, which the ${what} lacks`);
+  }
+  for (const [name, need] of Object.entries(manifest.limits)) {
+    const have = thing.limits[name];
+    if (have !== undefined && have < need) {
+      throw new Error(`batchgpu: this batch needs ${name} >= ${need}; the ${what} offers ${have}`);
+    }
+  }
+}
+
+/** A device with the features and limits the batch needs, from `adapter` (default: navigator.gpu's). */
+export async function requestDevice(adapter = null, base = HERE) {
+  const { manifest } = await load(base);
+  if (!adapter) {
+    if (!globalThis.navigator?.gpu) throw new Error("batchgpu: WebGPU is not available (navigator.gpu is missing)");
+    adapter = await navigator.gpu.requestAdapter();
+    if (!adapter) throw new Error("batchgpu: navigator.gpu.requestAdapter() found no adapter");
+  }
+  checkAdapterOrDevice("adapter", adapter, manifest);
+  const requiredLimits = {};
+  for (const [name, need] of Object.entries(manifest.limits)) {
+    if (need > (DEFAULT_LIMITS[name] ?? Infinity)) requiredLimits[name] = need;
+  }
+  return adapter.requestDevice({ requiredFeatures: manifest.features, requiredLimits, label: `batchgpu ${manifest.batch}` });
+}
+
+/** Spread a 1-D workgroup count over x and y like batchgpu.limits.split_groups. */
+export function splitGroups(groups, perDim) {
+  if (groups <= perDim) return [Math.max(groups, 1), 1, 1];
+  const y = Math.ceil(groups / perDim);
+  const x = Math.ceil(groups / y);
+  if (y > perDim) throw new Error(`batchgpu: ${groups} workgroups do not fit maxComputeWorkgroupsPerDimension ${perDim}`);
+  return [x, y, 1];
+}
+
+async function withErrors(device, what, body) {
+  device.pushErrorScope("out-of-memory");
+  device.pushErrorScope("validation");
+  let result;
+  try {
+    result = await body();
+  } finally {
+    const validation = await device.popErrorScope();
+    const memory = await device.popErrorScope();
+    const error = validation ?? memory;
+    if (error) throw new Error(`batchgpu: ${what} failed: ${error.message}`);
+  }
+  return result;
+}
+
+function initialBuffer(device, entry, data, usage) {
+  const buffer = device.createBuffer({ size: entry.size, usage, mappedAtCreation: data !== null, label: entry.name });
+  if (data !== null) {
+    new Uint8Array(buffer.getMappedRange()).set(new Uint8Array(data));
+    buffer.unmap();
+  }
+  return buffer;
+}
+
+async function build(device, program) {
+  const { manifest } = program;
+  checkAdapterOrDevice("device", device, manifest);
+  return withErrors(device, "building the batch's buffers, pipelines and bind groups", async () => {
+    const storageUsage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
+    const buffers = manifest.buffers.map((b, i) => initialBuffer(device, b, program.data[i], storageUsage));
+    const uniformUsage = GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST;
+    const params = program.params
+      ? initialBuffer(device, { size: manifest.params.size, name: "params" }, program.params, uniformUsage)
+      : null;
+    const scalarBytes = new ArrayBuffer(manifest.scalar_bytes);
+    const scalarView = new DataView(scalarBytes);
+    const scalarValues = {};
+    for (const s of manifest.scalars) {
+      setScalar(scalarView, s, s.value);
+      scalarValues[s.name] = s.value;
+    }
+    const scalarsBuffer = initialBuffer(device, { size: manifest.scalar_bytes, name: "scalars" }, scalarBytes, uniformUsage);
+
+    const modules = manifest.shaders.map((s, i) => device.createShaderModule({ code: program.shaders[i], label: s.label }));
+    const layouts = new Map();
+    const explicitLayout = ({ storage, uniform }) => {
+      const key = `${storage}:${uniform}`;
+      if (!layouts.has(key)) {
+        const entries = [];
+        for (let i = 0; i < storage; i++) entries.push({ binding: i, visibility: GPUShaderStage.COMPUTE, buffer: { type: "storage" } });
+        if (uniform) entries.push({ binding: storage, visibility: GPUShaderStage.COMPUTE, buffer: { type: "uniform" } });
+        const group = device.createBindGroupLayout({ entries });
+        layouts.set(key, device.createPipelineLayout({ bindGroupLayouts: [group] }));
+      }
+      return layouts.get(key);
+    };
+    const pipelines = await Promise.all(
+      manifest.pipelines.map(async (p) => {
+        try {
+          return await device.createComputePipelineAsync({
+            label: p.label,
+            layout: p.layout === "auto" ? "auto" : explicitLayout(p.layout),
+            compute: { module: modules[p.shader], entryPoint: p.entry, constants: p.constants },
+          });
+        } catch (error) {
+          const info = await modules[p.shader].getCompilationInfo();
+          const messages = info.messages.map((m) => `${m.type} ${m.lineNum}:${m.linePos} ${m.message}`).join("; ");
+          throw new Error(`batchgpu: ${manifest.shaders[p.shader].label} (${p.label}) failed to compile: ${error.message} ${messages}`);
+        }
+      }),
+    );
+
+    const perDim = device.limits.maxComputeWorkgroupsPerDimension;
+    const dispatches = manifest.dispatches.map((d) => {
+      const pipeline = pipelines[d.pipeline];
+      const entries = d.bindings.map((b) => {
+        if (b.kind === "uniform") return { binding: b.binding, resource: { buffer: params, offset: b.offset, size: b.size } };
+        if (b.kind === "scalars") return { binding: b.binding, resource: { buffer: scalarsBuffer, offset: 0, size: manifest.scalar_bytes } };
+        return { binding: b.binding, resource: { buffer: buffers[b.buffer] } };
+      });
+      const bindGroup = device.createBindGroup({ label: d.label, layout: pipeline.getBindGroupLayout(0), entries });
+      const grid = typeof d.groups === "number" ? splitGroups(d.groups, perDim) : d.groups;
+      if (grid.some((g) => g > perDim)) throw new Error(`batchgpu: ${d.label}: grid ${grid} exceeds maxComputeWorkgroupsPerDimension ${perDim}`);
+      return { pipeline, bindGroup, grid };
+    });
+
+    const copies = [];
+    let total = 0;
+    for (const o of manifest.outputs) {
+      const size = manifest.buffers[o.buffer].size;
+      copies.push({ output: o, source: buffers[o.buffer], offset: total, size });
+      total += size;
+    }
+    const staging = total ? device.createBuffer({ size: total, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST, label: "staging" }) : null;
+    return { device, manifest, buffers, scalarsBuffer, scalarBytes, scalarView, scalarValues, dispatches, copies, staging, total, queue: Promise.resolve() };
+  });
+}
+
+function setScalar(view, scalar, value) {
+  const offset = 4 * scalar.slot;
+  if (scalar.dtype === "f32") view.setFloat32(offset, value, true);
+  else if (scalar.dtype === "i32") view.setInt32(offset, value, true);
+  else view.setUint32(offset, value, true);
+}
+
+function checkScalar(scalar, value) {
+  if (typeof value !== "number" || (Number.isNaN(value) && scalar.dtype !== "f32")) {
+    throw new Error(`batchgpu: scalar ${scalar.name} (${scalar.dtype}) needs a number, got ${value}`);
+  }
+  if (scalar.dtype === "f32") return;
+  const [low, high] = scalar.dtype === "u32" ? [0, 2 ** 32 - 1] : [-(2 ** 31), 2 ** 31 - 1];
+  if (!Number.isInteger(value) || value < low || value > high) {
+    throw new Error(`batchgpu: scalar ${scalar.name} (${scalar.dtype}) needs an integer in [${low}, ${high}], got ${value}`);
+  }
+}
+
+function inputBytes(input, value) {
+  const Type = ARRAY_TYPES[input.dtype];
+  let bytes;
+  if (value instanceof ArrayBuffer) bytes = new Uint8Array(value);
+  else if (ArrayBuffer.isView(value)) {
+    if (!(value instanceof Type) && !(value instanceof Uint8Array)) {
+      throw new Error(`batchgpu: input ${input.name} is ${input.dtype}; got a ${value.constructor.name}`);
+    }
+    bytes = new Uint8Array(value.buffer, value.byteOffset, value.byteLength);
+  } else if (Array.isArray(value)) {
+    bytes = new Uint8Array(Type.from(value).buffer);
+  } else {
+    throw new Error(`batchgpu: input ${input.name} must be a typed array, ArrayBuffer or array, got ${typeof value}`);
+  }
+  const count = input.shape.reduce((a, b) => a * b, 1);
+  const expected = count * Type.BYTES_PER_ELEMENT;
+  if (bytes.byteLength !== expected) {
+    throw new Error(`batchgpu: input ${input.name} (shape [${input.shape}], ${input.dtype}) needs ${expected} bytes, got ${bytes.byteLength}`);
+  }
+  if (bytes.byteLength % 4) {
+    const padded = new Uint8Array(bytes.byteLength + 4 - (bytes.byteLength % 4));
+    padded.set(bytes);
+    bytes = padded;
+  }
+  return bytes;
+}
+
+const prepared = new WeakMap(); // device -> Map(base URL -> Promise of built GPU objects)
+
+/** Create the buffers, pipelines and bind groups on `device` (done once per device; run() calls it). */
+export async function prepare(device, base = HERE) {
+  const program = await load(base);
+  if (!prepared.has(device)) prepared.set(device, new Map());
+  const perDevice = prepared.get(device);
+  if (!perDevice.has(program.base)) {
+    const built = build(device, program);
+    perDevice.set(program.base, built);
+    built.catch(() => perDevice.delete(program.base));
+  }
+  return perDevice.get(program.base);
+}
+
+/** Run the batch once on `device`: write `inputs` and `scalars`, one submit, resolve to the outputs by name. */
+export async function run(device, inputs = {}, scalars = {}, base = HERE) {
+  const state = await prepare(device, base);
+  const result = state.queue.then(() => runOnce(state, inputs, scalars));
+  state.queue = result.catch(() => {}); // runs on one device are serialized: they share the staging buffer
+  return result;
+}
+
+async function runOnce(state, inputs, scalars) {
+  const { device, manifest } = state;
+  const byName = Object.fromEntries(manifest.inputs.map((i) => [i.name, i]));
+  for (const name of Object.keys(inputs)) {
+    if (!byName[name]) throw new Error(`batchgpu: unknown input ${name} (this batch's inputs: ${Object.keys(byName).join(", ") || "none"})`);
+  }
+  const scalarByName = Object.fromEntries(manifest.scalars.map((s) => [s.name, s]));
+  for (const [name, value] of Object.entries(scalars)) {
+    const scalar = scalarByName[name];
+    if (!scalar) throw new Error(`batchgpu: unknown scalar ${name} (this batch's scalars: ${Object.keys(scalarByName).join(", ") || "none"})`);
+    checkScalar(scalar, value);
+  }
+  const writes = manifest.inputs.filter((i) => inputs[i.name] !== undefined).map((i) => [i, inputBytes(i, inputs[i.name])]);
+
+  return withErrors(device, "running the batch", async () => {
+    for (const [input, bytes] of writes) device.queue.writeBuffer(state.buffers[input.buffer], 0, bytes);
+    for (const [name, value] of Object.entries(scalars)) {
+      setScalar(state.scalarView, scalarByName[name], value);
+      state.scalarValues[name] = value;
+    }
+    if (manifest.scalars.length) device.queue.writeBuffer(state.scalarsBuffer, 0, state.scalarBytes);
+    const encoder = device.createCommandEncoder({ label: manifest.batch });
+    if (state.dispatches.length) {
+      const pass = encoder.beginComputePass();
+      for (const { pipeline, bindGroup, grid } of state.dispatches) {
+        pass.setPipeline(pipeline);
+        pass.setBindGroup(0, bindGroup);
+        pass.dispatchWorkgroups(grid[0], grid[1], grid[2]);
+      }
+      pass.end();
+    }
+    for (const c of state.copies) encoder.copyBufferToBuffer(c.source, 0, state.staging, c.offset, c.size);
+    device.queue.submit([encoder.finish()]);
+    const outputs = {};
+    if (state.staging) {
+      await state.staging.mapAsync(GPUMapMode.READ, 0, state.total);
+      const mapped = state.staging.getMappedRange(0, state.total);
+      for (const c of state.copies) {
+        outputs[c.output.name] = new ARRAY_TYPES[c.output.dtype](mapped.slice(c.offset, c.offset + c.output.bytes));
+      }
+      state.staging.unmap();
+    }
+    return outputs;
+  });
+}
+
+/** The exported inputs (typed arrays by name): what run() uses when given none. */
+export async function exportedInputs(base = HERE) {
+  const { manifest, data } = await load(base);
+  return Object.fromEntries(manifest.inputs.map((i) => [i.name, new ARRAY_TYPES[i.dtype](data[i.buffer].slice(0))]));
+}
+
+/** The exported scalar values by name. */
+export async function exportedScalars(base = HERE) {
+  const { manifest } = await load(base);
+  return Object.fromEntries(manifest.scalars.map((s) => [s.name, s.value]));
+}
+
+/** Free the GPU objects run() created on `device`. */
+export async function release(device, base = HERE) {
+  const perDevice = prepared.get(device);
+  const program = await load(base);
+  const state = await perDevice?.get(program.base);
+  if (!state) return;
+  perDevice.delete(program.base);
+  await state.queue;
+  for (const b of state.buffers) b.destroy();
+  state.scalarsBuffer.destroy();
+  state.staging?.destroy();
+}

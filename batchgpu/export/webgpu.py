@@ -1,0 +1,463 @@
+"""Export a recorded batch as a standalone WebGPU program: the same WGSL, run by a browser.
+
+``export_webgpu(batch, out_dir, feeds, scalars)`` writes::
+
+    out_dir/
+      index.html          opens the batch on navigator.gpu, checks it against expected/, shows timings
+      batch.js            ES module: load(), requestDevice(adapter), prepare(device), run(device, inputs, scalars)
+      manifest.json       buffers, shaders, pipelines (entry point, override constants, layout),
+                          dispatches (pipeline, bindings, workgroup counts), inputs, scalars, outputs,
+                          required features and limits
+      shaders/<i>.wgsl    the WGSL sources, exactly as the wgpu executor compiles them
+      params.bin          every launch's uniform parameters, each at a 256-byte aligned offset
+      data/<i>.bin        initial contents of buffer i: inputs (the feeds), constants, resident tensors
+                          (weights) and in-place state
+      expected/<i>.bin    output i as computed by the batch's own device for these inputs
+
+The plan mirrors the wgpu executor: one buffer per storage, ``layout: "auto"`` for built-in kernels
+and an explicit layout (every buffer ``storage`` read_write, then the optional uniform) for custom
+kernels, one compute pass with every dispatch, the readback copies, one submit. 1-D workgroup counts
+are kept 1-D in the manifest and split over x/y by ``batch.js`` with the browser device's own
+``maxComputeWorkgroupsPerDimension``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import BatchError, UnsupportedError
+from ..kernels import Launch
+from ..scalars import SCALAR_BYTES
+from ..scalars import resolve as resolve_scalars
+from ..shaders import render_wgsl
+from ..tensor import Storage, Tensor
+
+if TYPE_CHECKING:
+    from ..batch import GpuCommandBatch
+
+FORMAT = "batchgpu-webgpu/1"
+PARAMS_ALIGN = 256
+"""Uniform parameter offsets: 256 is the largest minUniformBufferOffsetAlignment WebGPU allows, so the
+layout is valid on every browser device."""
+
+TEMPLATE_FILES = ("index.html", "batch.js")
+POISON_BYTE = 0x7F  # the wgpu executor's fill byte of new output buffers on a poisoned device
+
+_ENABLE = re.compile(r"^\s*enable\s+([^;]+);", re.MULTILINE)
+_EXTENSION_FEATURES = {"f16": "shader-f16", "subgroups": "subgroups", "clip_distances": "clip-distances"}
+
+# Float outputs pass the export page's check when |browser - expected| <= atol + rtol * |expected|, with
+# atol = ATOL * max(1, max |expected|). WGSL only promises sin/cos to 2**-11 absolute and exp/log to a few
+# ulp, and browsers use that latitude (SwiftShader's rope differs from lavapipe's by ~4e-4), so the
+# default is looser than the library's own tests; integers must match exactly.
+FLOAT_TOLERANCE = {"float32": (1e-3, 1e-3), "float16": (1e-2, 1e-2)}
+
+
+def export_webgpu(
+    batch: GpuCommandBatch,
+    out_dir: str | Path,
+    feeds: Mapping[Tensor, Any] | None = None,
+    scalars: Mapping[str, int | float] | None = None,
+    *,
+    features: Sequence[str] = (),
+    outputs: Sequence[Tensor] | None = None,
+    tolerance: tuple[float, float] | None = None,
+) -> Path:
+    """Write ``batch`` as a self-contained WebGPU program into ``out_dir`` and return its path.
+
+    ``feeds`` (``{input tensor: array}``) and ``scalars`` (``{name: value}``) are the inputs the export
+    carries and runs with; missing ones keep the batch's current values. The batch is executed once on
+    its own device with them to record the expected outputs (so, like ``execute``, this updates the
+    batch's inputs and any in-place state). ``outputs`` are the tensors the program returns (default:
+    the storages ``execute`` copies back in its submit, each as the last tensor recorded on it).
+
+    ``features`` are the optional WebGPU features the target browsers offer; the default is core
+    WebGPU. A kernel whose WGSL needs a feature not listed (``enable f16`` needs ``shader-f16``, which
+    e.g. Chrome's SwiftShader lacks) raises ``UnsupportedError`` naming the op and the feature,
+    before anything is executed or written.
+
+    ``tolerance`` = ``(rtol, atol)`` sets the check ``index.html`` applies to float outputs:
+    ``|browser - expected| <= atol * max(1, max|expected|) + rtol * |expected|`` (default
+    ``FLOAT_TOLERANCE``); integer outputs must match exactly.
+    """
+    batch._check_open("export_webgpu")
+    out = Path(out_dir)
+    _check_out_dir(out)
+    offered = {str(f) for f in features}
+    launches = [launch for node in batch.nodes for launch in node.launches]
+    sources = [_wgsl(launch) for launch in launches]
+    required = _required_features(launches, sources, offered)
+    validated_feeds = batch._validate_feeds(feeds or {})
+    scalar_values = resolve_scalars(batch._scalars, batch._scalar_values, scalars or {})
+    output_tensors = _output_tensors(batch, outputs)
+
+    storages = _storages(batch, launches, output_tensors)
+    initial = _initial_data(batch, storages, validated_feeds)
+
+    # every input is fed, so the device starts from exactly the exported data even where an earlier
+    # execute updated an input in place (custom kernels write their buffers)
+    inputs = _input_tensors(batch)
+    batch.execute({t: _as_array(initial[t.storage], t) for t in inputs}, scalars=scalar_values)
+    expected = [batch.read_sync(tensor) for tensor in output_tensors]
+
+    manifest, shader_sources = _manifest(
+        batch, launches, sources, storages, initial, inputs, output_tensors, expected, tolerance
+    )
+    manifest["features"] = sorted(required)
+    manifest["scalars"] = [
+        {"name": s.name, "dtype": s.dtype, "slot": s.slot, "value": scalar_values[s.name]}
+        for s in batch._scalars.values()
+    ]
+    _write(out, manifest, storages, initial, launches, shader_sources, expected)
+    return out
+
+
+# validation ------------------------------------------------------------------------------------
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise BatchError(f"export_webgpu: {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
+        raise BatchError(f"export_webgpu: {out} is not empty and holds no earlier export; pick an empty folder")
+
+
+def _wgsl(launch: Launch) -> str:
+    return launch.kernel.wgsl if launch.kernel else render_wgsl(launch.family, launch.types, launch.snippets)
+
+
+def _shader_name(launch: Launch) -> str:
+    return f"kernel {launch.kernel.name}" if launch.kernel else f"shaders/wgsl/{launch.family}.wgsl"
+
+
+def _required_features(launches: Sequence[Launch], sources: Sequence[str], offered: set[str]) -> set[str]:
+    """WebGPU features the WGSL ``enable`` directives need; refuses those not in ``offered``."""
+    required: set[str] = set()
+    for launch, source in zip(launches, sources):
+        for directive in _ENABLE.findall(source):
+            for extension in (e.strip() for e in directive.split(",")):
+                if not extension:
+                    continue
+                feature = _EXTENSION_FEATURES.get(extension, extension)
+                if feature not in offered:
+                    offered_text = ", ".join(sorted(offered)) or "none: core WebGPU"
+                    raise UnsupportedError(
+                        f"export_webgpu: {launch.label} ({_shader_name(launch)}) needs the WebGPU feature "
+                        f"{feature!r} (WGSL 'enable {extension}'), which the export's features do not include "
+                        f"({offered_text}); browsers without it (e.g. Chrome's SwiftShader) cannot run it. "
+                        f"Use float32 tensors, or pass features=({feature!r},) if the target browsers offer it"
+                    )
+                required.add(feature)
+    return required
+
+
+def _output_tensors(batch: GpuCommandBatch, outputs: Sequence[Tensor] | None) -> list[Tensor]:
+    """The tensors the export returns: ``outputs`` or, per read-back storage, the last tensor recorded
+    on it (a final reshape's view rather than its source)."""
+    if outputs is not None:
+        chosen = list(outputs)
+        for tensor in chosen:
+            if not isinstance(tensor, Tensor):
+                raise BatchError(f"export_webgpu: outputs must be Tensors, got {type(tensor).__name__}")
+            batch._check_member("export_webgpu", "output", tensor)
+        return chosen
+    last: dict[Storage, Tensor] = {}
+    for node in batch.nodes:
+        for tensor in (*node.inputs, *node.outputs):
+            last[tensor.storage] = tensor
+    return [last[storage] for storage in batch._readback_storages() if storage in last]
+
+
+def _storages(batch: GpuCommandBatch, launches: Sequence[Launch], outputs: Sequence[Tensor]) -> list[Storage]:
+    """Every buffer of the program: the batch's storages, then resident ones its launches bind."""
+    storages = list(batch._storages)
+    seen = set(storages)
+    extra = [b.storage for launch in launches for b in launch.bindings if b.storage is not None]
+    for storage in [*extra, *(t.storage for t in outputs)]:
+        if storage not in seen:
+            seen.add(storage)
+            storages.append(storage)
+    return storages
+
+
+def _stateful(batch: GpuCommandBatch) -> set[Storage]:
+    """Storages whose device contents before the run matter and may differ from any host copy: outputs
+    first used as an op's input (custom kernels read and write their buffers in place; kv_write updates
+    a cache) and inputs some op updates in place (their device value persists until fed again)."""
+    written: set[Storage] = set()
+    stateful: set[Storage] = set()
+    for node in batch.nodes:
+        for tensor in node.inputs:
+            if tensor.storage.kind in ("output", "scratch") and tensor.storage not in written:
+                stateful.add(tensor.storage)
+        written.update(node.written())
+    stateful.update(s for s in written if s.kind == "input")
+    return stateful
+
+
+def _initial_data(
+    batch: GpuCommandBatch, storages: Sequence[Storage], feeds: Mapping[Storage, np.ndarray]
+) -> dict[Storage, bytes]:
+    """Buffer contents at the start of the exported run, captured before the expected-output execute:
+    what the batch's next execute would start from."""
+    executor = batch.device.executor
+    current = batch._plan is not None and batch._plan is batch._executed_plan and batch._execution is not None
+    data: dict[Storage, bytes] = {}
+    stateful = _stateful(batch)
+    for storage in storages:
+        if storage in feeds:
+            array = feeds[storage]
+        elif storage.kind == "resident":
+            array = executor.read_resident(storage)
+        elif storage in stateful and current:  # the device's value after the latest execute
+            array = executor.read_sync(batch._plan, batch._execution, storage)
+        elif storage.kind in ("input", "const"):  # a new plan uploads the host copy
+            array = batch._host[storage]
+        elif storage in stateful and getattr(executor, "poison", False):
+            data[storage] = bytes([POISON_BYTE]) * storage.nbytes  # a new plan's buffers hold the poison
+            continue
+        else:
+            continue  # a new buffer is zeros, on the device and in the browser alike
+        data[storage] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)[: storage.nbytes].tobytes()
+    return data
+
+
+# the manifest ----------------------------------------------------------------------------------
+
+
+def _unique(name: str, used: set[str]) -> str:
+    candidate, n = name, 2
+    while candidate in used:
+        candidate, n = f"{name}_{n}", n + 1
+    used.add(candidate)
+    return candidate
+
+
+def _padded(nbytes: int) -> int:
+    return max(4, -(-nbytes // 4) * 4)
+
+
+def _tolerance(dtype: np.dtype, expected: np.ndarray, tolerance: tuple[float, float] | None) -> dict[str, float]:
+    if dtype.name not in FLOAT_TOLERANCE:
+        return {"rtol": 0.0, "atol": 0.0}
+    rtol, atol = tolerance or FLOAT_TOLERANCE[dtype.name]
+    finite = expected[np.isfinite(expected)]
+    scale = float(np.abs(finite.astype(np.float64)).max()) if finite.size else 1.0
+    return {"rtol": rtol, "atol": atol * max(scale, 1.0)}
+
+
+def _manifest(
+    batch: GpuCommandBatch,
+    launches: Sequence[Launch],
+    sources: Sequence[str],
+    storages: Sequence[Storage],
+    initial: Mapping[Storage, bytes],
+    input_tensors: Sequence[Tensor],
+    outputs: Sequence[Tensor],
+    expected: Sequence[np.ndarray],
+    tolerance: tuple[float, float] | None,
+) -> tuple[dict[str, Any], list[str]]:
+    index = {storage: i for i, storage in enumerate(storages)}
+    names = _storage_names(batch, outputs)
+
+    shaders: list[dict[str, Any]] = []
+    shader_index: dict[str, int] = {}
+    pipelines: list[dict[str, Any]] = []
+    pipeline_index: dict[tuple, int] = {}
+    dispatches: list[dict[str, Any]] = []
+    params_offset = 0
+    needs = {
+        "maxStorageBufferBindingSize": 0,
+        "maxBufferSize": SCALAR_BYTES,
+        "maxStorageBuffersPerShaderStage": 0,
+        "maxUniformBufferBindingSize": SCALAR_BYTES,
+        "maxComputeWorkgroupStorageSize": 0,
+        "maxComputeInvocationsPerWorkgroup": 1,
+        "maxComputeWorkgroupSizeX": 1,
+        "maxComputeWorkgroupSizeY": 1,
+        "maxComputeWorkgroupSizeZ": 1,
+        "maxComputeWorkgroupsPerDimension": 1,
+    }
+
+    for launch, source in zip(launches, sources):
+        if source not in shader_index:
+            shader_index[source] = len(shaders)
+            shaders.append({"file": f"shaders/{len(shaders)}.wgsl", "label": _shader_name(launch)})
+        uniform = any(b.kind == "uniform" for b in launch.bindings)
+        layout: Any = {"storage": len(launch.bindings) - uniform, "uniform": uniform} if launch.kernel else "auto"
+        constants = {name: float(value) for name, value in launch.constants}
+        key = (shader_index[source], launch.entry, tuple(sorted(constants.items())), json.dumps(layout))
+        if key not in pipeline_index:
+            pipeline_index[key] = len(pipelines)
+            pipelines.append(
+                {
+                    "shader": shader_index[source],
+                    "entry": launch.entry,
+                    "constants": constants,
+                    "layout": layout,
+                    "label": f"{launch.label}:{launch.entry}",
+                }
+            )
+        bindings = []
+        storage_count = 0
+        for binding in launch.bindings:
+            if binding.kind == "uniform":
+                bindings.append(
+                    {"binding": binding.slot, "kind": "uniform", "offset": params_offset, "size": len(launch.params)}
+                )
+                needs["maxUniformBufferBindingSize"] = max(needs["maxUniformBufferBindingSize"], len(launch.params))
+            elif binding.kind == "scalars":
+                bindings.append({"binding": binding.slot, "kind": "scalars"})
+            else:
+                assert binding.storage is not None
+                storage_count += 1
+                bindings.append({"binding": binding.slot, "kind": "storage", "buffer": index[binding.storage]})
+                size = _padded(binding.storage.nbytes)
+                needs["maxStorageBufferBindingSize"] = max(needs["maxStorageBufferBindingSize"], size)
+        dispatch: dict[str, Any] = {
+            "label": launch.label,
+            "pipeline": pipeline_index[key],
+            "groups": launch.groups if isinstance(launch.groups, int) else list(launch.groups),
+            "bindings": bindings,
+        }
+        dispatches.append(dispatch)
+        if launch.params:
+            params_offset += -(-len(launch.params) // PARAMS_ALIGN) * PARAMS_ALIGN
+        x, y, z = launch.workgroup_size
+        needs["maxStorageBuffersPerShaderStage"] = max(needs["maxStorageBuffersPerShaderStage"], storage_count)
+        needs["maxComputeWorkgroupStorageSize"] = max(needs["maxComputeWorkgroupStorageSize"], launch.workgroup_bytes)
+        needs["maxComputeInvocationsPerWorkgroup"] = max(needs["maxComputeInvocationsPerWorkgroup"], x * y * z)
+        for axis, size in zip("XYZ", (x, y, z)):
+            needs[f"maxComputeWorkgroupSize{axis}"] = max(needs[f"maxComputeWorkgroupSize{axis}"], size)
+        # a 1-D count g is split over x/y by batch.js: it fits when the per-dimension limit is >= ceil(sqrt(g))
+        grid = (math.isqrt(launch.groups - 1) + 1,) if isinstance(launch.groups, int) else launch.groups
+        needs["maxComputeWorkgroupsPerDimension"] = max(needs["maxComputeWorkgroupsPerDimension"], *grid)
+
+    buffers = []
+    for i, storage in enumerate(storages):
+        entry: dict[str, Any] = {
+            "name": names.get(storage, f"{storage.kind}{storage.id}"),
+            "kind": storage.kind,
+            "dtype": storage.dtype.name,
+            "size": _padded(storage.nbytes),
+            "bytes": storage.nbytes,
+        }
+        if storage in initial:
+            entry["file"] = f"data/{i}.bin"
+        buffers.append(entry)
+        needs["maxBufferSize"] = max(needs["maxBufferSize"], entry["size"])
+    needs["maxBufferSize"] = max(needs["maxBufferSize"], params_offset)
+
+    used: set[str] = set()
+    inputs = []
+    for tensor in input_tensors:
+        inputs.append(
+            {
+                "name": _unique(tensor.name, used),
+                "buffer": index[tensor.storage],
+                "dtype": tensor.dtype.name,
+                "shape": list(tensor.shape),
+            }
+        )
+    used = set()
+    manifest_outputs = []
+    for i, (tensor, value) in enumerate(zip(outputs, expected)):
+        manifest_outputs.append(
+            {
+                "name": _unique(tensor.name, used),
+                "buffer": index[tensor.storage],
+                "dtype": tensor.dtype.name,
+                "shape": list(tensor.shape),
+                "bytes": tensor.nbytes,
+                "expected": f"expected/{i}.bin",
+                **_tolerance(tensor.dtype, value, tolerance),
+            }
+        )
+
+    manifest = {
+        "format": FORMAT,
+        "batch": batch.name,
+        "exported_from": batch.device.name,
+        "ops": len(batch.nodes),
+        "features": [],
+        "limits": needs,
+        "buffers": buffers,
+        "shaders": shaders,
+        "pipelines": pipelines,
+        "params": {"file": "params.bin", "size": params_offset},
+        "dispatches": dispatches,
+        "inputs": inputs,
+        "scalars": [],
+        "scalar_bytes": SCALAR_BYTES,
+        "outputs": manifest_outputs,
+    }
+    return manifest, list(shader_index)
+
+
+def _storage_names(batch: GpuCommandBatch, outputs: Sequence[Tensor]) -> dict[Storage, str]:
+    """A readable name per storage: the first tensor recorded on it."""
+    names: dict[Storage, str] = {}
+    for node in batch.nodes:
+        for tensor in (*node.inputs, *node.outputs):
+            names.setdefault(tensor.storage, tensor.name)
+    for tensor in outputs:
+        names.setdefault(tensor.storage, tensor.name)
+    return names
+
+
+def _as_array(data: bytes, tensor: Tensor) -> np.ndarray:
+    return np.frombuffer(data, tensor.dtype, count=tensor.size).reshape(tensor.shape)
+
+
+def _input_tensors(batch: GpuCommandBatch) -> list[Tensor]:
+    """One tensor per batch input storage, in upload order (inputs no op uses are left out)."""
+    by_storage: dict[Storage, Tensor] = {}
+    for node in batch.nodes:
+        for tensor in node.inputs:
+            if tensor.storage.kind == "input":
+                by_storage.setdefault(tensor.storage, tensor)
+    return [by_storage[s] for s in batch._storages if s in by_storage]
+
+
+# writing ---------------------------------------------------------------------------------------
+
+
+def _write(
+    out: Path,
+    manifest: dict[str, Any],
+    storages: Sequence[Storage],
+    initial: Mapping[Storage, bytes],
+    launches: Sequence[Launch],
+    shader_sources: Sequence[str],
+    expected: Sequence[np.ndarray],
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for folder in ("shaders", "data", "expected"):  # an earlier export's files
+        shutil.rmtree(out / folder, ignore_errors=True)
+        (out / folder).mkdir()
+    for shader, source in zip(manifest["shaders"], shader_sources):
+        (out / shader["file"]).write_text(source, encoding="utf-8")
+    params = bytearray(manifest["params"]["size"])
+    for launch, dispatch in zip(launches, manifest["dispatches"]):
+        for binding in dispatch["bindings"]:
+            if binding["kind"] == "uniform":
+                params[binding["offset"] : binding["offset"] + len(launch.params)] = launch.params
+    (out / "params.bin").write_bytes(bytes(params))
+    for i, storage in enumerate(storages):
+        if storage in initial:
+            (out / manifest["buffers"][i]["file"]).write_bytes(initial[storage])
+    for entry, value in zip(manifest["outputs"], expected):
+        (out / entry["expected"]).write_bytes(np.ascontiguousarray(value).tobytes())
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    template = resources.files("batchgpu.export") / "template"
+    for name in TEMPLATE_FILES:
+        (out / name).write_text((template / name).read_text(encoding="utf-8"), encoding="utf-8")

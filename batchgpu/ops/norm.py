@@ -1,0 +1,121 @@
+"""Row normalizations: rms_norm, add_rms_norm (residual add fused into the norm) and layer_norm."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import ShapeError
+from ..kernels import DEFAULT_WORKGROUP, Launch, pack_struct, wgsl_aliases
+from ..tensor import Tensor
+from .common import reads, uniform, writes
+from .spec import Node, OpSpec, check_dtype, same_dtype
+
+Shape = tuple[int, ...]
+
+
+def _check_vector(op: str, x: Tensor, vector: Tensor, argument: str) -> None:
+    if vector.shape != (x.shape[-1],):
+        raise ShapeError(
+            f"{op}: {argument} {vector.describe()} must have shape ({x.shape[-1]},) to match the last dim of "
+            f"x {x.describe()}"
+        )
+
+
+def _infer_for(op: str, vectors: tuple[str, ...], outputs: int):
+    def infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> Any:
+        names = ("x", "residual", *vectors) if op == "add_rms_norm" else ("x", *vectors)
+        dtype = same_dtype(op, inputs, names)
+        x = inputs[0]
+        check_dtype(op, "float", x)
+        if x.ndim == 0:
+            raise ShapeError(f"{op}: x {x.describe()} needs at least one dim")
+        if op == "add_rms_norm" and inputs[1].shape != x.shape:
+            raise ShapeError(f"{op}: residual {inputs[1].describe()} must have x's shape {x.shape}")
+        for tensor, name in zip(inputs[len(names) - len(vectors) :], vectors):
+            _check_vector(op, x, tensor, name)
+        if not float(params["eps"]) > 0:
+            raise ShapeError(f"{op}: eps must be > 0, got {params['eps']!r}")
+        return [(x.shape, dtype)] * outputs if outputs > 1 else (x.shape, dtype)
+
+    return infer
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * w
+
+
+def _layer(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    mean = np.mean(x, axis=-1, keepdims=True)
+    var = np.mean((x - mean) ** 2, axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + np.float32(eps)) * w + b
+
+
+def _launch(node: Node, entry: str, bindings: list) -> list[Launch]:
+    x = node.inputs[0]
+    rows = x.size // x.shape[-1]
+    params = pack_struct("IIfI", rows, x.shape[-1], float(node.params["eps"]), 0)
+    return [
+        Launch(
+            label=node.spec.name,
+            family="norm",
+            entry=entry,
+            types=wgsl_aliases(A=x.dtype),
+            groups=rows,
+            bindings=(*bindings, uniform(5, params)),
+            params=params,
+            workgroup_bytes=DEFAULT_WORKGROUP * 4,
+        )
+    ]
+
+
+def _rms_lower(node: Node) -> list[Launch]:
+    x, w = node.inputs
+    return _launch(node, "rms_norm_rows", [reads(0, x), reads(1, w), writes(3, node.output.storage)])
+
+
+def _add_rms_lower(node: Node) -> list[Launch]:
+    x, residual, w = node.inputs
+    normed, summed = node.outputs
+    return _launch(
+        node,
+        "add_rms_norm_rows",
+        [reads(0, x), reads(1, w), reads(2, residual), writes(3, normed.storage), writes(4, summed.storage)],
+    )
+
+
+def _layer_lower(node: Node) -> list[Launch]:
+    x, w, b = node.inputs
+    return _launch(node, "layer_norm_rows", [reads(0, x), reads(1, w), reads(2, b), writes(3, node.output.storage)])
+
+
+RMS_NORM = OpSpec(
+    name="rms_norm",
+    infer=_infer_for("rms_norm", ("w",), 1),
+    reference=lambda arrays, params: _rms(arrays[0], arrays[1], params["eps"]),
+    lower=_rms_lower,
+    dtypes="float",
+    doc="x / sqrt(mean(x**2, -1) + eps) * w",
+)
+
+ADD_RMS_NORM = OpSpec(
+    name="add_rms_norm",
+    infer=_infer_for("add_rms_norm", ("w",), 2),
+    reference=lambda arrays, params: (_rms(arrays[0] + arrays[1], arrays[2], params["eps"]), arrays[0] + arrays[1]),
+    lower=_add_rms_lower,
+    dtypes="float",
+    doc="h = x + residual; returns (rms_norm(h, w, eps), h) from one kernel",
+)
+
+LAYER_NORM = OpSpec(
+    name="layer_norm",
+    infer=_infer_for("layer_norm", ("w", "b"), 1),
+    reference=lambda arrays, params: _layer(arrays[0], arrays[1], arrays[2], params["eps"]),
+    lower=_layer_lower,
+    dtypes="float",
+    doc="(x - mean) / sqrt(var + eps) * w + b over the last dim",
+)
+
+SPECS: list[OpSpec] = [RMS_NORM, ADD_RMS_NORM, LAYER_NORM]

@@ -1,0 +1,338 @@
+"""WebGPU export: ``batch.export_webgpu`` writes a standalone program; headless Chromium (SwiftShader on
+CPU-only machines) runs the same WGSL and must reproduce numpy's outputs."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import batchgpu as bg
+from batchgpu.export.browser import Chromium, find_chromium, serve
+from batchgpu.limits import Limits, split_groups
+from batchgpu.shaders import render_wgsl
+
+from .test_custom_kernels import saxpy_kernel, square_plus_kernel
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_example(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ffn = _load_example("ffn_layer")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Chromium]:
+    """One headless Chromium for the module's browser tests."""
+    if find_chromium() is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium): the browser tests need it")
+    with Chromium() as chromium:
+        yield chromium
+
+
+def open_page(browser: Chromium, folder: Path, page: str, expression: str = "window.batchgpuResult") -> Any:
+    with serve(folder) as base:
+        return browser.evaluate(base + page, expression, timeout=90)
+
+
+def manifest(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / "manifest.json").read_text())
+
+
+def page_outputs(folder: Path, result: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The outputs the page dumped (``?dump=1``), as numpy arrays."""
+    arrays = {}
+    for output in manifest(folder)["outputs"]:
+        raw = base64.b64decode(result["data"][output["name"]])
+        arrays[output["name"]] = np.frombuffer(raw, np.dtype(output["dtype"])).reshape(output["shape"])
+    return arrays
+
+
+def assert_passed(result: dict[str, Any]) -> None:
+    assert result["status"] == "pass", json.dumps(result, indent=1)[:3000]
+    print(json.dumps(result["timings"], indent=1))  # shown with -s
+
+
+# the FFN example -------------------------------------------------------------------------------
+
+
+def record_ffn(device: bg.Device, layers: int = 2, tokens: int = 4, hidden: int = 32, inner: int = 48) -> tuple:
+    rng = np.random.default_rng(7)
+    host_weights = ffn.make_weights(rng, layers, hidden, inner)
+    weights = [
+        {k: device.tensor(w, name=f"l{i}.{k}") for k, w in layer.items()} for i, layer in enumerate(host_weights)
+    ]
+    x_data = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    batch = bg.GpuCommandBatch(device, name="ffn")
+    x = batch.upload(x_data, name="x")
+    y = ffn.record_ffn(batch, x, weights)
+    return batch, x, y, host_weights, rng
+
+
+def test_export_folder_holds_the_plan(gpu: bg.Device, tmp_path: Path) -> None:
+    batch, x, y, host_weights, rng = record_ffn(gpu)
+    batch.execute()
+    new_x = rng.standard_normal(x.shape).astype(np.float32)
+    out = batch.export_webgpu(tmp_path / "ffn", feeds={x: new_x})
+    assert out == tmp_path / "ffn"
+    for name in ("index.html", "batch.js", "manifest.json", "params.bin"):
+        assert (out / name).is_file(), name
+    info = manifest(out)
+    assert info["format"] == "batchgpu-webgpu/1" and info["features"] == []
+
+    launches = [launch for node in batch.nodes for launch in node.launches]
+    assert len(info["dispatches"]) == len(launches) == 6 * len(host_weights)  # 3 matmuls, silu, mul, add
+    params = (out / "params.bin").read_bytes()
+    for launch, dispatch in zip(launches, info["dispatches"]):
+        pipeline = info["pipelines"][dispatch["pipeline"]]
+        source = (out / info["shaders"][pipeline["shader"]]["file"]).read_text()
+        assert source == render_wgsl(launch.family, launch.types, launch.snippets)
+        assert pipeline["entry"] == launch.entry and pipeline["layout"] == "auto"
+        assert pipeline["constants"] == {name: float(value) for name, value in launch.constants}
+        assert dispatch["groups"] == (launch.groups if isinstance(launch.groups, int) else list(launch.groups))
+        (uniform,) = [b for b in dispatch["bindings"] if b["kind"] == "uniform"]
+        assert uniform["offset"] % 256 == 0
+        assert params[uniform["offset"] : uniform["offset"] + uniform["size"]] == launch.params
+    assert len(info["pipelines"]) < len(launches)  # same kernel, same specialization: one pipeline
+
+    (x_entry,) = info["inputs"]
+    assert x_entry["name"] == "x" and x_entry["shape"] == [4, 32] and x_entry["dtype"] == "float32"
+    assert (out / info["buffers"][x_entry["buffer"]]["file"]).read_bytes() == new_x.tobytes()
+    resident = {(out / b["file"]).read_bytes() for b in info["buffers"] if b["kind"] == "resident"}
+    assert resident == {w.tobytes() for layer in host_weights for w in layer.values()}
+    largest = max(w.nbytes for layer in host_weights for w in layer.values())
+    assert info["limits"]["maxStorageBufferBindingSize"] >= largest
+
+    (y_entry,) = info["outputs"]
+    assert y_entry["shape"] == [4, 32] and y_entry["buffer"] == info["dispatches"][-1]["bindings"][-2]["buffer"]
+    expected = np.frombuffer((out / y_entry["expected"]).read_bytes(), np.float32).reshape(4, 32)
+    reference = ffn.numpy_ffn(new_x, host_weights)
+    assert np.abs(expected - reference).max() <= 1e-4 * np.abs(reference).max()
+    np.testing.assert_array_equal(batch.read_sync(y), expected)  # the export executed with the feeds
+
+    batch.export_webgpu(out)  # an earlier export is replaced
+    assert manifest(out)["inputs"][0]["name"] == "x"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(bg.BatchError, match="not empty"):
+        batch.export_webgpu(tmp_path / "other")
+
+
+def test_browser_runs_ffn_like_numpy(gpu: bg.Device, browser: Chromium, tmp_path: Path) -> None:
+    batch, x, _y, host_weights, rng = record_ffn(gpu)
+    new_x = rng.standard_normal(x.shape).astype(np.float32)
+    out = batch.export_webgpu(tmp_path / "ffn", feeds={x: new_x})
+    result = open_page(browser, out, "index.html?runs=3&dump=1")
+    assert_passed(result)
+    assert result["adapter"]["vendor"] or result["adapter"]["architecture"]
+    (browser_y,) = page_outputs(out, result).values()
+    reference = ffn.numpy_ffn(new_x, host_weights)
+    assert np.abs(browser_y - reference).max() <= 1e-4 * np.abs(reference).max()
+
+
+# custom kernels --------------------------------------------------------------------------------
+
+
+def test_browser_runs_custom_kernels_like_numpy(gpu: bg.Device, browser: Chromium, tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    n, rows, cols = 1000, 13, 21
+    xa, ya = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    ma = rng.integers(-300, 300, (rows, cols)).astype(np.int32)
+    batch = bg.GpuCommandBatch(gpu, name="custom")
+    x, y = batch.upload(xa, name="x"), batch.upload(ya, name="y")
+    batch.launch(saxpy_kernel(), math.ceil(n / 64), buffers=[x, y], scalars=[1.5, np.uint32(n)])
+    total = batch.add(y, x)  # a built-in kernel after the custom one, reading its in-place result
+    m = batch.upload(ma, name="m")
+    squared = batch.empty((rows, cols), np.int32, name="squared")
+    kernel = square_plus_kernel(np.int32)
+    batch.launch(kernel, (math.ceil(cols / 8), math.ceil(rows / 8)), buffers=[m, squared], scalars=[7, rows, cols])
+    out = batch.export_webgpu(tmp_path / "custom", outputs=[y, total, squared])
+
+    info = manifest(out)
+    custom = [p for p in info["pipelines"] if p["layout"] != "auto"]
+    assert [p["layout"] for p in custom] == [{"storage": 2, "uniform": True}] * 2
+    assert (out / info["shaders"][custom[1]["shader"]]["file"]).read_text() == kernel.wgsl
+    assert info["dispatches"][2]["groups"] == [3, 2, 1]
+
+    result = open_page(browser, out, "index.html?runs=2&dump=1")
+    assert_passed(result)
+    outputs = page_outputs(out, result)
+    saxpy = np.float32(1.5) * xa + ya
+    assert list(outputs) == ["y", total.name, "squared"]
+    np.testing.assert_allclose(outputs["y"], saxpy, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(outputs[total.name], saxpy + xa, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(outputs["squared"], ma * ma + 7)
+
+    # batch.js splits 1-D workgroup counts over x/y with the browser's own limit, like split_groups
+    split = open_page(
+        browser,
+        out,
+        "index.html?runs=0",
+        "import('./batch.js').then(m => [100000, 65535, 7].map(g => m.splitGroups(g, 65535)))",
+    )
+    limits = Limits(max_compute_workgroups_per_dimension=65535)
+    assert split == [list(split_groups(g, limits)) for g in (100000, 65535, 7)]
+
+
+# every built-in kernel -------------------------------------------------------------------------
+
+
+def test_browser_runs_every_builtin_kernel_like_the_reference(
+    ref: bg.Device, browser: Chromium, tmp_path: Path
+) -> None:
+    """Exported from the numpy reference device (no GPU needed to export): the browser compiles every
+    built-in WGSL family with its own compiler and must match numpy."""
+    rng = np.random.default_rng(11)
+
+    def f(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    batch = bg.GpuCommandBatch(ref, name="builtins")
+    x, p = batch.upload(f(6, 40), name="x"), batch.upload(rng.uniform(0.5, 2, (6, 40)).astype(np.float32), name="p")
+    w, bias = ref.tensor(f(40, 24), name="w"), ref.tensor(f(24), name="bias")
+    xi = batch.upload(rng.integers(-50, 50, (6, 40)).astype(np.int32), name="xi")
+    outs = [getattr(batch, op)(x) for op in ("neg", "abs", "exp", "tanh", "sigmoid", "relu", "gelu", "silu", "copy")]
+    outs += [getattr(batch, op)(p) for op in ("log", "sqrt", "rsqrt")]
+    outs += [getattr(batch, op)(x, p) for op in ("add", "sub", "mul", "div", "maximum", "minimum", "silu_mul")]
+    outs += [batch.add(x, 2.5), batch.matmul(x, w, bias=bias), batch.matmul(x, x, transpose_b=True)]
+    outs += [batch.matmul(batch.reshape(x, (2, 3, 40)), w), batch.sum(x, axis=1), batch.mean(x, axis=0)]
+    outs += [batch.max(x), batch.softmax(x), batch.rms_norm(x, batch.upload(f(40)))]
+    outs += [
+        *batch.add_rms_norm(x, p, batch.upload(f(40))),
+        batch.layer_norm(x, batch.upload(f(40)), batch.upload(f(40))),
+    ]
+    outs += [batch.transpose(x), batch.permute(batch.reshape(x, (2, 3, 40)), (2, 0, 1)), x[1:5, ::3]]
+    outs += [batch.concat([x, p], axis=1), batch.cast(x, np.int32), batch.argmax(x)]
+    outs += [batch.embedding(batch.upload(np.array([3, 0, 5, 9, 1], np.int32)), batch.upload(f(8, 16)))]
+    outs += [batch.sum(xi, axis=1), batch.mul(xi, xi), batch.max(batch.cast(xi, np.uint32), axis=0)]
+    try:  # GGUF-quantized weights (qmatmul.wgsl, the quantized gather) where the gguf package is installed
+        from gguf import quants
+    except ImportError:
+        quants = None
+    if quants is not None:
+        for qtype in ("q4_1", "q8_0"):
+            kind = getattr(quants.GGMLQuantizationType, qtype.upper())
+            table = ref.quantized(quants.quantize(f(24, 64), kind), qtype, (24, 64), name=qtype)
+            outs += [batch.matmul(batch.upload(f(3, 64)), table, transpose_b=True)]
+            outs += [batch.embedding(batch.upload(np.array([5, 0, 23], np.int32)), table)]
+    out = batch.export_webgpu(tmp_path / "builtins", outputs=outs)
+    families = {(out / s["file"]).read_text() for s in manifest(out)["shaders"]}
+    assert len(families) >= 8 and manifest(out)["exported_from"] == "numpy reference"
+    assert quants is None or sum("unpack2x16float" in source for source in families) >= 2
+    result = open_page(browser, out, "index.html?runs=0")
+    assert_passed(result)
+    assert len(result["outputs"]) == len(outs)
+
+
+# per-execute scalars ---------------------------------------------------------------------------
+
+CHECK_PAGE = """<!doctype html><script type="module">
+import { run, requestDevice } from "./batch.js";
+const inputs = INPUTS;
+window.batchgpuResult = (async () => {
+  const device = await requestDevice();
+  const typed = Object.fromEntries(Object.entries(inputs).map(([k, v]) => [k, new Float32Array(v)]));
+  const out = await run(device, typed, { pos: 4 });
+  const failure = async (body) => { try { await body(); return null; } catch (e) { return e.message; } };
+  return {
+    data: Object.fromEntries(Object.entries(out).map(([k, a]) => [k, Array.from(a)])),
+    unknown_scalar: await failure(() => run(device, {}, { nope: 1 })),
+    bad_scalar: await failure(() => run(device, {}, { pos: -1 })),
+    wrong_size: await failure(() => run(device, { q: new Float32Array(3) })),
+  };
+})().catch((e) => ({ error: String(e) }));
+</script>"""
+
+
+def record_decode(device: bg.Device, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple:
+    """rope, kv_write into caches and attention, all at the per-execute position ``pos``."""
+    batch = bg.GpuCommandBatch(device, name="decode")
+    pos = batch.scalar("pos", "u32")
+    qt, kt, vt = batch.upload(q, name="q"), batch.upload(k, name="k"), batch.upload(v, name="v")
+    # caches uploaded as zeros and updated in place: their device value persists between executes
+    zeros = np.zeros((12, 2, 8), np.float32)
+    k_cache, v_cache = batch.upload(zeros, name="k_cache"), batch.upload(zeros, name="v_cache")
+    batch.kv_write(k_cache, batch.rope(kt, pos), pos)
+    batch.kv_write(v_cache, vt, pos)
+    out = batch.attention(batch.rope(qt, pos), k_cache, v_cache, pos)
+    return batch, (qt, kt, vt), (out, k_cache)
+
+
+def test_browser_passes_scalars_through_run(gpu: bg.Device, ref: bg.Device, browser: Chromium, tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    first = [rng.standard_normal(shape).astype(np.float32) for shape in ((2, 4, 8), (2, 2, 8), (2, 2, 8))]
+    second = [rng.standard_normal(a.shape).astype(np.float32) for a in first]
+    batch, _inputs, outputs = record_decode(gpu, *first)
+    batch.execute(scalars={"pos": 0})  # fills cache rows 0-1: the export carries that state
+    out = batch.export_webgpu(tmp_path / "decode", scalars={"pos": 2}, outputs=outputs)
+    info = manifest(out)
+    assert info["scalars"] == [{"name": "pos", "dtype": "u32", "slot": 0, "value": 2}]
+    assert [i["name"] for i in info["inputs"]] == ["q", "k", "v", "k_cache", "v_cache"]
+    k_cache = np.frombuffer((out / info["buffers"][info["inputs"][3]["buffer"]]["file"]).read_bytes(), np.float32)
+    assert np.count_nonzero(k_cache.reshape(12, -1).any(axis=1)) == 2  # rows 0-1 written by the first execute
+    assert_passed(open_page(browser, out, "index.html?runs=1"))
+
+    inputs_json = json.dumps({name: a.reshape(-1).tolist() for name, a in zip("qkv", second)})
+    (out / "check.html").write_text(CHECK_PAGE.replace("INPUTS", inputs_json))
+    result = open_page(browser, out, "check.html")
+    assert "error" not in result, result
+    assert "unknown scalar nope" in result["unknown_scalar"]
+    assert "pos" in result["bad_scalar"] and "integer" in result["bad_scalar"]
+    assert "input q" in result["wrong_size"] and "needs 256 bytes" in result["wrong_size"]
+
+    reference, ref_inputs, ref_outputs = record_decode(ref, *first)
+    reference.execute(scalars={"pos": 0})
+    reference.execute(dict(zip(ref_inputs, second)), scalars={"pos": 4})
+    for entry, tensor in zip(info["outputs"], ref_outputs):
+        browser_value = np.asarray(result["data"][entry["name"]], np.float32).reshape(tensor.shape)
+        # WGSL lets sin/cos (rope) err by 2**-11; SwiftShader uses some of that
+        np.testing.assert_allclose(browser_value, reference.read_sync(tensor), rtol=2e-3, atol=2e-3)
+
+
+# features --------------------------------------------------------------------------------------
+
+
+def f16_batch(device: bg.Device) -> bg.GpuCommandBatch:
+    if "shader-f16" not in device.features:
+        pytest.skip(f"{device.name} has no shader-f16")
+    batch = bg.GpuCommandBatch(device, name="half")
+    x = batch.upload(np.linspace(-2, 2, 64, dtype=np.float32), name="x")
+    batch.exp(batch.cast(x, np.float16))
+    return batch
+
+
+def test_export_refuses_f16_without_the_feature(gpu: bg.Device, tmp_path: Path) -> None:
+    batch = f16_batch(gpu)
+    before = gpu.stats.snapshot()
+    with pytest.raises(bg.UnsupportedError) as info:
+        batch.export_webgpu(tmp_path / "half")
+    message = str(info.value)
+    assert "'shader-f16'" in message and "cast" in message and "enable f16" in message
+    assert not (tmp_path / "half").exists()
+    assert gpu.stats.snapshot()["submits"] == before["submits"]  # refused before executing anything
+
+    out = batch.export_webgpu(tmp_path / "half", features=("shader-f16",))
+    assert manifest(out)["features"] == ["shader-f16"]
+    assert "enable f16;" in (out / "shaders" / "1.wgsl").read_text()
+
+
+def test_browser_reports_a_missing_feature(gpu: bg.Device, browser: Chromium, tmp_path: Path) -> None:
+    out = f16_batch(gpu).export_webgpu(tmp_path / "half", features=("shader-f16",))
+    result = open_page(browser, out, "index.html?runs=0")
+    if result["status"] != "pass":  # SwiftShader lacks shader-f16; a browser with it runs the batch
+        assert result["status"] == "error"
+        assert "needs the WebGPU feature(s) shader-f16, which the adapter lacks" in result["error"]
