@@ -18,6 +18,7 @@ import numpy as np
 from ..batch import GpuCommandBatch
 from ..device import Device
 from ..errors import BatchError
+from ..progress import progress as show_progress
 from ..quant import dequantize_words, to_device_words
 from ..scalars import Scalar
 from ..tensor import Tensor
@@ -153,7 +154,9 @@ class Llama:
         self.quantized = quantized
         self.max_context = max_context
         names = self.weights.names()
-        self.params = {name: self._upload(name) for name in (progress(names) if progress else names)}
+        label = "loading weights" if quantized else "loading + dequantizing weights"
+        items = progress(names) if progress else show_progress(names, label, len(names))  # bar only on a TTY
+        self.params = {name: self._upload(name) for name in items}
         cfg = self.config
         cache_shape = (max_context, cfg.kv_heads, cfg.head_dim)
         zeros = np.zeros(cache_shape, np.float32)
