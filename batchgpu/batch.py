@@ -413,7 +413,8 @@ class GpuCommandBatch:
                 self._profiled.settle()  # read its timestamps before its readback buffer is recycled
             self._execution.abandon()
             self._execution = self._executed_plan = None
-        self._execution = executor.run(plan, list(writes.items()), readback, scalar_values, profile=session)
+        extra = profiling.run_kwargs(executor, session)  # {} unless profiling
+        self._execution = executor.run(plan, list(writes.items()), readback, scalar_values, **extra)
         self._scalar_values = scalar_values
         self._plan = self._executed_plan = plan
         self._host.update(writes)

@@ -9,6 +9,7 @@ the host time of every op (the numpy reference executor). :meth:`Session.result`
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +50,24 @@ def start(batch: GpuCommandBatch, requested: bool) -> Session | None:
     if _profile_all and not any(b is batch for b in _profiled_batches):
         _profiled_batches.append(batch)
     return Session(batch)
+
+
+def run_kwargs(executor: Any, session: Session | None) -> dict[str, Any]:
+    """Keyword arguments for ``executor.run``: the session when profiling and the executor takes one;
+    an executor without profiling support runs unprofiled and the profile says so."""
+    if session is None:
+        return {}
+    kind = type(executor)
+    supported = _supports_profile.get(kind)
+    if supported is None:
+        supported = _supports_profile[kind] = "profile" in inspect.signature(executor.run).parameters
+    if not supported:
+        session.message = f"the {executor.kind} executor does not support profiling: host time of the execute only"
+        return {}
+    return {"profile": session}
+
+
+_supports_profile: dict[type, bool] = {}
 
 
 def kernel_name(launch: Launch) -> str:

@@ -236,3 +236,24 @@ async def test_profile_after_an_async_read(gpu):
     await reading
     profile = batch.profile()
     assert profile.gpu_timing and all(r.gpu_us > 0 for r in profile.rows)
+
+
+def test_an_executor_without_profiling_support_runs_unprofiled():
+    """Executors written before profiling existed (no ``profile`` keyword in ``run``) still execute."""
+    from batchgpu.executors.reference import ReferenceExecutor
+
+    class NoProfiling(ReferenceExecutor):
+        def run(self, plan, writes, readback, scalars):
+            return super().run(plan, writes, readback, scalars)
+
+    dev = bg.Device("reference")
+    dev.executor = NoProfiling()
+    rng = np.random.default_rng(59)
+    batch = bg.GpuCommandBatch(dev)
+    _, _, out = record_mixed(batch, rng)
+    batch.execute(profile=True)
+    assert batch.read_sync(out).shape == (3,)
+    profile = batch.profile()
+    assert "does not support profiling" in profile.message
+    assert all(r.gpu_us is None and r.host_us is None for r in profile.rows)
+    assert profile.execute_span[1] >= profile.execute_span[0]
