@@ -157,16 +157,14 @@ def load_library(vendor: str) -> ctypes.CDLL:
 
 
 class Driver:
-    """One vendor's driver API as ctypes functions named generically (``drv.mem_alloc``...).
+    """One vendor's driver API as ctypes functions named generically (``drv.mem_alloc``...); every
+    status goes through :meth:`check`."""
 
-    ``lib`` may be given (tests bind a stand-in object); every status goes through :meth:`check`.
-    """
-
-    def __init__(self, vendor: str, lib: Any = None) -> None:
+    def __init__(self, vendor: str) -> None:
         if vendor not in LIBRARIES:
             raise UnsupportedError(f"native executor: unknown vendor {vendor!r} (expected 'cuda' or 'hip')")
         self.vendor = vendor
-        self.lib = lib if lib is not None else load_library(vendor)
+        self.lib = load_library(vendor)
         column = 0 if vendor == "cuda" else 1
         self.missing: list[str] = []
         for generic, (*symbols, argtypes) in FUNCTIONS.items():
@@ -183,9 +181,8 @@ class Driver:
             self.missing.append(symbol)
             function = None
         else:
-            if isinstance(self.lib, ctypes.CDLL):  # a stand-in library (tests) takes Python values as they are
-                function.argtypes = argtypes
-                function.restype = restype if restype is not None else ctypes.c_int
+            function.argtypes = argtypes
+            function.restype = restype if restype is not None else ctypes.c_int
         setattr(self, generic, function)
 
     def error_string(self, status: int) -> str:
