@@ -1,7 +1,7 @@
 """``python -m batchgpu``: ``info``, ``bench`` and ``profile``.
 
 - ``info``: wgpu adapters (backend, type, limits, features) and the one ``Device()`` picks, the cache
-  dir, and whether CUDA/HIP drivers load (batchgpu has no CUDA/HIP executor yet).
+  dir, and whether the CUDA/HIP drivers behind ``bg.Device("cuda")``/``("hip")`` load, and why not.
 - ``bench``: ms per batch vs op count for one batch / one submit per op / naive raw wgpu-py (from
   ``benchmarks/batch_overhead.py``), decode tokens/s when ``benchmarks/decode.py`` provides
   ``decode_tokens_per_s(dev, quick) -> {label: tokens/s}``, and a PNG plot (matplotlib).
@@ -92,16 +92,23 @@ def native_driver(names: list[str], count_symbol: str, init: str | None = None) 
 
 
 def cuda_hip_status() -> dict[str, dict[str, Any]]:
+    """Whether the CUDA / HIP driver libraries load and see a device (for the native executors)."""
+    from .executors.native import LIBRARIES
+
     if sys.platform == "win32":
         cuda_names, hip_names = ["nvcuda.dll"], ["amdhip64.dll", "amdhip64_6.dll"]
     else:
-        cuda_names, hip_names = ["libcuda.so.1", "libcuda.so"], ["libamdhip64.so", "libamdhip64.so.6"]
+        cuda_names, hip_names = list(LIBRARIES["cuda"]), list(LIBRARIES["hip"])
     status = {
         "cuda": native_driver(cuda_names, "cuDeviceGetCount", init="cuInit"),
         "hip": native_driver(hip_names, "hipGetDeviceCount"),
     }
-    for entry in status.values():
-        entry["executor"] = "none yet: batchgpu has no CUDA/HIP executor (planned behind executors/base.py)"
+    for kind, entry in status.items():
+        usable = "usable" if entry["available"] else "unusable here (no driver/device, see above)"
+        entry["executor"] = (
+            f"bg.Device({kind!r}): {usable}; execute(profile=True) there records host time only "
+            f"({kind.upper()} event timing is not implemented yet)"
+        )
     return status
 
 

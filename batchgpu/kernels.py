@@ -23,12 +23,17 @@ DEFAULT_WORKGROUP = 256
 
 
 class Kernel:
-    """A user kernel: WGSL source (and later CUDA source) with an entry point.
+    """A user kernel: WGSL source, optionally CUDA source too, with an entry point.
 
     Buffers passed to ``batch.launch`` are bound in order at ``@group(0) @binding(i)`` as
     ``var<storage, read_write>``; scalars, if any, as one ``var<uniform>`` struct of 4-byte fields at
     ``@binding(len(buffers))``. ``reference`` is an optional numpy function ``f(*arrays, *scalars)``
     that updates the arrays in place; the reference executor runs it.
+
+    ``cuda`` is the same kernel in CUDA C++ for the native ``"cuda"``/``"hip"`` devices: an
+    ``extern "C" __global__`` function named ``entry`` taking one pointer per buffer, in order, then
+    (with scalars) a struct of the 4-byte scalar fields by value; the block size is the WGSL
+    ``workgroup_size``. ``shaders/cuda/prelude.cuh`` is prepended (``bg_half``, ``CVT``, ``WG``).
     """
 
     def __init__(
@@ -39,8 +44,10 @@ class Kernel:
         name: str | None = None,
         reference: Callable[..., None] | None = None,
         workgroup_size: tuple[int, ...] | None = None,
+        cuda: str | None = None,
     ) -> None:
         self.wgsl = wgsl
+        self.cuda = cuda
         self.entry = entry
         self.name = name or entry
         self.reference = reference

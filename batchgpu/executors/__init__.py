@@ -7,11 +7,11 @@ from typing import Any
 from ..errors import BatchError
 from .base import Executor, Stats
 
-KINDS = ("wgpu", "reference")
+KINDS = ("wgpu", "reference", "cuda", "hip")
 
 
 def create_executor(kind: str, *, adapter: Any = None, poison: bool = False) -> Executor:
-    """Create the executor ``kind`` (``"wgpu"`` or ``"reference"``)."""
+    """Create the executor ``kind`` (``"wgpu"``, ``"reference"``, ``"cuda"`` or ``"hip"``)."""
     if kind == "wgpu":
         from .wgpu import WgpuExecutor
 
@@ -20,6 +20,10 @@ def create_executor(kind: str, *, adapter: Any = None, poison: bool = False) -> 
         from .reference import ReferenceExecutor
 
         return ReferenceExecutor()
+    if kind in ("cuda", "hip"):
+        from .native import NativeExecutor
+
+        return NativeExecutor(kind, device=adapter if isinstance(adapter, int) else 0, poison=poison)
     raise BatchError(f"Device: unknown executor {kind!r}; expected one of {', '.join(KINDS)}")
 
 

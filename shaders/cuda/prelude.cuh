@@ -1,0 +1,67 @@
+// Prepended to every kernel of shaders/cuda/ (and to custom CUDA kernels). No #include: NVRTC and
+// hipRTC compile it without a toolkit's headers. CUDA/HIP differences live behind BG_HIP.
+// The executor puts the type aliases (A, B, O, C), op expressions and constants in #defines above it.
+
+#if defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIP__)
+#define BG_HIP 1
+#endif
+
+#ifndef WG
+#define WG 256
+#endif
+
+// float16 storage type. Arithmetic is done in float (C = float), as in the WGSL kernels.
+#ifdef BG_HIP
+struct __align__(2) bg_half { _Float16 v; };
+__device__ __forceinline__ float bg_h2f(bg_half h) { return (float)h.v; }
+__device__ __forceinline__ bg_half bg_f2h(float f) { bg_half h; h.v = (_Float16)f; return h; }
+__device__ __forceinline__ float bg_bits2f(unsigned bits) {
+    unsigned short s = (unsigned short)bits;
+    return (float)__builtin_bit_cast(_Float16, s);
+}
+#else
+struct __align__(2) bg_half { unsigned short bits; };
+__device__ __forceinline__ float bg_bits2f(unsigned bits) {
+    float f;
+    unsigned short s = (unsigned short)bits;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s));
+    return f;
+}
+__device__ __forceinline__ float bg_h2f(bg_half h) { return bg_bits2f(h.bits); }
+__device__ __forceinline__ bg_half bg_f2h(float f) {
+    bg_half h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+    return h;
+}
+#endif
+
+// CVT(T, x): WGSL's T(x) conversion. float -> int truncates toward zero (saturating on NVIDIA, as
+// cvt.rzi does); anything -> float16 goes through float.
+template <typename T> struct bg_conv {
+    template <typename S> static __device__ __forceinline__ T from(S x) { return (T)x; }
+    static __device__ __forceinline__ T from(bg_half x) { return (T)bg_h2f(x); }
+};
+template <> struct bg_conv<bg_half> {
+    template <typename S> static __device__ __forceinline__ bg_half from(S x) { return bg_f2h((float)x); }
+    static __device__ __forceinline__ bg_half from(bg_half x) { return x; }
+};
+#define CVT(T, x) (bg_conv<T>::from(x))
+
+// WGSL's abs/max/min over f32, i32 and u32.
+__device__ __forceinline__ float bg_abs(float x) { return fabsf(x); }
+__device__ __forceinline__ int bg_abs(int x) { return x < 0 ? -x : x; }
+__device__ __forceinline__ unsigned bg_abs(unsigned x) { return x; }
+__device__ __forceinline__ float bg_max(float x, float y) { return fmaxf(x, y); }
+__device__ __forceinline__ int bg_max(int x, int y) { return x > y ? x : y; }
+__device__ __forceinline__ unsigned bg_max(unsigned x, unsigned y) { return x > y ? x : y; }
+__device__ __forceinline__ float bg_min(float x, float y) { return fminf(x, y); }
+__device__ __forceinline__ int bg_min(int x, int y) { return x < y ? x : y; }
+__device__ __forceinline__ unsigned bg_min(unsigned x, unsigned y) { return x < y ? x : y; }
+__device__ __forceinline__ float bg_clamp(float x, float lo, float hi) { return fminf(fmaxf(x, lo), hi); }
+
+// The WGSL kernels' linear index over a 1-D count split across grid x and y:
+// wg.x + wg.y * num_workgroups.x, times the block size, plus the local index.
+__device__ __forceinline__ unsigned bg_block_index() { return blockIdx.x + blockIdx.y * gridDim.x; }
+__device__ __forceinline__ unsigned bg_thread_index() { return bg_block_index() * blockDim.x + threadIdx.x; }
+
+#define BG_NO_SLOT 0xFFFFFFFFu

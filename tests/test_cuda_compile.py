@@ -1,0 +1,178 @@
+"""Every CUDA kernel specialization the op table produces compiles with NVRTC for sm_80 and sm_90.
+
+Needs no GPU, only NVRTC (the ``nvidia-cuda-nvrtc`` wheel, in the ``test`` extra). Launches are
+collected by recording ops on the numpy reference device, so the sources are exactly what the native
+executors would compile for those ops.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import batchgpu as bg
+from batchgpu import cuda_source
+from batchgpu.errors import CompileError, UnsupportedError
+from batchgpu.nvrtc import ModuleCache, Nvrtc
+
+ARCHS = ("sm_80", "sm_90")
+DTYPES = (np.float32, np.float16, np.int32, np.uint32)
+
+
+@pytest.fixture(scope="module")
+def nvrtc(tmp_path_factory) -> Nvrtc:
+    try:
+        return Nvrtc(ModuleCache(tmp_path_factory.mktemp("kernels")))
+    except UnsupportedError as exc:
+        pytest.skip(f"NVRTC cannot be loaded (pip install nvidia-cuda-nvrtc): {exc}")
+
+
+def _record_everything() -> list[bg.kernels.Launch]:
+    """Record every op family over every dtype it accepts; returns all launches."""
+    dev = bg.Device("reference")
+    b = bg.GpuCommandBatch(dev)
+    for dtype in DTYPES:
+        x = b.upload(np.ones((4, 8), dtype))
+        row = b.upload(np.ones((8,), dtype))
+        col = b.upload(np.ones((4, 1), dtype))
+        one = b.upload(np.ones((1,), dtype))
+        for op in ("add", "sub", "mul", "maximum", "minimum"):
+            getattr(b, op)(x, x)  # contiguous
+            getattr(b, op)(x, row)  # strided broadcast
+            getattr(b, op)(one, x)  # scalar broadcast
+            getattr(b, op)(col, row)  # both strided
+        for op in ("abs", "relu", "copy"):
+            getattr(b, op)(x)
+        for target in DTYPES:
+            b.cast(x, target)
+        b.transpose(x)
+        x[1:3, ::2]
+        b.concat([x, x], axis=1)
+        b.sum(x)
+        b.sum(x, axis=0)
+        b.max(x, axis=1)
+        b.max(x, axis=(0, 1))
+        b.argmax(x)
+        b.argmax(x, axis=0)
+        b.matmul(x, b.upload(np.ones((8, 3), dtype)))  # skinny
+        big = b.upload(np.ones((2, 16, 8), dtype))
+        b.matmul(big, b.upload(np.ones((8, 5), dtype)), bias=b.upload(np.ones((5,), dtype)))  # tiled, batched
+        b.matmul(b.upload(np.ones((16, 8), dtype)), b.upload(np.ones((16, 8), dtype)), transpose_a=True)
+        ids = b.upload(np.zeros((3,), np.int32))
+        b.embedding(ids, x)
+        if dtype in (np.float32, np.float16):
+            b.neg(x)
+            for op in ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "gelu", "silu"):
+                getattr(b, op)(x)
+            b.div(x, row)
+            b.silu_mul(x, x)
+            b.mean(x, axis=1)
+            b.softmax(x)
+            b.softmax(x, axis=0)
+            b.rms_norm(x, row)
+            b.add_rms_norm(x, x, row)
+            b.layer_norm(x, row, row)
+            q = b.upload(np.ones((2, 4, 8), dtype))
+            cache = b.upload(np.ones((16, 2, 8), dtype))
+            pos = b.scalar(f"pos_{np.dtype(dtype).name}")
+            b.rope(q, pos)
+            b.rope(q, 3)
+            b.kv_write(cache, b.upload(np.ones((2, 2, 8), dtype)), pos)
+            b.attention(q, cache, cache, pos=pos)
+            b.attention(q, cache, cache, pos=1, causal=False)
+        if dtype == np.int32:
+            b.neg(x)
+    for qtype, block_bytes in (("q4_1", 20), ("q8_0", 34)):
+        w = dev.quantized(np.zeros(6 * 2 * block_bytes, np.uint8), qtype, (6, 64))
+        b.matmul(b.upload(np.ones((3, 64), np.float32)), w, transpose_b=True)
+        b.matmul(b.upload(np.ones((3, 64), np.float32)), w, transpose_b=True, bias=b.upload(np.ones(6, np.float32)))
+        b.embedding(b.upload(np.zeros((2,), np.int32)), w)
+    return [launch for node in b.nodes for launch in node.launches]
+
+
+def _sources() -> dict[str, tuple[str, set[str]]]:
+    sources: dict[str, tuple[str, set[str]]] = {}
+    for launch in _record_everything():
+        source, name = cuda_source.render(launch)
+        sources.setdefault(source, (name, set()))[1].add(launch.entry)
+    return sources
+
+
+SOURCES = _sources()
+
+
+def test_every_family_and_entry_is_covered():
+    families = {name.removesuffix(".cu") for name, _ in SOURCES.values()}
+    assert families == set(cuda_source.FAMILIES)
+    entries = set().union(*(entries for _, entries in SOURCES.values()))
+    wgsl_entries = set()
+    for family in cuda_source.FAMILIES:
+        text = (bg.shaders.shader_root() / "wgsl" / f"{family}.wgsl").read_text()
+        wgsl_entries |= set(re.findall(r"@compute[^\n]*\n\s*fn\s+(\w+)", text))
+    assert entries == wgsl_entries
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_specialization_compiles_to_ptx(nvrtc, arch):
+    failures = []
+    for source, (name, entries) in SOURCES.items():
+        try:
+            ptx = nvrtc.compile(source, name, arch, ["-default-device"], target="ptx").decode(errors="replace")
+        except CompileError as exc:
+            failures.append(str(exc)[:2000])
+            continue
+        assert f".target {arch}" in ptx
+        for entry in entries:
+            assert re.search(rf"\.entry\s+{entry}\s*\(", ptx), f"{name}: no entry {entry} in the PTX"
+    assert not failures, "\n\n".join(failures)
+
+
+def test_cubin_for_sm_90_and_disk_cache(tmp_path):
+    try:
+        first = Nvrtc(ModuleCache(tmp_path))
+    except UnsupportedError as exc:
+        pytest.skip(f"NVRTC cannot be loaded: {exc}")
+    source, (name, _) = next(iter(SOURCES.items()))
+    cubin = first.compile(source, name, "sm_90", ["-default-device"], target="cubin")
+    assert cubin[:4] == b"\x7fELF"
+    assert first.compiled == 1
+    second = Nvrtc(ModuleCache(tmp_path))  # as a second process would: same cache directory
+    assert second.compile(source, name, "sm_90", ["-default-device"], target="cubin") == cubin
+    assert second.compiled == 0
+    second.compile(source, name, "sm_80", ["-default-device"], target="cubin")
+    assert second.compiled == 1  # the key includes the architecture
+
+
+def test_compile_errors_carry_the_log(nvrtc):
+    with pytest.raises(CompileError, match=r"broken\.cu.*undefined"):
+        nvrtc.compile('extern "C" __global__ void k() { undefined_thing(); }', "broken.cu", "sm_90", target="ptx")
+
+
+def test_custom_kernel_with_cuda_source_compiles(nvrtc):
+    wgsl = "@compute @workgroup_size(64) fn main() {}"
+    cuda = """
+    struct Scalars { float a; unsigned n; };
+    extern "C" __global__ void main_kernel(float* x, float* y, const Scalars s) {
+        unsigned i = bg_thread_index();
+        if (i < s.n) y[i] = s.a * x[i] + y[i];
+    }"""
+    kernel = bg.Kernel(wgsl=wgsl, entry="main_kernel", cuda=cuda, workgroup_size=(64,))
+    dev = bg.Device("reference")
+    b = bg.GpuCommandBatch(dev)
+    x, y = b.upload(np.ones(8, np.float32)), b.upload(np.ones(8, np.float32))
+    b.launch(kernel, 1, [x, y], [2.0, 8])
+    (launch,) = b.nodes[-1].launches
+    source, name = cuda_source.render(launch)
+    ptx = nvrtc.compile(source, name, "sm_90", ["-default-device"], target="ptx").decode()
+    assert ".entry main_kernel(" in ptx
+
+
+def test_custom_kernel_without_cuda_source_is_refused():
+    dev = bg.Device("reference")
+    b = bg.GpuCommandBatch(dev)
+    kernel = bg.Kernel(wgsl="@compute @workgroup_size(1) fn main() {}", name="wgsl_only")
+    b.launch(kernel, 1, [b.upload(np.ones(4, np.float32))])
+    with pytest.raises(UnsupportedError, match=r"wgsl_only.*no CUDA source"):
+        cuda_source.render(b.nodes[-1].launches[0])
