@@ -212,13 +212,16 @@ def load_benchmark(name: str) -> ModuleType | None:
     return module
 
 
-def decode_figures(dev: Any, quick: bool) -> dict[str, float] | None:
-    """Decode tokens/s from ``benchmarks/decode.py``'s ``decode_tokens_per_s``, when it exists."""
-    module = load_benchmark("decode")
-    run = getattr(module, "decode_tokens_per_s", None) if module else None
-    if run is None:
-        return None
-    return {str(k): float(v) for k, v in run(dev, quick=quick).items()}
+def decode_figures(dev: Any, quick: bool) -> tuple[dict[str, float] | None, str]:
+    """Decode tokens/s from ``benchmarks/decode.py``'s ``decode_tokens_per_s``, or None and why not."""
+    try:
+        module = load_benchmark("decode")
+        run = getattr(module, "decode_tokens_per_s", None) if module else None
+        if run is None:
+            return None, "decode benchmark not available yet"
+        return {str(k): float(v) for k, v in run(dev, quick=quick).items()}, ""
+    except Exception as exc:  # e.g. the llm extra or the model file missing
+        return None, f"decode benchmark unavailable: {type(exc).__name__}: {exc}"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -250,9 +253,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print("\n".join(profiling.markdown_table(header, table, "rrrrr")))
     print(f"* naive raw wgpu-py runs at most {naive_ops} ops per round and is scaled to n")
     print()
-    decode = decode_figures(dev, args.quick)
+    decode, why_not = decode_figures(dev, args.quick)
     if decode is None:
-        print("decode benchmark not available yet")
+        print(why_not)
     else:
         cells = [[label, f"{tokens:.1f}"] for label, tokens in decode.items()]
         print("\n".join(profiling.markdown_table(["decode", "tokens/s"], cells, "<r")))

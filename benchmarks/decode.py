@@ -150,5 +150,19 @@ def main() -> None:
             json.dump({"device": device.name, "bandwidth": bandwidth, "results": results}, handle, indent=2)
 
 
+def decode_tokens_per_s(device: bg.Device, quick: bool = False) -> dict[str, float]:
+    """Decode tokens/s for ``python -m batchgpu bench``: batchgpu with quantized weights (and fp32 and
+    the numpy baseline unless ``quick``), after a 5-token prompt; 3 tokens when quick, else 8."""
+    tokens = 3 if quick else 8
+    figures = {}
+    if not quick:
+        _, seconds = NumpyDecoder(GGUFWeights(smollm2_path())).generate(PROMPT, tokens)
+        figures["numpy fp32"] = 1 / seconds
+    for quantized in (True,) if quick else (False, True):
+        _, seconds, _ = batchgpu_decode(device, quantized, tokens)
+        figures[f"batchgpu {'Q4_1/Q8_0' if quantized else 'fp32'}"] = 1 / seconds
+    return figures
+
+
 if __name__ == "__main__":
     main()

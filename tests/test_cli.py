@@ -67,9 +67,13 @@ def test_bench_quick_prints_tables_and_writes_a_png(tmp_path):
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "| ops | batched ms | per-op submit ms | naive ms* | naive/batched |" in out
-    assert "decode benchmark not available yet" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    sweep = json.loads(figures.read_text())["sweep"]
+    report = json.loads(figures.read_text())
+    if report["decode"] is not None:  # benchmarks/decode.py with the llm extra and the model installed
+        assert "| decode" in out and report["decode"] and all(v > 0 for v in report["decode"].values())
+    else:
+        assert "decode benchmark" in out  # and why it is missing
+    sweep = report["sweep"]
     assert [row["ops"] for row in sweep] == [10, 50]
     assert all(row["batched_ms"] > 0 and row["per_op_submit_ms"] > 0 and row["naive_ms"] > 0 for row in sweep)
 
