@@ -1,8 +1,8 @@
 """matmul: 2-D and batched (numpy broadcasting over batch dims), optional transposes, 1-D operands
 promoted like numpy. Lowered to one tiled kernel: 64x64 output tiles, 16-deep k tiles staged in
 workgroup memory, 4x4 outputs per invocation. With a quantized ``b`` (QuantTensor, rows of GGUF
-blocks) it lowers to ``qmatmul.wgsl``: one invocation per output (feature, row of ``a``), blocks
-dequantized in registers."""
+blocks) it lowers to ``qmatmul.wgsl``: one invocation per 8 output features and one row of ``a``,
+blocks dequantized in registers."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ WORKGROUP = (16, 16, 1)
 MAX_BATCH_DIMS = 8
 SKINNY_ROWS = 8
 SKINNY_WORKGROUP = 64
+SKINNY_COLUMNS = 8  # output columns per invocation in matmul_skinny
 QUANT_WORKGROUP = 64
+QUANT_ROWS = 8  # output features per invocation in qmatmul.wgsl
 
 
 def _operand_dims(a: Tensor, b: Tensor, params: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -72,14 +74,14 @@ def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int,
 
 
 def _skinny_launch(node: Node, params: bytes, m: int, n: int, bias: Tensor) -> Launch:
-    """Few rows of a (decode): one invocation per output element, no tiles to fill."""
+    """Few rows of a (decode): one invocation per 8 output columns of one row, no tiles to fill."""
     a, b = node.inputs[:2]
     return Launch(
         label="matmul",
         family="matmul",
         entry="matmul_skinny",
         types=wgsl_aliases(A=a.dtype, O=node.output.dtype),
-        groups=(math.ceil(n / SKINNY_WORKGROUP), m, 1),
+        groups=(math.ceil(n / (SKINNY_WORKGROUP * SKINNY_COLUMNS)), m, 1),
         constants=(("HAS_BIAS", len(node.inputs) == 3),),
         bindings=(reads(0, a), reads(1, b), writes(2, node.output.storage), uniform(3, params), reads(4, bias)),
         params=params,
@@ -115,7 +117,7 @@ def _lower_quantized(node: Node) -> list[Launch]:
             family="qmatmul",
             entry=f"matmul_{w.qtype}",
             types=wgsl_aliases(A=x.dtype, O=out.dtype),
-            groups=(math.ceil(rows / QUANT_WORKGROUP), m, 1),
+            groups=(math.ceil(rows / (QUANT_WORKGROUP * QUANT_ROWS)), m, 1),
             constants=(("HAS_BIAS", len(node.inputs) == 3),),
             bindings=(reads(0, x), reads(1, w), writes(2, out.storage), uniform(3, params), reads(4, bias)),
             params=params,

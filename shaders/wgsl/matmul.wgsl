@@ -101,18 +101,40 @@ fn store_row(base: u32, row: u32, col: u32, values: vec4<C>) {
     }
 }
 
-// Skinny matmul for few rows of A (decode-style GEMV): one invocation per output (column, row);
-// workgroup y picks the row of A, whose loads are uniform across the workgroup. No workgroup memory or
-// private arrays: on CPU drivers (llvmpipe) both cost more than they save at this shape.
+// Skinny matmul for few rows of A (decode-style GEMV): each invocation computes 8 consecutive output
+// columns of one row of A (workgroup y), so each loaded value of A serves 8 columns. No workgroup
+// memory or private arrays: on CPU drivers (llvmpipe) every loaded scalar costs the same wherever it
+// comes from and dynamically indexed arrays spill to memory, so fewer loads is what counts there.
+fn b_at(k: u32, col: u32) -> C {
+    if col >= p.n { return C(0); }
+    return C(b[k * p.strides.z + col * p.strides.w]);
+}
+
+fn store_skinny(row: u32, col: u32, value: C) {
+    if col >= p.n { return; }
+    var result = value;
+    if HAS_BIAS { result += C(bias[col]); }
+    out[row * p.n + col] = O(result);
+}
+
 @compute @workgroup_size(64)
 fn matmul_skinny(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
-    let col = gid.x;
+    let col = gid.x * 8u;
     if col >= p.n { return; }
     let row = wid.y;
-    var acc = C(0);
+    var lo = vec4<C>();
+    var hi = vec4<C>();
     for (var k = 0u; k < p.k; k++) {
-        acc += C(a[row * p.strides.x + k * p.strides.y]) * C(b[k * p.strides.z + col * p.strides.w]);
+        let av = C(a[row * p.strides.x + k * p.strides.y]);
+        lo += av * vec4<C>(b_at(k, col), b_at(k, col + 1u), b_at(k, col + 2u), b_at(k, col + 3u));
+        hi += av * vec4<C>(b_at(k, col + 4u), b_at(k, col + 5u), b_at(k, col + 6u), b_at(k, col + 7u));
     }
-    if HAS_BIAS { acc += C(bias[col]); }
-    out[row * p.n + col] = O(acc);
+    store_skinny(row, col, lo.x);
+    store_skinny(row, col + 1u, lo.y);
+    store_skinny(row, col + 2u, lo.z);
+    store_skinny(row, col + 3u, lo.w);
+    store_skinny(row, col + 4u, hi.x);
+    store_skinny(row, col + 5u, hi.y);
+    store_skinny(row, col + 6u, hi.z);
+    store_skinny(row, col + 7u, hi.w);
 }
