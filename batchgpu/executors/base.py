@@ -39,8 +39,39 @@ class Stats:
         return asdict(self)
 
 
+@dataclass
+class ReadbackLayout:
+    """Where each read-back storage lands in the one staging buffer of an execute."""
+
+    copies: list[tuple[Storage, Any, int, int]]  # storage, device buffer, staging offset, bytes
+    total: int
+
+    @classmethod
+    def build(cls, storages: Sequence[Storage], buffers: dict[Storage, Any], align: int) -> ReadbackLayout:
+        """Back-to-back copies of whole storages (sizes padded to 4 bytes, offsets to ``align``)."""
+        copies, offset = [], 0
+        for storage in storages:
+            size = -(-storage.nbytes // 4) * 4
+            copies.append((storage, buffers[storage], offset, size))
+            offset += -(-size // align) * align
+        return cls(copies, offset)
+
+
 class Plan:
-    """What an executor built once for a recorded graph: buffers, pipelines, bind groups/arguments."""
+    """What an executor built once for a recorded graph: buffers, pipelines, bind groups/arguments.
+
+    Device executors set ``buffers`` (storage -> device buffer) and may raise ``readback_align``."""
+
+    buffers: dict[Storage, Any]
+    readback_align = 4
+
+    def readback_layout(self, readback: Sequence[Storage]) -> ReadbackLayout:
+        """The staging layout for ``readback``, built once per distinct set."""
+        layouts = self.__dict__.setdefault("_readback_layouts", {})
+        key = tuple(readback)
+        if key not in layouts:
+            layouts[key] = ReadbackLayout.build(key, self.buffers, self.readback_align)
+        return layouts[key]
 
 
 class Execution:

@@ -43,7 +43,7 @@ from ..ops import Node
 from ..scalars import SCALAR_BYTES, Scalar
 from ..scalars import pack as pack_scalars
 from ..tensor import Storage
-from .base import Execution, Executor, Plan, Stats
+from .base import Execution, Executor, Plan, ReadbackLayout, Stats
 
 ENV_GRAPHS = "BATCHGPU_GRAPHS"
 POISON_BYTE = 0x7F
@@ -479,13 +479,9 @@ class PackedLaunch:
         self.params = (ctypes.c_void_p * max(len(slots), 1))(*(ctypes.addressof(s) for s in slots))
 
 
-@dataclass
-class ReadbackLayout:
-    copies: list[tuple[Storage, DeviceBuffer, int, int]]  # storage, buffer, staging offset, bytes
-    total: int
-
-
 class NativePlan(Plan):
+    readback_align = 256  # pinned staging offsets kept DMA-friendly
+
     def __init__(
         self,
         buffers: dict[Storage, DeviceBuffer],
@@ -501,19 +497,6 @@ class NativePlan(Plan):
         self.upload_event: int | None = None
         self.runs = 0
         self.graph_exec: int | None = None
-        self.readback_layouts: dict[tuple[Storage, ...], ReadbackLayout] = {}
-
-    def readback_layout(self, readback: Sequence[Storage]) -> ReadbackLayout:
-        key = tuple(readback)
-        layout = self.readback_layouts.get(key)
-        if layout is None:
-            copies, offset = [], 0
-            for storage in key:
-                buffer = self.buffers[storage]
-                copies.append((storage, buffer, offset, storage.nbytes))
-                offset += -(-storage.nbytes // 256) * 256
-            layout = self.readback_layouts[key] = ReadbackLayout(copies, offset)
-        return layout
 
 
 class NativeExecution(Execution):

@@ -132,7 +132,6 @@ def _view(arrays: dict[Storage, np.ndarray], tensor: Tensor) -> np.ndarray:
     return arrays[tensor.storage][: tensor.size].reshape(tensor.shape)
 
 
-
 class HostOpTimer:
     """``_run_node`` timing each op on the host for ``execute(profile=True)``: numpy has no GPU timeline."""
 

@@ -14,7 +14,6 @@ import tempfile
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,7 +29,7 @@ from ..scalars import SCALAR_BYTES, Scalar
 from ..scalars import pack as pack_scalars
 from ..shaders import render_wgsl
 from ..tensor import Storage
-from .base import Execution, Executor, Plan, Stats
+from .base import Execution, Executor, Plan, ReadbackLayout, Stats
 from .wgpu_timing import GpuTimer
 
 if TYPE_CHECKING:
@@ -179,14 +178,6 @@ def _custom_layout_key(launch: Launch) -> tuple[int, bool]:
     return (len(launch.bindings) - uniform, uniform)
 
 
-@dataclass
-class ReadbackLayout:
-    """Where each read-back storage lands in the one staging buffer of an execute."""
-
-    copies: list[tuple[Storage, Any, int, int]]  # storage, source buffer, staging offset, bytes
-    total: int
-
-
 class WgpuPlan(Plan):
     def __init__(
         self,
@@ -201,19 +192,6 @@ class WgpuPlan(Plan):
         self.params_buffer = params_buffer
         self.scalars_buffer = scalars_buffer
         self.scalars = scalars
-        self.readback_layouts: dict[tuple[Storage, ...], ReadbackLayout] = {}
-
-    def readback_layout(self, readback: Sequence[Storage]) -> ReadbackLayout:
-        key = tuple(readback)
-        layout = self.readback_layouts.get(key)
-        if layout is None:
-            copies, offset = [], 0
-            for storage in key:
-                buffer = self.buffers[storage]
-                copies.append((storage, buffer, offset, buffer.size))
-                offset += buffer.size
-            layout = self.readback_layouts[key] = ReadbackLayout(copies, offset)
-        return layout
 
 
 class WgpuExecution(Execution):
