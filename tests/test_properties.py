@@ -313,3 +313,5 @@ def test_random_graphs_match_the_reference(gpu: bg.Device, ref: bg.Device, progr
 
 
 # shrunk failures, kept as regular tests -------------------------------------------------------
+# None so far: the only failures hypothesis shrank were bugs of this strategy (a broadcast partner of a
+# 0-d tensor; diamonds reusing a value from before its bounding tanh, which overflowed in numpy too).
