@@ -14,7 +14,15 @@ import numpy as np
 from . import profiling
 from .device import Device
 from .dtypes import FLOATS, as_dtype, host_array
-from .errors import BatchError, DeviceMismatchError, DTypeError, LimitError, NotExecutedError, ShapeError
+from .errors import (
+    BatchError,
+    DeviceError,
+    DeviceMismatchError,
+    DTypeError,
+    LimitError,
+    NotExecutedError,
+    ShapeError,
+)
 from .executors.base import Execution, Plan
 from .kernels import Kernel
 from .limits import check_launch
@@ -380,6 +388,7 @@ class GpuCommandBatch:
     def _check_open(self, op: str) -> None:
         if self._released:
             raise BatchError(f"{op}: batch {self.name!r} was released")
+        self.device.check_thread(op)
 
     # execution -------------------------------------------------------------------------------
 
@@ -486,14 +495,20 @@ class GpuCommandBatch:
         blocking the event loop."""
         storage = self._check_readable(tensor)
         assert self._executed_plan is not None and self._execution is not None
-        flat = await self.device.executor.read(self._executed_plan, self._execution, storage)
+        try:
+            flat = await self.device.executor.read(self._executed_plan, self._execution, storage)
+        except DeviceError as exc:
+            raise DeviceError(f"read {tensor.describe()} of batch {self.name!r}: {exc}") from None
         return self._finish_read(tensor, flat)
 
     def read_sync(self, tensor: Tensor) -> np.ndarray:
         """Blocking ``read``."""
         storage = self._check_readable(tensor)
         assert self._executed_plan is not None and self._execution is not None
-        flat = self.device.executor.read_sync(self._executed_plan, self._execution, storage)
+        try:
+            flat = self.device.executor.read_sync(self._executed_plan, self._execution, storage)
+        except DeviceError as exc:
+            raise DeviceError(f"read {tensor.describe()} of batch {self.name!r}: {exc}") from None
         return self._finish_read(tensor, flat)
 
     def _finish_read(self, tensor: Tensor, flat: np.ndarray) -> np.ndarray:

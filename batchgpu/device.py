@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,18 @@ class Device:
     def __init__(self, kind: str | None = None, *, adapter: Any = None, poison: bool = False) -> None:
         self.kind = kind or os.environ.get(ENV_DEVICE) or "wgpu"
         self.executor: Executor = create_executor(self.kind, adapter=adapter, poison=poison)
+        self.thread = threading.get_ident()  # the one thread allowed to use this device and its batches
+
+    def check_thread(self, what: str) -> None:
+        """Raise BatchError when called from another thread than the one that created the device:
+        executors, their caches and counters are not locked, so a Device and its batches belong to one
+        thread (run several asyncio tasks on it, or give each thread its own Device)."""
+        if threading.get_ident() != self.thread:
+            raise BatchError(
+                f"{what}: {self!r} was created in thread {self.thread} and is used from thread "
+                f"{threading.get_ident()} ({threading.current_thread().name}); a Device and its batches are "
+                f"not thread-safe: use them from one thread, or create a Device per thread"
+            )
 
     @property
     def name(self) -> str:
@@ -67,6 +80,7 @@ class Device:
 
     def tensor(self, data: Any, dtype: Any = None, *, name: str = "") -> Tensor:
         """Upload ``data`` once as a resident tensor (weights) usable by every batch on this device."""
+        self.check_thread("Device.tensor")
         array = host_array(data, dtype, what=f"Device.tensor {name}".strip())
         self.check_storable(f"Device.tensor {name}".strip(), array.shape, array.dtype)
         storage = Storage(array.nbytes, "resident", array.dtype)
@@ -76,6 +90,7 @@ class Device:
     def quantized(self, blocks: Any, qtype: str, shape: tuple[int, int], *, name: str = "") -> QuantTensor:
         """Upload a (rows, K) matrix given as GGUF block bytes (``"q4_1"`` or ``"q8_0"``) once; kernels
         read the blocks and dequantize in registers."""
+        self.check_thread("Device.quantized")
         rows, cols = (int(e) for e in shape)
         words = to_device_words(np.asarray(blocks), qtype, (rows, cols))
         self.check_storable(f"Device.quantized {name}".strip(), words.shape, words.dtype)
@@ -84,6 +99,7 @@ class Device:
         return QuantTensor((rows, cols), storage, qtype.lower(), device=self, name=name)
 
     def _check_resident(self, what: str, tensor: Tensor) -> None:
+        self.check_thread(what)
         if not isinstance(tensor, Tensor) or not tensor.resident:
             raise BatchError(f"{what}: expected a resident tensor from Device.tensor, got {tensor!r}")
         if tensor.device is not self:

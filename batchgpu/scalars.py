@@ -3,6 +3,7 @@ small uniform buffer written by every ``execute(scalars={...})``: no re-recordin
 
 from __future__ import annotations
 
+import numbers
 import struct
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -47,7 +48,7 @@ def check_value(scalar: Scalar, value: object) -> int | float:
         if isinstance(value, bool) or (not isinstance(value, (int, float)) and not hasattr(value, "__float__")):
             raise DTypeError(f"execute: scalar {scalar.name!r} (f32) got {value!r}")
         return float(value)  # type: ignore[arg-type]
-    if isinstance(value, bool) or not float(value).is_integer():  # type: ignore[arg-type]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value).is_integer():
         raise DTypeError(f"execute: scalar {scalar.name!r} ({scalar.dtype}) needs an int, got {value!r}")
     number = int(value)  # type: ignore[call-overload]
     low, high = (0, 2**32 - 1) if scalar.dtype == "u32" else (-(2**31), 2**31 - 1)

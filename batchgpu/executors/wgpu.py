@@ -116,6 +116,7 @@ class PipelineCache:
         self._device = device
         self._wgpu = wgpu
         self._stats = stats
+        self.lost: Any = lambda what, probe=False: None  # set by the executor: a lost device is no CompileError
         self._modules: dict[str, Any] = {}
         self._pipelines: dict[tuple, Any] = {}
         self._layouts: dict[tuple[int, bool], Any] = {}
@@ -152,6 +153,7 @@ class PipelineCache:
             )
         except self._wgpu.GPUError as exc:
             self._modules.pop(source, None)
+            self.lost(f"{launch.label}: compiling {self._shader_name(launch)}", probe=True)
             raise CompileError(f"{launch.label}: {self._shader_name(launch)} failed to compile: {exc}") from None
         self._stats.pipelines_compiled += 1
         log.info(
@@ -192,6 +194,7 @@ class WgpuPlan(Plan):
         self.params_buffer = params_buffer
         self.scalars_buffer = scalars_buffer
         self.scalars = scalars
+        self.labels: list[str] = []  # per dispatch: the op and kernel, for errors
 
 
 class WgpuExecution(Execution):
@@ -230,6 +233,8 @@ class WgpuExecutor(Executor):
         self.pipelines = PipelineCache(self.device, wgpu, self.stats)
         self.pipelines.disk.open(chosen, driver_cache)
         self.staging = StagingPool(self.device, wgpu, self.stats)
+        self.pipelines.lost = self.check_alive
+        self.lost_reason: str | None = None  # set once the device is known to be lost or destroyed
         self._resident: dict[int, Any] = {}  # storage id -> buffer
         self._group_layouts: dict[Any, Any] = {}  # pipeline -> its bind group layout 0
         self._usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
@@ -241,13 +246,39 @@ class WgpuExecutor(Executor):
     def supports(self, dtype: np.dtype) -> bool:
         return dtype in SUPPORTED and (dtype != FLOAT16 or "shader-f16" in self.features)
 
+    # device loss ------------------------------------------------------------------------------
+
+    def check_alive(self, what: str, probe: bool = False) -> None:
+        """Raise DeviceError if the device was lost or destroyed. The cheap test is wgpu-py 0.32's own
+        state: ``GPUDevice.destroy()`` stops the device's poll thread (wgpu-py exposes no ``lost``
+        promise, and mapping or submitting on a destroyed device aborts the process inside
+        wgpu-native, so this must be known before those calls). ``probe=True`` (error paths only) also
+        finishes an empty command encoder, which fails with "device is lost" after any loss."""
+        if self.lost_reason is None and getattr(self.device, "_poller", True) is None:
+            self.lost_reason = "destroyed"
+        if self.lost_reason is None and probe:
+            try:
+                self.device.create_command_encoder().finish()
+            except self._wgpu.GPUError as exc:
+                if "lost" in str(exc).lower():
+                    self.lost_reason = "lost: " + " ".join(str(exc).split())
+        if self.lost_reason is not None:
+            raise DeviceError(
+                f"{what}: the device {self.name!r} was {self.lost_reason}; its buffers and unread results are "
+                f"gone. Create a new bg.Device() (and record the batches again on it)"
+            )
+
     # buffers ----------------------------------------------------------------------------------
 
     def _create_buffer(self, storage: Storage, label: str) -> Any:
         size = max(4, -(-storage.nbytes // 4) * 4)
         if size > self.limits.max_buffer_size:
             raise LimitError(f"{label}: max_buffer_size exceeded: {size} > {self.limits.max_buffer_size}")
-        buffer = self.device.create_buffer(size=size, usage=self._usage, label=label)
+        try:
+            buffer = self.device.create_buffer(size=size, usage=self._usage, label=label)
+        except self._wgpu.GPUError as exc:
+            self.check_alive(f"allocating {label}", probe=True)
+            raise DeviceError(f"allocating {label} ({size} bytes) failed: {exc}") from None
         self.stats.buffers_created += 1
         self.stats.buffers_live += 1
         weakref.finalize(buffer, _decrement_live, self.stats)
@@ -261,15 +292,18 @@ class WgpuExecutor(Executor):
         self.stats.bytes_uploaded += data.nbytes
 
     def alloc_resident(self, storage: Storage, data: np.ndarray) -> None:
+        self.check_alive("Device.tensor")
         buffer = self._create_buffer(storage, f"resident {storage.id}")
         self._resident[storage.id] = buffer
         weakref.finalize(storage, self._resident.pop, storage.id, None)
         self._write(buffer, data)
 
     def write_resident(self, storage: Storage, data: np.ndarray) -> None:
+        self.check_alive("Device.write")
         self._write(self._resident[storage.id], data)
 
     def read_resident(self, storage: Storage) -> np.ndarray:
+        self.check_alive("Device.read")
         buffer = self._resident[storage.id]
         execution = self._submit_copies([(storage, buffer, 0, buffer.size)], buffer.size)
         return self._map_sync(execution)[storage]
@@ -280,6 +314,7 @@ class WgpuExecutor(Executor):
         self.pipelines.get(launch)
 
     def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> WgpuPlan:
+        self.check_alive("execute")
         buffers: dict[Storage, Any] = {}
         for storage in storages:
             buffers[storage] = self._create_buffer(storage, f"{storage.kind} {storage.id}")
@@ -300,7 +335,9 @@ class WgpuExecutor(Executor):
             grid = split_groups(launch.groups, self.limits) if isinstance(launch.groups, int) else launch.groups
             dispatches.append((pipeline, bind_group, *grid))
         self.pipelines.disk.dispatched([d[0] for d in dispatches])
-        return WgpuPlan(buffers, dispatches, params_buffer, scalars_buffer, tuple(scalars))
+        plan = WgpuPlan(buffers, dispatches, params_buffer, scalars_buffer, tuple(scalars))
+        plan.labels = [f"op {launch.label!r} ({launch.describe()})" for launch in launches]
+        return plan
 
     def _params_buffer(self, launches: Sequence[Launch]) -> tuple[Any, list[int]]:
         align = self.limits.min_uniform_buffer_offset_alignment
@@ -338,6 +375,7 @@ class WgpuExecutor(Executor):
         try:
             return self.device.create_bind_group(layout=layout, entries=entries)
         except self._wgpu.GPUError as exc:
+            self.check_alive(f"{launch.label}: binding buffers", probe=True)
             raise DeviceError(f"{launch.label}: binding buffers failed ({launch.describe()}): {exc}") from None
 
     # execution --------------------------------------------------------------------------------
@@ -352,6 +390,7 @@ class WgpuExecutor(Executor):
         profile: Session | None = None,
     ) -> WgpuExecution:
         assert isinstance(plan, WgpuPlan)
+        self.check_alive("execute")
         timer = GpuTimer(self, plan, profile, time.perf_counter()) if profile is not None else None
         for storage, data in writes:
             self._write(plan.buffers[storage], data)
@@ -375,7 +414,16 @@ class WgpuExecutor(Executor):
         execution = self._encode_copies(encoder, layout.copies, layout.total, layout)
         if timer:
             timer.encoded()
-        self._submit(encoder)
+        try:
+            self._submit(encoder)
+        except DeviceError as exc:
+            if execution.staging is not None:
+                self.staging.release(execution.staging)
+                execution.staging = None
+            culprit = self._failing_dispatch(plan)
+            if culprit is None:
+                raise
+            raise DeviceError(f"execute: {culprit} failed GPU validation: {exc}") from None
         if timer:
             timer.submitted(execution)
         self.stats.dispatches += len(plan.dispatches)
@@ -393,8 +441,25 @@ class WgpuExecutor(Executor):
         try:
             self.device.queue.submit([encoder.finish()])
         except self._wgpu.GPUError as exc:
+            self.check_alive("submit", probe=True)
             raise DeviceError(f"submit failed: {exc}") from None
         self.stats.submits += 1
+
+    def _failing_dispatch(self, plan: WgpuPlan) -> str | None:
+        """After a failed submit (error path only): encode each dispatch alone and finish it without
+        submitting; the first one wgpu's validation rejects names the op."""
+        for (pipeline, bind_group, x, y, z), label in zip(plan.dispatches, plan.labels):
+            encoder = self.device.create_command_encoder()
+            compute = encoder.begin_compute_pass()
+            compute.set_pipeline(pipeline)
+            compute.set_bind_group(0, bind_group)
+            compute.dispatch_workgroups(x, y, z)
+            compute.end()
+            try:
+                encoder.finish()
+            except self._wgpu.GPUError:
+                return f"{label}, dispatch {x}x{y}x{z}"
+        return None
 
     def _submit_copies(self, copies: list, total: int) -> WgpuExecution:
         encoder = self.device.create_command_encoder()
@@ -408,6 +473,7 @@ class WgpuExecutor(Executor):
         return self._submit_copies([(storage, buffer, 0, buffer.size)], buffer.size)
 
     def _copy_out(self, execution: WgpuExecution) -> dict[Storage, np.ndarray]:
+        self.check_alive("read")  # a map that resolved while the device was destroyed cannot be read
         staging = execution.staging
         mapped = staging.read_mapped(0, execution.layout.total, copy=False)
         results = {
@@ -424,9 +490,11 @@ class WgpuExecutor(Executor):
         if execution.results is None:
             if execution.fetching is not None:
                 raise DeviceError("read_sync: an async read of the same execute is in flight; await it instead")
+            self.check_alive("read")
             try:
                 execution.staging.map_sync("READ_NOSYNC", 0, execution.layout.total)
             except Exception as exc:
+                self.check_alive("read", probe=True)
                 raise DeviceError(f"read: mapping the staging buffer failed: {exc}") from None
             execution.results = self._copy_out(execution)
         return execution.results
@@ -440,9 +508,11 @@ class WgpuExecutor(Executor):
         return execution.results
 
     async def _fetch(self, execution: WgpuExecution) -> None:
+        self.check_alive("read")
         try:
             await execution.staging.map_async("READ_NOSYNC", 0, execution.layout.total)
         except Exception as exc:
+            self.check_alive("read", probe=True)
             raise DeviceError(f"read: mapping the staging buffer failed: {exc}") from None
         execution.results = self._copy_out(execution)
 
