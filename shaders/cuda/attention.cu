@@ -44,20 +44,6 @@ extern "C" __global__ void kv_write(const A* src, const float* table, const A* k
     dst[target_row * row + i % row] = src[i];
 }
 
-__device__ float tree(float* partial, unsigned lid, float value, bool take_max) {
-    partial[lid] = value;
-    __syncthreads();
-    for (unsigned stride = WG / 2; stride > 0; stride >>= 1) {
-        if (lid < stride) {
-            partial[lid] = take_max ? fmaxf(partial[lid], partial[lid + stride]) : partial[lid] + partial[lid + stride];
-        }
-        __syncthreads();
-    }
-    float result = partial[0];
-    __syncthreads();
-    return result;
-}
-
 extern "C" __global__ void attention(const A* src, const float* table, const A* keys, const A* values, A* dst,
                                      const Params p, const unsigned* scalars) {
     extern __shared__ float bg_dynamic[];
@@ -85,14 +71,14 @@ extern "C" __global__ void attention(const A* src, const float* table, const A* 
         scores[j] = s;
         best = fmaxf(best, s);
     }
-    float top = tree(partial, lid, best, true);
+    float top = bg_tree(partial, lid, best, true);
     float mass = 0.0f;
     for (unsigned j = lid; j < count; j += WG) {
         float e = expf(scores[j] - top);
         scores[j] = e;
         mass += e;
     }
-    float total = tree(partial, lid, mass, false);
+    float total = bg_tree(partial, lid, mass, false);
     if (!valid) return;
     for (unsigned d = lid; d < p.head_dim; d += WG) {
         float acc = 0.0f;

@@ -7,18 +7,6 @@ struct Params {
     unsigned pad;
 };
 
-__device__ float tree_sum(float* partial, unsigned lid, float value) {
-    partial[lid] = value;
-    __syncthreads();
-    for (unsigned stride = WG / 2; stride > 0; stride >>= 1) {
-        if (lid < stride) partial[lid] = partial[lid] + partial[lid + stride];
-        __syncthreads();
-    }
-    float result = partial[0];
-    __syncthreads();
-    return result;
-}
-
 extern "C" __global__ void rms_norm_rows(const A* x, const A* w, const A* extra, A* out, A* summed, const Params p) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
@@ -29,7 +17,7 @@ extern "C" __global__ void rms_norm_rows(const A* x, const A* w, const A* extra,
         float v = CVT(float, x[base + k]);
         squares += v * v;
     }
-    float scale = rsqrtf(tree_sum(partial, lid, squares) / (float)p.d + p.eps);
+    float scale = rsqrtf(bg_tree(partial, lid, squares, false) / (float)p.d + p.eps);
     if (row >= p.rows) return;
     for (unsigned k = lid; k < p.d; k += WG) out[base + k] = CVT(A, CVT(float, x[base + k]) * scale * CVT(float, w[k]));
 }
@@ -47,7 +35,7 @@ extern "C" __global__ void add_rms_norm_rows(const A* x, const A* w, const A* ex
         squares += v * v;
         if (valid) summed[base + k] = CVT(A, v);
     }
-    float scale = rsqrtf(tree_sum(partial, lid, squares) / (float)p.d + p.eps);
+    float scale = rsqrtf(bg_tree(partial, lid, squares, false) / (float)p.d + p.eps);
     if (!valid) return;
     for (unsigned k = lid; k < p.d; k += WG) {
         float v = CVT(float, x[base + k]) + CVT(float, extra[base + k]);
@@ -63,13 +51,13 @@ extern "C" __global__ void layer_norm_rows(const A* x, const A* w, const A* extr
     unsigned base = bg_min(row, p.rows - 1u) * p.d;
     float total = 0.0f;
     for (unsigned k = lid; k < p.d; k += WG) total += CVT(float, x[base + k]);
-    float mean = tree_sum(partial, lid, total) / (float)p.d;
+    float mean = bg_tree(partial, lid, total, false) / (float)p.d;
     float deviations = 0.0f;
     for (unsigned k = lid; k < p.d; k += WG) {
         float c = CVT(float, x[base + k]) - mean;
         deviations += c * c;
     }
-    float scale = rsqrtf(tree_sum(partial, lid, deviations) / (float)p.d + p.eps);
+    float scale = rsqrtf(bg_tree(partial, lid, deviations, false) / (float)p.d + p.eps);
     if (row >= p.rows) return;
     for (unsigned k = lid; k < p.d; k += WG) {
         out[base + k] = CVT(A, (CVT(float, x[base + k]) - mean) * scale * CVT(float, w[k]) + CVT(float, extra[k]));

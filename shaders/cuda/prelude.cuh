@@ -65,3 +65,19 @@ __device__ __forceinline__ unsigned bg_block_index() { return blockIdx.x + block
 __device__ __forceinline__ unsigned bg_thread_index() { return bg_block_index() * blockDim.x + threadIdx.x; }
 
 #define BG_NO_SLOT 0xFFFFFFFFu
+
+// Block tree reductions of one float per thread over `partial[WG]` in shared memory (WG a power of
+// two); every thread of the block must call them (they hold barriers). Twin of wgsl/lib/tree.wgsl.
+__device__ float bg_tree(float* partial, unsigned lid, float value, bool take_max) {
+    partial[lid] = value;
+    __syncthreads();
+    for (unsigned stride = WG / 2; stride > 0; stride >>= 1) {
+        if (lid < stride) {
+            partial[lid] = take_max ? fmaxf(partial[lid], partial[lid + stride]) : partial[lid] + partial[lid + stride];
+        }
+        __syncthreads();
+    }
+    float result = partial[0];
+    __syncthreads();
+    return result;
+}

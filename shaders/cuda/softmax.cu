@@ -7,20 +7,6 @@ struct Params {
     unsigned chunk, chunks, pad0, pad1;
 };
 
-__device__ float tree(float* partial, unsigned lid, float value, bool take_max) {
-    partial[lid] = value;
-    __syncthreads();
-    for (unsigned stride = WG / 2; stride > 0; stride >>= 1) {
-        if (lid < stride) {
-            partial[lid] = take_max ? fmaxf(partial[lid], partial[lid + stride]) : partial[lid] + partial[lid + stride];
-        }
-        __syncthreads();
-    }
-    float result = partial[0];
-    __syncthreads();
-    return result;
-}
-
 extern "C" __global__ void softmax_rows(const A* a, O* out, const Params p) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
@@ -29,10 +15,10 @@ extern "C" __global__ void softmax_rows(const A* a, O* out, const Params p) {
     unsigned base = bg_min(row, p.outer - 1u) * p.r;
     float m = CVT(float, a[base]);
     for (unsigned k = lid; k < p.r; k += WG) m = fmaxf(m, CVT(float, a[base + k]));
-    float row_max = tree(partial, lid, m, true);
+    float row_max = bg_tree(partial, lid, m, true);
     float s = 0.0f;
     for (unsigned k = lid; k < p.r; k += WG) s += expf(CVT(float, a[base + k]) - row_max);
-    float total = tree(partial, lid, s, false);
+    float total = bg_tree(partial, lid, s, false);
     if (!valid) return;
     for (unsigned k = lid; k < p.r; k += WG) out[base + k] = CVT(O, expf(CVT(float, a[base + k]) - row_max) / total);
 }
