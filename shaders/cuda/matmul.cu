@@ -81,14 +81,24 @@ extern "C" __global__ void __launch_bounds__(256) matmul(const A* a, const A* b,
 }
 
 // Few rows of A (decode-style GEMV): one thread per output (column, row); block y picks the row.
+// Each thread: 8 consecutive output columns of one row of A (block y), as batchgpu/ops/matmul.py launches.
 extern "C" __global__ void matmul_skinny(const A* a, const A* b, O* out, const Params p, const A* bias) {
-    unsigned col = blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= p.n) return;
+    unsigned col0 = (blockIdx.x * blockDim.x + threadIdx.x) * 8u;
+    if (col0 >= p.n) return;
     unsigned row = blockIdx.y;
-    C acc = (C)0;
+    C acc[8] = {};
     for (unsigned k = 0; k < p.k; k++) {
-        acc += CVT(C, a[row * p.strides[0] + k * p.strides[1]]) * CVT(C, b[k * p.strides[2] + col * p.strides[3]]);
+        C av = CVT(C, a[row * p.strides[0] + k * p.strides[1]]);
+#pragma unroll
+        for (unsigned j = 0; j < 8u; j++) {
+            if (col0 + j < p.n) acc[j] += av * CVT(C, b[k * p.strides[2] + (col0 + j) * p.strides[3]]);
+        }
     }
-    if (HAS_BIAS) acc += CVT(C, bias[col]);
-    out[row * p.n + col] = CVT(O, acc);
+#pragma unroll
+    for (unsigned j = 0; j < 8u; j++) {
+        if (col0 + j >= p.n) continue;
+        C value = acc[j];
+        if (HAS_BIAS) value += CVT(C, bias[col0 + j]);
+        out[row * p.n + col0 + j] = CVT(O, value);
+    }
 }

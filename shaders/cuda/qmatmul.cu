@@ -1,10 +1,13 @@
 // Matmul with GGUF block-quantized weights: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]); mirrors
-// shaders/wgsl/qmatmul.wgsl. One thread per output (n, m); block y picks the row of x. x is read as
-// float4 (float32 activations, K a multiple of 32). A (bias type), O (output), HAS_BIAS.
+// shaders/wgsl/qmatmul.wgsl. Each thread computes ROWS = 8 consecutive output features n for one row m
+// of x (block y), loading each block of x once for all 8 (the grid batchgpu/ops/matmul.py launches).
+// x is read as float4 (float32 activations, K a multiple of 32). A (bias type), O (output), HAS_BIAS.
 
 #ifndef HAS_BIAS
 #define HAS_BIAS 0
 #endif
+
+#define ROWS 8u
 
 struct Params {
     unsigned m, n, k;
@@ -30,42 +33,57 @@ __device__ __forceinline__ float dot_i8(unsigned word, float4 b) {
                 (float)(signed char)((word >> 16) & 0xFFu), (float)(signed char)(word >> 24), b);
 }
 
-extern "C" __global__ void matmul_q4_1(const float4* x, const unsigned* w, O* out, const Params p, const A* bias) {
-    unsigned n = blockIdx.x * blockDim.x + threadIdx.x;
-    if (n >= p.n) return;
-    unsigned m = blockIdx.y;
-    unsigned x_row = m * (p.k / 4u);
-    float acc = 0.0f;
-    for (unsigned b = 0; b < p.blocks; b++) {
-        unsigned at = (n * p.blocks + b) * 5u;
-        unsigned xb = x_row + b * 8u;
-        float qx = 0.0f, sx = 0.0f;
-        for (unsigned i = 0; i < 4u; i++) {
-            unsigned word = w[at + 1u + i];
-            float4 low = x[xb + i];
-            float4 high = x[xb + 4u + i];
-            qx += dot_u8(word & 0x0F0F0F0Fu, low);
-            qx += dot_u8((word >> 4u) & 0x0F0F0F0Fu, high);
-            sx += (low.x + high.x) + (low.y + high.y) + (low.z + high.z) + (low.w + high.w);
-        }
-        unsigned scales = w[at];
-        acc += bg_bits2f(scales & 0xFFFFu) * qx + bg_bits2f(scales >> 16u) * sx;
+// Block b of row n of W dotted with the block xb of x (xsum = its sum): d * sum(q * x) (+ m * sum(x)).
+template <bool Q8>
+__device__ __forceinline__ float block_dot(const unsigned* w, const Params& p, unsigned n, unsigned b,
+                                           const float4* xb, float xsum) {
+    if (Q8) {
+        unsigned at = (n * p.blocks + b) * 9u;
+        float qx = 0.0f;
+#pragma unroll
+        for (unsigned i = 0; i < 8u; i++) qx += dot_i8(w[at + 1u + i], xb[i]);
+        return bg_bits2f(w[at] & 0xFFFFu) * qx;
     }
-    store(out, bias, p, n, m, acc);
+    unsigned at = (n * p.blocks + b) * 5u;
+    float qx = 0.0f;
+#pragma unroll
+    for (unsigned i = 0; i < 4u; i++) {
+        unsigned word = w[at + 1u + i];
+        qx += dot_u8(word & 0x0F0F0F0Fu, xb[i]) + dot_u8((word >> 4u) & 0x0F0F0F0Fu, xb[4u + i]);
+    }
+    unsigned scales = w[at];
+    return bg_bits2f(scales & 0xFFFFu) * qx + bg_bits2f(scales >> 16u) * xsum;
+}
+
+template <bool Q8>
+__device__ void matmul_rows(const float4* x, const unsigned* w, O* out, const Params& p, const A* bias) {
+    unsigned n0 = (blockIdx.x * blockDim.x + threadIdx.x) * ROWS;
+    if (n0 >= p.n) return;
+    unsigned m = blockIdx.y;
+    float acc[ROWS] = {};
+    for (unsigned b = 0; b < p.blocks; b++) {
+        float4 xb[8];
+        float xsum = 0.0f;
+#pragma unroll
+        for (unsigned i = 0; i < 8u; i++) {
+            xb[i] = x[m * (p.k / 4u) + b * 8u + i];
+            xsum += xb[i].x + xb[i].y + xb[i].z + xb[i].w;
+        }
+#pragma unroll
+        for (unsigned r = 0; r < ROWS; r++) {
+            if (n0 + r < p.n) acc[r] += block_dot<Q8>(w, p, n0 + r, b, xb, xsum);
+        }
+    }
+#pragma unroll
+    for (unsigned r = 0; r < ROWS; r++) {
+        if (n0 + r < p.n) store(out, bias, p, n0 + r, m, acc[r]);
+    }
+}
+
+extern "C" __global__ void matmul_q4_1(const float4* x, const unsigned* w, O* out, const Params p, const A* bias) {
+    matmul_rows<false>(x, w, out, p, bias);
 }
 
 extern "C" __global__ void matmul_q8_0(const float4* x, const unsigned* w, O* out, const Params p, const A* bias) {
-    unsigned n = blockIdx.x * blockDim.x + threadIdx.x;
-    if (n >= p.n) return;
-    unsigned m = blockIdx.y;
-    unsigned x_row = m * (p.k / 4u);
-    float acc = 0.0f;
-    for (unsigned b = 0; b < p.blocks; b++) {
-        unsigned at = (n * p.blocks + b) * 9u;
-        unsigned xb = x_row + b * 8u;
-        float qx = 0.0f;
-        for (unsigned i = 0; i < 8u; i++) qx += dot_i8(w[at + 1u + i], x[xb + i]);
-        acc += bg_bits2f(w[at] & 0xFFFFu) * qx;
-    }
-    store(out, bias, p, n, m, acc);
+    matmul_rows<true>(x, w, out, p, bias);
 }
