@@ -36,24 +36,27 @@ __device__ __forceinline__ float q8_0_weight(const unsigned* qtable, const Param
     return bg_bits2f(qtable[at] & 0xFFFFu) * (float)q;
 }
 
-extern "C" __global__ void embedding_q4_1(const int* ids, const A* table, O* out, const Params p, int* indices,
-                                          const unsigned* qtable) {
+// A quantized-table embedding: ids outside [0, rows) give zeros.
+template <bool Q8>
+__device__ void embed_quantized(const int* ids, O* out, const Params& p, const unsigned* qtable) {
     unsigned i = bg_thread_index();
     if (i >= p.count * p.width) return;
     int id = ids[i / p.width];
     float value = 0.0f;
-    if (id >= 0 && (unsigned)id < p.rows) value = q4_1_weight(qtable, p, (unsigned)id, i % p.width);
+    if (id >= 0 && (unsigned)id < p.rows) {
+        value = Q8 ? q8_0_weight(qtable, p, (unsigned)id, i % p.width) : q4_1_weight(qtable, p, (unsigned)id, i % p.width);
+    }
     out[i] = CVT(O, value);
+}
+
+extern "C" __global__ void embedding_q4_1(const int* ids, const A* table, O* out, const Params p, int* indices,
+                                          const unsigned* qtable) {
+    embed_quantized<false>(ids, out, p, qtable);
 }
 
 extern "C" __global__ void embedding_q8_0(const int* ids, const A* table, O* out, const Params p, int* indices,
                                           const unsigned* qtable) {
-    unsigned i = bg_thread_index();
-    if (i >= p.count * p.width) return;
-    int id = ids[i / p.width];
-    float value = 0.0f;
-    if (id >= 0 && (unsigned)id < p.rows) value = q8_0_weight(qtable, p, (unsigned)id, i % p.width);
-    out[i] = CVT(O, value);
+    embed_quantized<true>(ids, out, p, qtable);
 }
 
 extern "C" __global__ void argmax_rows(const int* ids, const A* table, O* out, const Params p, int* indices,

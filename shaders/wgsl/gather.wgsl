@@ -48,24 +48,30 @@ fn q8_0_weight(id: u32, c: u32) -> f32 {
     return unpack2x16float(qtable[at]).x * f32(q);
 }
 
-@compute @workgroup_size(WG)
-fn embedding_q4_1(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+// A quantized-table embedding: ids outside [0, rows) give zeros.
+fn embed_quantized(gid: vec3<u32>, groups: vec3<u32>, q8: bool) {
     let i = gid.x + gid.y * groups.x * WG;
     if i >= p.count * p.width { return; }
     let id = ids[i / p.width];
     var value = 0.0;
-    if id >= 0 && u32(id) < p.rows { value = q4_1_weight(u32(id), i % p.width); }
+    if id >= 0 && u32(id) < p.rows {
+        if q8 {
+            value = q8_0_weight(u32(id), i % p.width);
+        } else {
+            value = q4_1_weight(u32(id), i % p.width);
+        }
+    }
     out[i] = O(value);
 }
 
 @compute @workgroup_size(WG)
+fn embedding_q4_1(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    embed_quantized(gid, groups, false);
+}
+
+@compute @workgroup_size(WG)
 fn embedding_q8_0(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
-    let i = gid.x + gid.y * groups.x * WG;
-    if i >= p.count * p.width { return; }
-    let id = ids[i / p.width];
-    var value = 0.0;
-    if id >= 0 && u32(id) < p.rows { value = q8_0_weight(u32(id), i % p.width); }
-    out[i] = O(value);
+    embed_quantized(gid, groups, true);
 }
 
 @compute @workgroup_size(WG)
