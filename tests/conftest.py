@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
 import numpy as np
 import pytest
 
@@ -48,3 +52,27 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, dtype=None, scale: fl
     np.testing.assert_allclose(
         actual.astype(np.float64), expected.astype(np.float64), rtol=tol["rtol"] * scale, atol=tol["atol"] * scale
     )
+
+
+class TickCounter:
+    """How many times another asyncio task got to run (``ticks``) while the block ran."""
+
+    ticks = 0
+
+
+@contextlib.asynccontextmanager
+async def counting_event_loop_ticks() -> AsyncIterator[TickCounter]:
+    counter = TickCounter()
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        while not done.is_set():
+            counter.ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    try:
+        yield counter
+    finally:
+        done.set()
+        await task

@@ -12,7 +12,7 @@ import pytest
 
 import batchgpu as bg
 
-from .conftest import random_array
+from .conftest import counting_event_loop_ticks, random_array
 
 
 def small_layer(batch: bg.GpuCommandBatch, x: bg.Tensor, w: bg.Tensor, b: bg.Tensor) -> bg.Tensor:
@@ -231,21 +231,10 @@ async def test_async_read_yields_to_the_event_loop(gpu):
     tw = batch.upload(w)
     for _ in range(20):
         t = batch.tanh(batch.matmul(t, tw))
-    ticks = 0
-    done = asyncio.Event()
-
-    async def ticker():
-        nonlocal ticks
-        while not done.is_set():
-            ticks += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(ticker())
-    await batch.execute_async()
-    out = await batch.read(t)
-    done.set()
-    await task
-    assert ticks > 1, "the event loop did not run while the GPU worked"
+    async with counting_event_loop_ticks() as other_task:
+        await batch.execute_async()
+        out = await batch.read(t)
+    assert other_task.ticks > 1, "the event loop did not run while the GPU worked"
     expected = a
     for _ in range(20):
         expected = np.tanh(expected @ w)

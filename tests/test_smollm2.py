@@ -4,7 +4,6 @@ one submit each and compile nothing after the first token."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import importlib.util
 
@@ -13,6 +12,8 @@ import pytest
 
 import batchgpu as bg
 from batchgpu.models import llama
+
+from .conftest import counting_event_loop_ticks
 
 pytestmark = pytest.mark.model
 
@@ -116,18 +117,7 @@ def test_decode_step_is_one_submit_and_compiles_nothing():
 @pytest.mark.asyncio
 async def test_async_generation_lets_other_tasks_run():
     m = model("wgpu", True)
-    ticks = 0
-    done = asyncio.Event()
-
-    async def ticker():
-        nonlocal ticks
-        while not done.is_set():
-            ticks += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(ticker())
-    ids = [token async for token in m.generate_async(PROMPT, 3)]
-    done.set()
-    await task
+    async with counting_event_loop_ticks() as other_task:
+        ids = [token async for token in m.generate_async(PROMPT, 3)]
     assert ids == GREEDY[:3]
-    assert ticks > 3
+    assert other_task.ticks > 3
