@@ -2,7 +2,8 @@
 on-disk cache of compiled modules keyed by source, options, architecture and compiler version.
 
 NVRTC comes from the ``nvidia-cuda-nvrtc`` wheel (``site-packages/nvidia/cu13/lib`` or, for CUDA 12
-wheels, ``nvidia/cuda_nvrtc/lib``) or the system; hipRTC from ROCm (``libhiprtc.so``). Set
+wheels, ``nvidia/cuda_nvrtc/lib``) or the system; hipRTC from ROCm (``libhiprtc.so``, or
+``libamdhip64.so.5`` on ROCm 5). Set
 ``BATCHGPU_NVRTC`` / ``BATCHGPU_HIPRTC`` to a library path to choose one. The cache lives under
 ``$BATCHGPU_CACHE_DIR`` (default ``$XDG_CACHE_HOME/batchgpu`` or ``~/.cache/batchgpu``); a second
 process compiling the same kernel for the same device reads it back and compiles nothing.
@@ -74,8 +75,11 @@ def _site_dirs() -> list[str]:
     return list(dict.fromkeys(dirs))
 
 
-def _load_first(kind: str, env: str, wheel_globs: Sequence[str], system_names: Sequence[str]) -> ctypes.CDLL:
-    """Load the first library found: $env, then the pip wheels' lib folders, then the system."""
+def _load_first(
+    kind: str, env: str, wheel_globs: Sequence[str], system_names: Sequence[str], symbol: str
+) -> ctypes.CDLL:
+    """Load the first library found that exports ``symbol``: $env, then the pip wheels' lib folders,
+    then the system."""
     tried: list[str] = []
     candidates: list[str] = []
     if os.environ.get(env):
@@ -89,9 +93,13 @@ def _load_first(kind: str, env: str, wheel_globs: Sequence[str], system_names: S
         candidates.append(found)
     for candidate in dict.fromkeys(candidates):
         try:
-            return ctypes.CDLL(candidate)
+            library = ctypes.CDLL(candidate)
         except OSError as exc:
             tried.append(f"{candidate} ({exc})")
+            continue
+        if hasattr(library, symbol):
+            return library
+        tried.append(f"{candidate} (no {symbol})")
     raise UnsupportedError(f"{kind} not found; tried: {'; '.join(tried) or 'nothing'}")
 
 
@@ -153,6 +161,7 @@ class Nvrtc(RuntimeCompiler):
             "BATCHGPU_NVRTC",
             ("nvidia/cu*/lib/libnvrtc.so*", "nvidia/cuda_nvrtc/lib/libnvrtc.so*"),
             ("libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"),
+            "nvrtcCreateProgram",
         )
         lib = self.lib
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
@@ -217,8 +226,8 @@ class Nvrtc(RuntimeCompiler):
 
 class Hiprtc(RuntimeCompiler):
     """hipRTC (ROCm). ``arch`` is the device's gcnArchName (``gfx90a``, ``gfx942:sramecc+:xnack-``);
-    the result is a code object for hipModuleLoadData. Written against the hipRTC API reference;
-    not run on AMD hardware yet."""
+    the result is a code object for hipModuleLoadData. Compiles here with Debian's ROCm 5.2 hipRTC
+    (no AMD GPU needed); the code objects have not been loaded on AMD hardware yet."""
 
     name = "hiprtc"
     default_target = "code"
@@ -226,7 +235,9 @@ class Hiprtc(RuntimeCompiler):
     def __init__(self, cache: ModuleCache | None = None) -> None:
         super().__init__(cache)
         rocm = os.environ.get("ROCM_PATH", "/opt/rocm")
-        self.lib = _load_first("hiprtc", "BATCHGPU_HIPRTC", (), (f"{rocm}/lib/libhiprtc.so", "libhiprtc.so"))
+        # ROCm 6 ships hipRTC as libhiprtc; ROCm 5 (Debian 12's packages) exports it from libamdhip64.
+        system = (f"{rocm}/lib/libhiprtc.so", "libhiprtc.so", "libhiprtc.so.6", "libamdhip64.so", "libamdhip64.so.5")
+        self.lib = _load_first("hiprtc", "BATCHGPU_HIPRTC", (), system, "hiprtcCreateProgram")
         lib = self.lib
         lib.hiprtcGetErrorString.restype = ctypes.c_char_p
         lib.hiprtcGetErrorString.argtypes = [ctypes.c_int]

@@ -19,6 +19,7 @@ Y = np.array([1.0, np.nan, 2.0, np.inf, -np.inf, np.nan, 0.0, -1.0], np.float32)
 # maxNum, where numpy returns NaN: for these only the non-NaN positions are guaranteed.
 NAN_DROPPING = {"tanh", "relu", "maximum", "minimum", "max"}
 
+
 def _unary(op: str):
     return lambda b, x, y: getattr(b, op)(x)
 

@@ -1,13 +1,17 @@
-"""Every CUDA kernel specialization the op table produces compiles with NVRTC for sm_80 and sm_90.
+"""Every CUDA kernel specialization the op table produces compiles with NVRTC for sm_80 and sm_90,
+and with hipRTC for AMD's gfx90a (CDNA2, wave64) and gfx1030 (RDNA2, wave32).
 
-Needs no GPU, only NVRTC (the ``nvidia-cuda-nvrtc`` wheel, in the ``test`` extra). Launches are
+Needs no GPU, only NVRTC (the ``nvidia-cuda-nvrtc`` wheel, in the ``test`` extra) and hipRTC (Debian's
+``libamdhip64-5``, ROCm 5.2, with ``libhiprtc-builtins5`` and ``rocm-device-libs``). Launches are
 collected by recording ops on the numpy reference device, so the sources are exactly what the native
 executors would compile for those ops.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -15,9 +19,10 @@ import pytest
 import batchgpu as bg
 from batchgpu import cuda_source
 from batchgpu.errors import CompileError, UnsupportedError
-from batchgpu.nvrtc import ModuleCache, Nvrtc
+from batchgpu.nvrtc import Hiprtc, ModuleCache, Nvrtc
 
 ARCHS = ("sm_80", "sm_90")
+HIP_ARCHS = ("gfx90a", "gfx1030")
 DTYPES = (np.float32, np.float16, np.int32, np.uint32)
 
 
@@ -27,6 +32,14 @@ def nvrtc(tmp_path_factory) -> Nvrtc:
         return Nvrtc(ModuleCache(tmp_path_factory.mktemp("kernels")))
     except UnsupportedError as exc:
         pytest.skip(f"NVRTC cannot be loaded (pip install nvidia-cuda-nvrtc): {exc}")
+
+
+@pytest.fixture(scope="module")
+def hiprtc(tmp_path_factory) -> Hiprtc:
+    try:
+        return Hiprtc(ModuleCache(tmp_path_factory.mktemp("hip-kernels")))
+    except UnsupportedError as exc:
+        pytest.skip(f"hipRTC cannot be loaded (apt-get install libamdhip64-5 libhiprtc-builtins5): {exc}")
 
 
 def _record_everything() -> list[bg.kernels.Launch]:
@@ -176,3 +189,48 @@ def test_custom_kernel_without_cuda_source_is_refused():
     b.launch(kernel, 1, [b.upload(np.ones(4, np.float32))])
     with pytest.raises(UnsupportedError, match=r"wgsl_only.*no CUDA source"):
         cuda_source.render(b.nodes[-1].launches[0])
+
+
+# hipRTC ------------------------------------------------------------------------------------------
+
+
+def _one_source_per_entry() -> dict[str, tuple[str, set[str]]]:
+    chosen: dict[str, tuple[str, set[str]]] = {}
+    seen: set[tuple[str, str]] = set()
+    for source, (name, entries) in SOURCES.items():
+        fresh = {(name, entry) for entry in entries} - seen
+        if fresh:
+            chosen[source] = (name, entries)
+            seen |= fresh
+    return chosen
+
+
+@pytest.mark.parametrize("arch", HIP_ARCHS)
+def test_every_specialization_compiles_with_hiprtc(hiprtc, arch):
+    """gfx90a: every specialization; gfx1030 (wave32): one source per kernel entry, to keep CI short.
+    hipRTC releases the GIL, so the compiles run on every core."""
+    sources = SOURCES if arch == "gfx90a" else _one_source_per_entry()
+
+    def compile_one(item: tuple[str, tuple[str, set[str]]]) -> str | None:
+        source, (name, entries) = item
+        try:
+            code = hiprtc.compile(source, name, arch, [], target="code")
+        except CompileError as exc:
+            return str(exc)[:2000]
+        assert code[:4] == b"\x7fELF", f"{name}: not an AMDGPU code object"
+        missing = [entry for entry in entries if f"{entry}.kd".encode() not in code]
+        return f"{name}: no kernel descriptor for {missing} in the {arch} code object" if missing else None
+
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        failures = [failure for failure in pool.map(compile_one, sources.items()) if failure]
+    assert not failures, "\n\n".join(failures)
+
+
+def test_hiprtc_errors_carry_the_log_and_modules_are_cached(hiprtc, tmp_path):
+    with pytest.raises(CompileError, match=r"hiprtc: broken\.cu failed to compile for gfx90a:\n.*undefined_thing"):
+        hiprtc.compile('extern "C" __global__ void k() { undefined_thing(); }', "broken.cu", "gfx90a", target="code")
+    source, (name, _) = next(iter(SOURCES.items()))
+    first = Hiprtc(ModuleCache(tmp_path))
+    code = first.compile(source, name, "gfx90a", [], target="code")
+    second = Hiprtc(ModuleCache(tmp_path))  # a second process: same cache directory, compiles nothing
+    assert second.compile(source, name, "gfx90a", [], target="code") == code and second.compiled == 0

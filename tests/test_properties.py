@@ -225,14 +225,20 @@ class Builder:
                 self.step("slice", (i,), {"key": key}, shape, v.dtype, v.bound)
             else:
                 axis = draw(st.integers(0, len(v.shape) - 1))
-                others = [j for j, w in enumerate(self.p.values) if w.dtype == v.dtype and len(w.shape) == len(v.shape)
-                          and not (w.dtype == F32 and w.bound > BOUND)
-                          and all(a == b for k, (a, b) in enumerate(zip(w.shape, v.shape)) if k != axis)]
+                others = [
+                    j
+                    for j, w in enumerate(self.p.values)
+                    if w.dtype == v.dtype
+                    and len(w.shape) == len(v.shape)
+                    and not (w.dtype == F32 and w.bound > BOUND)
+                    and all(a == b for k, (a, b) in enumerate(zip(w.shape, v.shape)) if k != axis)
+                ]
                 j = draw(st.sampled_from(others))
                 shape = list(v.shape)
                 shape[axis] += self.p.values[j].shape[axis]
-                self.step("concat", ((i, j),), {"axis": axis}, tuple(shape), v.dtype,
-                          max(v.bound, self.p.values[j].bound))
+                self.step(
+                    "concat", ((i, j),), {"axis": axis}, tuple(shape), v.dtype, max(v.bound, self.p.values[j].bound)
+                )
         elif kind == "cast":
             if floaty:  # float -> int truncation is discontinuous: go through int32 and back exactly
                 j = self.add_input(v.shape, I32)

@@ -76,7 +76,6 @@ FUNCTIONS: dict[str, tuple[str, str, list]] = {
     "stream_synchronize": ("cuStreamSynchronize", "hipStreamSynchronize", [_P]),
     "module_load_data": ("cuModuleLoadData", "hipModuleLoadData", [_PP, ctypes.c_char_p]),
     "module_get_function": ("cuModuleGetFunction", "hipModuleGetFunction", [_PP, _P, ctypes.c_char_p]),
-    "func_get_attribute": ("cuFuncGetAttribute", "hipFuncGetAttribute", [_PI, _I, _P]),
     "launch_kernel": ("cuLaunchKernel", "hipModuleLaunchKernel", [_P, _U, _U, _U, _U, _U, _U, _U, _P, _PP, _PP]),
     "event_create": ("cuEventCreate", "hipEventCreateWithFlags", [_PP, _U]),
     "event_record": ("cuEventRecord", "hipEventRecord", [_P, _P]),
@@ -103,7 +102,6 @@ CUDA_ONLY: dict[str, tuple[str, list, Any]] = {
 HIP_ONLY: dict[str, tuple[str, list, Any]] = {
     "set_device": ("hipSetDevice", [_I], None),
     "host_malloc": ("hipHostMalloc", [_PP, _SZ, _U], None),
-    "func_set_attribute": ("hipFuncSetAttribute", [_P, _I, _I], None),
     "get_error_string": ("hipGetErrorString", [_I], ctypes.c_char_p),
     "get_error_name": ("hipGetErrorName", [_I], ctypes.c_char_p),
     "device_properties": ("hipGetDevicePropertiesR0600", [ctypes.c_char_p, _I], None),
@@ -136,6 +134,7 @@ LIBRARIES = {
     "hip": (
         "libamdhip64.so",
         "libamdhip64.so.6",
+        "libamdhip64.so.5",
         os.path.join(os.environ.get("ROCM_PATH", "/opt/rocm"), "lib/libamdhip64.so"),
     ),
 }
@@ -167,6 +166,9 @@ class Driver:
         self.lib = load_library(vendor)
         column = 0 if vendor == "cuda" else 1
         self.missing: list[str] = []
+        # CUDA only: HIP's hipFuncSetAttribute takes a host kernel pointer, not a module function, and
+        # AMD devices have no opt-in shared memory beyond the per-block limit.
+        self.func_set_attribute: Any = None
         for generic, (*symbols, argtypes) in FUNCTIONS.items():
             self._bind(generic, symbols[column], argtypes, None)
         for generic, (symbol, argtypes, restype) in (CUDA_ONLY if vendor == "cuda" else HIP_ONLY).items():
@@ -527,7 +529,7 @@ class NativeExecutor(Executor):
         self.driver = drv = driver or Driver(vendor)
         if drv.missing:
             raise UnsupportedError(f"{vendor}: driver library lacks {', '.join(drv.missing)}")
-        drv.check(drv.init(0), "init")
+        drv.check(drv.init(0), "init (the driver library loaded; is a GPU visible to this process?)")
         count = ctypes.c_int()
         drv.check(drv.device_count(ctypes.byref(count)), "device count")
         if not 0 <= device < count.value:
