@@ -1,0 +1,302 @@
+"""Run the CUDA kernel sources of ``shaders/cuda/`` on the CPU, to test their semantics without a GPU.
+
+This is a test harness, not a device and not part of the library: it checks what the native
+executors' kernels compute (and that the grids the op lowering launches match what each kernel
+expects), not the driver calls around them, which need a GPU (tests/test_native_ops.py).
+
+Each kernel specialization (the exact source :func:`batchgpu.cuda_source.render` gives NVRTC) is
+compiled by g++ as C++ with a small CUDA execution model in front of it: blocks run one after another;
+the threads of a block are coroutines (``ucontext``) that switch at ``__syncthreads()``, so block-level
+barriers and ``__shared__`` memory (static storage, one block at a time) behave as on a GPU; float16 is
+the prelude's HIP path (``_Float16``). Grids come from the native executor's own
+:func:`~batchgpu.executors.native.launch_grid` and launch checks, with H100-like attributes except
+a small maximum grid, so that split grids run at small sizes. Kernels without barriers run their
+threads as plain calls. Shared
+libraries are cached by source hash under the pytest cache directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+import batchgpu as bg
+from batchgpu import cuda_source
+from batchgpu.executors.base import Execution, Plan, Stats
+from batchgpu.executors.native import POISON_BYTE, DeviceAttributes, check_native_launch
+from batchgpu.executors.reference import ReferenceExecutor
+from batchgpu.kernels import Launch
+from batchgpu.ops import Node
+from batchgpu.scalars import SCALAR_BYTES, Scalar
+from batchgpu.scalars import pack as pack_scalars
+from batchgpu.tensor import Storage
+
+SMALL_GRID = DeviceAttributes(
+    name="CPU emulation with a small grid",
+    arch="sm_90",
+    max_threads_per_block=1024,
+    max_block_dim=(1024, 1024, 64),
+    max_grid_dim=(4096, 1024, 1024),  # small, so split grids (blockIdx.y, gridDim.x) run at small sizes
+    max_shared_memory_per_block=48 * 1024,
+    max_shared_memory_per_block_optin=227 * 1024,
+    warp_size=32,
+    multiprocessor_count=1,
+    total_memory=2**32,
+)
+"""SMALL_GRID-like limits except the grid: split grids are exercised at sizes the CPU can run quickly."""
+
+EXECUTION_MODEL = r"""
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <ucontext.h>
+#include <type_traits>
+#include <utility>
+#define BG_HIP 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __align__(n) alignas(n)
+#define __launch_bounds__(...)
+struct bg_dim3 { unsigned x, y, z; };
+static bg_dim3 blockIdx, threadIdx, blockDim, gridDim;
+static float bg_cpu_dynamic_shared[(227 * 1024) / 4];
+static ucontext_t bg_scheduler;
+static ucontext_t* bg_running;
+static bool bg_finished;
+struct alignas(16) float4 { float x, y, z, w; };
+static inline void __syncthreads() {
+    if (!bg_running) abort();  // a kernel flagged barrier-free called __syncthreads
+    swapcontext(bg_running, &bg_scheduler);
+}
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+"""
+
+LAUNCHER = r"""
+template <class... A, size_t... I>
+static void bg_invoke(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
+    kernel(*static_cast<std::remove_reference_t<A>*>(args[I])...);
+}
+template <class... A>
+static int bg_run(void (*kernel)(A...), const unsigned* grid, const unsigned* block, void** args, int barriers) {
+    static void (*k)(A...);
+    static void** a;
+    k = kernel;
+    a = args;
+    const unsigned threads = block[0] * block[1] * block[2];
+    const size_t stack = 256 * 1024;
+    ucontext_t* contexts = (ucontext_t*)calloc(threads, sizeof(ucontext_t));
+    char* stacks = (char*)malloc(stack * threads);
+    bool* done = (bool*)calloc(threads, 1);
+    if (!contexts || !stacks || !done) return 1;
+    gridDim = {grid[0], grid[1], grid[2]};
+    blockDim = {block[0], block[1], block[2]};
+    struct Entry {
+        static void run() {
+            bg_invoke(k, a, std::index_sequence_for<A...>{});
+            bg_finished = true;  // then uc_link resumes the scheduler
+        }
+    };
+    for (unsigned bz = 0; bz < grid[2]; ++bz)
+    for (unsigned by = 0; by < grid[1]; ++by)
+    for (unsigned bx = 0; bx < grid[0]; ++bx) {
+        blockIdx = {bx, by, bz};
+        if (!barriers) {
+            bg_running = nullptr;
+            for (unsigned t = 0; t < threads; ++t) {
+                threadIdx = {t % block[0], (t / block[0]) % block[1], t / (block[0] * block[1])};
+                bg_invoke(k, a, std::index_sequence_for<A...>{});
+            }
+            continue;
+        }
+        for (unsigned t = 0; t < threads; ++t) {
+            getcontext(&contexts[t]);
+            contexts[t].uc_stack.ss_sp = stacks + stack * t;
+            contexts[t].uc_stack.ss_size = stack;
+            contexts[t].uc_link = &bg_scheduler;
+            makecontext(&contexts[t], (void (*)())Entry::run, 0);
+            done[t] = false;
+        }
+        for (unsigned remaining = threads; remaining > 0;) {  // one round = every thread to its next barrier
+            for (unsigned t = 0; t < threads; ++t) {
+                if (done[t]) continue;
+                threadIdx = {t % block[0], (t / block[0]) % block[1], t / (block[0] * block[1])};
+                bg_running = &contexts[t];
+                // returns at the thread's next __syncthreads(), or when it finishes (uc_link)
+                swapcontext(&bg_scheduler, &contexts[t]);
+                if (bg_finished) { done[t] = true; --remaining; }
+                bg_finished = false;
+            }
+        }
+    }
+    free(contexts); free(stacks); free(done);
+    return 0;
+}
+"""
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
+def _prepare_source(source: str, entries: Sequence[str]) -> str:
+    source = source.replace("extern __shared__ float bg_dynamic[];", "float* bg_dynamic = bg_cpu_dynamic_shared;")
+    launchers = [
+        f'extern "C" int bg_launch_{entry}(const unsigned* g, const unsigned* b, void** a, int barriers) '
+        f"{{ return bg_run({entry}, g, b, a, barriers); }}"
+        for entry in entries
+    ]
+    return EXECUTION_MODEL + source + LAUNCHER + "\n".join(launchers) + "\n"
+
+
+def _has_barriers(launch: Launch) -> bool:
+    """Whether the kernel may call __syncthreads (directly or through the prelude's bg_tree)."""
+    body = launch.kernel.cuda if launch.kernel is not None else cuda_source.family_source(launch.family)
+    return "__syncthreads" in body or "bg_tree" in body
+
+
+class Kernels:
+    """Compiled shared libraries, one per kernel source, cached on disk by hash and in memory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._libraries: dict[str, ctypes.CDLL] = {}
+        self._lock = threading.Lock()
+
+    def library(self, source: str, entries: Sequence[str]) -> ctypes.CDLL:
+        program = _prepare_source(source, entries)
+        key = hashlib.sha256(program.encode()).hexdigest()[:24]
+        library = self._libraries.get(key)
+        if library is None:
+            path = self.root / f"{key}.so"
+            if not path.exists():
+                self._build(program, path)
+            library = self._libraries[key] = ctypes.CDLL(str(path))
+        return library
+
+    def _build(self, program: str, path: Path) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            cpp = Path(tmp) / "kernel.cpp"
+            cpp.write_text(program)
+            out = Path(tmp) / "kernel.so"
+            flags = ["-std=c++17", "-O1", "-shared", "-fPIC", "-w"]
+            command = [compiler() or "g++", *flags, str(cpp), "-o", str(out)]
+            built = subprocess.run(command, capture_output=True, text=True)
+            if built.returncode:
+                raise RuntimeError(f"g++ failed on a kernel source:\n{built.stderr[-3000:]}")
+            os.replace(out, path)
+
+
+class CpuPlan(Plan):
+    def __init__(self, arrays: dict[Storage, np.ndarray], launches: list[tuple], scalars: tuple[Scalar, ...]) -> None:
+        self.arrays = arrays
+        self.launches = launches
+        self.scalars = scalars
+        self.scalar_bytes = np.zeros(SCALAR_BYTES, np.uint8)
+
+
+class CpuExecution(Execution):
+    def __init__(self, results: dict[Storage, np.ndarray]) -> None:
+        self.results = results
+
+
+class CudaOnCpuExecutor(ReferenceExecutor):
+    """The executor protocol over CPU-compiled CUDA kernels (resident storages as in the reference)."""
+
+    kind = "cuda-cpu"
+    name = "CUDA kernels on the CPU (test harness)"
+
+    def __init__(self, kernels: Kernels) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.limits = SMALL_GRID.limits()
+        self.stats = Stats()
+
+    def prepare(self, launch: Launch) -> None:
+        check_native_launch(launch, SMALL_GRID)
+
+    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> CpuPlan:
+        arrays: dict[Storage, np.ndarray] = {}
+        for storage in storages:
+            fill = POISON_BYTE if storage.kind in ("output", "scratch") else 0
+            arrays[storage] = np.full(-(-storage.nbytes // 4) * 4, fill, np.uint8)
+        plan = CpuPlan(arrays, [], tuple(scalars))
+        for node in nodes:
+            for launch in node.launches:
+                for binding in launch.bindings:
+                    if binding.storage is not None and binding.storage not in arrays:
+                        arrays[binding.storage] = self._resident[binding.storage].view(np.uint8)
+                plan.launches.append(self._pack(launch, plan))
+        return plan
+
+    def _pack(self, launch: Launch, plan: CpuPlan) -> tuple:
+        grid, _ = check_native_launch(launch, SMALL_GRID)
+        source, _ = cuda_source.render(launch)
+        function = getattr(self.kernels.library(source, [launch.entry]), f"bg_launch_{launch.entry}")
+        slots: list = [ctypes.c_void_p(0) for _ in range(cuda_source.argument_count(launch))]
+        for binding in launch.bindings:
+            if binding.kind == "uniform":
+                slots[binding.slot] = (ctypes.c_char * max(len(launch.params), 4)).from_buffer_copy(
+                    launch.params.ljust(4, b"\0")
+                )
+            elif binding.kind == "scalars":
+                slots[binding.slot] = ctypes.c_void_p(plan.scalar_bytes.ctypes.data)
+            else:
+                slots[binding.slot] = ctypes.c_void_p(plan.arrays[binding.storage].ctypes.data)
+        args = (ctypes.c_void_p * max(len(slots), 1))(*(ctypes.addressof(s) for s in slots))
+        dims = (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*launch.workgroup_size)
+        return launch.label, function, dims, args, slots, _has_barriers(launch)
+
+    def run(
+        self,
+        plan: Plan,
+        writes: Sequence[tuple[Storage, np.ndarray]],
+        readback: Sequence[Storage],
+        scalars: Mapping[str, int | float],
+        **_: object,
+    ) -> CpuExecution:
+        assert isinstance(plan, CpuPlan)
+        for storage, data in writes:
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            plan.arrays[storage][: raw.nbytes] = raw
+        if plan.scalars:
+            packed = pack_scalars(plan.scalars, scalars).ljust(SCALAR_BYTES, b"\0")
+            plan.scalar_bytes[:] = np.frombuffer(packed, np.uint8)
+        for label, function, (grid, block), args, _slots, barriers in plan.launches:
+            if function(grid, block, args, barriers) != 0:
+                raise MemoryError(f"{label}: the CPU harness could not allocate thread stacks")
+            self.stats.dispatches += 1
+        self.stats.submits += 1
+        return CpuExecution({s: self._flat(plan, s) for s in readback})
+
+    @staticmethod
+    def _flat(plan: CpuPlan, storage: Storage) -> np.ndarray:
+        return plan.arrays[storage][: storage.nbytes].copy().view(storage.dtype)
+
+    def read_sync(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
+        assert isinstance(plan, CpuPlan) and isinstance(execution, CpuExecution)
+        if storage not in execution.results:
+            execution.results[storage] = self._flat(plan, storage)
+        return execution.results[storage]
+
+    async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
+        return self.read_sync(plan, execution, storage)
+
+
+def device(kernels: Kernels) -> bg.Device:
+    """A Device whose executor runs the CUDA kernel sources on the CPU."""
+    dev = bg.Device("reference")
+    dev.executor = CudaOnCpuExecutor(kernels)
+    dev.kind = "cuda-cpu"
+    return dev

@@ -1,0 +1,31 @@
+"""The op suites of test_ops.py and test_llm_ops.py run on the CUDA kernel sources compiled for the
+CPU (tests/cuda_cpu.py): what the native executors' kernels compute, checked against numpy without a
+GPU. The driver side of the native executors is not involved (tests/test_native_ops.py covers it on a
+GPU)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import batchgpu as bg
+
+from . import cuda_cpu, test_llm_ops, test_ops
+
+WGPU_ONLY = {"test_kv_cache_decode_with_position_scalar"}  # compares results keyed by "wgpu"
+TOO_BIG = {"test_op_above_one_dispatch_limit"}  # 2^25 elements: the small grid covers splitting
+
+
+@pytest.fixture(scope="session")
+def gpu(request) -> bg.Device:
+    if cuda_cpu.compiler() is None:
+        pytest.skip("no C++ compiler (apt-get install g++) to build the CUDA kernels for the CPU")
+    return cuda_cpu.device(cuda_cpu.Kernels(request.config.cache.mkdir("cuda-cpu-kernels")))
+
+
+for _module in (test_ops, test_llm_ops):
+    for _name, _function in vars(_module).items():
+        skipped = _name in WGPU_ONLY | TOO_BIG
+        if _name.startswith("test_") and not skipped and "gpu" in inspect.signature(_function).parameters:
+            globals()[_name] = _function
