@@ -31,6 +31,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -136,7 +137,7 @@ def numpy_chain(x0: np.ndarray, ops: int) -> np.ndarray:
 
 def check(name: str, got: np.ndarray, want: np.ndarray, rtol: float = 1e-4) -> None:
     if not np.allclose(got, want, rtol=rtol, atol=1e-5):
-        raise SystemExit(f"{name}: WRONG RESULT, max abs error {np.abs(got - want).max():.3g}")
+        raise RuntimeError(f"{name}: WRONG RESULT, max abs error {np.abs(got - want).max():.3g}")
 
 
 def batch_chain(device: bg.Device, x0: np.ndarray, ops: int, mode: str, repeat: int) -> dict[str, float]:
@@ -258,33 +259,50 @@ def batchgpu_decode(device: bg.Device, quantized: bool, tokens: int, context: in
 
 def torch_decoders(torch: Any, tokens: int, context: int) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """{name: {"ids", "ms"}} for the PyTorch decoders that can run, and notes on those that cannot."""
-    from torch_llama import StaticDecoder, hf_generate, hf_model
+    from torch_llama import StaticDecoder
 
     weights = GGUFWeights(smollm2_path())
     results, notes = {}, []
     with torch.no_grad():
         try:
-            model, load_notes = hf_model(torch, weights, "cuda", context)
+            results["torch HF eager (baseline)"], load_notes = hf_row(torch, weights, tokens, context)
             notes += load_notes
-            hf_generate(torch, model, PROMPT, min(tokens, 4), "cuda")  # warm-up
-            ids, times = hf_generate(torch, model, PROMPT, tokens, "cuda")
-            results["torch HF eager (baseline)"] = {"ids": ids, "ms": median(times) * 1e3}
-            del model
         except ImportError as exc:
             notes.append(f"HF row skipped: no transformers ({exc})")
-        decoder = StaticDecoder(torch, weights, "cuda", context)
-        decoder.generate(PROMPT, min(tokens, 4))  # warm-up
-        ids, times = decoder.generate(PROMPT, tokens)
-        results["torch static-KV eager"] = {"ids": ids, "ms": median(times) * 1e3}
+        except Exception as exc:  # a transformers API change must not cost the other rows
+            notes.append(f"HF row FAILED: {type(exc).__name__}: {first_line(exc)}")
+        try:
+            decoder = StaticDecoder(torch, weights, "cuda", context)
+            results["torch static-KV eager"] = warm_and_time(lambda n: decoder.generate(PROMPT, n), tokens)
+        except Exception as exc:
+            notes.append(f"torch static-KV rows FAILED: {type(exc).__name__}: {first_line(exc)}")
+            return results, notes
         try:
             decoder.capture()
-            decoder.generate(PROMPT, min(tokens, 4))
-            ids, times = decoder.generate(PROMPT, tokens)
-            results["torch static-KV CUDA graph"] = {"ids": ids, "ms": median(times) * 1e3}
+            results["torch static-KV CUDA graph"] = warm_and_time(lambda n: decoder.generate(PROMPT, n), tokens)
         except RuntimeError as exc:  # capture refused an op: report eager only
-            notes.append(f"torch CUDA graph row skipped: capture failed: {str(exc).splitlines()[0]}")
+            notes.append(f"torch CUDA graph row skipped: capture failed: {first_line(exc)}")
     torch.cuda.empty_cache()
     return results, notes
+
+
+def hf_row(torch: Any, weights: GGUFWeights, tokens: int, context: int) -> tuple[dict[str, Any], list[str]]:
+    from torch_llama import hf_generate, hf_model
+
+    model, notes = hf_model(torch, weights, "cuda", context)
+    return warm_and_time(lambda n: hf_generate(torch, model, PROMPT, n, "cuda"), tokens), notes
+
+
+def warm_and_time(generate: Callable[[int], tuple[list[int], list[float]]], tokens: int) -> dict[str, Any]:
+    """``generate(n)`` (greedy ids, seconds per decode step) once short to warm up, then timed:
+    {"ids", "ms" (median per decode step)}."""
+    generate(min(tokens, 4))
+    ids, times = generate(tokens)
+    return {"ids": ids, "ms": median(times) * 1e3}
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0][:300]
 
 
 def section_decode(device: bg.Device, args: argparse.Namespace) -> dict[str, Any]:
@@ -355,7 +373,7 @@ def batchgpu_matmul_s(device: bg.Device, n: int, dtype: np.dtype, repeat: int) -
     got = batch.read_sync(top).astype(np.float64)
     rtol = 2e-2 if dtype == np.float16 else 1e-3  # of the mean |element|, which grows like sqrt(n)
     if np.abs(got - want).max() > rtol * np.abs(want).mean():
-        raise SystemExit(f"batchgpu matmul {n} {dtype}: WRONG RESULT, max abs error {np.abs(got - want).max():.3g}")
+        raise RuntimeError(f"batchgpu matmul {n} {dtype}: WRONG RESULT, max abs error {np.abs(got - want).max():.3g}")
     times = []
     for _ in range(repeat + 2):
         batch.execute(profile=True)
@@ -471,16 +489,22 @@ def main(argv: list[str] | None = None) -> int:
     print("# batchgpu native benchmark" + (" (--quick smoke sizes)" if args.quick else ""))
     print("; ".join(f"{key}: {value}" for key, value in info.items()))
     results: dict[str, Any] = {"environment": info, "quick": args.quick, "sections": {}}
+    failed = []
     for name in [s.strip() for s in args.only.split(",") if s.strip()]:
         try:
             results["sections"][name] = SECTIONS[name](device, args)
         except Skip as exc:
             print(f"\n## {name}: skipped: {exc}")
             results["sections"][name] = {"skipped": str(exc)}
+        except Exception as exc:  # report it and go on with the other sections
+            traceback.print_exc()
+            print(f"\n## {name}: FAILED: {type(exc).__name__}: {first_line(exc)}")
+            results["sections"][name] = {"failed": f"{type(exc).__name__}: {exc}"}
+            failed.append(name)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=float) + "\n")
         print(f"\nwrote {args.json}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
