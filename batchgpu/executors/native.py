@@ -27,10 +27,11 @@ import ctypes
 import math
 import os
 import re
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +45,10 @@ from ..scalars import SCALAR_BYTES, Scalar
 from ..scalars import pack as pack_scalars
 from ..tensor import Storage
 from .base import Execution, Executor, Plan, ReadbackLayout, Stats
+from .native_timing import EventTimer
+
+if TYPE_CHECKING:
+    from ..profiling import Session
 
 ENV_GRAPHS = "BATCHGPU_GRAPHS"
 POISON_BYTE = 0x7F
@@ -88,6 +93,7 @@ FUNCTIONS: dict[str, tuple[str, str, list]] = {
     "graph_launch": ("cuGraphLaunch", "hipGraphLaunch", [_P, _P]),
     "graph_destroy": ("cuGraphDestroy", "hipGraphDestroy", [_P]),
     "graph_exec_destroy": ("cuGraphExecDestroy", "hipGraphExecDestroy", [_P]),
+    "event_elapsed_time": ("cuEventElapsedTime", "hipEventElapsedTime", [ctypes.POINTER(ctypes.c_float), _P, _P]),
 }
 
 # Vendor-only entry points: (symbol, argtypes, restype or None for int status).
@@ -695,13 +701,15 @@ class NativeExecutor(Executor):
         drv.check(drv.event_record(plan.upload_event, self.stream), "event record")
 
     def _launch_all(self, plan: NativePlan) -> None:
-        drv = self.driver
         for packed in plan.launches:
-            status = drv.launch_kernel(
-                packed.function, *packed.grid, *packed.block, packed.shared, self.stream,
-                ctypes.cast(packed.params, _PP), None,
-            )  # fmt: skip
-            drv.check(status, f"{packed.label}: launch (grid {packed.grid}, block {packed.block})")
+            self._launch(packed)
+
+    def _launch(self, packed: PackedLaunch) -> None:
+        status = self.driver.launch_kernel(
+            packed.function, *packed.grid, *packed.block, packed.shared, self.stream,
+            ctypes.cast(packed.params, _PP), None,
+        )  # fmt: skip
+        self.driver.check(status, f"{packed.label}: launch (grid {packed.grid}, block {packed.block})")
 
     def _capture(self, plan: NativePlan) -> int:
         """Record the plan's launches into a graph once; returns the instantiated graph."""
@@ -725,12 +733,22 @@ class NativeExecutor(Executor):
         writes: Sequence[tuple[Storage, np.ndarray]],
         readback: Sequence[Storage],
         scalars: Mapping[str, int | float],
+        *,
+        profile: Session | None = None,
     ) -> NativeExecution:
+        """Enqueue uploads, the launches (the captured graph from the second run on) and the readback.
+        Profiled: eager launches with timing events around each (:mod:`.native_timing`)."""
         assert isinstance(plan, NativePlan)
         drv = self.driver
+        started = time.perf_counter()
         self.make_current()
+        timer = EventTimer(self, plan, profile, started) if profile is not None else None
         self._uploads(plan, writes, pack_scalars(plan.scalars, scalars) if plan.scalars else b"")
-        if plan.launches:
+        if timer is not None:
+            timer.uploaded()
+            if plan.launches:
+                timer.launch_all(plan)
+        elif plan.launches:
             if self.graphs and plan.runs >= 1 and plan.graph_exec is None:
                 plan.graph_exec = self._capture(plan)
             if plan.graph_exec is not None:
@@ -740,7 +758,10 @@ class NativeExecutor(Executor):
         plan.runs += 1
         self.stats.dispatches += len(plan.launches)
         self.stats.submits += 1
-        return self._copies(plan.readback_layout(readback))
+        execution = self._copies(plan.readback_layout(readback))
+        if timer is not None:
+            timer.submitted(execution)
+        return execution
 
     def _copies(self, layout: ReadbackLayout) -> NativeExecution:
         drv = self.driver
