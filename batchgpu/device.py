@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import host_array
+from .dtypes import SUPPORTED, as_dtype, host_array
 from .errors import BatchError, DeviceMismatchError, DTypeError, LimitError, ShapeError
 from .executors import Executor, Stats, create_executor
+from .interop import device_name, foreign_array, foreign_device
 from .limits import Limits
 from .quant import to_device_words
 from .tensor import QuantTensor, Storage, Tensor
@@ -79,13 +80,59 @@ class Device:
             )
 
     def tensor(self, data: Any, dtype: Any = None, *, name: str = "") -> Tensor:
-        """Upload ``data`` once as a resident tensor (weights) usable by every batch on this device."""
+        """Upload ``data`` once as a resident tensor (weights) usable by every batch on this device.
+
+        ``data`` may also be a device array (``__dlpack__`` / ``__cuda_array_interface__``: a torch CUDA
+        tensor, a CuPy array) on the same CUDA/ROCm device as a native ``Device("cuda")`` /
+        ``Device("hip")``: it is copied device to device, without a host round trip."""
         self.check_thread("Device.tensor")
+        where = foreign_device(data)
+        if where is not None:
+            return self._tensor_from_device(data, where, dtype, name)
+        if hasattr(data, "__dlpack__") and not hasattr(data, "__array__"):
+            data = np.from_dlpack(data)  # host memory shared through DLPack only (a reference-device tensor)
         array = host_array(data, dtype, what=f"Device.tensor {name}".strip())
         self.check_storable(f"Device.tensor {name}".strip(), array.shape, array.dtype)
         storage = Storage(array.nbytes, "resident", array.dtype)
         self.executor.alloc_resident(storage, array)
         return Tensor(array.shape, array.dtype, storage, device=self, name=name)
+
+    def _tensor_from_device(self, data: Any, where: tuple[int, int | None], dtype: Any, name: str) -> Tensor:
+        """Device.tensor of device memory: checks, then the executor's device-to-device copy."""
+        what = f"Device.tensor {name}".strip()
+        try:
+            stream = self.executor.import_stream(*where)
+        except DeviceMismatchError as exc:
+            raise DeviceMismatchError(
+                f"{what}: got a {type(data).__name__} in {device_name(*where)} memory, which {self!r} cannot "
+                f"read ({exc}); copy it to the host first (torch: t.cpu().numpy(), CuPy: cupy.asnumpy(a), batchgpu: "
+                f"Device.read(t)) or create the tensor on a matching Device('cuda') / Device('hip')"
+            ) from None
+        foreign = foreign_array(data, stream=stream, what=what)
+        assert foreign is not None
+        with foreign:  # hands the producer's memory back once copied (or on error)
+            source = f"{device_name(foreign.device_type, foreign.device_id)} array"
+            if foreign.dtype not in SUPPORTED:
+                raise DTypeError(
+                    f"{what}: the {source} has dtype {foreign.dtype.name}; expected one of "
+                    f"{', '.join(d.name for d in SUPPORTED)} (device arrays are not cast: convert it first, "
+                    f"e.g. t.to(torch.float32) / a.astype(cupy.float32))"
+                )
+            if dtype is not None and as_dtype(dtype, what=what) != foreign.dtype:
+                raise DTypeError(
+                    f"{what}: the {source} has dtype {foreign.dtype.name}, dtype={np.dtype(dtype).name} was "
+                    f"asked; device arrays are not cast: convert it first"
+                )
+            if not foreign.contiguous:
+                raise ShapeError(
+                    f"{what}: the {source} of shape {foreign.shape} is not contiguous (byte strides "
+                    f"{foreign.strides}); pass a contiguous array (torch: t.contiguous(), CuPy: "
+                    f"cupy.ascontiguousarray(a))"
+                )
+            self.check_storable(what, foreign.shape, foreign.dtype)
+            storage = Storage(foreign.nbytes, "resident", foreign.dtype)
+            self.executor.alloc_resident_from_device(storage, foreign)
+        return Tensor(foreign.shape, foreign.dtype, storage, device=self, name=name)
 
     def quantized(self, blocks: Any, qtype: str, shape: tuple[int, int], *, name: str = "") -> QuantTensor:
         """Upload a (rows, K) matrix given as GGUF block bytes (``"q4_1"`` or ``"q8_0"``) once; kernels

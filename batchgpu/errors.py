@@ -37,3 +37,8 @@ class DeviceError(BatchError, RuntimeError):
 
 class UnsupportedError(BatchError, NotImplementedError):
     """The executor or adapter lacks a feature the op needs."""
+
+
+class ExportError(BatchError, BufferError):
+    """A tensor cannot be shared through ``__dlpack__`` / ``__cuda_array_interface__`` (a BufferError,
+    as DLPack consumers expect)."""

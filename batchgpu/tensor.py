@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .errors import ExportError
+from .interop import to_dlpack_capsule
+
 if TYPE_CHECKING:
     from .batch import GpuCommandBatch
     from .device import Device
@@ -39,6 +42,8 @@ class Tensor:
 
     Tensors are handles: they hold no data on the host. Read a batch tensor with
     ``batch.read(t)`` / ``batch.read_sync(t)`` and a resident tensor with ``device.read(t)``.
+    Resident tensors also export their memory without a copy through ``__dlpack__`` (reference,
+    CUDA and HIP devices) and ``__cuda_array_interface__`` (CUDA).
     """
 
     __slots__ = ("shape", "dtype", "storage", "batch", "device", "name", "__weakref__")
@@ -128,6 +133,68 @@ class Tensor:
         return self._require_batch("neg").neg(self)
 
     __hash__ = object.__hash__
+
+    # interop: DLPack and __cuda_array_interface__ (see batchgpu.interop) ----------------------------
+
+    def _exported_storage(self, what: str) -> Storage:
+        if self.batch is not None:
+            raise ExportError(
+                f"{what}: {self.describe()} is a batch tensor, whose buffers are the batch's own; read it "
+                f"with batch.read(t) / batch.read_sync(t), or upload data with Device.tensor to share it"
+            )
+        if isinstance(self, QuantTensor):
+            raise ExportError(f"{what}: {self.describe()} holds packed {self.qtype} blocks and cannot be exported")
+        self.device.check_thread(what)
+        return self.storage
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """DLPack ``(device_type, device_id)``: kDLCPU (1) on the reference device, kDLCUDA (2) /
+        kDLROCM (10) on native ones, kDLWebGPU (15) on wgpu (which cannot export)."""
+        return self.device.executor.dlpack_device()
+
+    def __dlpack__(
+        self, *, stream: Any = None, max_version: tuple[int, int] | None = None, dl_device: Any = None, copy: Any = None
+    ) -> Any:
+        """A DLPack capsule sharing this resident tensor's memory (zero copy unless ``copy=True``).
+
+        Native devices drain their stream before returning, so the data is ready on any consumer
+        ``stream`` (accepted, not needed). Later ``Device.write`` calls, and batches writing the tensor
+        in place, change what the consumer sees; the memory stays allocated while the consumer holds it.
+        ``max_version >= (1, 0)`` gives a DLPack 1.0 versioned capsule."""
+        storage = self._exported_storage("__dlpack__")
+        executor = self.device.executor
+        device = executor.dlpack_device()
+        if dl_device is not None and tuple(int(x) for x in dl_device) != device:
+            raise ExportError(
+                f"__dlpack__: {self.describe()} lives on DLPack device {device}, dl_device={tuple(dl_device)} "
+                f"was asked; cross-device export is not supported (use Device.read for a host copy)"
+            )
+        pointer, owner = executor.export_resident(storage, copy=bool(copy))
+        versioned = max_version is not None and int(max_version[0]) >= 1
+        return to_dlpack_capsule(
+            pointer, self.shape, self.dtype, *device, owner, versioned=versioned, copied=bool(copy)
+        )
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """Version 3 interface of a resident tensor on ``Device("cuda")``. ``stream`` is None: our
+        stream is drained before the dict is returned. The consumer must keep this tensor alive."""
+        if self.device.executor.kind != "cuda":
+            raise AttributeError(
+                f"__cuda_array_interface__: {self.describe()} is not in CUDA memory ({self.device!r}); "
+                f"use __dlpack__ or Device.read"
+            )
+        storage = self._exported_storage("__cuda_array_interface__")
+        pointer, _ = self.device.executor.export_resident(storage)
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (pointer, False),
+            "strides": None,
+            "descr": [("", self.dtype.str)],
+            "stream": None,
+            "version": 3,
+        }
 
 
 class QuantTensor(Tensor):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import DeviceMismatchError, ExportError, UnsupportedError
 from ..kernels import Launch
 from ..limits import Limits
 from ..ops import Node
@@ -16,6 +17,7 @@ from ..scalars import Scalar
 from ..tensor import Storage
 
 if TYPE_CHECKING:
+    from ..interop import ForeignArray
     from ..profiling import Session
 
 
@@ -105,6 +107,31 @@ class Executor(ABC):
     @abstractmethod
     def read_resident(self, storage: Storage) -> np.ndarray:
         """Copy a resident storage to the host (flat array of its dtype)."""
+
+    # interop (optional; see batchgpu.interop) ---------------------------------------------------
+
+    def dlpack_device(self) -> tuple[int, int]:
+        """DLPack ``(device_type, device_id)`` of this executor's memory."""
+        raise ExportError(f"{self.kind}: this executor's memory has no DLPack device type")
+
+    def export_resident(self, storage: Storage, *, copy: bool = False) -> tuple[int, Any]:
+        """``(pointer, owner)`` of a resident storage for DLPack: the memory stays valid while ``owner``
+        lives, and every queued write to it has completed. ``copy``: export a fresh copy instead."""
+        raise ExportError(
+            f"{self.kind}: resident memory of {self.name} cannot be shared with other libraries; "
+            f"copy it to the host with Device.read(tensor)"
+        )
+
+    def import_stream(self, device_type: int, device_id: int | None) -> int | None:
+        """For device memory at DLPack ``(device_type, device_id)`` that :meth:`alloc_resident_from_device`
+        can copy directly: the stream a DLPack producer must order its pending work before. Raises
+        DeviceMismatchError saying why not (the default: no device-to-device import)."""
+        raise DeviceMismatchError(f"the {self.kind} executor copies only from host memory")
+
+    def alloc_resident_from_device(self, storage: Storage, foreign: ForeignArray) -> None:
+        """Allocate a device-owned storage and copy the contiguous device array ``foreign`` into it
+        (device to device, complete on return)."""
+        raise UnsupportedError(f"{self.kind}: no device-to-device import")
 
     def prepare(self, launch: Launch) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Compile what ``launch`` needs now, so errors surface at record time (optional)."""

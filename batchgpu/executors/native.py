@@ -37,7 +37,8 @@ import numpy as np
 
 from .. import cuda_source
 from ..dtypes import SUPPORTED
-from ..errors import DeviceError, LimitError, UnsupportedError
+from ..errors import DeviceError, DeviceMismatchError, LimitError, UnsupportedError
+from ..interop import KDL_CUDA, KDL_CUDA_MANAGED, KDL_ROCM, ForeignArray, device_name
 from ..kernels import Launch
 from ..limits import Limits
 from ..ops import Node
@@ -76,6 +77,7 @@ FUNCTIONS: dict[str, tuple[str, str, list]] = {
     "host_free": ("cuMemFreeHost", "hipHostFree", [_P]),
     "memcpy_htod_async": ("cuMemcpyHtoDAsync_v2", "hipMemcpyHtoDAsync", [_P, _P, _SZ, _P]),
     "memcpy_dtoh_async": ("cuMemcpyDtoHAsync_v2", "hipMemcpyDtoHAsync", [_P, _P, _SZ, _P]),
+    "memcpy_dtod_async": ("cuMemcpyDtoDAsync_v2", "hipMemcpyDtoDAsync", [_P, _P, _SZ, _P]),
     "memset_d8_async": ("cuMemsetD8Async", "hipMemsetD8Async", [_P, ctypes.c_ubyte, _SZ, _P]),
     "stream_create": ("cuStreamCreate", "hipStreamCreateWithFlags", [_PP, _U]),
     "stream_synchronize": ("cuStreamSynchronize", "hipStreamSynchronize", [_P]),
@@ -104,6 +106,7 @@ CUDA_ONLY: dict[str, tuple[str, list, Any]] = {
     "func_set_attribute": ("cuFuncSetAttribute", [_P, _I, _I], None),
     "get_error_string": ("cuGetErrorString", [_I, ctypes.POINTER(ctypes.c_char_p)], None),
     "get_error_name": ("cuGetErrorName", [_I, ctypes.POINTER(ctypes.c_char_p)], None),
+    "pointer_get_attribute": ("cuPointerGetAttribute", [_P, _I, _P], None),
 }
 HIP_ONLY: dict[str, tuple[str, list, Any]] = {
     "set_device": ("hipSetDevice", [_I], None),
@@ -134,6 +137,8 @@ STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING / hipStreamNonBlocking
 EVENT_DISABLE_TIMING = 2  # CU_EVENT_DISABLE_TIMING / hipEventDisableTiming
 CAPTURE_MODE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL / hipStreamCaptureModeThreadLocal
 NOT_READY = 600  # CUDA_ERROR_NOT_READY / hipErrorNotReady
+POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+IMPORTABLE = {"cuda": (KDL_CUDA, KDL_CUDA_MANAGED), "hip": (KDL_ROCM,)}  # DLPack device types copied directly
 
 LIBRARIES = {
     "cuda": ("libcuda.so.1", "libcuda.so"),
@@ -543,6 +548,7 @@ class NativeExecutor(Executor):
         handle = ctypes.c_int()
         drv.check(drv.device_get(ctypes.byref(handle), device), f"device {device}")
         self.device = handle.value
+        self.ordinal = device
         self._context = ctypes.c_void_p()
         self._make_current = True
         self.make_current()
@@ -621,6 +627,60 @@ class NativeExecutor(Executor):
         self.driver.check(self.driver.stream_synchronize(self.stream), "read sync")
         self.stats.bytes_read += storage.nbytes
         return out.view(storage.dtype)
+
+    # interop (batchgpu.interop) -------------------------------------------------------------------
+
+    def dlpack_device(self) -> tuple[int, int]:
+        return (KDL_CUDA if self.kind == "cuda" else KDL_ROCM, self.ordinal)
+
+    def export_resident(self, storage: Storage, *, copy: bool = False) -> tuple[int, Any]:
+        """The resident buffer (the owner keeps it allocated), after our stream has drained: the
+        consumer may read it on any stream. ``copy``: a new buffer, copied device to device."""
+        self.make_current()
+        buffer = self._resident[storage.id]
+        if copy:
+            source, buffer = buffer, self.allocator.alloc(storage.nbytes)
+            self.driver.check(
+                self.driver.memcpy_dtod_async(buffer.pointer, source.pointer, storage.nbytes, self.stream),
+                "export copy",
+            )
+        self.driver.check(self.driver.stream_synchronize(self.stream), "export sync")
+        return buffer.pointer, buffer
+
+    def import_stream(self, device_type: int, device_id: int | None) -> int | None:
+        accepted = IMPORTABLE[self.kind]
+        if device_type not in accepted:
+            names = " or ".join(device_name(t) for t in accepted)
+            raise DeviceMismatchError(f"Device({self.kind!r}) copies directly only from {names} memory")
+        if device_id is not None and device_id != self.ordinal:
+            raise DeviceMismatchError(
+                f"this Device({self.kind!r}) is device {self.ordinal}, the array is on {device_id}"
+            )
+        return self.stream
+
+    def alloc_resident_from_device(self, storage: Storage, foreign: ForeignArray) -> None:
+        """Device-to-device copy on our stream. A DLPack producer ordered its work before our stream
+        (we passed it to ``__dlpack__``); a ``__cuda_array_interface__`` stream is synchronized first."""
+        drv = self.driver
+        self.make_current()
+        if foreign.device_id is None and drv.vendor == "cuda":  # __cuda_array_interface__ names no device
+            ordinal = ctypes.c_int(-1)
+            drv.check(
+                drv.pointer_get_attribute(ctypes.byref(ordinal), POINTER_ATTRIBUTE_DEVICE_ORDINAL, foreign.pointer),
+                "querying the array's device",
+            )
+            if ordinal.value != self.ordinal:
+                raise DeviceMismatchError(
+                    f"Device.tensor: the array is on CUDA device {ordinal.value}, this Device('cuda') is "
+                    f"device {self.ordinal}"
+                )
+        if foreign.stream is not None:
+            drv.check(drv.stream_synchronize(foreign.stream), "waiting for the producer's stream")
+        buffer = self.allocator.alloc(storage.nbytes)
+        drv.check(drv.memcpy_dtod_async(buffer.pointer, foreign.pointer, foreign.nbytes, self.stream), "import copy")
+        drv.check(drv.stream_synchronize(self.stream), "import sync")
+        self._resident[storage.id] = buffer
+        weakref.finalize(storage, self._resident.pop, storage.id, None)
 
     # planning -----------------------------------------------------------------------------------
 

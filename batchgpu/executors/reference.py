@@ -11,6 +11,7 @@ import numpy as np
 
 from ..dtypes import FLOAT16, FLOAT32, SUPPORTED
 from ..errors import NotExecutedError
+from ..interop import KDL_CPU
 from ..limits import Limits
 from ..ops import Node
 from ..quant import dequantize_words
@@ -59,6 +60,16 @@ class ReferenceExecutor(Executor):
     def read_resident(self, storage: Storage) -> np.ndarray:
         self.stats.bytes_read += storage.nbytes
         return self._resident[storage].copy()
+
+    def dlpack_device(self) -> tuple[int, int]:
+        return (KDL_CPU, 0)
+
+    def export_resident(self, storage: Storage, *, copy: bool = False) -> tuple[int, Any]:
+        """The resident host array itself (zero copy: Device.write later updates it in place), or a copy."""
+        array = self._resident[storage]
+        if copy:
+            array = array.copy()
+        return array.ctypes.data, array
 
     def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> ReferencePlan:
         arrays = {s: np.zeros(s.nbytes // s.dtype.itemsize, dtype=s.dtype) for s in storages}

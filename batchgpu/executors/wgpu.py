@@ -21,7 +21,8 @@ import numpy as np
 from ..cache import DiskIndex, configure_driver_cache
 from ..coldstart import import_wgpu
 from ..dtypes import FLOAT16, SUPPORTED
-from ..errors import CompileError, DeviceError, LimitError
+from ..errors import CompileError, DeviceError, ExportError, LimitError
+from ..interop import KDL_WEBGPU
 from ..kernels import Launch
 from ..limits import Limits, split_groups
 from ..ops import Node
@@ -301,6 +302,15 @@ class WgpuExecutor(Executor):
     def write_resident(self, storage: Storage, data: np.ndarray) -> None:
         self.check_alive("Device.write")
         self._write(self._resident[storage.id], data)
+
+    def dlpack_device(self) -> tuple[int, int]:
+        return (KDL_WEBGPU, 0)
+
+    def export_resident(self, storage: Storage, *, copy: bool = False) -> tuple[int, Any]:
+        raise ExportError(
+            f"wgpu: buffers of {self.name} cannot be shared with other libraries (WebGPU gives no device "
+            f"pointer); copy the tensor to the host with Device.read(tensor)"
+        )
 
     def read_resident(self, storage: Storage) -> np.ndarray:
         self.check_alive("Device.read")
