@@ -354,8 +354,9 @@ def parse_cuda_array_interface(interface: Any, *, owner: Any = None, what: str =
 # export
 
 _EXPORTS: dict[int, list[Any]] = {}
-"""address of a live DLManagedTensor[Versioned] -> [struct, shape array, owner, capsule]: everything the
-consumer may still read, kept until the deleter runs. No manual reference counting: the dict holds it."""
+"""address of a live DLManagedTensor[Versioned] -> [struct, shape array, owner, capsule, capsule name,
+baseline refcount]: everything the consumer may still read, kept until the deleter runs. No manual
+reference counting: the dict holds it."""
 
 
 def _deleter(address: int) -> None:
@@ -377,7 +378,7 @@ def _sweep() -> None:
             continue
         if not _capsule_is_valid(capsule, entry[4]):
             entry[3] = None  # consumed: the consumer calls the deleter; the capsule itself may go
-        elif sys.getrefcount(capsule) <= 3:  # the entry, this local, getrefcount's argument
+        elif sys.getrefcount(capsule) <= entry[5]:  # no references beyond the ones counted at export
             _EXPORTS.pop(address, None)
         del capsule
 
@@ -426,13 +427,24 @@ def to_dlpack_capsule(
     _sweep()
     address = ctypes.addressof(managed)
     name = VERSIONED_NAME if versioned else NAME
-    entry = _EXPORTS[address] = [managed, dims, owner, None, name]
+    entry = _EXPORTS[address] = [managed, dims, owner, None, name, 0]
     try:
         entry[3] = _capsule_new(address, name, None)
     except BaseException:
         _EXPORTS.pop(address, None)
         raise
+    entry[5] = _baseline_refcount(entry)
     return entry[3]
+
+
+def _baseline_refcount(entry: list[Any]) -> int:
+    """``sys.getrefcount`` of a capsule referenced by its registry entry alone, measured the way
+    :func:`_sweep` measures it (a local name, then the call), so the comparison holds whatever the
+    interpreter's own counting (e.g. borrowed references in newer CPythons)."""
+    capsule = entry[3]
+    count = sys.getrefcount(capsule)
+    del capsule
+    return count
 
 
 def live_exports() -> int:
