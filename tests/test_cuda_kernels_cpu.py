@@ -10,6 +10,7 @@ import inspect
 import pytest
 
 import batchgpu as bg
+from batchgpu.models import llama
 
 from . import cuda_cpu, test_llm_ops, test_ops
 
@@ -31,3 +32,14 @@ for _module in (test_ops, test_llm_ops):
         skipped = _name in WGPU_ONLY | TOO_BIG
         if _name.startswith("test_") and not skipped and "gpu" in inspect.signature(_function).parameters:
             globals()[_name] = _function
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "quantized"])
+def test_smollm2_greedy_ids_on_the_cuda_kernels(gpu, quantized):
+    """The whole SmolLM2-135M decode (prefill, 12 greedy tokens, KV cache, GQA attention, Q4_1/Q8_0
+    matmuls) on the CUDA kernels gives the same ids as wgpu and the reference."""
+    from . import test_smollm2
+
+    model = llama.Llama(gpu, quantized=quantized, max_context=64)
+    assert list(model.generate(test_smollm2.PROMPT, len(test_smollm2.GREEDY))) == test_smollm2.GREEDY
