@@ -30,6 +30,25 @@ def ref() -> bg.Device:
     return bg.Device("reference")
 
 
+_native_devices: dict[str, bg.Device | str] = {}
+
+
+def native_device_or_skip(kind: str) -> bg.Device:
+    """The process's one ``Device(kind, poison=True)`` for ``"cuda"``/``"hip"``, or a skip whose reason
+    names what is missing (no driver library, no GPU)."""
+    from batchgpu.errors import DeviceError, UnsupportedError
+
+    if kind not in _native_devices:
+        try:
+            _native_devices[kind] = bg.Device(kind, poison=True)
+        except (UnsupportedError, DeviceError) as exc:
+            _native_devices[kind] = f"{kind}: {exc}"
+    device = _native_devices[kind]
+    if isinstance(device, str):
+        pytest.skip(device)
+    return device
+
+
 def random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype, domain: str = "any") -> np.ndarray:
     """Random non-zero test data; ``positive`` keeps log/sqrt inputs in their domain."""
     dtype = np.dtype(dtype)

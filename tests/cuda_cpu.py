@@ -33,7 +33,7 @@ import batchgpu as bg
 from batchgpu import cuda_source
 from batchgpu.executors.base import Execution, Plan, Stats
 from batchgpu.executors.native import POISON_BYTE, DeviceAttributes, check_native_launch
-from batchgpu.executors.reference import ReferenceExecutor
+from batchgpu.executors.reference import ReferenceExecution, ReferenceExecutor
 from batchgpu.kernels import Launch
 from batchgpu.ops import Node
 from batchgpu.scalars import SCALAR_BYTES, Scalar
@@ -206,11 +206,6 @@ class CpuPlan(Plan):
         self.scalar_bytes = np.zeros(SCALAR_BYTES, np.uint8)
 
 
-class CpuExecution(Execution):
-    def __init__(self, results: dict[Storage, np.ndarray]) -> None:
-        self.results = results
-
-
 class CudaOnCpuExecutor(ReferenceExecutor):
     """The executor protocol over CPU-compiled CUDA kernels (resident storages as in the reference)."""
 
@@ -265,7 +260,7 @@ class CudaOnCpuExecutor(ReferenceExecutor):
         readback: Sequence[Storage],
         scalars: Mapping[str, int | float],
         **_: object,
-    ) -> CpuExecution:
+    ) -> ReferenceExecution:
         assert isinstance(plan, CpuPlan)
         for storage, data in writes:
             raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -278,14 +273,14 @@ class CudaOnCpuExecutor(ReferenceExecutor):
                 raise MemoryError(f"{label}: the CPU harness could not allocate thread stacks")
             self.stats.dispatches += 1
         self.stats.submits += 1
-        return CpuExecution({s: self._flat(plan, s) for s in readback})
+        return ReferenceExecution({s: self._flat(plan, s) for s in readback})
 
     @staticmethod
     def _flat(plan: CpuPlan, storage: Storage) -> np.ndarray:
         return plan.arrays[storage][: storage.nbytes].copy().view(storage.dtype)
 
     def read_sync(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
-        assert isinstance(plan, CpuPlan) and isinstance(execution, CpuExecution)
+        assert isinstance(plan, CpuPlan) and isinstance(execution, ReferenceExecution)
         if storage not in execution.results:
             execution.results[storage] = self._flat(plan, storage)
         return execution.results[storage]

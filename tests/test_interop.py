@@ -17,7 +17,7 @@ import pytest
 
 import batchgpu as bg
 from batchgpu import interop
-from batchgpu.errors import DeviceError, ExportError, UnsupportedError
+from batchgpu.errors import ExportError
 from batchgpu.interop import (
     KDL_CPU,
     KDL_CUDA,
@@ -31,7 +31,7 @@ from batchgpu.interop import (
     to_dlpack_capsule,
 )
 
-from .conftest import random_array
+from .conftest import native_device_or_skip, random_array
 
 DTYPES = [np.float32, np.float16, np.int32, np.uint32]
 SHAPES = [(), (1,), (7,), (13, 5), (3, 5, 7), (2, 1, 11)]
@@ -408,19 +408,10 @@ def test_wgpu_tensor_given_to_another_device_is_refused_clearly(ref, gpu):
 
 # --- device memory: torch / CuPy on Device("cuda") (skip without a CUDA device) -------------------------
 
-_cuda: list = []
-
 
 @pytest.fixture
 def cuda() -> bg.Device:
-    if not _cuda:
-        try:
-            _cuda.append(bg.Device("cuda"))
-        except (UnsupportedError, DeviceError) as exc:
-            _cuda.append(f"cuda: {exc}")
-    if isinstance(_cuda[0], str):
-        pytest.skip(_cuda[0])
-    return _cuda[0]
+    return native_device_or_skip("cuda")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int32"])

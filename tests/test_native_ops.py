@@ -12,27 +12,16 @@ import inspect
 import pytest
 
 import batchgpu as bg
-from batchgpu.errors import DeviceError, UnsupportedError
 
 from . import test_llm_ops, test_ops
+from .conftest import native_device_or_skip
 
 WGPU_ONLY = {"test_kv_cache_decode_with_position_scalar"}  # compares results keyed by "wgpu"
-
-_devices: dict[str, bg.Device | str] = {}
 
 
 @pytest.fixture(params=["cuda", "hip"])
 def gpu(request) -> bg.Device:
-    kind = request.param
-    if kind not in _devices:
-        try:
-            _devices[kind] = bg.Device(kind, poison=True)
-        except (UnsupportedError, DeviceError) as exc:
-            _devices[kind] = f"{kind}: {exc}"
-    device = _devices[kind]
-    if isinstance(device, str):
-        pytest.skip(device)
-    return device
+    return native_device_or_skip(request.param)
 
 
 for _module in (test_ops, test_llm_ops):

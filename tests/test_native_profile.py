@@ -10,26 +10,14 @@ import numpy as np
 import pytest
 
 import batchgpu as bg
-from batchgpu.errors import DeviceError, UnsupportedError
 from batchgpu.executors import native_timing
 
-from .conftest import assert_close, random_array
-
-_devices: dict[str, bg.Device | str] = {}
+from .conftest import assert_close, native_device_or_skip, random_array
 
 
 @pytest.fixture(params=["cuda", "hip"])
 def native_device(request) -> bg.Device:
-    kind = request.param
-    if kind not in _devices:
-        try:
-            _devices[kind] = bg.Device(kind, poison=True)
-        except (UnsupportedError, DeviceError) as exc:
-            _devices[kind] = f"{kind}: {exc}"
-    device = _devices[kind]
-    if isinstance(device, str):
-        pytest.skip(device)
-    return device
+    return native_device_or_skip(request.param)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
