@@ -7,7 +7,9 @@ expects), not the driver calls around them, which need a GPU (tests/test_native_
 Each kernel specialization (the exact source :func:`batchgpu.cuda_source.render` gives NVRTC) is
 compiled by g++ as C++ with a small CUDA execution model in front of it: blocks run one after another;
 the threads of a block are coroutines (``ucontext``) that switch at ``__syncthreads()``, so block-level
-barriers and ``__shared__`` memory (static storage, one block at a time) behave as on a GPU; float16 is
+barriers and ``__shared__`` memory (static storage, one block at a time) behave as on a GPU; between
+barriers the threads run in turn, forward or backward alternately, so a missing barrier shows up as
+wrong results (checked: removing the one in ``bg_tree``'s loop fails 14 tests); float16 is
 the prelude's HIP path (``_Float16``). Grids come from the native executor's own
 :func:`~batchgpu.executors.native.launch_grid` and launch checks, with H100-like attributes except
 a small maximum grid, so that split grids run at small sizes. Kernels without barriers run their
@@ -111,9 +113,11 @@ static int bg_run(void (*kernel)(A...), const unsigned* grid, const unsigned* bl
     for (unsigned by = 0; by < grid[1]; ++by)
     for (unsigned bx = 0; bx < grid[0]; ++bx) {
         blockIdx = {bx, by, bz};
+        const bool reverse_block = (bx + by + bz) & 1u;
         if (!barriers) {
             bg_running = nullptr;
-            for (unsigned t = 0; t < threads; ++t) {
+            for (unsigned i = 0; i < threads; ++i) {
+                const unsigned t = reverse_block ? threads - 1 - i : i;
                 threadIdx = {t % block[0], (t / block[0]) % block[1], t / (block[0] * block[1])};
                 bg_invoke(k, a, std::index_sequence_for<A...>{});
             }
@@ -127,8 +131,12 @@ static int bg_run(void (*kernel)(A...), const unsigned* grid, const unsigned* bl
             makecontext(&contexts[t], (void (*)())Entry::run, 0);
             done[t] = false;
         }
-        for (unsigned remaining = threads; remaining > 0;) {  // one round = every thread to its next barrier
-            for (unsigned t = 0; t < threads; ++t) {
+        // One round = every thread to its next barrier. Rounds alternate the thread order, so a read
+        // of shared memory that another thread writes in the same phase (a missing __syncthreads)
+        // sees different values in different rounds and blocks, and the results go wrong.
+        for (unsigned remaining = threads, round = 0; remaining > 0; ++round) {
+            for (unsigned i = 0; i < threads; ++i) {
+                const unsigned t = ((round + bx + by + bz) & 1u) ? threads - 1 - i : i;
                 if (done[t]) continue;
                 threadIdx = {t % block[0], (t / block[0]) % block[1], t / (block[0] * block[1])};
                 bg_running = &contexts[t];
