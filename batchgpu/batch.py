@@ -26,6 +26,7 @@ from .errors import (
 from .executors.base import Execution, Plan
 from .kernels import Kernel
 from .limits import check_launch
+from .memory import BufferPlan, share_buffers
 from .ops import OPS, Node
 from .ops.custom import normalize_grid, pack_scalars
 from .ops.elementwise import BINARY, UNARY
@@ -86,6 +87,8 @@ class GpuCommandBatch:
         self._host: dict[Storage, np.ndarray] = {}  # latest data of inputs and constants
         self._dirty: dict[Storage, np.ndarray] = {}  # data to upload on the next execute
         self._wanted: set[Storage] = set()  # storages the user has read
+        self._declared: frozenset[Storage] | None = None  # batch.outputs(...): only these are read back
+        self._buffers: BufferPlan | None = None  # buffer sharing of the current plan
         self._readback: tuple[Storage, ...] | None = None
         self._plan: Plan | None = None
         self._execution: Execution | None = None
@@ -410,7 +413,11 @@ class GpuCommandBatch:
         plan = self._plan
         if plan is None:  # a new plan has new buffers: every input and constant is uploaded again
             planning = time.perf_counter()
-            plan = executor.plan(self._nodes, self._storages, tuple(self._scalars.values()))
+            keep = self._storages if self._declared is None else self._declared
+            self._buffers = share_buffers(self._nodes, self._storages, keep)
+            plan = executor.plan(
+                self._nodes, self._buffers.storages, tuple(self._scalars.values()), aliases=self._buffers.aliases
+            )
             writes = {**self._host, **self._dirty, **feeds}
             if session is not None:
                 session.span("plan", planning)
@@ -471,11 +478,35 @@ class GpuCommandBatch:
             validated[tensor.storage] = array
         return validated
 
+    def outputs(self, *tensors: Tensor) -> None:
+        """Declare the batch tensors read after ``execute`` (and the only ones copied back); every other
+        intermediate may then share device memory with intermediates whose lifetimes do not overlap
+        (see :mod:`batchgpu.memory`), and reading one raises BatchError. Inputs stay readable. Call
+        again to change the declaration; with no tensors, every tensor is readable again (no sharing)."""
+        self._check_open("outputs")
+        for tensor in tensors:
+            if not isinstance(tensor, Tensor):
+                raise BatchError(f"outputs: expected Tensors, got {type(tensor).__name__}")
+            self._check_member("outputs", "tensor", tensor)
+            if tensor.resident:
+                raise BatchError(f"outputs: {tensor.describe()} is resident (read it with Device.read), not an output")
+        self._declared = frozenset(t.storage for t in tensors) if tensors else None
+        self._wanted.clear()  # the readback starts again from the declaration
+        self._plan = None
+        self._readback = None
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the batch's own device buffers in the current plan (``planned``), beside what they
+        would take with a buffer per tensor (``unshared``); 0 before the first execute."""
+        plan = self._buffers
+        return {"planned": plan.nbytes if plan else 0, "unshared": plan.unshared_bytes if plan else 0}
+
     def _readback_storages(self) -> tuple[Storage, ...]:
         """Storages copied back in every execute's submit: the tensors the user has read so far, or,
-        before any read, the batch's final outputs (written and never consumed)."""
+        before any read, the declared outputs, else the batch's final outputs (written and never consumed)."""
         if self._readback is None:
-            self._readback = tuple(sorted(self._wanted or self._sinks(), key=lambda s: s.id))
+            default = self._declared if self._declared is not None else self._sinks()
+            self._readback = tuple(sorted(self._wanted or default, key=lambda s: s.id))
         return self._readback
 
     def _sinks(self) -> set[Storage]:
@@ -533,6 +564,11 @@ class GpuCommandBatch:
                 f"read: {tensor.describe()} was not executed: batch {self.name!r} was never executed; "
                 f"call execute() first"
             )
+        elif self._declared is not None and tensor.storage in self._shared():
+            raise BatchError(
+                f"read: {tensor.describe()} is an intermediate of batch {self.name!r}, whose buffer other "
+                f"intermediates reuse since batch.outputs(...) was declared; add it to batch.outputs to read it"
+            )
         elif self._births[tensor.storage.id] >= self._executed_mark:
             raise NotExecutedError(
                 f"read: {tensor.describe()} was recorded after the last execute() of batch {self.name!r}; execute again"
@@ -543,6 +579,10 @@ class GpuCommandBatch:
                 f"execute again"
             )
         return tensor.storage
+
+    def _shared(self) -> frozenset[Storage]:
+        """Storages not kept whole after an execute: those the plan was free to share."""
+        return self._buffers.shareable if self._buffers is not None else frozenset()
 
     def export_webgpu(
         self,

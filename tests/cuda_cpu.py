@@ -33,7 +33,7 @@ import numpy as np
 
 import batchgpu as bg
 from batchgpu import cuda_source
-from batchgpu.executors.base import Execution, Plan, Stats
+from batchgpu.executors.base import Execution, Plan, Stats, alias_buffers
 from batchgpu.executors.native import POISON_BYTE, DeviceAttributes, check_native_launch
 from batchgpu.executors.reference import ReferenceExecution, ReferenceExecutor
 from batchgpu.kernels import Launch
@@ -229,11 +229,19 @@ class CudaOnCpuExecutor(ReferenceExecutor):
     def prepare(self, launch: Launch) -> None:
         check_native_launch(launch, SMALL_GRID)
 
-    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> CpuPlan:
+    def plan(
+        self,
+        nodes: Sequence[Node],
+        storages: Sequence[Storage],
+        scalars: Sequence[Scalar],
+        *,
+        aliases: Mapping[Storage, Storage] | None = None,
+    ) -> CpuPlan:
         arrays: dict[Storage, np.ndarray] = {}
         for storage in storages:
             fill = POISON_BYTE if storage.kind in ("output", "scratch") else 0
             arrays[storage] = np.full(-(-storage.nbytes // 4) * 4, fill, np.uint8)
+        alias_buffers(arrays, aliases)
         plan = CpuPlan(arrays, [], tuple(scalars))
         for node in nodes:
             for launch in node.launches:

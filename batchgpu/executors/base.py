@@ -76,6 +76,12 @@ class Plan:
         return layouts[key]
 
 
+def alias_buffers(buffers: dict[Storage, Any], aliases: Mapping[Storage, Storage] | None) -> None:
+    """Point each aliased storage at the buffer it shares (:mod:`batchgpu.memory`)."""
+    for storage, shared in (aliases or {}).items():
+        buffers[storage] = buffers[shared]
+
+
 class Execution:
     """One submitted execute: where its readback results will come from."""
 
@@ -137,9 +143,18 @@ class Executor(ABC):
         """Compile what ``launch`` needs now, so errors surface at record time (optional)."""
 
     @abstractmethod
-    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> Plan:
-        """Build buffers, pipelines and bindings for ``nodes``; ``storages`` are every non-resident
-        storage the batch owns (inputs, constants, outputs, scratch); ``scalars`` its declared scalars."""
+    def plan(
+        self,
+        nodes: Sequence[Node],
+        storages: Sequence[Storage],
+        scalars: Sequence[Scalar],
+        *,
+        aliases: Mapping[Storage, Storage] | None = None,
+    ) -> Plan:
+        """Build buffers, pipelines and bindings for ``nodes``; ``storages`` are the non-resident buffers
+        to allocate (inputs, constants, outputs, scratch, shared buffers); ``aliases`` maps each storage
+        that shares a buffer to that buffer's storage (see :func:`alias_buffers`); ``scalars`` are the
+        batch's declared scalars."""
 
     @abstractmethod
     def run(

@@ -45,7 +45,7 @@ from ..ops import Node
 from ..scalars import SCALAR_BYTES, Scalar
 from ..scalars import pack as pack_scalars
 from ..tensor import Storage
-from .base import Execution, Executor, Plan, ReadbackLayout, Stats
+from .base import Execution, Executor, Plan, ReadbackLayout, Stats, alias_buffers
 from .native_timing import EventTimer
 
 if TYPE_CHECKING:
@@ -688,7 +688,14 @@ class NativeExecutor(Executor):
         check_native_launch(launch, self.attrs)
         self.programs.function(launch)
 
-    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> NativePlan:
+    def plan(
+        self,
+        nodes: Sequence[Node],
+        storages: Sequence[Storage],
+        scalars: Sequence[Scalar],
+        *,
+        aliases: Mapping[Storage, Storage] | None = None,
+    ) -> NativePlan:
         drv = self.driver
         buffers: dict[Storage, DeviceBuffer] = {}
         for storage in storages:
@@ -696,6 +703,7 @@ class NativeExecutor(Executor):
             if self.poison and storage.kind in ("output", "scratch"):
                 buffer = buffers[storage]
                 drv.check(drv.memset_d8_async(buffer.pointer, POISON_BYTE, buffer.nbytes, self.stream), "poison fill")
+        alias_buffers(buffers, aliases)
         launches = [launch for node in nodes for launch in node.launches]
         for launch in launches:
             for binding in launch.bindings:

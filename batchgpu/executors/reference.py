@@ -71,8 +71,17 @@ class ReferenceExecutor(Executor):
             array = array.copy()
         return array.ctypes.data, array
 
-    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> ReferencePlan:
+    def plan(
+        self,
+        nodes: Sequence[Node],
+        storages: Sequence[Storage],
+        scalars: Sequence[Scalar],
+        *,
+        aliases: Mapping[Storage, Storage] | None = None,
+    ) -> ReferencePlan:
         arrays = {s: np.zeros(s.nbytes // s.dtype.itemsize, dtype=s.dtype) for s in storages}
+        for storage, shared in (aliases or {}).items():  # typed views of the shared bytes, as on a GPU
+            arrays[storage] = arrays[shared].view(np.uint8)[: storage.nbytes].view(storage.dtype)
         for node in nodes:
             for tensor in node.inputs:
                 if tensor.resident:

@@ -30,7 +30,7 @@ from ..scalars import SCALAR_BYTES, Scalar
 from ..scalars import pack as pack_scalars
 from ..shaders import render_wgsl
 from ..tensor import Storage
-from .base import Execution, Executor, Plan, ReadbackLayout, Stats
+from .base import Execution, Executor, Plan, ReadbackLayout, Stats, alias_buffers
 from .wgpu_timing import GpuTimer
 
 if TYPE_CHECKING:
@@ -323,13 +323,21 @@ class WgpuExecutor(Executor):
     def prepare(self, launch: Launch) -> None:
         self.pipelines.get(launch)
 
-    def plan(self, nodes: Sequence[Node], storages: Sequence[Storage], scalars: Sequence[Scalar]) -> WgpuPlan:
+    def plan(
+        self,
+        nodes: Sequence[Node],
+        storages: Sequence[Storage],
+        scalars: Sequence[Scalar],
+        *,
+        aliases: Mapping[Storage, Storage] | None = None,
+    ) -> WgpuPlan:
         self.check_alive("execute")
         buffers: dict[Storage, Any] = {}
         for storage in storages:
             buffers[storage] = self._create_buffer(storage, f"{storage.kind} {storage.id}")
             if self.poison and storage.kind in ("output", "scratch"):
                 self.device.queue.write_buffer(buffers[storage], 0, bytes([POISON_BYTE]) * buffers[storage].size)
+        alias_buffers(buffers, aliases)
         launches = [launch for node in nodes for launch in node.launches]
         for launch in launches:
             for binding in launch.bindings:
@@ -375,9 +383,9 @@ class WgpuExecutor(Executor):
                 resource = {"buffer": params[0], "offset": params[1], "size": len(launch.params)}
             elif binding.kind == "scalars":
                 resource = {"buffer": scalars_buffer, "offset": 0, "size": SCALAR_BYTES}
-            else:
-                buffer = buffers[binding.storage]
-                resource = {"buffer": buffer, "offset": 0, "size": buffer.size}
+            else:  # the storage's own bytes: a shared buffer may be larger
+                size = max(4, -(-binding.storage.nbytes // 4) * 4)
+                resource = {"buffer": buffers[binding.storage], "offset": 0, "size": size}
             entries.append({"binding": binding.slot, "resource": resource})
         layout = self._group_layouts.get(pipeline)
         if layout is None:

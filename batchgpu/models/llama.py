@@ -197,7 +197,9 @@ class Llama:
             normed, h = batch.add_rms_norm(ffn_out, h, w[next_norm], cfg.eps)  # residual add fused in
         last = batch.slice(normed, (slice(tokens - 1, tokens),)) if tokens > 1 else normed
         logits = batch.matmul(last, w["token_embd.weight"], transpose_b=True)  # output head tied to embeddings
-        return StepBatch(batch, ids, pos, batch.argmax(logits), logits)
+        next_token = batch.argmax(logits)
+        batch.outputs(next_token, logits)  # every other activation shares buffers (batchgpu.memory)
+        return StepBatch(batch, ids, pos, next_token, logits)
 
     def _attention(self, batch: GpuCommandBatch, x: Tensor, layer: int, pos: Scalar, tokens: int) -> Tensor:
         cfg, w = self.config, self.params
