@@ -496,10 +496,13 @@ class GpuCommandBatch:
         self._readback = None
 
     def memory(self) -> dict[str, int]:
-        """Bytes of the batch's own device buffers in the current plan (``planned``), beside what they
-        would take with a buffer per tensor (``unshared``); 0 before the first execute."""
+        """Bytes of the batch's own device buffers in the current plan (``planned``, in ``buffers``
+        buffers), beside what they would take with a buffer per tensor (``unshared``); 0 before the
+        first execute."""
         plan = self._buffers
-        return {"planned": plan.nbytes if plan else 0, "unshared": plan.unshared_bytes if plan else 0}
+        if plan is None:
+            return {"planned": 0, "unshared": 0, "buffers": 0}
+        return {"planned": plan.nbytes, "unshared": plan.unshared_bytes, "buffers": len(plan.storages)}
 
     def _readback_storages(self) -> tuple[Storage, ...]:
         """Storages copied back in every execute's submit: the tensors the user has read so far, or,
