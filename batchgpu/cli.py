@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import Any
 
 from . import __version__, cache, coldstart, profiling
+from .errors import UnsupportedError
 from .progress import progress
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -69,46 +70,32 @@ def main(argv: list[str] | None = None) -> int:
 # info -------------------------------------------------------------------------------------------
 
 
-def native_driver(names: list[str], count_symbol: str, init: str | None = None) -> dict[str, Any]:
-    """Try to load a GPU driver library with ctypes; report the error text when it does not load."""
-    errors = []
-    for name in names:
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError as exc:
-            errors.append(str(exc))
-            continue
-        count = ctypes.c_int(0)
-        try:
-            if init is not None and getattr(lib, init)(0) != 0:
-                return {"available": False, "library": name, "reason": f"{init}(0) failed: no usable device/driver"}
-            status = getattr(lib, count_symbol)(ctypes.byref(count))
-        except AttributeError as exc:
-            return {"available": False, "library": name, "reason": str(exc)}
-        if status != 0:
-            return {"available": False, "library": name, "reason": f"{count_symbol} returned error {status}"}
-        return {"available": count.value > 0, "library": name, "devices": count.value, "reason": ""}
-    return {"available": False, "library": None, "reason": "; ".join(errors)}
+def native_status(vendor: str) -> dict[str, Any]:
+    """Whether the vendor's driver library loads, initializes and sees a device (the native executor's
+    own driver table, :class:`batchgpu.executors.native.Driver`)."""
+    from .executors.native import Driver
+
+    try:
+        driver = Driver(vendor)
+    except UnsupportedError as exc:
+        return {"available": False, "library": None, "reason": str(exc)}
+    library = getattr(driver.lib, "_name", None)
+    status = driver.init(0)
+    if status != 0:
+        return {"available": False, "library": library, "reason": f"init: {driver.error_string(status)}"}
+    count = ctypes.c_int(0)
+    status = driver.device_count(ctypes.byref(count))
+    if status != 0:
+        return {"available": False, "library": library, "reason": f"device count: {driver.error_string(status)}"}
+    return {"available": count.value > 0, "library": library, "devices": count.value, "reason": ""}
 
 
 def cuda_hip_status() -> dict[str, dict[str, Any]]:
     """Whether the CUDA / HIP driver libraries load and see a device (for the native executors)."""
-    from .executors.native import LIBRARIES
-
-    if sys.platform == "win32":
-        cuda_names, hip_names = ["nvcuda.dll"], ["amdhip64.dll", "amdhip64_6.dll"]
-    else:
-        cuda_names, hip_names = list(LIBRARIES["cuda"]), list(LIBRARIES["hip"])
-    status = {
-        "cuda": native_driver(cuda_names, "cuDeviceGetCount", init="cuInit"),
-        "hip": native_driver(hip_names, "hipGetDeviceCount"),
-    }
+    status = {vendor: native_status(vendor) for vendor in ("cuda", "hip")}
     for kind, entry in status.items():
         usable = "usable" if entry["available"] else "unusable here (no driver/device, see above)"
-        entry["executor"] = (
-            f"bg.Device({kind!r}): {usable}; execute(profile=True) there records host time only "
-            f"({kind.upper()} event timing is not implemented yet)"
-        )
+        entry["executor"] = f"bg.Device({kind!r}): {usable}; execute(profile=True) there times launches with events"
     return status
 
 
