@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ExportError
-from .interop import to_dlpack_capsule
+from .interop import KDL_CPU, to_dlpack_capsule
 
 if TYPE_CHECKING:
     from .batch import GpuCommandBatch
@@ -164,6 +164,8 @@ class Tensor:
         storage = self._exported_storage("__dlpack__")
         executor = self.device.executor
         device = executor.dlpack_device()
+        if stream == 0 and device[0] != KDL_CPU:  # DLPack: 0 is ambiguous on CUDA/ROCm and disallowed
+            raise ExportError(f"__dlpack__: stream=0 is disallowed for {self.describe()} (use 1, 2 or a stream handle)")
         if dl_device is not None and tuple(int(x) for x in dl_device) != device:
             raise ExportError(
                 f"__dlpack__: {self.describe()} lives on DLPack device {device}, dl_device={tuple(dl_device)} "

@@ -186,9 +186,10 @@ class StaticDecoder:
             for _ in range(3):
                 self.out.copy_(self.step())
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             self.out.copy_(self.step())
+        self.graph = graph  # only once captured: a failed capture leaves eager steps
 
     def run(self, token: int, pos: int) -> int:
         self.token.fill_(token)
