@@ -62,6 +62,7 @@ def main() -> None:
     batch = bg.GpuCommandBatch(dev)
     x = batch.upload(x_data)
     y = record_ffn(batch, x, weights)
+    batch.outputs(y)  # only y is read: the other activations share device buffers
     submits = dev.stats.submits
     batch.execute()
     out = batch.read_sync(y)
@@ -71,6 +72,9 @@ def main() -> None:
         f"{args.layers} layers, {len(batch)} ops, {dev.stats.submits - submits} submit, "
         f"{dev.stats.pipelines_compiled} pipelines; Device() to first result {first_result * 1e3:.0f} ms"
     )
+    memory = batch.memory()
+    kib = {key: value / 1024 for key, value in memory.items()}
+    print(f"batch buffers: {kib['planned']:.0f} KiB ({kib['unshared']:.0f} KiB with one buffer per tensor)")
 
     expected = numpy_ffn(x_data, host_weights)
     error = np.abs(out - expected).max() / np.abs(expected).max()
