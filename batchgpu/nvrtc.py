@@ -18,8 +18,10 @@ import hashlib
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any, ClassVar
 
 from .errors import CompileError, UnsupportedError
 
@@ -105,22 +107,48 @@ def _load_first(
 
 class RuntimeCompiler:
     """One vendor's runtime compiler: ``compile(source, name, arch, options)`` returns module bytes
-    (PTX or cubin for NVRTC, a code object for hipRTC) ready for cuModuleLoadData/hipModuleLoadData."""
+    (PTX or cubin for NVRTC, a code object for hipRTC) ready for cuModuleLoadData/hipModuleLoadData.
+
+    NVRTC and hipRTC have the same C API under two prefixes (``nvrtcCreateProgram`` /
+    ``hiprtcCreateProgram``...); :meth:`_bind` declares it once and :meth:`_compile` drives it.
+    Subclasses name the prefix, the output getters, and the arguments for an architecture."""
 
     name: str
     lib: ctypes.CDLL
     version: tuple[int, int]
+    default_target = ""
+    getters: ClassVar[Mapping[str, str]] = {}  # target -> output getter ("PTX": nvrtcGetPTX, nvrtcGetPTXSize)
 
     def __init__(self, cache: ModuleCache | None = None) -> None:
         self.cache = cache if cache is not None else ModuleCache()
         self.compiled = 0  # compiler invocations (cache misses), for tests and stats
 
+    def _bind(self, lib: ctypes.CDLL) -> None:
+        """Declare the shared C API on ``lib`` and read the compiler's version."""
+        self.lib = lib
+        fn = self._fn
+        fn("GetErrorString").restype = ctypes.c_char_p
+        fn("GetErrorString").argtypes = [ctypes.c_int]
+        fn("CreateProgram").argtypes = [
+            ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+            ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p),
+        ]  # fmt: skip
+        fn("CompileProgram").argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        fn("DestroyProgram").argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        for getter in ("ProgramLog", *self.getters.values()):
+            fn(f"Get{getter}Size").argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+            fn(f"Get{getter}").argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self.check(fn("Version")(ctypes.byref(major), ctypes.byref(minor)), "Version")
+        self.version = (major.value, minor.value)
+
+    def _fn(self, suffix: str) -> Any:
+        return getattr(self.lib, f"{self.name}{suffix}")
+
     def check(self, status: int, what: str) -> None:
         if status != 0:
-            raise CompileError(f"{self.name}: {what} failed: {self._error_string(status)} ({status})")
-
-    def _error_string(self, status: int) -> str:
-        raise NotImplementedError
+            text = self._fn("GetErrorString")(status).decode()
+            raise CompileError(f"{self.name}: {self.name}{what} failed: {text} ({status})")
 
     def cache_key(self, source: str, arch: str, options: Sequence[str], target: str) -> str:
         digest = hashlib.sha256()
@@ -132,19 +160,49 @@ class RuntimeCompiler:
     def compile(self, source: str, name: str, arch: str, options: Sequence[str] = (), target: str = "") -> bytes:
         """Compile ``source`` for ``arch`` (``sm_90`` / ``gfx90a``), from the disk cache when present."""
         target = target or self.default_target
+        if target not in self.getters:
+            raise CompileError(f"{self.name}: target must be one of {sorted(self.getters)}, got {target!r}")
         key = self.cache_key(source, arch, options, target)
         cached = self.cache.get(key)
         if cached is not None:
             return cached
-        binary = self._compile(source, name, arch, list(options), target)
+        binary = self._compile(source, name, arch, [*self.arch_options(arch, target), *options], target)
         self.compiled += 1
         self.cache.put(key, binary)
         return binary
 
-    default_target = ""
-
-    def _compile(self, source: str, name: str, arch: str, options: list[str], target: str) -> bytes:
+    def arch_options(self, arch: str, target: str) -> list[str]:
+        """The compiler options selecting ``arch`` for ``target``."""
         raise NotImplementedError
+
+    def _compile(self, source: str, name: str, arch: str, args: list[str], target: str) -> bytes:
+        program = ctypes.c_void_p()
+        self.check(
+            self._fn("CreateProgram")(ctypes.byref(program), source.encode(), name.encode(), 0, None, None),
+            "CreateProgram",
+        )
+        try:
+            argv = (ctypes.c_char_p * len(args))(*(a.encode() for a in args))
+            if self._fn("CompileProgram")(program, len(args), argv) != 0:
+                raise CompileError(f"{self.name}: {name} failed to compile for {arch}:\n{self._log(program)}")
+            return self._output(program, self.getters[target])
+        finally:
+            self._fn("DestroyProgram")(ctypes.byref(program))
+
+    def _output(self, program: ctypes.c_void_p, getter: str) -> bytes:
+        size = ctypes.c_size_t()
+        self.check(self._fn(f"Get{getter}Size")(program, ctypes.byref(size)), f"Get{getter}Size")
+        out = ctypes.create_string_buffer(size.value)
+        self.check(self._fn(f"Get{getter}")(program, out), f"Get{getter}")
+        return out.raw
+
+    def _log(self, program: ctypes.c_void_p) -> str:
+        size = ctypes.c_size_t()
+        if self._fn("GetProgramLogSize")(program, ctypes.byref(size)) != 0:
+            return "(no log)"
+        log = ctypes.create_string_buffer(max(size.value, 1))
+        self._fn("GetProgramLog")(program, log)
+        return log.value.decode(errors="replace")
 
 
 class Nvrtc(RuntimeCompiler):
@@ -153,75 +211,30 @@ class Nvrtc(RuntimeCompiler):
 
     name = "nvrtc"
     default_target = "cubin"
+    getters: ClassVar[Mapping[str, str]] = {"cubin": "CUBIN", "ptx": "PTX"}
 
     def __init__(self, cache: ModuleCache | None = None) -> None:
         super().__init__(cache)
-        self.lib = _load_first(
+        library = _load_first(
             "nvrtc",
             "BATCHGPU_NVRTC",
             ("nvidia/cu*/lib/libnvrtc.so*", "nvidia/cuda_nvrtc/lib/libnvrtc.so*"),
             ("libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"),
             "nvrtcCreateProgram",
         )
-        lib = self.lib
-        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        lib.nvrtcGetErrorString.argtypes = [ctypes.c_int]
-        lib.nvrtcCreateProgram.argtypes = [
-            ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
-            ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p),
-        ]  # fmt: skip
-        lib.nvrtcCompileProgram.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        for getter in ("ProgramLog", "PTX", "CUBIN"):
-            getattr(lib, f"nvrtcGet{getter}Size").argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
-            getattr(lib, f"nvrtcGet{getter}").argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-        major, minor = ctypes.c_int(), ctypes.c_int()
-        self.check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
-        self.version = (major.value, minor.value)
-
-    def _error_string(self, status: int) -> str:
-        return self.lib.nvrtcGetErrorString(status).decode()
+        self._bind(library)
 
     def supported_archs(self) -> list[int]:
         """Compute capabilities this NVRTC compiles for, as ints (``90`` for sm_90)."""
         count = ctypes.c_int()
-        self.check(self.lib.nvrtcGetNumSupportedArchs(ctypes.byref(count)), "nvrtcGetNumSupportedArchs")
+        self.check(self.lib.nvrtcGetNumSupportedArchs(ctypes.byref(count)), "GetNumSupportedArchs")
         archs = (ctypes.c_int * count.value)()
-        self.check(self.lib.nvrtcGetSupportedArchs(archs), "nvrtcGetSupportedArchs")
+        self.check(self.lib.nvrtcGetSupportedArchs(archs), "GetSupportedArchs")
         return list(archs)
 
-    def _compile(self, source: str, name: str, arch: str, options: list[str], target: str) -> bytes:
-        if target not in ("ptx", "cubin"):
-            raise CompileError(f"nvrtc: target must be 'ptx' or 'cubin', got {target!r}")
+    def arch_options(self, arch: str, target: str) -> list[str]:
         number = arch.removeprefix("sm_").removeprefix("compute_")
-        gpu = f"--gpu-architecture={'sm' if target == 'cubin' else 'compute'}_{number}"
-        program = ctypes.c_void_p()
-        self.check(
-            self.lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), name.encode(), 0, None, None),
-            "nvrtcCreateProgram",
-        )
-        try:
-            args = [gpu, *options]
-            argv = (ctypes.c_char_p * len(args))(*(a.encode() for a in args))
-            status = self.lib.nvrtcCompileProgram(program, len(args), argv)
-            if status != 0:
-                raise CompileError(f"nvrtc: {name} failed to compile for {arch}:\n{self._log(program)}")
-            getter = "CUBIN" if target == "cubin" else "PTX"
-            size = ctypes.c_size_t()
-            self.check(getattr(self.lib, f"nvrtcGet{getter}Size")(program, ctypes.byref(size)), f"nvrtcGet{getter}Size")
-            out = ctypes.create_string_buffer(size.value)
-            self.check(getattr(self.lib, f"nvrtcGet{getter}")(program, out), f"nvrtcGet{getter}")
-            return out.raw
-        finally:
-            self.lib.nvrtcDestroyProgram(ctypes.byref(program))
-
-    def _log(self, program: ctypes.c_void_p) -> str:
-        size = ctypes.c_size_t()
-        if self.lib.nvrtcGetProgramLogSize(program, ctypes.byref(size)) != 0:
-            return "(no log)"
-        log = ctypes.create_string_buffer(size.value)
-        self.lib.nvrtcGetProgramLog(program, log)
-        return log.value.decode(errors="replace")
+        return [f"--gpu-architecture={'sm' if target == 'cubin' else 'compute'}_{number}"]
 
 
 class Hiprtc(RuntimeCompiler):
@@ -231,55 +244,22 @@ class Hiprtc(RuntimeCompiler):
 
     name = "hiprtc"
     default_target = "code"
+    getters: ClassVar[Mapping[str, str]] = {"code": "Code"}
+    _lock = threading.Lock()  # ROCm 5.2's hipRTC segfaults under concurrent compiles (seen ~1 in 10 runs here)
 
     def __init__(self, cache: ModuleCache | None = None) -> None:
         super().__init__(cache)
         rocm = os.environ.get("ROCM_PATH", "/opt/rocm")
         # ROCm 6 ships hipRTC as libhiprtc; ROCm 5 (Debian 12's packages) exports it from libamdhip64.
         system = (f"{rocm}/lib/libhiprtc.so", "libhiprtc.so", "libhiprtc.so.6", "libamdhip64.so", "libamdhip64.so.5")
-        self.lib = _load_first("hiprtc", "BATCHGPU_HIPRTC", (), system, "hiprtcCreateProgram")
-        lib = self.lib
-        lib.hiprtcGetErrorString.restype = ctypes.c_char_p
-        lib.hiprtcGetErrorString.argtypes = [ctypes.c_int]
-        lib.hiprtcCreateProgram.argtypes = [
-            ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
-            ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p),
-        ]  # fmt: skip
-        lib.hiprtcCompileProgram.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        lib.hiprtcDestroyProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        for getter in ("ProgramLog", "Code"):
-            getattr(lib, f"hiprtcGet{getter}Size").argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
-            getattr(lib, f"hiprtcGet{getter}").argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-        major, minor = ctypes.c_int(), ctypes.c_int()
-        self.check(lib.hiprtcVersion(ctypes.byref(major), ctypes.byref(minor)), "hiprtcVersion")
-        self.version = (major.value, minor.value)
+        self._bind(_load_first("hiprtc", "BATCHGPU_HIPRTC", (), system, "hiprtcCreateProgram"))
 
-    def _error_string(self, status: int) -> str:
-        return self.lib.hiprtcGetErrorString(status).decode()
+    def arch_options(self, arch: str, target: str) -> list[str]:
+        return [f"--offload-arch={arch}"]
 
-    def _compile(self, source: str, name: str, arch: str, options: list[str], target: str) -> bytes:
-        program = ctypes.c_void_p()
-        self.check(
-            self.lib.hiprtcCreateProgram(ctypes.byref(program), source.encode(), name.encode(), 0, None, None),
-            "hiprtcCreateProgram",
-        )
-        try:
-            args = [f"--offload-arch={arch}", *options]
-            argv = (ctypes.c_char_p * len(args))(*(a.encode() for a in args))
-            if self.lib.hiprtcCompileProgram(program, len(args), argv) != 0:
-                size = ctypes.c_size_t()
-                self.lib.hiprtcGetProgramLogSize(program, ctypes.byref(size))
-                log = ctypes.create_string_buffer(max(size.value, 1))
-                self.lib.hiprtcGetProgramLog(program, log)
-                text = log.value.decode(errors="replace")
-                raise CompileError(f"hiprtc: {name} failed to compile for {arch}:\n{text}")
-            size = ctypes.c_size_t()
-            self.check(self.lib.hiprtcGetCodeSize(program, ctypes.byref(size)), "hiprtcGetCodeSize")
-            out = ctypes.create_string_buffer(size.value)
-            self.check(self.lib.hiprtcGetCode(program, out), "hiprtcGetCode")
-            return out.raw
-        finally:
-            self.lib.hiprtcDestroyProgram(ctypes.byref(program))
+    def _compile(self, source: str, name: str, arch: str, args: list[str], target: str) -> bytes:
+        with self._lock:
+            return super()._compile(source, name, arch, args, target)
 
 
 _compilers: dict[str, RuntimeCompiler] = {}

@@ -9,7 +9,6 @@ executors would compile for those ops.
 
 from __future__ import annotations
 
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -208,7 +207,7 @@ def _one_source_per_entry() -> dict[str, tuple[str, set[str]]]:
 @pytest.mark.parametrize("arch", HIP_ARCHS)
 def test_every_specialization_compiles_with_hiprtc(hiprtc, arch):
     """gfx90a: every specialization; gfx1030 (wave32): one source per kernel entry, to keep CI short.
-    hipRTC releases the GIL, so the compiles run on every core."""
+    One at a time: ROCm 5.2's hipRTC crashes under concurrent compiles (Hiprtc serializes them)."""
     sources = SOURCES if arch == "gfx90a" else _one_source_per_entry()
 
     def compile_one(item: tuple[str, tuple[str, set[str]]]) -> str | None:
@@ -221,8 +220,7 @@ def test_every_specialization_compiles_with_hiprtc(hiprtc, arch):
         missing = [entry for entry in entries if f"{entry}.kd".encode() not in code]
         return f"{name}: no kernel descriptor for {missing} in the {arch} code object" if missing else None
 
-    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-        failures = [failure for failure in pool.map(compile_one, sources.items()) if failure]
+    failures = [failure for failure in map(compile_one, sources.items()) if failure]
     assert not failures, "\n\n".join(failures)
 
 
@@ -234,3 +232,13 @@ def test_hiprtc_errors_carry_the_log_and_modules_are_cached(hiprtc, tmp_path):
     code = first.compile(source, name, "gfx90a", [], target="code")
     second = Hiprtc(ModuleCache(tmp_path))  # a second process: same cache directory, compiles nothing
     assert second.compile(source, name, "gfx90a", [], target="code") == code and second.compiled == 0
+
+
+def test_hiprtc_compiles_are_serialized(hiprtc, tmp_path):
+    """Concurrent callers (threads) get correct code objects: ROCm 5.2's hipRTC segfaulted ~1 in 10
+    runs of two threads compiling at once before Hiprtc took a lock."""
+    compiler = Hiprtc(ModuleCache(tmp_path))
+    items = list(SOURCES.items())[:8]
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda item: compiler.compile(item[0], item[1][0], "gfx90a", target="code"), items))
+    assert all(code[:4] == b"\x7fELF" for code in codes) and compiler.compiled == len(items)
