@@ -132,8 +132,12 @@ def test_export_folder_holds_the_plan(gpu: bg.Device, tmp_path: Path) -> None:
         batch.export_webgpu(tmp_path / "other")
 
 
-def test_browser_runs_ffn_like_numpy(gpu: bg.Device, browser: Chromium, tmp_path: Path) -> None:
-    batch, x, _y, host_weights, rng = record_ffn(gpu)
+@pytest.mark.parametrize("declared", [False, True], ids=["all-readable", "outputs-declared"])
+def test_browser_runs_ffn_like_numpy(gpu: bg.Device, browser: Chromium, tmp_path: Path, declared: bool) -> None:
+    """With ``batch.outputs(y)`` the batch itself shares buffers; the export keeps its own layout."""
+    batch, x, y, host_weights, rng = record_ffn(gpu)
+    if declared:
+        batch.outputs(y)
     new_x = rng.standard_normal(x.shape).astype(np.float32)
     out = batch.export_webgpu(tmp_path / "ffn", feeds={x: new_x})
     result = open_page(browser, out, "index.html?runs=3&dump=1")
