@@ -23,13 +23,14 @@ Nothing here has run on a GPU yet (see README, "Native CUDA and HIP").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import math
 import os
 import re
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -361,11 +362,15 @@ class HostBuffer:
 
 
 class Allocator:
-    """Device buffers and pooled pinned staging buffers of one device."""
+    """Device buffers and pooled pinned staging buffers of one device. ``make_current`` binds the
+    device to the calling thread: buffers may be freed from any thread (a DLPack consumer's, say)."""
 
-    def __init__(self, driver: Driver, stats: Stats, max_idle_per_size: int = 4) -> None:
+    def __init__(
+        self, driver: Driver, stats: Stats, make_current: Callable[[], None], max_idle_per_size: int = 4
+    ) -> None:
         self.driver = driver
         self.stats = stats
+        self.make_current = make_current
         self._idle: dict[int, list[HostBuffer]] = {}
         self._max_idle = max_idle_per_size
 
@@ -376,11 +381,13 @@ class Allocator:
         buffer = DeviceBuffer(int(pointer.value or 0), size)
         self.stats.buffers_created += 1
         self.stats.buffers_live += 1
-        weakref.finalize(buffer, self._free_device, self.driver, buffer.pointer, self.stats)
+        weakref.finalize(buffer, self._free_device, self.driver, buffer.pointer, self.stats, self.make_current)
         return buffer
 
     @staticmethod
-    def _free_device(driver: Driver, pointer: int, stats: Stats) -> None:
+    def _free_device(driver: Driver, pointer: int, stats: Stats, make_current: Callable[[], None]) -> None:
+        with contextlib.suppress(DeviceError):  # a lost device: the memory went with it
+            make_current()
         driver.mem_free(pointer)
         stats.buffers_live -= 1
 
@@ -566,7 +573,7 @@ class NativeExecutor(Executor):
         stream = ctypes.c_void_p()
         drv.check(drv.stream_create(ctypes.byref(stream), STREAM_NON_BLOCKING), "stream create")
         self.stream = int(stream.value or 0)
-        self.allocator = Allocator(drv, self.stats)
+        self.allocator = Allocator(drv, self.stats, self.make_current)
         self.programs = Programs(drv, self.attrs, self.stats)
         self._resident: dict[int, DeviceBuffer] = {}
 
