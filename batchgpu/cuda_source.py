@@ -129,6 +129,11 @@ def render(launch: Launch) -> tuple[str, str]:
     )
 
 
+def entry_name(launch: Launch) -> str:
+    """The CUDA function ``launch`` calls: the family kernel's entry, or a custom kernel's ``cuda_entry``."""
+    return launch.kernel.cuda_entry if launch.kernel is not None else launch.entry
+
+
 def argument_count(launch: Launch) -> int:
     if launch.kernel is not None:
         return len(launch.bindings)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .dtypes import WGSL_COMPUTE_TYPE, WGSL_TYPE
+from .errors import BatchError
 
 if TYPE_CHECKING:
     from .tensor import Storage
@@ -31,8 +32,9 @@ class Kernel:
     that updates the arrays in place; the reference executor runs it.
 
     ``cuda`` is the same kernel in CUDA C++ for the native ``"cuda"``/``"hip"`` devices: an
-    ``extern "C" __global__`` function named ``entry`` taking one pointer per buffer, in order, then
-    (with scalars) a struct of the 4-byte scalar fields by value; the block size is the WGSL
+    ``extern "C" __global__`` function named ``cuda_entry`` (default: ``entry``; C++ forbids a
+    kernel named ``main``, WGSL's usual entry) taking one pointer per buffer, in order, then (with
+    scalars) a struct of the 4-byte scalar fields by value; the block size is the WGSL
     ``workgroup_size``. ``shaders/cuda/prelude.cuh`` is prepended (``bg_half``, ``CVT``, ``WG``).
     """
 
@@ -45,10 +47,17 @@ class Kernel:
         reference: Callable[..., None] | None = None,
         workgroup_size: tuple[int, ...] | None = None,
         cuda: str | None = None,
+        cuda_entry: str | None = None,
     ) -> None:
         self.wgsl = wgsl
         self.cuda = cuda
         self.entry = entry
+        self.cuda_entry = cuda_entry or entry
+        if cuda is not None and self.cuda_entry == "main":
+            raise BatchError(
+                f"Kernel {name or entry!r}: a CUDA kernel cannot be named 'main' (C++ reserves it); name the "
+                f"CUDA function differently and pass cuda_entry='<its name>'"
+            )
         self.name = name or entry
         self.reference = reference
         parsed = workgroup_size or parse_workgroup_size(wgsl, entry)

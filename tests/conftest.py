@@ -95,3 +95,42 @@ async def counting_event_loop_ticks() -> AsyncIterator[TickCounter]:
     finally:
         done.set()
         await task
+
+
+# The executor-neutral suites, collected again by the CUDA/HIP modules (tests/test_native_ops.py and
+# tests/test_cuda_kernels_cpu.py) with ``gpu``/``dev`` bound to their device.
+DEVICE_SUITES = ("test_ops", "test_llm_ops", "test_custom_kernels")
+WGPU_ONLY = {
+    "test_kv_cache_decode_with_position_scalar",  # compares results keyed by "wgpu"
+    "test_reexecute_and_second_batch_compile_nothing",  # counts wgpu pipelines
+    "test_wgsl_compile_error",
+    "test_launch_over_device_limit",  # wgpu limits
+    "test_bad_launch_arguments",
+    "test_reference_executor_needs_reference_fn",
+}
+
+
+def collect_device_tests(namespace: dict, skip: frozenset[str] = frozenset()) -> None:
+    """Copy every test of ``DEVICE_SUITES`` that takes ``gpu`` or ``dev`` into ``namespace`` (a test
+    module's globals), with the suites' own fixtures, so the module's ``gpu``/``dev`` fixture runs them."""
+    import importlib
+    import inspect
+
+    for suite in DEVICE_SUITES:
+        module = importlib.import_module(f"{__package__}.{suite}")
+        for name, value in vars(module).items():
+            if name.startswith("test_") and name not in WGPU_ONLY | skip and callable(value):
+                if {"gpu", "dev"} & set(inspect.signature(value).parameters):
+                    namespace[name] = value
+            elif name == "rng":  # test_custom_kernels' per-test generator fixture
+                namespace.setdefault(name, value)
+
+
+def check_smollm2_greedy_ids(device: bg.Device, quantized: bool) -> None:
+    """SmolLM2-135M prefill + 12 greedy tokens on ``device`` give the ids wgpu and the reference give."""
+    from batchgpu.models import llama
+
+    from . import test_smollm2  # skips the caller when the model or gguf is missing
+
+    model = llama.Llama(device, quantized=quantized, max_context=64)
+    assert list(model.generate(test_smollm2.PROMPT, len(test_smollm2.GREEDY))) == test_smollm2.GREEDY

@@ -254,7 +254,8 @@ class CudaOnCpuExecutor(ReferenceExecutor):
     def _pack(self, launch: Launch, plan: CpuPlan) -> tuple:
         grid, _ = check_native_launch(launch, SMALL_GRID)
         source, _ = cuda_source.render(launch)
-        function = getattr(self.kernels.library(source, [launch.entry]), f"bg_launch_{launch.entry}")
+        entry = cuda_source.entry_name(launch)
+        function = getattr(self.kernels.library(source, [entry]), f"bg_launch_{entry}")
         slots: list = [ctypes.c_void_p(0) for _ in range(cuda_source.argument_count(launch))]
         for binding in launch.bindings:
             if binding.kind == "uniform":

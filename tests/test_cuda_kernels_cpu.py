@@ -1,21 +1,19 @@
-"""The op suites of test_ops.py and test_llm_ops.py run on the CUDA kernel sources compiled for the
-CPU (tests/cuda_cpu.py): what the native executors' kernels compute, checked against numpy without a
-GPU. The driver side of the native executors is not involved (tests/test_native_ops.py covers it on a
-GPU)."""
+"""The executor-neutral suites (test_ops.py, test_llm_ops.py, the custom kernels with CUDA sources of
+test_custom_kernels.py) and the SmolLM2 greedy ids, run on the CUDA kernel sources compiled for the CPU
+(tests/cuda_cpu.py): what the native executors' kernels compute, checked against numpy without a GPU.
+The driver side of the native executors is not involved (tests/test_native_ops.py covers it on a GPU).
+"""
 
 from __future__ import annotations
-
-import inspect
 
 import pytest
 
 import batchgpu as bg
-from batchgpu.models import llama
 
-from . import cuda_cpu, test_llm_ops, test_ops
+from . import cuda_cpu
+from .conftest import check_smollm2_greedy_ids, collect_device_tests
 
-WGPU_ONLY = {"test_kv_cache_decode_with_position_scalar"}  # compares results keyed by "wgpu"
-TOO_BIG = {"test_op_above_one_dispatch_limit"}  # 2^25 elements: the small grid covers splitting
+TOO_BIG = frozenset({"test_op_above_one_dispatch_limit"})  # 2^25 elements: the small grid covers splitting
 
 
 @pytest.fixture(scope="session")
@@ -27,11 +25,12 @@ def gpu(request, tmp_path_factory) -> bg.Device:
     return cuda_cpu.device(cuda_cpu.Kernels(root))
 
 
-for _module in (test_ops, test_llm_ops):
-    for _name, _function in vars(_module).items():
-        skipped = _name in WGPU_ONLY | TOO_BIG
-        if _name.startswith("test_") and not skipped and "gpu" in inspect.signature(_function).parameters:
-            globals()[_name] = _function
+@pytest.fixture
+def dev(gpu) -> bg.Device:
+    return gpu
+
+
+collect_device_tests(globals(), skip=TOO_BIG)
 
 
 @pytest.mark.model
@@ -39,7 +38,4 @@ for _module in (test_ops, test_llm_ops):
 def test_smollm2_greedy_ids_on_the_cuda_kernels(gpu, quantized):
     """The whole SmolLM2-135M decode (prefill, 12 greedy tokens, KV cache, GQA attention, Q4_1/Q8_0
     matmuls) on the CUDA kernels gives the same ids as wgpu and the reference."""
-    from . import test_smollm2
-
-    model = llama.Llama(gpu, quantized=quantized, max_context=64)
-    assert list(model.generate(test_smollm2.PROMPT, len(test_smollm2.GREEDY))) == test_smollm2.GREEDY
+    check_smollm2_greedy_ids(gpu, quantized)

@@ -31,11 +31,21 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 """
 
 
+SAXPY_CUDA = """
+struct Params { float a; unsigned n; };
+extern "C" __global__ void saxpy(float* x, float* y, const Params p) {
+    unsigned i = bg_thread_index();
+    if (i < p.n) y[i] = p.a * x[i] + y[i];
+}
+"""
+
+
 def saxpy_reference(x: np.ndarray, y: np.ndarray, a: float, n: int) -> None:
     y[:n] = np.float32(a) * x[:n] + y[:n]
 
 
 def saxpy_kernel(**kwargs) -> bg.Kernel:
+    kwargs = {"cuda": SAXPY_CUDA, "cuda_entry": "saxpy", **kwargs}
     return bg.Kernel(wgsl=SAXPY, entry="main", name="saxpy", reference=saxpy_reference, **kwargs)
 
 
@@ -60,9 +70,23 @@ def square_plus_reference(x: np.ndarray, out: np.ndarray, b, rows: int, cols: in
     out[...] = x * x + x.dtype.type(b)
 
 
+SQUARE_PLUS_CUDA = """
+struct Params { T b; unsigned rows, cols; };
+extern "C" __global__ void square_plus(T* x, T* out, const Params p) {
+    unsigned col = blockIdx.x * blockDim.x + threadIdx.x, row = blockIdx.y * blockDim.y + threadIdx.y;
+    if (col < p.cols && row < p.rows) {
+        unsigned i = row * p.cols + col;
+        out[i] = x[i] * x[i] + p.b;
+    }
+}
+"""
+
+
 def square_plus_kernel(dtype: np.dtype) -> bg.Kernel:
-    wgsl = f"alias T = {'f32' if np.dtype(dtype) == np.float32 else 'i32'};\n" + SQUARE_PLUS
-    return bg.Kernel(wgsl=wgsl, entry="square_plus", reference=square_plus_reference)
+    floating = np.dtype(dtype) == np.float32
+    wgsl = f"alias T = {'f32' if floating else 'i32'};\n" + SQUARE_PLUS
+    cuda = f"typedef {'float' if floating else 'int'} T;\n" + SQUARE_PLUS_CUDA
+    return bg.Kernel(wgsl=wgsl, entry="square_plus", reference=square_plus_reference, cuda=cuda)
 
 
 @pytest.fixture(params=["gpu", "ref"])

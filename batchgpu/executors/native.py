@@ -438,7 +438,8 @@ class Programs:
 
     def function(self, launch: Launch) -> int:
         source, name = cuda_source.render(launch)
-        key = (source, launch.entry)
+        entry = cuda_source.entry_name(launch)
+        key = (source, entry)
         function = self._functions.get(key)
         if function is None:
             module = self._modules.get(source)
@@ -451,8 +452,8 @@ class Programs:
                 self.stats.pipelines_compiled += 1
             handle = ctypes.c_void_p()
             self.driver.check(
-                self.driver.module_get_function(ctypes.byref(handle), module, launch.entry.encode()),
-                f"{launch.label}: kernel {launch.entry!r} in {name}",
+                self.driver.module_get_function(ctypes.byref(handle), module, entry.encode()),
+                f"{launch.label}: kernel {entry!r} in {name}",
             )
             function = self._functions[key] = int(handle.value or 0)
         return function
