@@ -353,10 +353,30 @@ def parse_cuda_array_interface(interface: Any, *, owner: Any = None, what: str =
 # ---------------------------------------------------------------------------------------------
 # export
 
-_EXPORTS: dict[int, list[Any]] = {}
-"""address of a live DLManagedTensor[Versioned] -> [struct, shape array, owner, capsule, capsule name,
-baseline refcount]: everything the consumer may still read, kept until the deleter runs. No manual
-reference counting: the dict holds it."""
+
+@dataclass(eq=False)
+class _Export:
+    """Everything a consumer of one exported capsule may still read, kept until the deleter runs."""
+
+    managed: Any  # the DLManagedTensor[Versioned]
+    dims: Any  # its shape array
+    owner: Any  # keeps the memory alive
+    name: bytes  # the capsule's unconsumed name
+    capsule: Any = None  # None once consumed (the consumer then owns it and calls the deleter)
+    baseline: int = 0  # refcount() of the capsule when only this entry referenced it
+
+    def refcount(self) -> int:
+        """``sys.getrefcount`` of the capsule, always measured the same way (a local name, then the
+        call), so comparing with ``baseline`` holds whatever the interpreter's own counting."""
+        capsule = self.capsule
+        count = sys.getrefcount(capsule)
+        del capsule
+        return count
+
+
+_EXPORTS: dict[int, _Export] = {}
+"""address of a live DLManagedTensor[Versioned] -> its export. No manual reference counting: the dict
+holds everything."""
 
 
 def _deleter(address: int) -> None:
@@ -372,15 +392,13 @@ def _sweep() -> None:
     CUDA tensor) frees it with its exception already set, and any Python callback run then replaces
     that exception with a SystemError. So the registry keeps each capsule and this sweep, run at every
     export and by :func:`live_exports`, finds the abandoned ones."""
-    for address, entry in list(_EXPORTS.items()):
-        capsule = entry[3]
-        if capsule is None:
+    for address, export in list(_EXPORTS.items()):
+        if export.capsule is None:
             continue
-        if not _capsule_is_valid(capsule, entry[4]):
-            entry[3] = None  # consumed: the consumer calls the deleter; the capsule itself may go
-        elif sys.getrefcount(capsule) <= entry[5]:  # no references beyond the ones counted at export
+        if not _capsule_is_valid(export.capsule, export.name):
+            export.capsule = None  # consumed: the consumer calls the deleter; the capsule itself may go
+        elif export.refcount() <= export.baseline:  # no references beyond the ones counted at export
             _EXPORTS.pop(address, None)
-        del capsule
 
 
 _DELETER = _immortal(DELETER(_deleter))
@@ -427,24 +445,14 @@ def to_dlpack_capsule(
     _sweep()
     address = ctypes.addressof(managed)
     name = VERSIONED_NAME if versioned else NAME
-    entry = _EXPORTS[address] = [managed, dims, owner, None, name, 0]
+    export = _EXPORTS[address] = _Export(managed, dims, owner, name)
     try:
-        entry[3] = _capsule_new(address, name, None)
+        export.capsule = _capsule_new(address, name, None)
     except BaseException:
         _EXPORTS.pop(address, None)
         raise
-    entry[5] = _baseline_refcount(entry)
-    return entry[3]
-
-
-def _baseline_refcount(entry: list[Any]) -> int:
-    """``sys.getrefcount`` of a capsule referenced by its registry entry alone, measured the way
-    :func:`_sweep` measures it (a local name, then the call), so the comparison holds whatever the
-    interpreter's own counting (e.g. borrowed references in newer CPythons)."""
-    capsule = entry[3]
-    count = sys.getrefcount(capsule)
-    del capsule
-    return count
+    export.baseline = export.refcount()
+    return export.capsule
 
 
 def live_exports() -> int:
