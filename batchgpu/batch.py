@@ -567,10 +567,11 @@ class GpuCommandBatch:
                 f"read: {tensor.describe()} was not executed: batch {self.name!r} was never executed; "
                 f"call execute() first"
             )
-        elif self._declared is not None and tensor.storage in self._shared():
+        elif tensor.storage in self._shared():  # by the executed plan, whatever outputs() says since
             raise BatchError(
                 f"read: {tensor.describe()} is an intermediate of batch {self.name!r}, whose buffer other "
-                f"intermediates reuse since batch.outputs(...) was declared; add it to batch.outputs to read it"
+                f"intermediates reuse since batch.outputs(...) was declared; add it to batch.outputs (and "
+                f"execute) to read it"
             )
         elif self._births[tensor.storage.id] >= self._executed_mark:
             raise NotExecutedError(
@@ -584,7 +585,7 @@ class GpuCommandBatch:
         return tensor.storage
 
     def _shared(self) -> frozenset[Storage]:
-        """Storages not kept whole after an execute: those the plan was free to share."""
+        """Storages not kept whole after the latest execute: those its plan was free to share."""
         return self._buffers.shareable if self._buffers is not None else frozenset()
 
     def export_webgpu(

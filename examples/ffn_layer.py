@@ -72,9 +72,8 @@ def main() -> None:
         f"{args.layers} layers, {len(batch)} ops, {dev.stats.submits - submits} submit, "
         f"{dev.stats.pipelines_compiled} pipelines; Device() to first result {first_result * 1e3:.0f} ms"
     )
-    memory = batch.memory()
-    kib = {key: value / 1024 for key, value in memory.items()}
-    print(f"batch buffers: {kib['planned']:.0f} KiB ({kib['unshared']:.0f} KiB with one buffer per tensor)")
+    planned, unshared = batch.memory()["planned"] / 1024, batch.memory()["unshared"] / 1024
+    print(f"batch buffers: {planned:.0f} KiB ({unshared:.0f} KiB with one buffer per tensor)")
 
     expected = numpy_ffn(x_data, host_weights)
     error = np.abs(out - expected).max() / np.abs(expected).max()

@@ -62,7 +62,9 @@ def test_reading_an_undeclared_intermediate_says_how_to_fix_it(gpu):
     batch.execute()
     with pytest.raises(bg.BatchError, match=r"read: exp\d+ .* intermediate .* add it to batch\.outputs"):
         batch.read_sync(middle)
-    batch.outputs()  # no declaration: every tensor readable again, one buffer each
+    batch.outputs()  # no declaration: every tensor readable again, one buffer each ...
+    with pytest.raises(bg.BatchError, match=r"read: exp\d+ .* intermediate"):
+        batch.read_sync(middle)  # ... after the next execute: the last one shared its buffer
     batch.execute()
     assert_close(batch.read_sync(middle), np.exp(batch.read_sync(x)))
     assert batch.memory()["planned"] == batch.memory()["unshared"]
