@@ -122,6 +122,7 @@ class Launch:
     Built-in kernels name a shader ``family`` (``shaders/wgsl/<family>.wgsl``) rendered with type
     aliases and op snippets; custom kernels carry their ``kernel``. ``groups`` is a 1-D workgroup
     count (split over x/y by the executor when over the per-dimension limit) or an explicit grid.
+    ``native`` optionally names a differently shaped launch of the same op for the CUDA/HIP executors.
     """
 
     label: str
@@ -137,6 +138,13 @@ class Launch:
     workgroup_size: tuple[int, int, int] = (DEFAULT_WORKGROUP, 1, 1)
     workgroup_bytes: int = 0
     extra: dict = field(default_factory=dict)
+    native: Launch | None = None
+    """What the native executors (CUDA, HIP) launch instead, where a GPU wants another kernel shape
+    than the WGSL one (same bindings and params; e.g. a warp per output row for decode GEMVs)."""
+
+    def for_native(self) -> Launch:
+        """The launch a native executor runs: :attr:`native` where set, else this one."""
+        return self.native or self
 
     def describe(self) -> str:
         name = self.kernel.name if self.kernel else f"{self.family}.{self.entry}"

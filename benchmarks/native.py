@@ -13,6 +13,8 @@ Sections (each prints a table and ratios, or a line saying why it was skipped):
           dynamic KV cache), and a plain-torch static-KV decoder eager and replayed as a CUDA graph.
           Every decoder's greedy ids are compared with batchgpu fp32's (MISMATCH is printed if not).
           Target: batchgpu graph replay >= 2x faster per token than PyTorch eager HF-style.
+  kernels one profiled SmolLM2 decode step (fp32, Q4_1/Q8_0): launches and GPU µs per kernel, to show
+          where a step's time goes.
   matmul  square matmul TFLOP/s at 1024/2048/4096 (fp32, fp16): batchgpu GPU time of the matmul
           dispatch (``execute(profile=True)``, timing events) vs ``torch.matmul`` timed with CUDA
           events; TF32 is off for the fp32 comparison (``torch.backends.cuda.matmul.allow_tf32 = False``),
@@ -45,6 +47,7 @@ except ImportError:  # running from a source checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import batchgpu as bg
 from batchgpu.models.llama import GGUFWeights, Llama, smollm2_path
+from batchgpu import profiling
 from batchgpu.profiling import markdown_table
 
 PROMPT = [504, 3575, 282, 4649, 314]  # the prompt of benchmarks/decode.py
@@ -305,9 +308,7 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [""])[0][:300]
 
 
-def section_decode(device: bg.Device, args: argparse.Namespace) -> dict[str, Any]:
-    tokens, context = args.tokens, len(PROMPT) + args.tokens + 8
-    print(f"\n## SmolLM2-135M decode: {tokens} tokens after a {len(PROMPT)}-token prompt, median ms/token")
+def require_model() -> None:
     try:
         import gguf  # noqa: F401  (GGUFWeights reads the model file with it)
 
@@ -316,6 +317,12 @@ def section_decode(device: bg.Device, args: argparse.Namespace) -> dict[str, Any
         raise Skip(f"no gguf package ({exc}): pip install gguf") from None
     except bg.BatchError as exc:
         raise Skip(f"no model file: {exc}") from None
+
+
+def section_decode(device: bg.Device, args: argparse.Namespace) -> dict[str, Any]:
+    tokens, context = args.tokens, len(PROMPT) + args.tokens + 8
+    print(f"\n## SmolLM2-135M decode: {tokens} tokens after a {len(PROMPT)}-token prompt, median ms/token")
+    require_model()
     rows: dict[str, dict[str, Any]] = {}
     for quantized in (False, True):
         name = "batchgpu Q4_1/Q8_0" if quantized else "batchgpu fp32"
@@ -355,6 +362,43 @@ def section_decode(device: bg.Device, args: argparse.Namespace) -> dict[str, Any
                 verdict = "met" if ratio >= DECODE_TARGET else "NOT met"
                 print(f"HF eager / {name}: {ratio:.2f}x (target >= {DECODE_TARGET:.0f}x: {verdict})")
     return {"tokens": tokens, "prompt": PROMPT, "rows": rows, "ratios": ratios, "notes": notes}
+
+
+# (b') where a decode step's GPU time goes ------------------------------------------------------
+
+
+def profiled_decode_step(device: bg.Device, quantized: bool) -> bg.Profile:
+    """The profile of one SmolLM2 decode step after a short warm generation (eager, timing events)."""
+    model = Llama(device, quantized=quantized, max_context=len(PROMPT) + 8)
+    list(model.generate(PROMPT, 3))
+    profiling.profile_all(True)
+    try:
+        step = model.decode(PROMPT[-1])
+        step.batch.read_sync(step.next_token)
+    finally:
+        profiling.profile_all(False)
+    return step.batch.profile()
+
+
+def section_kernels(device: bg.Device, args: argparse.Namespace) -> dict[str, Any]:
+    print("\n## SmolLM2-135M decode step: GPU time per kernel (one profiled step, eager launches with events)")
+    require_model()
+    results = {}
+    for quantized in (False, True):
+        name = "Q4_1/Q8_0" if quantized else "fp32"
+        profile = profiled_decode_step(device, quantized)
+        per_kernel: dict[str, list[float]] = {}
+        for row in profile.rows:
+            count_us = per_kernel.setdefault(row.kernel, [0, 0.0])
+            count_us[0] += 1
+            count_us[1] += row.gpu_us or 0.0
+        total = sum(us for _, us in per_kernel.values())
+        ranked = sorted(per_kernel.items(), key=lambda item: -item[1][1])
+        cells = [[k, str(int(n)), fmt(us, 1), fmt(us / n, 2), fmt(100 * us / total, 1)] for k, (n, us) in ranked]
+        print(f"\n{name}: {len(profile.rows)} launches, {total:.1f} us of kernel time")
+        print(table(["kernel", "launches", "GPU us", "us/launch", "%"], cells))
+        results[name] = {"launches": len(profile.rows), "gpu_us": total, "kernels": per_kernel}
+    return results
 
 
 # (c) matmul -------------------------------------------------------------------------------------
@@ -438,7 +482,7 @@ def section_matmul(device: bg.Device, args: argparse.Namespace) -> dict[str, Any
 
 # main -------------------------------------------------------------------------------------------
 
-SECTIONS = {"launch": section_launch, "decode": section_decode, "matmul": section_matmul}
+SECTIONS = {"launch": section_launch, "decode": section_decode, "kernels": section_kernels, "matmul": section_matmul}
 
 
 def environment(device: bg.Device) -> dict[str, Any]:

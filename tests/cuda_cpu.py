@@ -6,7 +6,8 @@ expects), not the driver calls around them, which need a GPU (tests/test_native_
 
 Each kernel specialization (the exact source :func:`batchgpu.cuda_source.render` gives NVRTC) is
 compiled by g++ as C++ with a small CUDA execution model in front of it: blocks run one after another;
-the threads of a block are coroutines (``ucontext``) that switch at ``__syncthreads()``, so block-level
+the threads of a block are coroutines (a stack switch on x86-64, ``ucontext`` elsewhere) that switch at
+``__syncthreads()``, so block-level
 barriers and ``__shared__`` memory (static storage, one block at a time) behave as on a GPU; between
 barriers the threads run in turn, forward or backward alternately, so a missing barrier shows up as
 wrong results (checked: removing the one in ``bg_tree``'s loop fails 14 tests); float16 is
@@ -60,7 +61,6 @@ EXECUTION_MODEL = r"""
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
-#include <ucontext.h>
 #include <type_traits>
 #include <utility>
 #define BG_HIP 1
@@ -73,15 +73,82 @@ EXECUTION_MODEL = r"""
 struct bg_dim3 { unsigned x, y, z; };
 static bg_dim3 blockIdx, threadIdx, blockDim, gridDim;
 static float bg_cpu_dynamic_shared[(227 * 1024) / 4];
-static ucontext_t bg_scheduler;
-static ucontext_t* bg_running;
 static bool bg_finished;
 struct alignas(16) float4 { float x, y, z, w; };
+
+// Coroutines for a block's threads. On x86-64 a switch saves the callee-saved registers on the
+// running stack and swaps stack pointers (no signal-mask system call, unlike swapcontext: warp sums
+// switch millions of times per decode step); elsewhere ucontext.
+#if defined(__x86_64__)
+asm(R"(
+    .text
+    .p2align 4
+    .globl bg_cpu_switch
+    .hidden bg_cpu_switch
+bg_cpu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+)");
+extern "C" __attribute__((visibility("hidden"))) void bg_cpu_switch(void** save, void* load);
+static void* bg_scheduler;
+static void** bg_running;  // the running thread's saved stack pointer slot; null: no coroutines
+static void bg_start(void** slot, char* stack, size_t size, void (*entry)()) {
+    void** top = (void**)(((size_t)(stack + size)) & ~(size_t)15);
+    *--top = nullptr;         // entry's return address slot: entry starts as if called (rsp = 8 mod 16)
+    *--top = (void*)entry;    // bg_cpu_switch's ret goes there
+    for (int i = 0; i < 6; ++i) *--top = nullptr;  // rbp rbx r12-r15
+    *slot = top;
+}
+static inline void bg_resume(void** slot) { bg_running = slot; bg_cpu_switch(&bg_scheduler, *slot); }
+static inline void bg_yield() { bg_cpu_switch(bg_running, bg_scheduler); }
+static inline void bg_exit() { void* dead; bg_cpu_switch(&dead, bg_scheduler); abort(); }
+typedef void* bg_context;
+#else
+#include <ucontext.h>
+static ucontext_t bg_scheduler;
+static ucontext_t* bg_running;
+static void bg_start(ucontext_t* context, char* stack, size_t size, void (*entry)()) {
+    getcontext(context);
+    context->uc_stack.ss_sp = stack;
+    context->uc_stack.ss_size = size;
+    context->uc_link = &bg_scheduler;
+    makecontext(context, entry, 0);
+}
+static inline void bg_resume(ucontext_t* context) { bg_running = context; swapcontext(&bg_scheduler, context); }
+static inline void bg_yield() { swapcontext(bg_running, &bg_scheduler); }
+static inline void bg_exit() {}  // uc_link resumes the scheduler
+typedef ucontext_t bg_context;
+#endif
+
 static inline void __syncthreads() {
     if (!bg_running) abort();  // a kernel flagged barrier-free called __syncthreads
-    swapcontext(bg_running, &bg_scheduler);
+    bg_yield();
 }
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+// A lane exchange as a block-wide step: every thread of the block must take part (bg_warp_sum's rule
+// for a warp, made block-wide here), so it is two barriers around a shared slot per thread.
+template <typename T> static inline T __shfl_xor(T value, int mask) {
+    static T slots[1024];
+    const unsigned t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    slots[t] = value;
+    __syncthreads();
+    T other = slots[t ^ (unsigned)mask];
+    __syncthreads();
+    return other;
+}
 """
 
 LAUNCHER = r"""
@@ -97,7 +164,7 @@ static int bg_run(void (*kernel)(A...), const unsigned* grid, const unsigned* bl
     a = args;
     const unsigned threads = block[0] * block[1] * block[2];
     const size_t stack = 256 * 1024;
-    ucontext_t* contexts = (ucontext_t*)calloc(threads, sizeof(ucontext_t));
+    bg_context* contexts = (bg_context*)calloc(threads, sizeof(bg_context));
     char* stacks = (char*)malloc(stack * threads);
     bool* done = (bool*)calloc(threads, 1);
     if (!contexts || !stacks || !done) return 1;
@@ -106,7 +173,8 @@ static int bg_run(void (*kernel)(A...), const unsigned* grid, const unsigned* bl
     struct Entry {
         static void run() {
             bg_invoke(k, a, std::index_sequence_for<A...>{});
-            bg_finished = true;  // then uc_link resumes the scheduler
+            bg_finished = true;
+            bg_exit();
         }
     };
     for (unsigned bz = 0; bz < grid[2]; ++bz)
@@ -124,11 +192,7 @@ static int bg_run(void (*kernel)(A...), const unsigned* grid, const unsigned* bl
             continue;
         }
         for (unsigned t = 0; t < threads; ++t) {
-            getcontext(&contexts[t]);
-            contexts[t].uc_stack.ss_sp = stacks + stack * t;
-            contexts[t].uc_stack.ss_size = stack;
-            contexts[t].uc_link = &bg_scheduler;
-            makecontext(&contexts[t], (void (*)())Entry::run, 0);
+            bg_start(&contexts[t], stacks + stack * t, stack, Entry::run);
             done[t] = false;
         }
         // One round = every thread to its next barrier. Rounds alternate the thread order, so a read
@@ -139,9 +203,8 @@ static int bg_run(void (*kernel)(A...), const unsigned* grid, const unsigned* bl
                 const unsigned t = ((round + bx + by + bz) & 1u) ? threads - 1 - i : i;
                 if (done[t]) continue;
                 threadIdx = {t % block[0], (t / block[0]) % block[1], t / (block[0] * block[1])};
-                bg_running = &contexts[t];
-                // returns at the thread's next __syncthreads(), or when it finishes (uc_link)
-                swapcontext(&bg_scheduler, &contexts[t]);
+                // returns at the thread's next __syncthreads(), or when it finishes
+                bg_resume(&contexts[t]);
                 if (bg_finished) { done[t] = true; --remaining; }
                 bg_finished = false;
             }
@@ -170,7 +233,7 @@ def _prepare_source(source: str, entries: Sequence[str]) -> str:
 def _has_barriers(launch: Launch) -> bool:
     """Whether the kernel may call __syncthreads (directly or through the prelude's bg_tree)."""
     body = launch.kernel.cuda if launch.kernel is not None else cuda_source.family_source(launch.family)
-    return "__syncthreads" in body or "bg_tree" in body
+    return any(name in body for name in ("__syncthreads", "bg_tree", "bg_warp_sum"))
 
 
 class Kernels:
@@ -227,7 +290,7 @@ class CudaOnCpuExecutor(ReferenceExecutor):
         self.stats = Stats()
 
     def prepare(self, launch: Launch) -> None:
-        check_native_launch(launch, SMALL_GRID)
+        check_native_launch(launch.for_native(), SMALL_GRID)
 
     def plan(
         self,
@@ -244,7 +307,7 @@ class CudaOnCpuExecutor(ReferenceExecutor):
         alias_buffers(arrays, aliases)
         plan = CpuPlan(arrays, [], tuple(scalars))
         for node in nodes:
-            for launch in node.launches:
+            for launch in (launch.for_native() for launch in node.launches):
                 for binding in launch.bindings:
                     if binding.storage is not None and binding.storage not in arrays:
                         arrays[binding.storage] = self._resident[binding.storage].view(np.uint8)

@@ -121,6 +121,11 @@ MATMUL_CASES = [
     ((31,), (31, 5), {}),
     ((4, 31), (31,), {}),
     ((1, 300), (300, 1), {}),
+    # decode GEMVs (m <= 8, b stored (N, K)): native executors run a warp per output column
+    ((1, 577), (131, 577), {"transpose_b": True}),
+    ((8, 37), (67, 37), {"transpose_b": True}),
+    ((7, 1), (3, 1), {"transpose_b": True}),
+    ((37, 5), (61, 37), {"transpose_a": True, "transpose_b": True}),
 ]
 
 
@@ -140,6 +145,8 @@ def test_matmul_other_dtypes(gpu, ref, dtype):
     b = random_array(rng, (70, 23), dtype) // (1 if np.dtype(dtype).kind == "f" else 10)
     a, b = a.astype(dtype), b.astype(dtype)
     check(gpu, ref, [a, b], lambda bt, x, y: bt.matmul(x, y), dtype, scale=10)
+    decode_a = random_array(rng, (3, 70), dtype) // (1 if np.dtype(dtype).kind == "f" else 10)
+    check(gpu, ref, [decode_a.astype(dtype), b.T.copy()], lambda bt, x, y: bt.matmul(x, y, transpose_b=True), dtype, scale=10)
 
 
 def test_matmul_large_tile_edges(gpu, ref):

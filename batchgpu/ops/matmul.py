@@ -7,6 +7,7 @@ blocks dequantized in registers."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,8 @@ SKINNY_WORKGROUP = 64
 SKINNY_COLUMNS = 8  # output columns per invocation in matmul_skinny
 QUANT_WORKGROUP = 64
 QUANT_ROWS = 8  # output features per invocation in qmatmul.wgsl
+WARP = 32  # lanes per output in the native executors' GEMV kernels (*_warp, matmul_gemv_t)
+WARPS_PER_BLOCK = 8
 
 
 def _operand_dims(a: Tensor, b: Tensor, params: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -73,10 +76,22 @@ def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int,
     return shape, dtype
 
 
-def _skinny_launch(node: Node, params: bytes, m: int, n: int, bias: Tensor) -> Launch:
-    """Few rows of a (decode): one invocation per 8 output columns of one row, no tiles to fill."""
+def _warp_per_output(launch: Launch, entry: str, outputs: int, rows: int) -> Launch:
+    """The native (CUDA/HIP) form of a GEMV launch: one 32-lane warp per output of each of ``rows``
+    rows, as a linear block count the executor splits over the grid."""
+    return replace(
+        launch,
+        entry=entry,
+        groups=math.ceil(outputs / WARPS_PER_BLOCK) * rows,
+        workgroup_size=(WARP * WARPS_PER_BLOCK, 1, 1),
+    )
+
+
+def _skinny_launch(node: Node, params: bytes, m: int, n: int, bias: Tensor, b_transposed: bool) -> Launch:
+    """Few rows of a (decode): one invocation per 8 output columns of one row, no tiles to fill. With
+    b stored (N, K), the native executors run a warp per output column over all m rows instead."""
     a, b = node.inputs[:2]
-    return Launch(
+    launch = Launch(
         label="matmul",
         family="matmul",
         entry="matmul_skinny",
@@ -87,6 +102,9 @@ def _skinny_launch(node: Node, params: bytes, m: int, n: int, bias: Tensor) -> L
         params=params,
         workgroup_size=(SKINNY_WORKGROUP, 1, 1),
     )
+    if b_transposed:
+        launch.native = _warp_per_output(launch, "matmul_gemv_t", n, 1)
+    return launch
 
 
 def _infer_quantized(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
@@ -111,19 +129,19 @@ def _lower_quantized(node: Node) -> list[Launch]:
     rows, k = w.shape
     m = x.size // k
     params = pack_struct("IIII", m, rows, k, k // BLOCK)
-    return [
-        Launch(
-            label="matmul",
-            family="qmatmul",
-            entry=f"matmul_{w.qtype}",
-            types=wgsl_aliases(A=x.dtype, O=out.dtype),
-            groups=(math.ceil(rows / (QUANT_WORKGROUP * QUANT_ROWS)), m, 1),
-            constants=(("HAS_BIAS", len(node.inputs) == 3),),
-            bindings=(reads(0, x), reads(1, w), writes(2, out.storage), uniform(3, params), reads(4, bias)),
-            params=params,
-            workgroup_size=(QUANT_WORKGROUP, 1, 1),
-        )
-    ]
+    launch = Launch(
+        label="matmul",
+        family="qmatmul",
+        entry=f"matmul_{w.qtype}",
+        types=wgsl_aliases(A=x.dtype, O=out.dtype),
+        groups=(math.ceil(rows / (QUANT_WORKGROUP * QUANT_ROWS)), m, 1),
+        constants=(("HAS_BIAS", len(node.inputs) == 3),),
+        bindings=(reads(0, x), reads(1, w), writes(2, out.storage), uniform(3, params), reads(4, bias)),
+        params=params,
+        workgroup_size=(QUANT_WORKGROUP, 1, 1),
+    )
+    launch.native = _warp_per_output(launch, f"matmul_{w.qtype}_warp", rows, m)
+    return [launch]
 
 
 def _reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
@@ -155,7 +173,7 @@ def _lower(node: Node) -> list[Launch]:
     b_strides = tuple(s * b_matrix for s in broadcast_strides(b_batch, batch)) if batch else ()
     params = pack_params((m, n, k, len(batch)), "IIII", (a_sm, a_sk, b_sk, b_sn), batch, a_strides, b_strides)
     if not batch and m <= SKINNY_ROWS:
-        return [_skinny_launch(node, params, m, n, bias)]
+        return [_skinny_launch(node, params, m, n, bias, b_transposed=b_sk == 1)]
     groups = (math.ceil(n / TILE), math.ceil(m / TILE), max(math.prod(batch), 1))
     return [
         Launch(

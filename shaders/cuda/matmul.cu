@@ -102,3 +102,28 @@ extern "C" __global__ void matmul_skinny(const A* a, const A* b, O* out, const P
         out[row * p.n + col0 + j] = CVT(O, value);
     }
 }
+
+// Few rows of A times a B stored (N, K) (transpose_b: b_sk == 1), decode-style: one 32-lane warp per
+// output column n (the linear block index times the warps per block, plus the warp), lanes striding over k so a warp reads a row of B coalesced; the
+// p.m <= 8 rows of A share each B load. The native executors launch it (batchgpu/ops/matmul.py).
+extern "C" __global__ void matmul_gemv_t(const A* a, const A* b, O* out, const Params p, const A* bias) {
+    unsigned lane = threadIdx.x & 31u;
+    unsigned n = bg_block_index() * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const A* b_row = b + bg_min(n, p.n - 1u) * p.strides[3];
+    C acc[8] = {};
+    for (unsigned k = lane; k < p.k; k += 32u) {
+        C bv = CVT(C, b_row[k]);
+#pragma unroll
+        for (unsigned r = 0; r < 8u; r++) {
+            if (r < p.m) acc[r] += CVT(C, a[r * p.strides[0] + k * p.strides[1]]) * bv;
+        }
+    }
+#pragma unroll
+    for (unsigned r = 0; r < 8u; r++) {
+        if (r >= p.m) break;  // p.m is uniform: every lane takes the same sums
+        C value = bg_warp_sum(acc[r]);
+        if (lane != 0u || n >= p.n) continue;
+        if (HAS_BIAS) value += CVT(C, bias[n]);
+        out[r * p.n + n] = CVT(O, value);
+    }
+}

@@ -66,6 +66,19 @@ __device__ __forceinline__ unsigned bg_thread_index() { return bg_block_index() 
 
 #define BG_NO_SLOT 0xFFFFFFFFu
 
+// Sum of `value` over each aligned group of 32 lanes (a CUDA warp; half an AMD wave64): every lane
+// of the group must call it and gets the sum.
+template <typename T> __device__ __forceinline__ T bg_warp_sum(T value) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+#ifdef BG_HIP
+        value += __shfl_xor(value, offset);
+#else
+        value += __shfl_xor_sync(0xFFFFFFFFu, value, offset);
+#endif
+    }
+    return value;
+}
+
 // Block tree reductions of one float per thread over `partial[WG]` in shared memory (WG a power of
 // two); every thread of the block must call them (they hold barriers). Twin of wgsl/lib/tree.wgsl.
 __device__ float bg_tree(float* partial, unsigned lid, float value, bool take_max) {

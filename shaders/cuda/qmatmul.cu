@@ -1,7 +1,9 @@
-// Matmul with GGUF block-quantized weights: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]); mirrors
-// shaders/wgsl/qmatmul.wgsl. Each thread computes ROWS = 8 consecutive output features n for one row m
-// of x (block y), loading each block of x once for all 8 (the grid batchgpu/ops/matmul.py launches).
-// x is read as float4 (float32 activations, K a multiple of 32). A (bias type), O (output), HAS_BIAS.
+// Matmul with GGUF block-quantized weights: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]).
+// matmul_q4_1 / matmul_q8_0 mirror shaders/wgsl/qmatmul.wgsl: each thread computes ROWS = 8
+// consecutive output features n for one row m of x (block y), loading each block of x once for all 8.
+// The native executors launch the *_warp entries instead (batchgpu/ops/matmul.py): one 32-lane warp
+// per output feature n, lanes striding over the row's words so a warp reads W coalesced, then a warp
+// sum. x is read as float4 (float32 activations, K a multiple of 32). A (bias type), O (output), HAS_BIAS.
 
 #ifndef HAS_BIAS
 #define HAS_BIAS 0
@@ -86,4 +88,42 @@ extern "C" __global__ void matmul_q4_1(const float4* x, const unsigned* w, O* ou
 
 extern "C" __global__ void matmul_q8_0(const float4* x, const unsigned* w, O* out, const Params p, const A* bias) {
     matmul_rows<true>(x, w, out, p, bias);
+}
+
+// One warp per output feature n of row m: the linear block index (split over grid x/y by the
+// executor) runs over ceil(p.n / warps per block) blocks per row, row after row. A unit is one data word of a
+// block with the float4s of x it multiplies: Q4_1 has 4 per block (low nibbles: x[4i..4i+3], high
+// nibbles: x[16+4i..]), Q8_0 has 8. Every lane runs the warp sum (lanes past p.n read the last row).
+template <bool Q8>
+__device__ void matmul_warp_rows(const float4* x, const unsigned* w, O* out, const Params& p, const A* bias) {
+    unsigned lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
+    unsigned per_row = (p.n + warps - 1u) / warps, block = bg_block_index();
+    unsigned m = block / per_row, n = (block % per_row) * warps + (threadIdx.x >> 5);
+    unsigned row = bg_min(n, p.n - 1u);
+    const float4* xm = x + m * (p.k / 4u);
+    const unsigned units = p.blocks * (Q8 ? 8u : 4u);
+    float acc = 0.0f;
+    for (unsigned u = lane; u < units; u += 32u) {
+        if (Q8) {
+            unsigned b = u >> 3, i = u & 7u, at = (row * p.blocks + b) * 9u;
+            acc += bg_bits2f(w[at] & 0xFFFFu) * dot_i8(w[at + 1u + i], xm[b * 8u + i]);
+        } else {
+            unsigned b = u >> 2, i = u & 3u, at = (row * p.blocks + b) * 5u;
+            unsigned scales = w[at], word = w[at + 1u + i];
+            float4 lo = xm[b * 8u + i], hi = xm[b * 8u + 4u + i];
+            float qx = dot_u8(word & 0x0F0F0F0Fu, lo) + dot_u8((word >> 4u) & 0x0F0F0F0Fu, hi);
+            float xs = (lo.x + lo.y) + (lo.z + lo.w) + (hi.x + hi.y) + (hi.z + hi.w);
+            acc += bg_bits2f(scales & 0xFFFFu) * qx + bg_bits2f(scales >> 16u) * xs;
+        }
+    }
+    acc = bg_warp_sum(acc);
+    if (lane == 0u && n < p.n) store(out, bias, p, n, m, acc);
+}
+
+extern "C" __global__ void matmul_q4_1_warp(const float4* x, const unsigned* w, O* out, const Params p, const A* bias) {
+    matmul_warp_rows<false>(x, w, out, p, bias);
+}
+
+extern "C" __global__ void matmul_q8_0_warp(const float4* x, const unsigned* w, O* out, const Params p, const A* bias) {
+    matmul_warp_rows<true>(x, w, out, p, bias);
 }
