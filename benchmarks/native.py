@@ -46,8 +46,8 @@ try:
 except ImportError:  # running from a source checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import batchgpu as bg
-from batchgpu.models.llama import GGUFWeights, Llama, smollm2_path
 from batchgpu import profiling
+from batchgpu.models.llama import GGUFWeights, Llama, smollm2_path
 from batchgpu.profiling import markdown_table
 
 PROMPT = [504, 3575, 282, 4649, 314]  # the prompt of benchmarks/decode.py

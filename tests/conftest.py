@@ -22,7 +22,7 @@ TOLERANCES = {
 @pytest.fixture(scope="session")
 def gpu() -> bg.Device:
     """The real default wgpu device, with poisoned output buffers so unwritten elements fail."""
-    pytest.importorskip("wgpu", reason="wgpu-py is not installed here (e.g. a GPU image running only the native suites)")
+    pytest.importorskip("wgpu", reason="wgpu-py is not installed here (a GPU image running the native suites only)")
     return bg.Device("wgpu", poison=True)
 
 
