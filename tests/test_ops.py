@@ -150,6 +150,26 @@ def test_matmul_other_dtypes(gpu, ref, dtype):
     check(gpu, ref, decode, lambda bt, x, y: bt.matmul(x, y, transpose_b=True), dtype, scale=10)
 
 
+BIG_TILE_CASES = [  # the native executors' 128 x 128 tiles (matmul_128; float16: matmul_mma_f16)
+    (np.float32, (32, 129, 37), (37, 131), {}),  # 128 big tiles: matmul_128, ragged m, n and k
+    (np.float32, (32, 37, 129), (131, 37), {"transpose_a": True, "transpose_b": True}),
+    (np.int32, (32, 129, 9), (9, 130), {}),
+    (np.float16, (130, 67), (67, 193), {}),  # tensor cores: several k steps, ragged edges
+    (np.float16, (67, 130), (193, 67), {"transpose_a": True, "transpose_b": True}),
+    (np.float16, (3, 33, 40), (3, 40, 17), {}),
+]
+
+
+@pytest.mark.parametrize("dtype,a_shape,b_shape,params", BIG_TILE_CASES)
+def test_matmul_big_tiles(gpu, ref, dtype, a_shape, b_shape, params):
+    rng = np.random.default_rng(sum(a_shape) + 7 * sum(b_shape))
+    integer = np.dtype(dtype).kind != "f"
+    a = (random_array(rng, a_shape, dtype) // (10 if integer else 1)).astype(dtype)
+    b = (random_array(rng, b_shape, dtype) // (10 if integer else 1)).astype(dtype)
+    k = a_shape[-2] if params.get("transpose_a") else a_shape[-1]
+    check(gpu, ref, [a, b], lambda bt, x, y: bt.matmul(x, y, **params), dtype, scale=4 * np.sqrt(k))
+
+
 def test_matmul_large_tile_edges(gpu, ref):
     """Several 64x64 tiles plus ragged edges in every dim and k not a multiple of 16."""
     rng = np.random.default_rng(6)

@@ -486,11 +486,14 @@ def _nvrtc_target(nvrtc: Any, arch: str) -> tuple[str, str]:
 
 
 class PackedLaunch:
-    """One launch with its argument array built once: ``kernelParams[i]`` points at argument ``i``."""
+    """One launch with its argument array built once: ``kernelParams[i]`` points at argument ``i``;
+    ``call`` is the whole argument tuple of the launch function for ``stream``."""
 
-    __slots__ = ("label", "function", "grid", "block", "shared", "slots", "params")
+    __slots__ = ("label", "function", "grid", "block", "shared", "slots", "params", "call")
 
-    def __init__(self, label: str, function: int, grid: tuple, block: tuple, shared: int, slots: list) -> None:
+    def __init__(
+        self, label: str, function: int, grid: tuple, block: tuple, shared: int, slots: list, stream: int
+    ) -> None:
         self.label = label
         self.function = function
         self.grid = grid
@@ -498,6 +501,7 @@ class PackedLaunch:
         self.shared = shared
         self.slots = slots  # the ctypes objects the array points into, kept alive here
         self.params = (ctypes.c_void_p * max(len(slots), 1))(*(ctypes.addressof(s) for s in slots))
+        self.call = (function, *grid, *block, shared, stream, ctypes.cast(self.params, _PP), None)
 
 
 class NativePlan(Plan):
@@ -738,7 +742,7 @@ class NativeExecutor(Executor):
                 slots[binding.slot] = ctypes.c_void_p(scalars_buffer.pointer)
             else:
                 slots[binding.slot] = ctypes.c_void_p(buffers[binding.storage].pointer)  # type: ignore[index]
-        return PackedLaunch(launch.label, function, grid, launch.workgroup_size, dynamic, slots)
+        return PackedLaunch(launch.label, function, grid, launch.workgroup_size, dynamic, slots, self.stream)
 
     # execution ----------------------------------------------------------------------------------
 
@@ -778,14 +782,18 @@ class NativeExecutor(Executor):
         drv.check(drv.event_record(plan.upload_event, self.stream), "event record")
 
     def _launch_all(self, plan: NativePlan) -> None:
+        launch_kernel = self.driver.launch_kernel
         for packed in plan.launches:
-            self._launch(packed)
+            status = launch_kernel(*packed.call)
+            if status:
+                self._launch_failed(packed, status)
 
     def _launch(self, packed: PackedLaunch) -> None:
-        status = self.driver.launch_kernel(
-            packed.function, *packed.grid, *packed.block, packed.shared, self.stream,
-            ctypes.cast(packed.params, _PP), None,
-        )  # fmt: skip
+        status = self.driver.launch_kernel(*packed.call)
+        if status:
+            self._launch_failed(packed, status)
+
+    def _launch_failed(self, packed: PackedLaunch, status: int) -> None:
         self.driver.check(status, f"{packed.label}: launch (grid {packed.grid}, block {packed.block})")
 
     def _capture(self, plan: NativePlan) -> int:

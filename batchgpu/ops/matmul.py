@@ -29,6 +29,8 @@ SKINNY_WORKGROUP = 64
 SKINNY_COLUMNS = 8  # output columns per invocation in matmul_skinny
 QUANT_WORKGROUP = 64
 QUANT_ROWS = 8  # output features per invocation in qmatmul.wgsl
+BIG_TILE = 128  # the native executors' large-matmul tile (matmul_128, matmul_mma_f16)
+BIG_TILE_MIN_BLOCKS = 128  # 128 x 128 tiles needed before a non-float16 matmul uses them
 WARP = 32  # lanes per output in the native executors' GEMV kernels (*_warp, matmul_gemv_t)
 WARPS_PER_BLOCK = 8
 
@@ -84,6 +86,23 @@ def _warp_per_output(launch: Launch, entry: str, outputs: int, rows: int) -> Lau
         entry=entry,
         groups=math.ceil(outputs / WARPS_PER_BLOCK) * rows,
         workgroup_size=(WARP * WARPS_PER_BLOCK, 1, 1),
+    )
+
+
+def _big_tile(launch: Launch, dtype: np.dtype, m: int, n: int, batch: int) -> Launch | None:
+    """The native form of a tiled matmul: float16 on tensor cores (``matmul_mma_f16``, a 128 x 128
+    tile; HIP runs it as ``matmul_128``), other dtypes the 128 x 128 tile once there are enough tiles
+    to fill a large GPU; else the WGSL-shaped 64 x 64 tile (None)."""
+    half = dtype == np.float16
+    big_tiles = math.ceil(m / BIG_TILE) * math.ceil(n / BIG_TILE) * batch
+    if not half and big_tiles < BIG_TILE_MIN_BLOCKS:
+        return None
+    return replace(
+        launch,
+        entry="matmul_mma_f16" if half else "matmul_128",
+        groups=(math.ceil(n / BIG_TILE), math.ceil(m / BIG_TILE), batch),
+        workgroup_size=(256, 1, 1),
+        workgroup_bytes=2 * BIG_TILE * 40 * 2 if half else 2 * BIG_TILE * 8 * 4,
     )
 
 
@@ -175,20 +194,20 @@ def _lower(node: Node) -> list[Launch]:
     if not batch and m <= SKINNY_ROWS:
         return [_skinny_launch(node, params, m, n, bias, b_transposed=b_sk == 1)]
     groups = (math.ceil(n / TILE), math.ceil(m / TILE), max(math.prod(batch), 1))
-    return [
-        Launch(
-            label="matmul",
-            family="matmul",
-            entry="matmul",
-            types=wgsl_aliases(A=a.dtype, O=out.dtype),
-            groups=groups,
-            constants=(("HAS_BIAS", len(node.inputs) == 3),),
-            bindings=(reads(0, a), reads(1, b), writes(2, out.storage), uniform(3, params), reads(4, bias)),
-            params=params,
-            workgroup_size=WORKGROUP,
-            workgroup_bytes=2 * TILE * TILE_K * 4,
-        )
-    ]
+    launch = Launch(
+        label="matmul",
+        family="matmul",
+        entry="matmul",
+        types=wgsl_aliases(A=a.dtype, O=out.dtype),
+        groups=groups,
+        constants=(("HAS_BIAS", len(node.inputs) == 3),),
+        bindings=(reads(0, a), reads(1, b), writes(2, out.storage), uniform(3, params), reads(4, bias)),
+        params=params,
+        workgroup_size=WORKGROUP,
+        workgroup_bytes=2 * TILE * TILE_K * 4,
+    )
+    launch.native = _big_tile(launch, a.dtype, m, n, groups[2])
+    return [launch]
 
 
 MATMUL = OpSpec(

@@ -38,11 +38,11 @@ __device__ __forceinline__ void store_row(O* out, const A* bias, const Params& p
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) matmul(const A* a, const A* b, O* out, const Params p, const A* bias) {
-    __shared__ C a_tile[TK][TILE];  // 4 consecutive rows at one k per staging thread
-    __shared__ C b_tile[TK][TILE];  // 4 consecutive columns at one k per staging thread
-    unsigned tx = threadIdx.x, ty = threadIdx.y;
-    unsigned rem = blockIdx.z, a_base = 0, b_base = 0;
+// Element offsets of the A and B matrices of batch entry blockIdx.z (broadcast batch strides).
+__device__ __forceinline__ void batch_bases(const Params& p, unsigned& a_base, unsigned& b_base) {
+    unsigned rem = blockIdx.z;
+    a_base = 0;
+    b_base = 0;
     for (unsigned d = p.batch_ndim; d > 0;) {
         d--;
         unsigned extent = p.batch_shape[d];
@@ -51,6 +51,14 @@ extern "C" __global__ void __launch_bounds__(256) matmul(const A* a, const A* b,
         a_base += index * p.a_batch_strides[d];
         b_base += index * p.b_batch_strides[d];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) matmul(const A* a, const A* b, O* out, const Params p, const A* bias) {
+    __shared__ C a_tile[TK][TILE];  // 4 consecutive rows at one k per staging thread
+    __shared__ C b_tile[TK][TILE];  // 4 consecutive columns at one k per staging thread
+    unsigned tx = threadIdx.x, ty = threadIdx.y;
+    unsigned a_base, b_base;
+    batch_bases(p, a_base, b_base);
     unsigned row0 = blockIdx.y * TILE, col0 = blockIdx.x * TILE;
     unsigned stage_row = row0 + tx * 4u, stage_col = col0 + tx * 4u;
     C acc[4][4];
@@ -126,4 +134,155 @@ extern "C" __global__ void matmul_gemv_t(const A* a, const A* b, O* out, const P
         if (HAS_BIAS) value += CVT(C, bias[n]);
         out[r * p.n + n] = CVT(O, value);
     }
+}
+
+// Large matmuls on the native executors (batchgpu/ops/matmul.py picks them): a 256-thread block
+// computes a 128 x 128 output tile. matmul_128 (any dtype): k advances 8 at a time through tiles in
+// shared memory; each thread keeps 8 x 8 accumulators, rows ty*4.. and 64+ty*4.., columns tx*4.. and
+// 64+tx*4... Tiles are staged so that consecutive threads read consecutive addresses of whichever
+// operand dimension has stride 1.
+#define BIG 128u
+#define BIG_K 8u
+
+__device__ __forceinline__ void stage_k_major(unsigned e, unsigned k_extent, bool k_contiguous, unsigned& outer,
+                                              unsigned& k) {
+    // element e of a BIG x k_extent tile: k fastest when k has stride 1, else the outer index fastest
+    if (k_contiguous) {
+        outer = e / k_extent;
+        k = e % k_extent;
+    } else {
+        outer = e % BIG;
+        k = e / BIG;
+    }
+}
+
+__device__ __forceinline__ void matmul_128_body(const A* a, const A* b, O* out, const Params& p, const A* bias) {
+    __shared__ C a_tile[BIG_K][BIG];
+    __shared__ C b_tile[BIG_K][BIG];
+    unsigned tid = threadIdx.x, tx = tid % 16u, ty = tid / 16u;
+    unsigned a_base, b_base;
+    batch_bases(p, a_base, b_base);
+    unsigned row0 = blockIdx.y * BIG, col0 = blockIdx.x * BIG;
+    C acc[8][8];
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 8; j++) acc[i][j] = (C)0;
+    for (unsigned k0 = 0; k0 < p.k; k0 += BIG_K) {
+        for (unsigned e = tid; e < BIG * BIG_K; e += 256u) {
+            unsigned outer, k;
+            stage_k_major(e, BIG_K, p.strides[1] == 1u, outer, k);
+            a_tile[k][outer] = load_a(a, p, a_base, row0 + outer, k0 + k);
+            stage_k_major(e, BIG_K, p.strides[3] != 1u, outer, k);
+            b_tile[k][outer] = load_b(b, p, b_base, k0 + k, col0 + outer);
+        }
+        __syncthreads();
+#pragma unroll
+        for (unsigned kk = 0; kk < BIG_K; kk++) {
+            C av[8], bv[8];
+            for (int j = 0; j < 4; j++) {
+                av[j] = a_tile[kk][ty * 4u + j];
+                av[4 + j] = a_tile[kk][64u + ty * 4u + j];
+                bv[j] = b_tile[kk][tx * 4u + j];
+                bv[4 + j] = b_tile[kk][64u + tx * 4u + j];
+            }
+            for (int i = 0; i < 8; i++)
+                for (int j = 0; j < 8; j++) acc[i][j] += av[i] * bv[j];
+        }
+        __syncthreads();
+    }
+    unsigned out_base = blockIdx.z * p.m * p.n;
+    for (unsigned i = 0; i < 8u; i++) {
+        unsigned row = row0 + (i < 4u ? ty * 4u + i : 64u + ty * 4u + (i - 4u));
+        store_row(out, bias, p, out_base, row, col0 + tx * 4u, acc[i]);
+        store_row(out, bias, p, out_base, row, col0 + 64u + tx * 4u, acc[i] + 4);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) matmul_128(const A* a, const A* b, O* out, const Params p,
+                                                             const A* bias) {
+    matmul_128_body(a, b, out, p, bias);
+}
+
+// float16 on NVIDIA tensor cores: the same 128 x 128 tile and grid, 8 warps of 64 x 32 outputs, each
+// a 4 x 4 grid of mma.sync m16n8k16 (float16 operands, float32 accumulators, as C = float does),
+// k advancing 32 at a time. Shared tiles hold A as [m][k] and B as [n][k] (k contiguous, rows padded
+// by 8 halves so the fragment loads of a warp hit 32 different banks). HIP (and the CPU test
+// harness) run matmul_128's body instead.
+#define MMA_K 32u
+#define MMA_PAD 40u
+
+#ifndef BG_HIP
+__device__ __forceinline__ unsigned short half_bits(C value) { return bg_f2h(value).bits; }
+
+__device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(256) matmul_mma_f16(const A* a, const A* b, O* out, const Params p,
+                                                                 const A* bias) {
+#ifdef BG_HIP
+    matmul_128_body(a, b, out, p, bias);
+#else
+    __shared__ __align__(16) unsigned short a_tile[BIG][MMA_PAD];
+    __shared__ __align__(16) unsigned short b_tile[BIG][MMA_PAD];
+    unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    unsigned group = lane >> 2, pair = (lane & 3u) * 2u;
+    unsigned warp_m = (warp >> 2) * 64u, warp_n = (warp & 3u) * 32u;
+    unsigned a_base, b_base;
+    batch_bases(p, a_base, b_base);
+    unsigned row0 = blockIdx.y * BIG, col0 = blockIdx.x * BIG;
+    float acc[4][4][4] = {};
+    for (unsigned k0 = 0; k0 < p.k; k0 += MMA_K) {
+        for (unsigned e = tid; e < BIG * MMA_K; e += 256u) {
+            unsigned outer, k;
+            stage_k_major(e, MMA_K, p.strides[1] == 1u, outer, k);
+            a_tile[outer][k] = half_bits(load_a(a, p, a_base, row0 + outer, k0 + k));
+            stage_k_major(e, MMA_K, p.strides[3] != 1u, outer, k);
+            b_tile[outer][k] = half_bits(load_b(b, p, b_base, k0 + k, col0 + outer));
+        }
+        __syncthreads();
+#pragma unroll
+        for (unsigned kk = 0; kk < MMA_K; kk += 16u) {
+            unsigned af[4][4], bf[4][2];
+#pragma unroll
+            for (unsigned i = 0; i < 4u; i++) {
+                unsigned r = warp_m + i * 16u + group;
+                af[i][0] = *(const unsigned*)&a_tile[r][kk + pair];
+                af[i][1] = *(const unsigned*)&a_tile[r + 8u][kk + pair];
+                af[i][2] = *(const unsigned*)&a_tile[r][kk + pair + 8u];
+                af[i][3] = *(const unsigned*)&a_tile[r + 8u][kk + pair + 8u];
+            }
+#pragma unroll
+            for (unsigned j = 0; j < 4u; j++) {
+                unsigned n = warp_n + j * 8u + group;
+                bf[j][0] = *(const unsigned*)&b_tile[n][kk + pair];
+                bf[j][1] = *(const unsigned*)&b_tile[n][kk + pair + 8u];
+            }
+#pragma unroll
+            for (unsigned i = 0; i < 4u; i++)
+#pragma unroll
+                for (unsigned j = 0; j < 4u; j++) mma_16x8x16(acc[i][j], af[i], bf[j]);
+        }
+        __syncthreads();
+    }
+    unsigned out_base = blockIdx.z * p.m * p.n;
+    for (unsigned i = 0; i < 4u; i++) {
+        for (unsigned j = 0; j < 4u; j++) {
+            unsigned row = row0 + warp_m + i * 16u + group, col = col0 + warp_n + j * 8u + pair;
+            for (unsigned h = 0; h < 2u; h++) {
+                unsigned r = row + h * 8u;
+                if (r >= p.m) continue;
+                for (unsigned c = 0; c < 2u; c++) {
+                    if (col + c >= p.n) continue;
+                    float value = acc[i][j][h * 2u + c];
+                    if (HAS_BIAS) value += CVT(float, bias[col + c]);
+                    out[out_base + r * p.n + col + c] = CVT(O, value);
+                }
+            }
+        }
+    }
+#endif
 }
