@@ -68,7 +68,7 @@ EXECUTION_MODEL = r"""
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
 struct bg_dim3 { unsigned x, y, z; };
 static bg_dim3 blockIdx, threadIdx, blockDim, gridDim;

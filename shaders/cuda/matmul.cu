@@ -119,7 +119,19 @@ extern "C" __global__ void matmul_gemv_t(const A* a, const A* b, O* out, const P
     unsigned n = bg_block_index() * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const A* b_row = b + bg_min(n, p.n - 1u) * p.strides[3];
     C acc[8] = {};
-    for (unsigned k = lane; k < p.k; k += 32u) {
+    unsigned k = lane;
+    for (; k + 96u < p.k; k += 128u) {  // four loads in flight per lane
+        C bv[4];
+#pragma unroll
+        for (unsigned u = 0; u < 4u; u++) bv[u] = CVT(C, b_row[k + 32u * u]);
+#pragma unroll
+        for (unsigned r = 0; r < 8u; r++) {
+            if (r >= p.m) break;
+#pragma unroll
+            for (unsigned u = 0; u < 4u; u++) acc[r] += CVT(C, a[r * p.strides[0] + (k + 32u * u) * p.strides[1]]) * bv[u];
+        }
+    }
+    for (; k < p.k; k += 32u) {
         C bv = CVT(C, b_row[k]);
 #pragma unroll
         for (unsigned r = 0; r < 8u; r++) {
@@ -144,6 +156,10 @@ extern "C" __global__ void matmul_gemv_t(const A* a, const A* b, O* out, const P
 #define BIG 128u
 #define BIG_K 8u
 
+struct __align__(16) C4 {  // four accumulator-type values: one 16-byte shared memory read
+    C v[4];
+};
+
 __device__ __forceinline__ void stage_k_major(unsigned e, unsigned k_extent, bool k_contiguous, unsigned& outer,
                                               unsigned& k) {
     // element e of a BIG x k_extent tile: k fastest when k has stride 1, else the outer index fastest
@@ -157,8 +173,8 @@ __device__ __forceinline__ void stage_k_major(unsigned e, unsigned k_extent, boo
 }
 
 __device__ __forceinline__ void matmul_128_body(const A* a, const A* b, O* out, const Params& p, const A* bias) {
-    __shared__ C a_tile[BIG_K][BIG];
-    __shared__ C b_tile[BIG_K][BIG];
+    __shared__ __align__(16) C a_tile[BIG_K][BIG];
+    __shared__ __align__(16) C b_tile[BIG_K][BIG];
     unsigned tid = threadIdx.x, tx = tid % 16u, ty = tid / 16u;
     unsigned a_base, b_base;
     batch_bases(p, a_base, b_base);
@@ -177,12 +193,14 @@ __device__ __forceinline__ void matmul_128_body(const A* a, const A* b, O* out, 
         __syncthreads();
 #pragma unroll
         for (unsigned kk = 0; kk < BIG_K; kk++) {
+            C4 a_lo = *(const C4*)&a_tile[kk][ty * 4u], a_hi = *(const C4*)&a_tile[kk][64u + ty * 4u];
+            C4 b_lo = *(const C4*)&b_tile[kk][tx * 4u], b_hi = *(const C4*)&b_tile[kk][64u + tx * 4u];
             C av[8], bv[8];
             for (int j = 0; j < 4; j++) {
-                av[j] = a_tile[kk][ty * 4u + j];
-                av[4 + j] = a_tile[kk][64u + ty * 4u + j];
-                bv[j] = b_tile[kk][tx * 4u + j];
-                bv[4 + j] = b_tile[kk][64u + tx * 4u + j];
+                av[j] = a_lo.v[j];
+                av[4 + j] = a_hi.v[j];
+                bv[j] = b_lo.v[j];
+                bv[4 + j] = b_hi.v[j];
             }
             for (int i = 0; i < 8; i++)
                 for (int j = 0; j < 8; j++) acc[i][j] += av[i] * bv[j];
@@ -211,7 +229,9 @@ extern "C" __global__ void __launch_bounds__(256) matmul_128(const A* a, const A
 #define MMA_PAD 40u
 
 #ifndef BG_HIP
-__device__ __forceinline__ unsigned short half_bits(C value) { return bg_f2h(value).bits; }
+// float16 bits of an operand element (zero outside the matrix); only float16 operands take this kernel
+__device__ __forceinline__ unsigned short half_bits(bg_half value) { return value.bits; }
+template <typename T> __device__ __forceinline__ unsigned short half_bits(T value) { return bg_f2h((float)value).bits; }
 
 __device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
     asm volatile(
@@ -239,9 +259,11 @@ extern "C" __global__ void __launch_bounds__(256) matmul_mma_f16(const A* a, con
         for (unsigned e = tid; e < BIG * MMA_K; e += 256u) {
             unsigned outer, k;
             stage_k_major(e, MMA_K, p.strides[1] == 1u, outer, k);
-            a_tile[outer][k] = half_bits(load_a(a, p, a_base, row0 + outer, k0 + k));
+            unsigned row = row0 + outer, ka = k0 + k;
+            a_tile[outer][k] = row < p.m && ka < p.k ? half_bits(a[a_base + row * p.strides[0] + ka * p.strides[1]]) : 0;
             stage_k_major(e, MMA_K, p.strides[3] != 1u, outer, k);
-            b_tile[outer][k] = half_bits(load_b(b, p, b_base, k0 + k, col0 + outer));
+            unsigned col = col0 + outer, kb = k0 + k;
+            b_tile[outer][k] = kb < p.k && col < p.n ? half_bits(b[b_base + kb * p.strides[2] + col * p.strides[3]]) : 0;
         }
         __syncthreads();
 #pragma unroll
