@@ -220,12 +220,12 @@ def section_launch(device: bg.Device, args: argparse.Namespace) -> dict[str, Any
     rows = [[name, fmt(f["host_us_per_op"]), fmt(f["wall_us_per_op"])] for name, f in figures.items()]
     print(table(["variant", "host us/op", "wall us/op (execute+read)"], rows))
     ratios = {}
-    ours = figures.get("batchgpu graph") or figures.get("batchgpu default")
+    ours = "batchgpu graph" if "batchgpu graph" in figures else "batchgpu default"
     for baseline in ("torch eager", "torch CUDA graph"):
-        if ours and baseline in figures:
-            ratio = figures[baseline]["wall_us_per_op"] / ours["wall_us_per_op"]
-            ratios[f"{baseline} / batchgpu wall"] = ratio
-            print(f"{baseline} wall / batchgpu {'graph' if 'batchgpu graph' in figures else ''} wall: {ratio:.2f}x")
+        if ours in figures and baseline in figures:
+            ratio = figures[baseline]["wall_us_per_op"] / figures[ours]["wall_us_per_op"]
+            ratios[f"{baseline} / {ours} wall"] = ratio
+            print(f"{baseline} wall / {ours} wall: {ratio:.2f}x")
     if "batchgpu eager" in figures and "batchgpu graph" in figures:
         ratio = figures["batchgpu eager"]["wall_us_per_op"] / figures["batchgpu graph"]["wall_us_per_op"]
         ratios["batchgpu eager / graph wall"] = ratio
