@@ -122,7 +122,8 @@ class Launch:
     Built-in kernels name a shader ``family`` (``shaders/wgsl/<family>.wgsl``) rendered with type
     aliases and op snippets; custom kernels carry their ``kernel``. ``groups`` is a 1-D workgroup
     count (split over x/y by the executor when over the per-dimension limit) or an explicit grid.
-    ``native`` optionally names a differently shaped launch of the same op for the CUDA/HIP executors.
+    ``native`` and ``gpu`` optionally name differently shaped launches of the same op for the CUDA/HIP
+    executors and for wgpu on GPU adapters; executors pick theirs with :meth:`Executor.form`.
     """
 
     label: str
@@ -141,10 +142,17 @@ class Launch:
     native: Launch | None = None
     """What the native executors (CUDA, HIP) launch instead, where a GPU wants another kernel shape
     than the WGSL one (same bindings and params; e.g. a warp per output row for decode GEMVs)."""
+    gpu: Launch | None = None
+    """What wgpu launches instead on a GPU adapter (not a CPU one such as lavapipe): a GPU-shaped
+    entry of the same WGSL family, same bindings and params."""
 
     def for_native(self) -> Launch:
         """The launch a native executor runs: :attr:`native` where set, else this one."""
         return self.native or self
+
+    def for_gpu(self) -> Launch:
+        """The launch wgpu runs on a GPU adapter: :attr:`gpu` where set, else this one."""
+        return self.gpu or self
 
     def describe(self) -> str:
         name = self.kernel.name if self.kernel else f"{self.family}.{self.entry}"

@@ -95,7 +95,7 @@ class Session:
         self.finished: float | None = None
         # set by executors
         self.dispatch_grids: list[tuple[int, int, int]] | None = None  # actual grids, one per launch
-        self.native_launches = False  # the executor ran each launch's native form (Launch.for_native)
+        self.form = batch.device.executor.form  # the shape of each launch the executor runs
         self.gpu_fetch: Callable[[], np.ndarray | None] | None = None  # -> (dispatches, 2) ns, or (1, 2) for a pass
         self.gpu_pass_only = False  # the GPU times cover the whole compute pass, not each dispatch
         self.gpu_anchor: float | None = None  # host time the GPU track starts at (end of submit)
@@ -187,7 +187,7 @@ class Profile:
         rows: list[ProfileRow] = []
         for index, node in enumerate(session.nodes):
             for launch in node.launches:
-                launch = launch.for_native() if session.native_launches else launch
+                launch = session.form(launch)
                 shape = _shape_text(node)
                 rows.append(ProfileRow(index, node.spec.name, kernel_name(launch), shape, _grid(launch.groups)))
         if session.dispatch_grids is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import pytest
@@ -111,16 +111,19 @@ WGPU_ONLY = {
 }
 
 
-def collect_device_tests(namespace: dict, skip: frozenset[str] = frozenset()) -> None:
-    """Copy every test of ``DEVICE_SUITES`` that takes ``gpu`` or ``dev`` into ``namespace`` (a test
-    module's globals), with the suites' own fixtures, so the module's ``gpu``/``dev`` fixture runs them."""
+def collect_device_tests(
+    namespace: dict, skip: frozenset[str] = frozenset(), select: Callable[[str], bool] = lambda name: True
+) -> None:
+    """Copy every test of ``DEVICE_SUITES`` that takes ``gpu`` or ``dev`` (and whose name ``select``
+    accepts) into ``namespace`` (a test module's globals), with the suites' own fixtures, so the
+    module's ``gpu``/``dev`` fixture runs them."""
     import importlib
     import inspect
 
     for suite in DEVICE_SUITES:
         module = importlib.import_module(f"{__package__}.{suite}")
         for name, value in vars(module).items():
-            if name.startswith("test_") and name not in WGPU_ONLY | skip and callable(value):
+            if name.startswith("test_") and name not in WGPU_ONLY | skip and callable(value) and select(name):
                 if {"gpu", "dev"} & set(inspect.signature(value).parameters):
                     namespace[name] = value
             elif name == "rng":  # test_custom_kernels' per-test generator fixture

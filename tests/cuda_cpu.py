@@ -289,6 +289,9 @@ class CudaOnCpuExecutor(ReferenceExecutor):
         self.limits = SMALL_GRID.limits()
         self.stats = Stats()
 
+    def form(self, launch: Launch) -> Launch:
+        return launch.for_native()
+
     def prepare(self, launch: Launch) -> None:
         check_native_launch(launch.for_native(), SMALL_GRID)
 

@@ -139,6 +139,10 @@ class Executor(ABC):
         (device to device, complete on return)."""
         raise UnsupportedError(f"{self.kind}: no device-to-device import")
 
+    def form(self, launch: Launch) -> Launch:
+        """The shape of ``launch`` this executor runs (see :attr:`Launch.native`, :attr:`Launch.gpu`)."""
+        return launch
+
     def prepare(self, launch: Launch) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Compile what ``launch`` needs now, so errors surface at record time (optional)."""
 

@@ -696,6 +696,9 @@ class NativeExecutor(Executor):
 
     # planning -----------------------------------------------------------------------------------
 
+    def form(self, launch: Launch) -> Launch:
+        return launch.for_native()
+
     def prepare(self, launch: Launch) -> None:
         launch = launch.for_native()
         check_native_launch(launch, self.attrs)

@@ -55,7 +55,6 @@ class EventTimer:
         self.cursor = started
         n = len(plan.launches)
         session.dispatch_grids = [tuple(packed.grid) for packed in plan.launches]  # type: ignore[misc]
-        session.native_launches = True
         self.events: _Events | None = None
         if n == 0:
             return

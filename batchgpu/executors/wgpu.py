@@ -63,6 +63,16 @@ def _adapter_rank(adapter: Any) -> tuple[int, int]:
     return (backend_rank, type_rank)
 
 
+def gpu_kernels(adapter: Any) -> bool:
+    """Whether to run launches' GPU forms (:attr:`Launch.gpu`): on every adapter but a CPU one
+    (lavapipe, SwiftShader), whose kernels are shaped for few loads per invocation instead;
+    ``BATCHGPU_GPU_KERNELS=1`` / ``0`` forces the choice."""
+    forced = os.environ.get("BATCHGPU_GPU_KERNELS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return dict(adapter.info).get("adapter_type") != "CPU"
+
+
 def choose_adapter(wgpu: Any, adapter: Any = None) -> Any:
     """Pick an adapter: None (best), an index into the enumerated list, a summary substring or an adapter."""
     if adapter is not None and not isinstance(adapter, (int, str)):
@@ -239,6 +249,10 @@ class WgpuExecutor(Executor):
         self._resident: dict[int, Any] = {}  # storage id -> buffer
         self._group_layouts: dict[Any, Any] = {}  # pipeline -> its bind group layout 0
         self._usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        self.gpu_kernels = gpu_kernels(chosen)
+
+    def form(self, launch: Launch) -> Launch:
+        return launch.for_gpu() if self.gpu_kernels else launch
 
     def describe(self) -> dict[str, Any]:
         info = dict(self.adapter.info)
@@ -321,7 +335,7 @@ class WgpuExecutor(Executor):
     # planning ---------------------------------------------------------------------------------
 
     def prepare(self, launch: Launch) -> None:
-        self.pipelines.get(launch)
+        self.pipelines.get(self.form(launch))
 
     def plan(
         self,
@@ -338,7 +352,7 @@ class WgpuExecutor(Executor):
             if self.poison and storage.kind in ("output", "scratch"):
                 self.device.queue.write_buffer(buffers[storage], 0, bytes([POISON_BYTE]) * buffers[storage].size)
         alias_buffers(buffers, aliases)
-        launches = [launch for node in nodes for launch in node.launches]
+        launches = [self.form(launch) for node in nodes for launch in node.launches]
         for launch in launches:
             for binding in launch.bindings:
                 if binding.storage is not None and binding.storage not in buffers:

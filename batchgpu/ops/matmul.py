@@ -79,8 +79,8 @@ def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int,
 
 
 def _warp_per_output(launch: Launch, entry: str, outputs: int, rows: int) -> Launch:
-    """The native (CUDA/HIP) form of a GEMV launch: one 32-lane warp per output of each of ``rows``
-    rows, as a linear block count the executor splits over the grid."""
+    """The GPU form of a GEMV launch (CUDA/HIP, and wgpu on GPU adapters): a 32-lane warp per output
+    of each of ``rows`` rows, as a linear block count the executor splits over the grid."""
     return replace(
         launch,
         entry=entry,
@@ -122,7 +122,7 @@ def _skinny_launch(node: Node, params: bytes, m: int, n: int, bias: Tensor, b_tr
         workgroup_size=(SKINNY_WORKGROUP, 1, 1),
     )
     if b_transposed:
-        launch.native = _warp_per_output(launch, "matmul_gemv_t", n, 1)
+        launch.native = launch.gpu = _warp_per_output(launch, "matmul_gemv_t", n, 1)
     return launch
 
 
@@ -159,7 +159,7 @@ def _lower_quantized(node: Node) -> list[Launch]:
         params=params,
         workgroup_size=(QUANT_WORKGROUP, 1, 1),
     )
-    launch.native = _warp_per_output(launch, f"matmul_{w.qtype}_warp", rows, m)
+    launch.native = launch.gpu = _warp_per_output(launch, f"matmul_{w.qtype}_warp", rows, m)
     return [launch]
 
 

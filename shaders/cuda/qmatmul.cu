@@ -99,6 +99,7 @@ __device__ void matmul_warp_rows(const float4* x, const unsigned* w, O* out, con
     unsigned lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
     unsigned per_row = (p.n + warps - 1u) / warps, block = bg_block_index();
     unsigned m = block / per_row, n = (block % per_row) * warps + (threadIdx.x >> 5);
+    if (m >= p.m) return;  // a padded split grid's spare blocks (the whole block returns)
     unsigned row = bg_min(n, p.n - 1u);
     const float4* xm = x + m * (p.k / 4u);
     const unsigned units = p.blocks * (Q8 ? 8u : 4u);

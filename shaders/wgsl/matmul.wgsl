@@ -138,3 +138,37 @@ fn matmul_skinny(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgro
     store_skinny(row, col + 6u, hi.z);
     store_skinny(row, col + 7u, hi.w);
 }
+
+// GPU-shaped twin of matmul_skinny for b stored (N, K) (transpose_b; batchgpu/ops/matmul.py attaches
+// it as the launch's GPU form): 256 invocations = 8 groups of 32, a group per output column n (the
+// linear workgroup index times 8 plus the group), lanes striding over k so a group reads a row of B
+// consecutively; the p.m <= 8 rows of A share each B load; sums go through workgroup memory.
+var<workgroup> gemv_sums: array<C, 2048>;   // [8 rows][256 invocations]
+
+@compute @workgroup_size(256)
+fn matmul_gemv_t(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+                 @builtin(num_workgroups) groups: vec3<u32>) {
+    let lane = lid % 32u;
+    let n = (wid.x + wid.y * groups.x) * 8u + lid / 32u;
+    let col = min(n, p.n - 1u);
+    var acc: array<C, 8>;
+    for (var k = lane; k < p.k; k += 32u) {
+        let bv = C(b[col * p.strides.w + k]);
+        for (var r = 0u; r < p.m; r++) { acc[r] += C(a[r * p.strides.x + k * p.strides.y]) * bv; }
+    }
+    for (var r = 0u; r < 8u; r++) { gemv_sums[r * 256u + lid] = acc[r]; }
+    workgroupBarrier();
+    for (var stride = 16u; stride > 0u; stride >>= 1u) {
+        if lane < stride {
+            for (var r = 0u; r < p.m; r++) { gemv_sums[r * 256u + lid] += gemv_sums[r * 256u + lid + stride]; }
+        }
+        workgroupBarrier();
+    }
+    if lane == 0u && n < p.n {
+        for (var r = 0u; r < p.m; r++) {
+            var value = gemv_sums[r * 256u + lid];
+            if HAS_BIAS { value += C(bias[n]); }
+            out[r * p.n + n] = O(value);
+        }
+    }
+}

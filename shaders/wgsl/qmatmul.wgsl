@@ -133,3 +133,70 @@ fn matmul_q8_0(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup
     }
     store_rows(n0, m, a0, a1, a2, a3, a4, a5, a6, a7);
 }
+
+// GPU-shaped twins (matmul_q4_1_warp, matmul_q8_0_warp; batchgpu/ops/matmul.py attaches them as the
+// launch's GPU form, run on GPU adapters and by the CUDA/HIP executors): 256 invocations = 8 groups of
+// LANES, a group per output feature n of row m. The linear workgroup index (split over x/y) runs over
+// ceil(p.n / 8) workgroups per row, row after row. A unit is one data word of a block with the vec4s of
+// x it multiplies (Q4_1: 4 per block, low nibbles x[4i..4i+3], high x[16+4i..]; Q8_0: 8), so a group
+// reads W's words consecutively; the group's sum goes through workgroup memory.
+const LANES: u32 = 32u;
+var<workgroup> lane_sums: array<f32, 256>;
+
+fn group_sum(lid: u32, value: f32) -> f32 {
+    lane_sums[lid] = value;
+    workgroupBarrier();
+    for (var stride = LANES / 2u; stride > 0u; stride >>= 1u) {
+        if lid % LANES < stride { lane_sums[lid] += lane_sums[lid + stride]; }
+        workgroupBarrier();
+    }
+    return lane_sums[lid - lid % LANES];
+}
+
+fn q4_1_unit(row: u32, m: u32, u: u32) -> f32 {
+    let b = u / 4u;
+    let i = u % 4u;
+    let at = (row * p.blocks + b) * 5u;
+    let word = w[at + 1u + i];
+    let lo = x[m * (p.k / 4u) + b * 8u + i];
+    let hi = x[m * (p.k / 4u) + b * 8u + 4u + i];
+    let scale = unpack2x16float(w[at]);
+    let ones = vec4<f32>(1.0);
+    return scale.x * (dot(low(word), lo) + dot(high(word), hi)) + scale.y * (dot(lo, ones) + dot(hi, ones));
+}
+
+fn q8_0_unit(row: u32, m: u32, u: u32) -> f32 {
+    let b = u / 8u;
+    let at = (row * p.blocks + b) * 9u;
+    return unpack2x16float(w[at]).x * dot(signed(w[at + 1u + u % 8u]), x[m * (p.k / 4u) + b * 8u + u % 8u]);
+}
+
+@compute @workgroup_size(256)
+fn matmul_q4_1_warp(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+                    @builtin(num_workgroups) groups: vec3<u32>) {
+    let per_row = (p.n + 7u) / 8u;
+    let block = wid.x + wid.y * groups.x;
+    let m = block / per_row;
+    if m >= p.m { return; }  // a padded split grid's spare workgroups (uniform: the whole workgroup)
+    let n = (block % per_row) * 8u + lid / LANES;
+    let row = min(n, p.n - 1u);
+    var acc = 0.0;
+    for (var u = lid % LANES; u < p.blocks * 4u; u += LANES) { acc += q4_1_unit(row, m, u); }
+    let total = group_sum(lid, acc);
+    if lid % LANES == 0u { store(n, m, total); }
+}
+
+@compute @workgroup_size(256)
+fn matmul_q8_0_warp(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+                    @builtin(num_workgroups) groups: vec3<u32>) {
+    let per_row = (p.n + 7u) / 8u;
+    let block = wid.x + wid.y * groups.x;
+    let m = block / per_row;
+    if m >= p.m { return; }
+    let n = (block % per_row) * 8u + lid / LANES;
+    let row = min(n, p.n - 1u);
+    var acc = 0.0;
+    for (var u = lid % LANES; u < p.blocks * 8u; u += LANES) { acc += q8_0_unit(row, m, u); }
+    let total = group_sum(lid, acc);
+    if lid % LANES == 0u { store(n, m, total); }
+}
