@@ -171,9 +171,8 @@ fn q8_0_unit(row: u32, m: u32, u: u32) -> f32 {
     return unpack2x16float(w[at]).x * dot(signed(w[at + 1u + u % 8u]), x[m * (p.k / 4u) + b * 8u + u % 8u]);
 }
 
-@compute @workgroup_size(256)
-fn matmul_q4_1_warp(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
-                    @builtin(num_workgroups) groups: vec3<u32>) {
+// One output of a group (q8: Q8_0 units, else Q4_1); every invocation of the workgroup calls it.
+fn warp_matmul(lid: u32, wid: vec3<u32>, groups: vec3<u32>, q8: bool) {
     let per_row = (p.n + 7u) / 8u;
     let block = wid.x + wid.y * groups.x;
     let m = block / per_row;
@@ -181,22 +180,21 @@ fn matmul_q4_1_warp(@builtin(local_invocation_index) lid: u32, @builtin(workgrou
     let n = (block % per_row) * 8u + lid / LANES;
     let row = min(n, p.n - 1u);
     var acc = 0.0;
-    for (var u = lid % LANES; u < p.blocks * 4u; u += LANES) { acc += q4_1_unit(row, m, u); }
+    for (var u = lid % LANES; u < p.blocks * select(4u, 8u, q8); u += LANES) {
+        if q8 { acc += q8_0_unit(row, m, u); } else { acc += q4_1_unit(row, m, u); }
+    }
     let total = group_sum(lid, acc);
     if lid % LANES == 0u { store(n, m, total); }
 }
 
 @compute @workgroup_size(256)
+fn matmul_q4_1_warp(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+                    @builtin(num_workgroups) groups: vec3<u32>) {
+    warp_matmul(lid, wid, groups, false);
+}
+
+@compute @workgroup_size(256)
 fn matmul_q8_0_warp(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
                     @builtin(num_workgroups) groups: vec3<u32>) {
-    let per_row = (p.n + 7u) / 8u;
-    let block = wid.x + wid.y * groups.x;
-    let m = block / per_row;
-    if m >= p.m { return; }
-    let n = (block % per_row) * 8u + lid / LANES;
-    let row = min(n, p.n - 1u);
-    var acc = 0.0;
-    for (var u = lid % LANES; u < p.blocks * 8u; u += LANES) { acc += q8_0_unit(row, m, u); }
-    let total = group_sum(lid, acc);
-    if lid % LANES == 0u { store(n, m, total); }
+    warp_matmul(lid, wid, groups, true);
 }
