@@ -293,7 +293,7 @@ class CudaOnCpuExecutor(ReferenceExecutor):
         return launch.for_native()
 
     def prepare(self, launch: Launch) -> None:
-        check_native_launch(launch.for_native(), SMALL_GRID)
+        check_native_launch(self.form(launch), SMALL_GRID)
 
     def plan(
         self,
@@ -310,7 +310,7 @@ class CudaOnCpuExecutor(ReferenceExecutor):
         alias_buffers(arrays, aliases)
         plan = CpuPlan(arrays, [], tuple(scalars))
         for node in nodes:
-            for launch in (launch.for_native() for launch in node.launches):
+            for launch in map(self.form, node.launches):
                 for binding in launch.bindings:
                     if binding.storage is not None and binding.storage not in arrays:
                         arrays[binding.storage] = self._resident[binding.storage].view(np.uint8)

@@ -700,7 +700,7 @@ class NativeExecutor(Executor):
         return launch.for_native()
 
     def prepare(self, launch: Launch) -> None:
-        launch = launch.for_native()
+        launch = self.form(launch)
         check_native_launch(launch, self.attrs)
         self.programs.function(launch)
 
@@ -720,7 +720,7 @@ class NativeExecutor(Executor):
                 buffer = buffers[storage]
                 drv.check(drv.memset_d8_async(buffer.pointer, POISON_BYTE, buffer.nbytes, self.stream), "poison fill")
         alias_buffers(buffers, aliases)
-        launches = [launch.for_native() for node in nodes for launch in node.launches]
+        launches = [self.form(launch) for node in nodes for launch in node.launches]
         for launch in launches:
             for binding in launch.bindings:
                 if binding.storage is not None and binding.storage not in buffers:

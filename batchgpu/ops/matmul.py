@@ -30,8 +30,10 @@ SKINNY_COLUMNS = 8  # output columns per invocation in matmul_skinny
 QUANT_WORKGROUP = 64
 QUANT_ROWS = 8  # output features per invocation in qmatmul.wgsl
 BIG_TILE = 128  # the native executors' large-matmul tile (matmul_128, matmul_mma_f16)
+BIG_TILE_K = 8  # k per shared tile step of matmul_128 (4-byte accumulators)
+MMA_ROW_HALVES = 40  # a float16 tile row of matmul_mma_f16: 32 k values + 8 halves of bank padding
 BIG_TILE_MIN_BLOCKS = 128  # 128 x 128 tiles needed before a non-float16 matmul uses them
-WARP = 32  # lanes per output in the native executors' GEMV kernels (*_warp, matmul_gemv_t)
+WARP = 32  # lanes per output in the GPU-form GEMV kernels (*_warp, matmul_gemv_t)
 WARPS_PER_BLOCK = 8
 
 
@@ -102,13 +104,14 @@ def _big_tile(launch: Launch, dtype: np.dtype, m: int, n: int, batch: int) -> La
         entry="matmul_mma_f16" if half else "matmul_128",
         groups=(math.ceil(n / BIG_TILE), math.ceil(m / BIG_TILE), batch),
         workgroup_size=(256, 1, 1),
-        workgroup_bytes=2 * BIG_TILE * 40 * 2 if half else 2 * BIG_TILE * 8 * 4,
+        workgroup_bytes=2 * BIG_TILE * (MMA_ROW_HALVES * 2 if half else BIG_TILE_K * 4),
     )
 
 
 def _skinny_launch(node: Node, params: bytes, m: int, n: int, bias: Tensor, b_transposed: bool) -> Launch:
     """Few rows of a (decode): one invocation per 8 output columns of one row, no tiles to fill. With
-    b stored (N, K), the native executors run a warp per output column over all m rows instead."""
+    b stored (N, K), GPUs (native executors, wgpu on GPU adapters) run a warp per output column over
+    all m rows instead."""
     a, b = node.inputs[:2]
     launch = Launch(
         label="matmul",
