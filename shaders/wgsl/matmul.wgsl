@@ -152,7 +152,19 @@ fn matmul_gemv_t(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_i
     let n = (wid.x + wid.y * groups.x) * 8u + lid / 32u;
     let col = min(n, p.n - 1u);
     var acc: array<C, 8>;
-    for (var k = lane; k < p.k; k += 32u) {
+    var k = lane;
+    for (; k + 96u < p.k; k += 128u) {  // four loads of B in flight per invocation
+        let b0 = C(b[col * p.strides.w + k]);
+        let b1 = C(b[col * p.strides.w + k + 32u]);
+        let b2 = C(b[col * p.strides.w + k + 64u]);
+        let b3 = C(b[col * p.strides.w + k + 96u]);
+        for (var r = 0u; r < p.m; r++) {
+            let at = r * p.strides.x + k * p.strides.y;
+            acc[r] += C(a[at]) * b0 + C(a[at + 32u * p.strides.y]) * b1 + C(a[at + 64u * p.strides.y]) * b2
+                    + C(a[at + 96u * p.strides.y]) * b3;
+        }
+    }
+    for (; k < p.k; k += 32u) {
         let bv = C(b[col * p.strides.w + k]);
         for (var r = 0u; r < p.m; r++) { acc[r] += C(a[r * p.strides.x + k * p.strides.y]) * bv; }
     }
