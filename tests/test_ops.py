@@ -157,6 +157,10 @@ BIG_TILE_CASES = [  # the native executors' 128 x 128 tiles (matmul_128; float16
     (np.float16, (130, 67), (67, 193), {}),  # tensor cores: several k steps, ragged edges
     (np.float16, (67, 130), (193, 67), {"transpose_a": True, "transpose_b": True}),
     (np.float16, (3, 33, 40), (3, 40, 17), {}),
+    # 16-byte staging of whole aligned tiles (A along k, B along n), the ragged ones element by element
+    (np.float16, (136, 96), (96, 264), {}),
+    (np.float16, (96, 136), (264, 96), {"transpose_a": True, "transpose_b": True}),  # A along m, B along k
+    (np.float16, (2, 128, 104), (104, 128), {}),  # whole k steps, then a partial last one; batched
 ]
 
 

@@ -239,6 +239,58 @@ __device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const u
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+
+// One operand's view for staging its 128 (outer: rows of A, columns of B) x 32 (k) tiles into a
+// shared [outer][k] tile: element (outer, k) is op[base + outer * outer_stride + k * k_stride].
+struct MmaOperand {
+    const A* op;
+    unsigned base, outer_extent, outer_stride, k_stride;
+};
+
+// How a tile is staged: whole and 8-element aligned tiles move 16 bytes per load (VEC_K: along k,
+// stored as is; VEC_OUTER: along the outer dim, scattered into [outer][k]), the rest element by element.
+enum MmaStaging { MMA_SCALAR, MMA_VEC_K, MMA_VEC_OUTER };
+
+__device__ __forceinline__ MmaStaging mma_staging(const MmaOperand& o, unsigned outer0, unsigned k0, unsigned k_extent) {
+    if (sizeof(A) != 2u || outer0 + BIG > o.outer_extent || k0 + MMA_K > k_extent || o.base % 8u) return MMA_SCALAR;
+    if (o.k_stride == 1u && o.outer_stride % 8u == 0u) return MMA_VEC_K;
+    if (o.outer_stride == 1u && o.k_stride % 8u == 0u) return MMA_VEC_OUTER;
+    return MMA_SCALAR;
+}
+
+// 16-byte loads of a vector-staged tile into registers (two per thread), issued before the previous
+// tile's mma work so they are in flight meanwhile.
+__device__ __forceinline__ void mma_load(uint4* regs, const MmaOperand& o, MmaStaging how, unsigned outer0, unsigned k0) {
+    for (unsigned c = 0; c < 2u; c++) {
+        unsigned e = threadIdx.x + c * 256u;
+        unsigned at = how == MMA_VEC_K ? (outer0 + e / 4u) * o.outer_stride + k0 + (e % 4u) * 8u
+                                       : (k0 + e / 16u) * o.k_stride + outer0 + (e % 16u) * 8u;
+        regs[c] = *(const uint4*)(o.op + o.base + at);
+    }
+}
+
+__device__ __forceinline__ void mma_store(unsigned short (*tile)[MMA_PAD], const uint4* regs, MmaStaging how) {
+    for (unsigned c = 0; c < 2u; c++) {
+        unsigned e = threadIdx.x + c * 256u;
+        if (how == MMA_VEC_K) {
+            *(uint4*)&tile[e / 4u][(e % 4u) * 8u] = regs[c];
+        } else {
+            const unsigned short* halves = (const unsigned short*)&regs[c];
+            unsigned k = e / 16u, outer = (e % 16u) * 8u;
+            for (unsigned i = 0; i < 8u; i++) tile[outer + i][k] = halves[i];
+        }
+    }
+}
+
+__device__ __forceinline__ void mma_stage_scalar(unsigned short (*tile)[MMA_PAD], const MmaOperand& o, unsigned outer0,
+                                                 unsigned k0, unsigned k_extent) {
+    for (unsigned e = threadIdx.x; e < BIG * MMA_K; e += 256u) {
+        unsigned outer, k;
+        stage_k_major(e, MMA_K, o.outer_stride != 1u, outer, k);
+        unsigned at = outer0 + outer, ka = k0 + k;
+        tile[outer][k] = at < o.outer_extent && ka < k_extent ? half_bits(o.op[o.base + at * o.outer_stride + ka * o.k_stride]) : 0;
+    }
+}
 #endif
 
 extern "C" __global__ void __launch_bounds__(256) matmul_mma_f16(const A* a, const A* b, O* out, const Params p,
@@ -255,17 +307,23 @@ extern "C" __global__ void __launch_bounds__(256) matmul_mma_f16(const A* a, con
     batch_bases(p, a_base, b_base);
     unsigned row0 = blockIdx.y * BIG, col0 = blockIdx.x * BIG;
     float acc[4][4][4] = {};
+    const MmaOperand a_op = {a, a_base, p.m, p.strides[0], p.strides[1]};
+    const MmaOperand b_op = {b, b_base, p.n, p.strides[3], p.strides[2]};
+    uint4 a_regs[2], b_regs[2];
+    MmaStaging a_how = mma_staging(a_op, row0, 0u, p.k), b_how = mma_staging(b_op, col0, 0u, p.k);
+    if (a_how != MMA_SCALAR) mma_load(a_regs, a_op, a_how, row0, 0u);
+    if (b_how != MMA_SCALAR) mma_load(b_regs, b_op, b_how, col0, 0u);
     for (unsigned k0 = 0; k0 < p.k; k0 += MMA_K) {
-        for (unsigned e = tid; e < BIG * MMA_K; e += 256u) {
-            unsigned outer, k;
-            stage_k_major(e, MMA_K, p.strides[1] == 1u, outer, k);
-            unsigned row = row0 + outer, ka = k0 + k;
-            a_tile[outer][k] = row < p.m && ka < p.k ? half_bits(a[a_base + row * p.strides[0] + ka * p.strides[1]]) : 0;
-            stage_k_major(e, MMA_K, p.strides[3] != 1u, outer, k);
-            unsigned col = col0 + outer, kb = k0 + k;
-            b_tile[outer][k] = kb < p.k && col < p.n ? half_bits(b[b_base + kb * p.strides[2] + col * p.strides[3]]) : 0;
-        }
+        if (a_how != MMA_SCALAR) mma_store(a_tile, a_regs, a_how);
+        else mma_stage_scalar(a_tile, a_op, row0, k0, p.k);
+        if (b_how != MMA_SCALAR) mma_store(b_tile, b_regs, b_how);
+        else mma_stage_scalar(b_tile, b_op, col0, k0, p.k);
         __syncthreads();
+        unsigned next = k0 + MMA_K;  // the next tile's loads fly while this one's mma run
+        a_how = next < p.k ? mma_staging(a_op, row0, next, p.k) : MMA_SCALAR;
+        b_how = next < p.k ? mma_staging(b_op, col0, next, p.k) : MMA_SCALAR;
+        if (a_how != MMA_SCALAR) mma_load(a_regs, a_op, a_how, row0, next);
+        if (b_how != MMA_SCALAR) mma_load(b_regs, b_op, b_how, col0, next);
 #pragma unroll
         for (unsigned kk = 0; kk < MMA_K; kk += 16u) {
             unsigned af[4][4], bf[4][2];
