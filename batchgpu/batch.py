@@ -597,13 +597,15 @@ class GpuCommandBatch:
         features: Sequence[str] = (),
         outputs: Sequence[Tensor] | None = None,
         tolerance: tuple[float, float] | None = None,
+        gpu_kernels: bool = True,
     ) -> Path:
         """Write this batch as a standalone WebGPU program (``index.html``, ``batch.js``, the same WGSL,
         inputs, weights and expected outputs) into ``out_dir``; executes the batch once with ``feeds``
         and ``scalars`` to record the expected outputs. See :func:`batchgpu.export.export_webgpu`."""
         from .export.webgpu import export_webgpu
 
-        return export_webgpu(self, out_dir, feeds, scalars, features=features, outputs=outputs, tolerance=tolerance)
+        options = {"features": features, "outputs": outputs, "tolerance": tolerance, "gpu_kernels": gpu_kernels}
+        return export_webgpu(self, out_dir, feeds, scalars, **options)
 
     def release(self) -> None:
         """Free the batch's device buffers now; the batch can no longer be used."""

@@ -237,6 +237,9 @@ def test_browser_runs_every_builtin_kernel_like_the_reference(
     families = {(out / s["file"]).read_text() for s in manifest(out)["shaders"]}
     assert len(families) >= 8 and manifest(out)["exported_from"] == "numpy reference"
     assert quants is None or sum("unpack2x16float" in source for source in families) >= 2
+    entries = {pipeline["entry"] for pipeline in manifest(out)["pipelines"]}
+    assert "matmul_gemv_t" in entries  # the GPU forms (Launch.gpu), checked against the reference
+    assert quants is None or {"matmul_q4_1_warp", "matmul_q8_0_warp"} <= entries
     result = open_page(browser, out, "index.html?runs=0")
     assert_passed(result)
     assert len(result["outputs"]) == len(outs)

@@ -71,6 +71,7 @@ def export_webgpu(
     features: Sequence[str] = (),
     outputs: Sequence[Tensor] | None = None,
     tolerance: tuple[float, float] | None = None,
+    gpu_kernels: bool = True,
 ) -> Path:
     """Write ``batch`` as a self-contained WebGPU program into ``out_dir`` and return its path.
 
@@ -85,6 +86,10 @@ def export_webgpu(
     e.g. Chrome's SwiftShader lacks) raises ``UnsupportedError`` naming the op and the feature,
     before anything is executed or written.
 
+    ``gpu_kernels`` (default) writes the GPU forms of launches that have one (:attr:`Launch.gpu`, e.g.
+    the decode GEMVs), as browsers run WebGPU on GPUs; ``False`` keeps the CPU-driver shapes (for a
+    CPU-backed WebGPU such as SwiftShader, where they are faster).
+
     ``tolerance`` = ``(rtol, atol)`` sets the check ``index.html`` applies to float outputs:
     ``|browser - expected| <= atol * max(1, max|expected|) + rtol * |expected|`` (default
     ``FLOAT_TOLERANCE``); integer outputs must match exactly.
@@ -93,7 +98,7 @@ def export_webgpu(
     out = Path(out_dir)
     _check_out_dir(out)
     offered = {str(f) for f in features}
-    launches = [launch for node in batch.nodes for launch in node.launches]
+    launches = [launch.for_gpu() if gpu_kernels else launch for node in batch.nodes for launch in node.launches]
     sources = [_wgsl(launch) for launch in launches]
     required = _required_features(launches, sources, offered)
     validated_feeds = batch._validate_feeds(feeds or {})
