@@ -139,15 +139,17 @@ static inline void __syncthreads() {
 }
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 // A lane exchange as a block-wide step: every thread of the block must take part (bg_warp_sum's rule
-// for a warp, made block-wide here), so it is two barriers around a shared slot per thread.
+// for a warp, made block-wide here). One barrier per exchange: the slots alternate between two sets, so
+// the next exchange writes the other set, and the one after passes the next barrier first, which every
+// thread reaches only after reading. Each thread counts its exchanges; bg_run zeroes the counts per block.
+static unsigned bg_cpu_exchanges[1024];
 template <typename T> static inline T __shfl_xor(T value, int mask) {
-    static T slots[1024];
+    static T slots[2][1024];
     const unsigned t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-    slots[t] = value;
+    T* set = slots[bg_cpu_exchanges[t]++ & 1u];
+    set[t] = value;
     __syncthreads();
-    T other = slots[t ^ (unsigned)mask];
-    __syncthreads();
-    return other;
+    return set[t ^ (unsigned)mask];
 }
 """
 
@@ -194,6 +196,7 @@ static int bg_run(void (*kernel)(A...), const unsigned* grid, const unsigned* bl
         for (unsigned t = 0; t < threads; ++t) {
             bg_start(&contexts[t], stacks + stack * t, stack, Entry::run);
             done[t] = false;
+            bg_cpu_exchanges[t] = 0;
         }
         // One round = every thread to its next barrier. Rounds alternate the thread order, so a read
         // of shared memory that another thread writes in the same phase (a missing __syncthreads)
