@@ -381,7 +381,7 @@ def profiled_decode_step(device: bg.Device, quantized: bool) -> bg.Profile:
 
 
 def section_kernels(device: bg.Device, args: argparse.Namespace) -> dict[str, Any]:
-    print("\n## SmolLM2-135M decode step: GPU time per kernel (one profiled step, eager launches with events)")
+    print("\n## SmolLM2-135M decode step: GPU time per kernel (one profiled step, each launch timed on the GPU)")
     require_model()
     results = {}
     for quantized in (False, True):
