@@ -7,14 +7,14 @@ expects), not the driver calls around them, which need a GPU (tests/test_native_
 Each kernel specialization (the exact source :func:`batchgpu.cuda_source.render` gives NVRTC) is
 compiled by g++ as C++ with a small CUDA execution model in front of it: blocks run one after another;
 the threads of a block are coroutines (a stack switch on x86-64, ``ucontext`` elsewhere) that switch at
-``__syncthreads()`` (and at lane exchanges), so block-level barriers and ``__shared__`` memory (static storage, one block at a time) behave as on a GPU; between
-barriers the threads run in turn, forward or backward alternately, so a missing barrier shows up as
-wrong results (checked: removing the one in ``bg_tree``'s loop fails 14 tests); float16 is
-the prelude's HIP path (``_Float16``). Grids come from the native executor's own
-:func:`~batchgpu.executors.native.launch_grid` and launch checks, with H100-like attributes except
-a small maximum grid, so that split grids run at small sizes. Kernels without barriers run their
-threads as plain calls. Shared
-libraries are cached by source hash under the pytest cache directory.
+``__syncthreads()`` (and at lane exchanges), so block-level barriers and ``__shared__`` memory (static
+storage, one block at a time) behave as on a GPU; between barriers the threads run in turn, forward or
+backward alternately, so a missing barrier shows up as wrong results (checked: removing the one in
+``bg_tree``'s loop fails 14 tests); float16 is the prelude's HIP path (``_Float16``). Grids come from
+the native executor's own :func:`~batchgpu.executors.native.launch_grid` and launch checks, with
+H100-like attributes except a small maximum grid, so that split grids run at small sizes. Kernels
+without barriers run their threads as plain calls. Shared libraries are cached by source hash under the
+pytest cache directory.
 """
 
 from __future__ import annotations
