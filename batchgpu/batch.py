@@ -604,8 +604,16 @@ class GpuCommandBatch:
         and ``scalars`` to record the expected outputs. See :func:`batchgpu.export.export_webgpu`."""
         from .export.webgpu import export_webgpu
 
-        options = {"features": features, "outputs": outputs, "tolerance": tolerance, "gpu_kernels": gpu_kernels}
-        return export_webgpu(self, out_dir, feeds, scalars, **options)
+        return export_webgpu(
+            self,
+            out_dir,
+            feeds,
+            scalars,
+            features=features,
+            outputs=outputs,
+            tolerance=tolerance,
+            gpu_kernels=gpu_kernels,
+        )
 
     def release(self) -> None:
         """Free the batch's device buffers now; the batch can no longer be used."""
