@@ -31,6 +31,20 @@ def ref() -> bg.Device:
     return bg.Device("reference")
 
 
+@pytest.fixture
+def small_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shrink the kernels' per-invocation work bounds (batchgpu/ops/bounds.py) so that the chunked
+    paths (row pieces with partial results, split-K, attention over blocks of rows) run at small sizes
+    on every executor; record the batch inside the test, after this fixture ran."""
+    from batchgpu.ops import bounds
+
+    monkeypatch.setattr(bounds, "LOOP_BUDGET", 256)
+    monkeypatch.setattr(bounds, "ROW_CHUNK", 300)  # not a multiple of the 256-invocation workgroup
+    monkeypatch.setattr(bounds, "COLUMN_LIMIT", 7)
+    monkeypatch.setattr(bounds, "MATMUL_K_CHUNK", 32)
+    monkeypatch.setattr(bounds, "QUANT_BLOCK_CHUNK", 2)
+
+
 _native_devices: dict[str, bg.Device | str] = {}
 
 

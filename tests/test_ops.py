@@ -344,7 +344,7 @@ def test_many_rows_split_over_two_dims(gpu, ref):
 @pytest.mark.parametrize("op", ["sum", "mean", "max"])
 def test_long_rows_take_several_passes(gpu, ref, op):
     """Rows longer than one workgroup's chunk reduce through partials (and long columns get permuted)."""
-    from batchgpu.ops.reduce import COLUMN_LIMIT, ROW_CHUNK
+    from batchgpu.ops.bounds import COLUMN_LIMIT, ROW_CHUNK
 
     rng = np.random.default_rng(18)
     x = random_array(rng, (2, 3 * ROW_CHUNK + 5), np.float32)
@@ -354,7 +354,7 @@ def test_long_rows_take_several_passes(gpu, ref, op):
 
 
 def test_softmax_long_columns(gpu, ref):
-    from batchgpu.ops.reduce import COLUMN_LIMIT
+    from batchgpu.ops.bounds import COLUMN_LIMIT
 
     x = random_array(np.random.default_rng(19), (COLUMN_LIMIT + 3, 2, 3), np.float32)
     check(gpu, ref, [x], lambda b, t: b.softmax(t, axis=0), np.float32)

@@ -13,6 +13,7 @@ import numpy as np
 from ..dtypes import compute_dtype
 from ..kernels import DEFAULT_WORKGROUP, Launch, pack_struct, wgsl_aliases
 from ..tensor import Storage, Tensor, contiguous_strides
+from . import bounds
 from .common import check_rank, groups_for, reads, uniform, writes
 from .layout import strided_copy
 from .spec import Node, OpSpec, check_dtype, normalize_axis
@@ -78,16 +79,6 @@ class _Meta:
         return f"array of shape {self.shape}"
 
 
-ROW_CHUNK = DEFAULT_WORKGROUP * 256
-"""Elements one workgroup reduces in one pass; longer rows take extra passes over partials. Keeps
-every invocation's loop short (llvmpipe caps loops near 65,535 iterations) and spreads long rows
-over many workgroups."""
-
-COLUMN_LIMIT = 4096
-"""Longest reduced extent walked by one thread in the column kernels; longer ones are permuted into
-rows first."""
-
-
 def _reduce_lower(node: Node, name: str) -> list[Launch]:
     (x,), out = node.inputs, node.output
     axes = reduce_axes(name, x, node.params.get("axis"))
@@ -97,7 +88,7 @@ def _reduce_lower(node: Node, name: str) -> list[Launch]:
     launches: list[Launch] = []
     source = x
     contiguous_run = axes == tuple(range(axes[0], axes[-1] + 1))
-    if not contiguous_run or (inner > 1 and r > COLUMN_LIMIT):
+    if not contiguous_run or (inner > 1 and r > bounds.COLUMN_LIMIT):
         source, launch = move_axes_last(node, x, axes)
         launches.append(launch)
         r = math.prod(x.shape[a] for a in axes)
@@ -112,12 +103,12 @@ def _row_passes(node: Node, name: str, source: Tensor, outer: int, r: int) -> li
     out = node.output
     scale = 1.0 / r
     launches = []
-    while r > ROW_CHUNK:
-        chunks = math.ceil(r / ROW_CHUNK)
+    while r > bounds.ROW_CHUNK:
+        chunks = math.ceil(r / bounds.ROW_CHUNK)
         partial_dtype = compute_dtype(source.dtype)
         storage = node.new_scratch(outer * chunks * partial_dtype.itemsize, partial_dtype)
         op = "sum" if name == "mean" else name
-        launches.append(_reduce_launch(op, source, storage, partial_dtype, outer, r, 1, 1.0, chunk=ROW_CHUNK))
+        launches.append(_reduce_launch(op, source, storage, partial_dtype, outer, r, 1, 1.0, chunk=bounds.ROW_CHUNK))
         source = Tensor(
             (outer, chunks), partial_dtype, storage, device=source.device, batch=source.batch, name=f"{name}.partials"
         )
@@ -219,7 +210,7 @@ def _softmax_lower(node: Node) -> list[Launch]:
     (x,), out = node.inputs, node.output
     axis = normalize_axis("softmax", node.params.get("axis", -1), x.ndim, x)
     outer, r, inner = three_way(x.shape, axis, axis)
-    if inner == 1 or r <= COLUMN_LIMIT:
+    if inner == 1 or r <= bounds.COLUMN_LIMIT:
         return [row_or_column_launch("softmax", "softmax", x, out.storage, out.dtype, outer, r, inner)]
     # Long columns: permute the axis last, softmax rows in scratch, permute back into the output.
     rows, to_rows = move_axes_last(node, x, (axis,))
