@@ -7,11 +7,13 @@ import logging
 from .batch import GpuCommandBatch, default_device
 from .device import Device
 from .errors import (
+    ArgumentError,
     BatchError,
     CompileError,
     DeviceError,
     DeviceMismatchError,
     DTypeError,
+    ExportError,
     LimitError,
     NotExecutedError,
     ShapeError,
@@ -29,12 +31,14 @@ logging.getLogger("batchgpu").addHandler(logging.NullHandler())  # compile event
 
 __all__ = [
     "OPS",
+    "ArgumentError",
     "BatchError",
     "CompileError",
     "DTypeError",
     "Device",
     "DeviceError",
     "DeviceMismatchError",
+    "ExportError",
     "GpuCommandBatch",
     "Kernel",
     "LimitError",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +13,9 @@ import numpy as np
 
 from . import profiling
 from .device import Device
-from .dtypes import FLOATS, as_dtype, host_array
+from .dtypes import FLOATS, as_dtype, host_copy
 from .errors import (
+    ArgumentError,
     BatchError,
     DeviceError,
     DeviceMismatchError,
@@ -26,14 +27,14 @@ from .errors import (
 from .executors.base import Execution, Plan
 from .kernels import Kernel
 from .limits import check_launch
-from .memory import BufferPlan, share_buffers
-from .ops import OPS, Node
+from .memory import BufferPlan, share_buffers, stateful_storages
+from .ops import OPS, Node, OpSpec
 from .ops.custom import normalize_grid, pack_scalars
 from .ops.elementwise import BINARY, UNARY
 from .profiling import Profile
 from .scalars import MAX_SCALARS, SCALAR_FORMATS, Scalar, check_value
 from .scalars import resolve as resolve_scalars
-from .tensor import Storage, Tensor
+from .tensor import QuantTensor, Storage, Tensor, as_shape
 
 Number = int | float | np.number
 Operand = Tensor | Number
@@ -79,7 +80,12 @@ class GpuCommandBatch:
     _names = itertools.count()
 
     def __init__(self, device: Device | None = None, *, name: str = "") -> None:
-        self.device = device or default_device()
+        if device is not None and not isinstance(device, Device):
+            raise ArgumentError(
+                f"GpuCommandBatch: device must be a batchgpu.Device (e.g. bg.Device({device!r})) or None for "
+                f"the default device, got {type(device).__name__}"
+            )
+        self.device = device if device is not None else default_device()
         self.name = name or f"batch{next(self._names)}"
         self._nodes: list[Node] = []
         self._storages: list[Storage] = []
@@ -119,7 +125,7 @@ class GpuCommandBatch:
 
         float64/int64 data is refused unless ``dtype`` asks for a cast."""
         self._check_open("upload")
-        array = host_array(data, dtype, what=f"upload {name}".strip()).copy()  # later edits of data don't leak in
+        array = host_copy(data, dtype, what=f"upload {name}".strip())  # later edits of data don't leak in
         self.device.check_storable(f"upload {name}".strip(), array.shape, array.dtype)
         tensor = self._new_tensor(array.shape, array.dtype, "input", name or f"input{self._recorded}")
         self._host[tensor.storage] = self._dirty[tensor.storage] = array
@@ -128,22 +134,24 @@ class GpuCommandBatch:
     def empty(self, shape: Sequence[int] | int, dtype: Any = np.float32, *, name: str = "") -> Tensor:
         """An uninitialized tensor for custom kernels to write into."""
         self._check_open("empty")
-        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        shape = as_shape(shape, what=f"empty {name}".strip())
         resolved = as_dtype(dtype, what="empty")
         self.device.check_storable(f"empty {name}".strip(), shape, resolved)
         return self._new_tensor(shape, resolved, "output", name or f"empty{self._recorded}")
 
-    def scalar(self, name: str, dtype: str = "u32", value: int | float = 0) -> Scalar:
-        """A per-execute value (``"u32"``, ``"i32"`` or ``"f32"``) that ops such as ``rope`` and
-        ``attention`` read; set it with ``execute(scalars={name: value})``."""
+    def scalar(self, name: str, dtype: Any = "u32", value: int | float = 0) -> Scalar:
+        """A per-execute value (``"u32"``, ``"i32"`` or ``"f32"``, or the numpy dtypes uint32, int32,
+        float32) that ops such as ``rope`` and ``attention`` read; set it with
+        ``execute(scalars={name: value})``."""
         self._check_open("scalar")
+        if not isinstance(name, str) or not name:
+            raise ArgumentError(f"scalar: name must be a non-empty str, got {name!r}")
         if name in self._scalars:
             raise BatchError(f"scalar: batch {self.name!r} already declares a scalar named {name!r}")
-        if dtype not in SCALAR_FORMATS:
-            raise DTypeError(f"scalar {name!r}: dtype {dtype!r} is not one of {', '.join(SCALAR_FORMATS)}")
+        kind = _scalar_kind(name, dtype)
         if len(self._scalars) >= MAX_SCALARS:
             raise LimitError(f"scalar {name!r}: a batch holds at most {MAX_SCALARS} scalars")
-        declared = Scalar(name, dtype, len(self._scalars), self)
+        declared = Scalar(name, kind, len(self._scalars), self)
         self._scalar_values[name] = check_value(declared, value)
         self._scalars[name] = declared
         return declared
@@ -170,8 +178,8 @@ class GpuCommandBatch:
     tanh = _unary("tanh")
     sigmoid = _unary("sigmoid")
     relu = _unary("relu")
-    gelu = _unary("gelu")
     silu = _unary("silu")
+    gelu_tanh = _unary("gelu_tanh")
     copy = _unary("copy")
     add = _binary("add")
     sub = _binary("sub")
@@ -181,6 +189,14 @@ class GpuCommandBatch:
     minimum = _binary("minimum")
 
     silu_mul = _binary("silu_mul")
+
+    def gelu(self, x: Tensor, approximate: str = "none") -> Tensor:
+        """GELU with ``torch.nn.functional.gelu``'s signature: ``"none"`` (default) is the exact
+        ``x * Phi(x)`` (erf), ``"tanh"`` the tanh approximation."""
+        ops = {"none": "gelu", "tanh": "gelu_tanh"}
+        if approximate not in ops:
+            raise ArgumentError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+        return self._record(ops[approximate], (x,))
 
     def matmul(
         self,
@@ -215,7 +231,7 @@ class GpuCommandBatch:
 
     def reshape(self, x: Tensor, *shape: int | Sequence[int]) -> Tensor:
         """Same data, new shape (one dim may be -1): a free view, no copy."""
-        flat = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)) else shape
+        flat = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         return self._record("reshape", (x,), shape=flat)
 
     def permute(self, x: Tensor, axes: Sequence[int]) -> Tensor:
@@ -299,7 +315,7 @@ class GpuCommandBatch:
         """Run a custom :class:`Kernel` over ``grid`` workgroups. ``buffers`` are bound read_write at
         bindings 0..n-1 and written in place; ``scalars`` form one uniform struct at binding n."""
         if not isinstance(kernel, Kernel):
-            raise BatchError(f"launch: expected a batchgpu.Kernel, got {type(kernel).__name__}")
+            raise ArgumentError(f"launch: expected a batchgpu.Kernel, got {type(kernel).__name__}")
         grid3 = normalize_grid(kernel, grid)
         packed = pack_scalars(kernel, scalars)
         self._record("launch", tuple(buffers), kernel=kernel, grid=grid3, scalars=tuple(scalars), packed_scalars=packed)
@@ -313,6 +329,7 @@ class GpuCommandBatch:
         spec = OPS[op]
         constants: list[tuple[Storage, np.ndarray]] = []
         inputs = tuple(self._operand(op, i, value, operands, constants) for i, value in enumerate(operands))
+        _check_quantized_operands(spec, inputs)
         inferred = spec.infer(inputs, params)
         outputs = tuple(
             self._output(op, spec.view, inputs, shape, dtype, i)
@@ -365,12 +382,17 @@ class GpuCommandBatch:
             self._check_member(op, argument, value)
             return value
         if op == "launch":  # buffers are written in place: a scalar would silently become a constant
-            raise BatchError(f"{op}: {argument} must be a Tensor, got {type(value).__name__}")
+            raise ArgumentError(f"{op}: {argument} must be a Tensor, got {type(value).__name__}")
+        if isinstance(value, np.ndarray) or hasattr(value, "__array__") or isinstance(value, (list, tuple)):
+            raise ArgumentError(
+                f"{op}: {argument} is a {type(value).__name__} of shape {np.shape(value)}, not a Tensor; upload it "
+                f"first: batch.upload(array) (a batch input) or Device.tensor(array) (resident weights)"
+            )
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-            raise BatchError(f"{op}: {argument} must be a Tensor or a Python scalar, got {type(value).__name__}")
+            raise ArgumentError(f"{op}: {argument} must be a Tensor or a Python scalar, got {type(value).__name__}")
         partner = next((o for o in operands if isinstance(o, Tensor)), None)
         if partner is None:
-            raise BatchError(f"{op}: at least one operand must be a Tensor")
+            raise ArgumentError(f"{op}: at least one operand must be a Tensor")
         array = _scalar_array(op, argument, value, partner)
         storage = Storage(array.nbytes, "const", array.dtype)
         constants.append((storage, array))
@@ -397,9 +419,9 @@ class GpuCommandBatch:
 
     def execute(
         self,
-        feeds: Mapping[Tensor, Any] | None = None,
+        feeds: Mapping[Tensor, Any] | Iterable[tuple[Tensor, Any]] | None = None,
         *,
-        scalars: Mapping[str, int | float] | None = None,
+        scalars: Mapping[str, int | float] | Iterable[tuple[str, int | float]] | None = None,
         profile: bool = False,
     ) -> None:
         """Upload new inputs and scalar values, encode every op and the readback copies, submit once;
@@ -407,18 +429,19 @@ class GpuCommandBatch:
         ``profile=True`` also times every dispatch (see :meth:`profile`)."""
         self._check_open("execute")
         session = profiling.start(self, profile)
-        feeds = self._validate_feeds(feeds or {})
-        scalar_values = resolve_scalars(self._scalars, self._scalar_values, scalars or {})
+        feeds = self._validate_feeds(feeds)
+        scalar_values = resolve_scalars(self._scalars, self._scalar_values, _as_mapping(scalars, "execute: scalars"))
         executor = self.device.executor
         plan = self._plan
-        if plan is None:  # a new plan has new buffers: every input and constant is uploaded again
+        if plan is None:  # a new plan has new buffers: inputs and constants are uploaded, state is carried
             planning = time.perf_counter()
             keep = self._storages if self._declared is None else self._declared
             self._buffers = share_buffers(self._nodes, self._storages, keep)
             plan = executor.plan(
                 self._nodes, self._buffers.storages, tuple(self._scalars.values()), aliases=self._buffers.aliases
             )
-            writes = {**self._host, **self._dirty, **feeds}
+            carried = self._carry_state(plan)
+            writes = {**{s: a for s, a in self._host.items() if s not in carried}, **self._dirty, **feeds}
             if session is not None:
                 session.span("plan", planning)
         else:
@@ -428,7 +451,7 @@ class GpuCommandBatch:
             if self._profiled is not None:
                 self._profiled.settle()  # read its timestamps before its readback buffer is recycled
             self._execution.abandon()
-            self._execution = self._executed_plan = None
+            self._execution = None
         extra = profiling.run_kwargs(executor, session)  # {} unless profiling
         self._execution = executor.run(plan, list(writes.items()), readback, scalar_values, **extra)
         self._scalar_values = scalar_values
@@ -440,11 +463,24 @@ class GpuCommandBatch:
             session.finish()
             self._profiled = session
 
+    def _carry_state(self, plan: Plan) -> frozenset[Storage]:
+        """Copy the device contents of every storage whose data lives from one execute to the next (a KV
+        cache in ``batch.empty``, an input a custom kernel updates in place) from the last executed plan
+        into the new ``plan``; returns those storages, whose host copies must not overwrite them."""
+        executed = self._executed_plan
+        if executed is None:
+            return frozenset()
+        state = stateful_storages(self._nodes, self._storages)
+        carried = frozenset(s for s in state if self._births[s.id] < self._executed_mark)
+        if carried:
+            self.device.executor.carry(executed, plan, sorted(carried, key=lambda s: s.id))
+        return carried
+
     async def execute_async(
         self,
-        feeds: Mapping[Tensor, Any] | None = None,
+        feeds: Mapping[Tensor, Any] | Iterable[tuple[Tensor, Any]] | None = None,
         *,
-        scalars: Mapping[str, int | float] | None = None,
+        scalars: Mapping[str, int | float] | Iterable[tuple[str, int | float]] | None = None,
         profile: bool = False,
     ) -> None:
         """``execute()`` for asyncio code: submits and returns; await ``read`` for results."""
@@ -461,12 +497,14 @@ class GpuCommandBatch:
         one track for host recording/encoding, one for the GPU ops. Returns the path."""
         return self.profile().save_trace(path)
 
-    def _validate_feeds(self, feeds: Mapping[Tensor, Any]) -> dict[Storage, np.ndarray]:
+    def _validate_feeds(self, feeds: Any) -> dict[Storage, np.ndarray]:
         validated = {}
-        for tensor, data in feeds.items():
+        for tensor, data in _as_mapping(feeds, "execute: feeds").items():
             if not isinstance(tensor, Tensor) or tensor.batch is not self or tensor.storage.kind != "input":
-                raise BatchError(f"execute: feed key {tensor!r} is not an input (from upload) of batch {self.name!r}")
-            array = host_array(data, what=f"execute feed {tensor.name}")
+                raise ArgumentError(
+                    f"execute: feed key {tensor!r} is not an input (from upload) of batch {self.name!r}"
+                )
+            array = host_copy(data, what=f"execute feed {tensor.name}")  # later edits of data don't leak in
             if array.dtype != tensor.dtype:
                 raise DTypeError(
                     f"execute: feed for {tensor.describe()} has dtype {array.dtype.name}, expected {tensor.dtype.name}"
@@ -486,7 +524,7 @@ class GpuCommandBatch:
         self._check_open("outputs")
         for tensor in tensors:
             if not isinstance(tensor, Tensor):
-                raise BatchError(f"outputs: expected Tensors, got {type(tensor).__name__}")
+                raise ArgumentError(f"outputs: expected Tensors, got {type(tensor).__name__}")
             self._check_member("outputs", "tensor", tensor)
             if tensor.resident:
                 raise BatchError(f"outputs: {tensor.describe()} is resident (read it with Device.read), not an output")
@@ -526,8 +564,10 @@ class GpuCommandBatch:
 
     async def read(self, tensor: Tensor) -> np.ndarray:
         """The tensor's value after the latest execute, as a numpy array; awaits the GPU without
-        blocking the event loop."""
+        blocking the event loop (resident tensors and their views are read with a blocking copy)."""
         storage = self._check_readable(tensor)
+        if storage.kind == "resident":
+            return self._read_resident(tensor)
         assert self._executed_plan is not None and self._execution is not None
         try:
             flat = await self.device.executor.read(self._executed_plan, self._execution, storage)
@@ -538,12 +578,22 @@ class GpuCommandBatch:
     def read_sync(self, tensor: Tensor) -> np.ndarray:
         """Blocking ``read``."""
         storage = self._check_readable(tensor)
+        if storage.kind == "resident":
+            return self._read_resident(tensor)
         assert self._executed_plan is not None and self._execution is not None
         try:
             flat = self.device.executor.read_sync(self._executed_plan, self._execution, storage)
         except DeviceError as exc:
             raise DeviceError(f"read {tensor.describe()} of batch {self.name!r}: {exc}") from None
         return self._finish_read(tensor, flat)
+
+    def _read_resident(self, tensor: Tensor) -> np.ndarray:
+        """A resident tensor, or a batch view of one (``reshape(w)``): its device contents now, which
+        follow every execute submitted so far."""
+        if tensor.resident:
+            return self.device.read(tensor)
+        flat = self.device.executor.read_resident(tensor.storage)
+        return flat[: tensor.size].reshape(tensor.shape).copy()
 
     def _finish_read(self, tensor: Tensor, flat: np.ndarray) -> np.ndarray:
         if tensor.storage not in self._wanted:
@@ -554,26 +604,27 @@ class GpuCommandBatch:
     def _check_readable(self, tensor: Tensor) -> Storage:
         self._check_open("read")
         if not isinstance(tensor, Tensor):
-            raise BatchError(f"read: expected a Tensor, got {type(tensor).__name__}")
+            raise ArgumentError(f"read: expected a Tensor, got {type(tensor).__name__}")
         self._check_member("read", "tensor", tensor)
-        if tensor.resident:
+        if tensor.storage.kind == "resident":
             used = any(t.storage is tensor.storage for node in self._nodes for t in node.inputs)
             if not used:
                 raise BatchError(f"read: {tensor.describe()} is not used by batch {self.name!r}; use Device.read")
             if self._executed_mark < 0:
                 raise NotExecutedError(f"read: batch {self.name!r} was never executed; call execute() first")
-        elif self._executed_mark < 0:
+            return tensor.storage
+        if self._executed_mark < 0:
             raise NotExecutedError(
                 f"read: {tensor.describe()} was not executed: batch {self.name!r} was never executed; "
                 f"call execute() first"
             )
-        elif tensor.storage in self._shared():  # by the executed plan, whatever outputs() says since
+        if tensor.storage in self._shared():  # by the executed plan, whatever outputs() says since
             raise BatchError(
                 f"read: {tensor.describe()} is an intermediate of batch {self.name!r}, whose buffer other "
                 f"intermediates reuse since batch.outputs(...) was declared; add it to batch.outputs (and "
                 f"execute) to read it"
             )
-        elif self._births[tensor.storage.id] >= self._executed_mark:
+        if self._births[tensor.storage.id] >= self._executed_mark:
             raise NotExecutedError(
                 f"read: {tensor.describe()} was recorded after the last execute() of batch {self.name!r}; execute again"
             )
@@ -624,6 +675,46 @@ class GpuCommandBatch:
         self._record_spans.clear()
         self._profiled = None
         self._released = True
+
+
+def _check_quantized_operands(spec: OpSpec, inputs: Sequence[Tensor]) -> None:
+    """Packed quantized blocks may only reach the operand positions whose kernels dequantize them."""
+    for index, tensor in enumerate(inputs):
+        if isinstance(tensor, QuantTensor) and index not in spec.quantized:
+            readers = ", ".join(f"{s.name} (input {list(s.quantized)})" for s in OPS.values() if s.quantized)
+            raise DTypeError(
+                f"{spec.name}: input {index} {tensor.describe()} holds packed {tensor.qtype} blocks, which "
+                f"{spec.name} cannot read; quantized weights go to: {readers}. Read the float32 values with "
+                f"Device.read(w) and upload them to use them elsewhere"
+            )
+
+
+def _scalar_kind(name: str, dtype: Any) -> str:
+    """The scalar format name (``"u32"``, ``"i32"``, ``"f32"``) of a dtype given by short or numpy name."""
+    if isinstance(dtype, str) and dtype in SCALAR_FORMATS:
+        return dtype
+    try:
+        resolved = as_dtype(dtype, what=f"scalar {name!r}")
+    except DTypeError:
+        resolved = None
+    kind = {np.dtype(np.uint32): "u32", np.dtype(np.int32): "i32", np.dtype(np.float32): "f32"}.get(resolved)
+    if kind is None:
+        raise DTypeError(f"scalar {name!r}: dtype {dtype!r} is not one of {', '.join(SCALAR_FORMATS)}")
+    return kind
+
+
+def _as_mapping(value: Any, what: str) -> Mapping:
+    """``value`` as a mapping: a mapping itself, None (empty) or (key, value) pairs."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return value
+    try:
+        return dict(value)
+    except (TypeError, ValueError):
+        raise ArgumentError(
+            f"{what} must be a mapping or (key, value) pairs, got {type(value).__name__} {value!r:.80}"
+        ) from None
 
 
 def _scalar_array(op: str, argument: str, value: Number, partner: Tensor) -> np.ndarray:

@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 
 from .dtypes import SUPPORTED, as_dtype, host_array
-from .errors import BatchError, DeviceMismatchError, DTypeError, LimitError, ShapeError
+from .errors import ArgumentError, BatchError, DeviceMismatchError, DTypeError, LimitError, ShapeError, UnsupportedError
 from .executors import Executor, Stats, create_executor
 from .interop import device_name, foreign_array, foreign_device
 from .limits import Limits
-from .quant import to_device_words
-from .tensor import QuantTensor, Storage, Tensor
+from .quant import block_bytes, dequantize_words, to_device_words
+from .tensor import QuantTensor, Storage, Tensor, as_shape
 
 ENV_DEVICE = "BATCHGPU_DEVICE"
 
@@ -84,18 +84,35 @@ class Device:
 
         ``data`` may also be a device array (``__dlpack__`` / ``__cuda_array_interface__``: a torch CUDA
         tensor, a CuPy array) on the same CUDA/ROCm device as a native ``Device("cuda")`` /
-        ``Device("hip")``: it is copied device to device, without a host round trip."""
+        ``Device("hip")``: it is copied device to device, without a host round trip. A resident batchgpu
+        tensor of another device is copied through the host (device to device between native devices)."""
         self.check_thread("Device.tensor")
+        if isinstance(data, Tensor) and not (data.resident and self._same_native_kind(data.device)):
+            data = self._host_copy_of(data, name)
         where = foreign_device(data)
         if where is not None:
             return self._tensor_from_device(data, where, dtype, name)
         if hasattr(data, "__dlpack__") and not hasattr(data, "__array__"):
-            data = np.from_dlpack(data)  # host memory shared through DLPack only (a reference-device tensor)
+            data = np.from_dlpack(data)  # host memory shared through DLPack only
         array = host_array(data, dtype, what=f"Device.tensor {name}".strip())
         self.check_storable(f"Device.tensor {name}".strip(), array.shape, array.dtype)
         storage = Storage(array.nbytes, "resident", array.dtype)
         self.executor.alloc_resident(storage, array)
         return Tensor(array.shape, array.dtype, storage, device=self, name=name)
+
+    def _same_native_kind(self, other: Device) -> bool:
+        return self.kind in ("cuda", "hip") and other.kind == self.kind
+
+    @staticmethod
+    def _host_copy_of(tensor: Tensor, name: str) -> np.ndarray:
+        """A resident tensor's values (of this or another device) read to the host; batch tensors have no
+        value outside their batch."""
+        if not tensor.resident:
+            raise ArgumentError(
+                f"Device.tensor {name}: {tensor.describe()} is a batch tensor; read its value with "
+                f"batch.read_sync(t) and pass that array"
+            )
+        return tensor.device.read(tensor)
 
     def _tensor_from_device(self, data: Any, where: tuple[int, int | None], dtype: Any, name: str) -> Tensor:
         """Device.tensor of device memory: checks, then the executor's device-to-device copy."""
@@ -135,15 +152,19 @@ class Device:
         return Tensor(foreign.shape, foreign.dtype, storage, device=self, name=name)
 
     def quantized(self, blocks: Any, qtype: str, shape: tuple[int, int], *, name: str = "") -> QuantTensor:
-        """Upload a (rows, K) matrix given as GGUF block bytes (``"q4_1"`` or ``"q8_0"``) once; kernels
-        read the blocks and dequantize in registers."""
+        """Upload a (rows, K) matrix given as GGUF block bytes (``"q4_1"`` or ``"q8_0"``; a uint8 array,
+        ``bytes`` or ``memoryview``, as GGUF readers hand them out) once; kernels read the blocks and
+        dequantize in registers."""
         self.check_thread("Device.quantized")
-        rows, cols = (int(e) for e in shape)
-        words = to_device_words(np.asarray(blocks), qtype, (rows, cols))
-        self.check_storable(f"Device.quantized {name}".strip(), words.shape, words.dtype)
+        what = f"Device.quantized {name}".strip()
+        dims = as_shape(shape, what=what)
+        if len(dims) != 2 or min(dims) <= 0:
+            raise ShapeError(f"{what}: shape must be (rows, K) with positive extents, got {shape!r}")
+        words = to_device_words(block_bytes(blocks, what), qtype, dims)
+        self.check_storable(what, words.shape, words.dtype)
         storage = Storage(words.nbytes, "resident", words.dtype)
         self.executor.alloc_resident(storage, words)
-        return QuantTensor((rows, cols), storage, qtype.lower(), device=self, name=name)
+        return QuantTensor(dims, storage, qtype.lower(), device=self, name=name)
 
     def _check_resident(self, what: str, tensor: Tensor) -> None:
         self.check_thread(what)
@@ -157,6 +178,10 @@ class Device:
     def write(self, tensor: Tensor, data: Any) -> None:
         """Overwrite a resident tensor with new data of the same shape and dtype."""
         self._check_resident("Device.write", tensor)
+        if isinstance(tensor, QuantTensor):
+            raise UnsupportedError(
+                f"Device.write: {tensor.describe()} holds packed blocks; upload new blocks with Device.quantized"
+            )
         array = host_array(data, what=f"Device.write {tensor.name}")
         if array.dtype != tensor.dtype:
             raise DTypeError(
@@ -167,7 +192,10 @@ class Device:
         self.executor.write_resident(tensor.storage, array)
 
     def read(self, tensor: Tensor) -> np.ndarray:
-        """Copy a resident tensor to a numpy array (blocking)."""
+        """Copy a resident tensor to a numpy array (blocking); quantized weights come back dequantized to
+        float32, the values their kernels compute with."""
         self._check_resident("Device.read", tensor)
         flat = self.executor.read_resident(tensor.storage)
+        if isinstance(tensor, QuantTensor):
+            return dequantize_words(flat, tensor.qtype, tensor.shape)
         return flat[: tensor.size].reshape(tensor.shape)

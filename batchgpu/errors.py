@@ -7,6 +7,11 @@ class BatchError(Exception):
     """Base class of every batchgpu error."""
 
 
+class ArgumentError(BatchError, TypeError):
+    """An argument of the wrong kind: not a Tensor where one is needed, a resident tensor where a batch
+    tensor is needed, a numpy array where a Tensor is needed, malformed feeds or scalars."""
+
+
 class ShapeError(BatchError, ValueError):
     """An op got tensors whose shapes do not fit together."""
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .dtypes import WGSL_COMPUTE_TYPE, WGSL_TYPE
-from .errors import BatchError
+from .errors import ArgumentError, BatchError
 
 if TYPE_CHECKING:
     from .tensor import Storage
@@ -60,7 +60,21 @@ class Kernel:
             )
         self.name = name or entry
         self.reference = reference
-        parsed = workgroup_size or parse_workgroup_size(wgsl, entry)
+        parsed = parse_workgroup_size(wgsl, entry)
+        if workgroup_size is not None:
+            given = _pad3(as_sizes(workgroup_size, f"Kernel {self.name!r}: workgroup_size"))
+            if parsed is not None and _pad3(parsed) != given:
+                raise ArgumentError(
+                    f"Kernel {self.name!r}: workgroup_size={tuple(workgroup_size)} contradicts the source's "
+                    f"@workgroup_size of {entry!r}, {_pad3(parsed)}"
+                )
+            parsed = given
+        elif parsed is None and find_workgroup_size(wgsl, entry) is not None:
+            raise ArgumentError(
+                f"Kernel {self.name!r}: cannot read the @workgroup_size({find_workgroup_size(wgsl, entry)}) of "
+                f"{entry!r} (only literals and override/const names with literal values are read); pass "
+                f"workgroup_size=(x, y, z): limits are checked and native devices launch blocks of that size"
+            )
         self.workgroup_size: tuple[int, int, int] | None = _pad3(parsed) if parsed else None
         self.workgroup_bytes = parse_workgroup_bytes(wgsl)
 
@@ -75,33 +89,57 @@ def _pad3(size: Sequence[int]) -> tuple[int, int, int]:
 
 _WORKGROUP_SIZE = r"@workgroup_size\(\s*([^)]*)\)"
 _ENTRY = r"(?:@\w+(?:\([^)]*\))?\s*)*fn\s+{entry}\s*\("
+_NAMED_VALUE = re.compile(r"\b(?:override|const)\s+(\w+)\s*(?::\s*\w+\s*)?=\s*(\d+)[ui]?\s*;")
+
+
+def find_workgroup_size(source: str, entry: str) -> str | None:
+    """The text inside ``entry``'s ``@workgroup_size(...)``, or None when the entry is not found."""
+    pattern = _WORKGROUP_SIZE + r"\s*" + _ENTRY.format(entry=re.escape(entry))
+    match = re.search(pattern, source)
+    return match.group(1) if match else None
 
 
 def parse_workgroup_size(source: str, entry: str) -> tuple[int, ...] | None:
-    """The literal ``@workgroup_size`` of ``entry``, or None when it is not a literal."""
-    pattern = _WORKGROUP_SIZE + r"\s*" + _ENTRY.format(entry=re.escape(entry))
-    match = re.search(pattern, source)
-    if not match:
+    """``entry``'s ``@workgroup_size``: literals, or override/const names declared with a literal value
+    (the value a pipeline gets when no constant is passed); None when the entry is missing or a size is
+    an expression."""
+    text = find_workgroup_size(source, entry)
+    if text is None:
         return None
-    parts = [p.strip().rstrip("ui") for p in match.group(1).split(",") if p.strip()]
-    if not all(p.isdigit() for p in parts):
-        return None
-    return tuple(int(p) for p in parts)
+    named = dict(_NAMED_VALUE.findall(source))
+    sizes = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        value = named.get(part, part).rstrip("ui")
+        if not value.isdigit():
+            return None
+        sizes.append(int(value))
+    return tuple(sizes)
+
+
+def as_sizes(sizes: Sequence[int] | int, what: str) -> tuple[int, ...]:
+    """1 to 3 positive ints (an int is one size)."""
+    dims = (sizes,) if isinstance(sizes, int) else tuple(sizes)
+    if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+        raise ArgumentError(f"{what} must be 1 to 3 positive ints, got {sizes!r}")
+    return dims
 
 
 _SCALAR_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2}
 _WORKGROUP_ARRAY = re.compile(
-    r"var\s*<\s*workgroup\s*>\s*\w+\s*:\s*array\s*<\s*(?:vec([234])\s*<\s*)?(f32|i32|u32|f16)\s*>?\s*,\s*(\d+)[ui]?\s*>"
+    r"var\s*<\s*workgroup\s*>\s*\w+\s*:\s*array\s*<\s*(?:vec([234])\s*<\s*)?(f32|i32|u32|f16)\s*>?\s*,\s*(\w+?)[ui]?\s*>"
 )
 
 
 def parse_workgroup_bytes(source: str) -> int:
-    """Bytes of workgroup memory declared as literal-sized arrays of scalars or vectors."""
+    """Bytes of workgroup memory declared as arrays of scalars or vectors sized by a literal or by an
+    override/const name with a literal value."""
+    named = dict(_NAMED_VALUE.findall(source))
     total = 0
     for lanes, scalar, count in _WORKGROUP_ARRAY.findall(source):
         width = int(lanes or 1)
         stride = _SCALAR_BYTES[scalar] * (4 if width == 3 else width)
-        total += stride * int(count)
+        value = named.get(count, count)
+        total += stride * int(value) if value.isdigit() else 0
     return total
 
 

@@ -40,6 +40,16 @@ class BufferPlan:
         return sum(s.nbytes for s in self.storages)
 
 
+def stateful_storages(nodes: Sequence[Node], storages: Collection[Storage]) -> frozenset[Storage]:
+    """Storages whose device contents carry from one execute to the next: ``batch.empty`` tensors (no op
+    produces them) and every storage an op writes in place (KV caches, custom kernels' buffers)."""
+    produced = {t.storage for node in nodes if not node.spec.view for t in node.outputs}
+    owned = set(storages)
+    in_place = {s for node in nodes for s in node.written() if s in owned and s not in produced}
+    empties = {s for s in owned if s.kind == "output" and s not in produced}
+    return frozenset(empties | in_place)
+
+
 def lifetimes(nodes: Sequence[Node], keep: Collection[Storage]) -> dict[Storage, tuple[int, int]]:
     """(first, last) node index of every storage that may share a buffer."""
     spans: dict[Storage, tuple[int, int]] = {}

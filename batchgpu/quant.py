@@ -11,6 +11,7 @@ Device layout, 4-byte aligned so WGSL reads whole words:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,20 @@ def quant_format(qtype: str) -> QuantFormat:
         return FORMATS[qtype.lower()]
     except (KeyError, AttributeError):
         raise DTypeError(f"quantized: unknown block format {qtype!r}; expected one of {', '.join(FORMATS)}") from None
+
+
+def block_bytes(blocks: Any, what: str) -> np.ndarray:
+    """GGUF block data as a flat uint8 array: a uint8/int8 array, ``bytes``, ``bytearray`` or ``memoryview``.
+    Other dtypes are refused: casting float weights to bytes would silently make nonsense blocks."""
+    if isinstance(blocks, (bytes, bytearray, memoryview)):
+        return np.frombuffer(blocks, np.uint8)
+    array = np.asarray(blocks)
+    if array.dtype not in (np.dtype(np.uint8), np.dtype(np.int8)):
+        raise DTypeError(
+            f"{what}: blocks must be the GGUF block bytes (uint8 array, bytes or memoryview), got an array of "
+            f"dtype {array.dtype.name}; to quantize float weights use gguf.quants.quantize(weights, type)"
+        )
+    return np.ascontiguousarray(array).view(np.uint8).reshape(-1)
 
 
 def _blocks(raw: np.ndarray, fmt: QuantFormat, shape: tuple[int, int]) -> np.ndarray:

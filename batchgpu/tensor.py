@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import ExportError
+from .errors import ArgumentError, ExportError, ShapeError
 from .interop import KDL_CPU, to_dlpack_capsule
 
 if TYPE_CHECKING:
@@ -89,16 +89,31 @@ class Tensor:
     def __repr__(self) -> str:
         return f"Tensor({self.describe()})"
 
+    # numpy defers to the Tensor's reflected operators (``array + t`` calls ``t.__radd__``), which
+    # refuse arrays with a clear error instead of numpy building an object array of Tensors.
+    __array_ufunc__ = None
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise ArgumentError(
+            f"np.asarray: {self.describe()} is a handle, not host data; read it with "
+            + ("Device.read(t)" if self.resident else "batch.read_sync(t) (or await batch.read(t))")
+        )
+
     def __getitem__(self, key: Any) -> Tensor:
         return self._require_batch("[]").slice(self, key)
 
-    def _require_batch(self, op: str) -> GpuCommandBatch:
-        if self.batch is None:
-            raise TypeError(f"{op}: {self.describe()} is resident; record ops through a GpuCommandBatch")
-        return self.batch
+    def _require_batch(self, op: str, other: Any = None) -> GpuCommandBatch:
+        """The batch that records ``op``: this tensor's, else the other operand's."""
+        batch = self.batch if self.batch is not None else (other.batch if isinstance(other, Tensor) else None)
+        if batch is None:
+            raise ArgumentError(
+                f"{op}: {self.describe()} is resident on the device; record ops on it through a batch "
+                f"(batch.{op}(...)) or combine it with a tensor of a batch"
+            )
+        return batch
 
     def _binary(self, op: str, other: Any, *, reverse: bool = False) -> Tensor:
-        batch = self._require_batch(op)
+        batch = self._require_batch(op, other)
         left, right = (other, self) if reverse else (self, other)
         return getattr(batch, op)(left, right)
 
@@ -219,6 +234,17 @@ class QuantTensor(Tensor):
 
     def describe(self) -> str:
         return f"{self.name} (resident {self.qtype}, shape {self.shape})"
+
+
+def as_shape(shape: Any, *, what: str) -> tuple[int, ...]:
+    """A shape given as an int or a sequence of ints (numpy ints too) as a tuple; anything else (floats,
+    strings, bools, nested sequences) raises ShapeError naming ``what``."""
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else shape
+    if isinstance(dims, (str, bytes)) or not isinstance(dims, (tuple, list, np.ndarray)):
+        raise ShapeError(f"{what}: shape must be an int or a sequence of ints, got {shape!r}")
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) for d in dims):
+        raise ShapeError(f"{what}: shape {tuple(dims)!r} must hold ints only")
+    return tuple(int(d) for d in dims)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -3,6 +3,11 @@ same model, measured in one run on one machine, with the bandwidth floor of each
 
     python benchmarks/decode.py [--tokens 8] [--device wgpu] [--json out.json]
 
+Timed window: the decode steps after the first one. Prefill, recording, pipeline compiles and the
+first decode step (which records and first runs the decode batch) are warm-up and excluded; each
+decoder reports the median and the mean of its steady steps. The machine's 1-minute load average is
+printed beside the figures (the host is shared: compare decoders measured in the same run).
+
 The floor is the weight bytes one token must read divided by the measured host memory bandwidth
 (bytes read plus written per second by a numpy copy of a 256 MiB buffer): no decode that reads every
 weight once can beat it.
@@ -13,7 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import statistics
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 
 import numpy as np
@@ -70,29 +78,48 @@ class NumpyDecoder:
             h = h + w[b + "ffn_down.weight"] @ (g / (1 + np.exp(-g)) * u)
         return int(np.argmax(w["token_embd.weight"] @ self._rms(h, w["output_norm.weight"])))
 
-    def generate(self, prompt: list[int], tokens: int) -> tuple[list[int], float]:
+    def generate(self, prompt: list[int], tokens: int) -> tuple[list[int], list[float]]:
+        """Greedy ids and the seconds of each token after the first (the prompt's steps run first)."""
         for pos, token in enumerate(prompt[:-1]):
             self.step(token, pos)
-        token, pos, ids = prompt[-1], len(prompt) - 1, []
-        started = None
-        for _ in range(tokens):
-            token = self.step(token, pos)
-            pos += 1
-            ids.append(token)
-            if started is None:
-                started = time.perf_counter()
-        return ids, (time.perf_counter() - started) / max(tokens - 1, 1)
+        token, pos = prompt[-1], len(prompt) - 1
+
+        def tokens_out() -> Iterator[int]:
+            nonlocal token, pos
+            for _ in range(tokens):
+                token = self.step(token, pos)
+                pos += 1
+                yield token
+
+        return steady_steps(tokens_out())
 
 
-def batchgpu_decode(device: bg.Device, quantized: bool, tokens: int) -> tuple[list[int], float, int]:
+def steady_steps(ids: Iterator[int]) -> tuple[list[int], list[float]]:
+    """Consume a token stream; time each token after the second: the first comes from the prompt, the
+    second from the first decode step (recording, compiles, first run), both warm-up."""
+    out, steps, last = [], [], 0.0
+    for token in ids:
+        now = time.perf_counter()
+        if len(out) >= 2:
+            steps.append(now - last)
+        out.append(token)
+        last = now
+    return out, steps
+
+
+def batchgpu_decode(device: bg.Device, quantized: bool, tokens: int) -> tuple[list[int], list[float], int]:
     model = Llama(device, quantized=quantized, max_context=128)
     weight_bytes = sum(t.nbytes for t in model.params.values())
-    ids, started = [], None
-    for token in model.generate(PROMPT, tokens):
-        ids.append(token)
-        if started is None:
-            started = time.perf_counter()  # decode time excludes prefill, recording and compiles
-    return ids, (time.perf_counter() - started) / max(tokens - 1, 1), weight_bytes
+    ids, steps = steady_steps(model.generate(PROMPT, tokens))
+    return ids, steps, weight_bytes
+
+
+def load_average() -> float:
+    """The machine's 1-minute load average (NaN where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return math.nan
 
 
 def copy_bandwidth() -> float:
@@ -108,40 +135,50 @@ def copy_bandwidth() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=10, help="greedy tokens (timed: all but the first two)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
+    if args.tokens < 3:
+        parser.error("--tokens must be at least 3: the first two tokens are warm-up")
     device = bg.Device(args.device)
     bandwidth = copy_bandwidth()
     rows = []
-    numpy_ids, numpy_s = (decoder := NumpyDecoder(GGUFWeights(smollm2_path()))).generate(PROMPT, args.tokens)
-    rows.append(("numpy fp32 (baseline)", numpy_ids, numpy_s, decoder.weight_bytes()))
+    load_before = load_average()
+    numpy_ids, numpy_steps = (decoder := NumpyDecoder(GGUFWeights(smollm2_path()))).generate(PROMPT, args.tokens)
+    rows.append(("numpy fp32 (baseline)", numpy_ids, numpy_steps, decoder.weight_bytes(), load_average()))
     del decoder
     for quantized in (False, True):
-        ids, seconds, nbytes = batchgpu_decode(device, quantized, args.tokens)
-        rows.append((f"batchgpu {'Q4_1/Q8_0' if quantized else 'fp32'}", ids, seconds, nbytes))
+        ids, steps, nbytes = batchgpu_decode(device, quantized, args.tokens)
+        rows.append((f"batchgpu {'Q4_1/Q8_0' if quantized else 'fp32'}", ids, steps, nbytes, load_average()))
 
-    print(f"SmolLM2-135M decode, {args.tokens} tokens after a {len(PROMPT)}-token prompt")
+    print(f"SmolLM2-135M decode, {args.tokens} tokens after a {len(PROMPT)}-token prompt; timed: tokens 3..")
     print(f"date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}; device: {device.name}")
-    print(f"host memory bandwidth (numpy copy, read + write): {bandwidth / 1e9:.1f} GB/s\n")
-    print("| decoder | ms/token | tokens/s | weight MB/token | floor ms/token | x numpy |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"host memory bandwidth (numpy copy, read + write): {bandwidth / 1e9:.1f} GB/s")
+    print(f"load average (1 min) before: {load_before:.2f} on {os.cpu_count()} CPUs\n")
+    columns = "ms/token (median) | ms/token (mean) | tokens/s | weight MB/token | floor ms/token | x numpy | load"
+    print(f"| decoder | {columns} |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    numpy_median = statistics.median(numpy_steps)
     results = []
-    for name, ids, seconds, nbytes in rows:
+    for name, ids, steps, nbytes, load in rows:
+        median, mean = statistics.median(steps), statistics.fmean(steps)
         floor = nbytes / bandwidth
         print(
-            f"| {name} | {seconds * 1e3:.1f} | {1 / seconds:.2f} | {nbytes / 1e6:.0f} | {floor * 1e3:.1f} | "
-            f"{numpy_s / seconds:.2f} |"
+            f"| {name} | {median * 1e3:.1f} | {mean * 1e3:.1f} | {1 / median:.2f} | {nbytes / 1e6:.0f} | "
+            f"{floor * 1e3:.1f} | {numpy_median / median:.2f} | {load:.2f} |"
         )
         results.append(
             {
                 "decoder": name,
                 "ids": ids,
-                "ms_per_token": seconds * 1e3,
+                "ms_per_token_median": median * 1e3,
+                "ms_per_token_mean": mean * 1e3,
+                "steps_ms": [s * 1e3 for s in steps],
                 "weight_bytes": nbytes,
                 "floor_ms": floor * 1e3,
+                "load_average": load,
             }
         )
     same = all(r[1] == rows[0][1] for r in rows)
@@ -152,16 +189,17 @@ def main() -> None:
 
 
 def decode_tokens_per_s(device: bg.Device, quick: bool = False) -> dict[str, float]:
-    """Decode tokens/s for ``python -m batchgpu bench``: batchgpu with quantized weights (and fp32 and
-    the numpy baseline unless ``quick``), after a 5-token prompt; 3 tokens when quick, else 8."""
-    tokens = 3 if quick else 8
+    """Decode tokens/s (median step) for ``python -m batchgpu bench``: batchgpu with quantized weights
+    (and fp32 and the numpy baseline unless ``quick``), after a 5-token prompt; 4 tokens when quick,
+    else 10, the first two of each untimed (warm-up)."""
+    tokens = 4 if quick else 10
     figures = {}
     if not quick:
-        _, seconds = NumpyDecoder(GGUFWeights(smollm2_path())).generate(PROMPT, tokens)
-        figures["numpy fp32"] = 1 / seconds
+        _, steps = NumpyDecoder(GGUFWeights(smollm2_path())).generate(PROMPT, tokens)
+        figures["numpy fp32"] = 1 / statistics.median(steps)
     for quantized in (True,) if quick else (False, True):
-        _, seconds, _ = batchgpu_decode(device, quantized, tokens)
-        figures[f"batchgpu {'Q4_1/Q8_0' if quantized else 'fp32'}"] = 1 / seconds
+        _, steps, _ = batchgpu_decode(device, quantized, tokens)
+        figures[f"batchgpu {'Q4_1/Q8_0' if quantized else 'fp32'}"] = 1 / statistics.median(steps)
     return figures
 
 

@@ -290,8 +290,16 @@ def _limit_cases(limits: bg.Limits) -> dict[str, tuple[bg.Kernel, object, int, i
             "max_compute_workgroup_size_z",
             z_max + 1,
         ),
-        "workgroup_size_argument": (
-            bg.Kernel(_limit_kernel(), workgroup_size=(x_max + 1,)),
+        "workgroup_size_argument": (  # a size the source spells as an expression is taken from the argument
+            bg.Kernel(_limit_kernel("64u * 1u"), workgroup_size=(x_max + 1,)),
+            1,
+            1,
+            0,
+            "max_compute_workgroup_size_x",
+            x_max + 1,
+        ),
+        "workgroup_size_override": (  # an override constant's default value is the size
+            bg.Kernel(_limit_kernel("WG", extra=f"override WG: u32 = {x_max + 1}u;")),
             1,
             1,
             0,
@@ -362,6 +370,7 @@ LIMIT_CASES = [
     "workgroup_size_y",
     "workgroup_size_z",
     "workgroup_size_argument",
+    "workgroup_size_override",
     "invocations",
     "grid_x",
     "grid_y",
@@ -399,20 +408,32 @@ def test_bad_launch_arguments(dev: bg.Device, rng: np.random.Generator) -> None:
     batch = bg.GpuCommandBatch(dev)
     x, y, _, _, _ = record_saxpy(batch, rng, 100)
     kernel = saxpy_kernel()
-    with fails(batch, bg.BatchError, "launch", "Kernel", "str"):
+    with fails(batch, bg.ArgumentError, "launch", "Kernel", "str"):
         batch.launch(SAXPY, 2, buffers=[x, y], scalars=[1.0, 100])
-    with fails(batch, bg.BatchError, "launch", "buffers[1]", "float"):
+    with fails(batch, bg.ArgumentError, "launch", "buffers[1]", "float"):
         batch.launch(kernel, 2, buffers=[x, 2.0], scalars=[1.0, 100])
-    with fails(batch, bg.BatchError, "launch", "buffers[0]", "ndarray"):
+    with fails(batch, bg.ArgumentError, "launch", "buffers[0]", "ndarray"):
         batch.launch(kernel, 2, buffers=[np.ones(100, np.float32), y], scalars=[1.0, 100])
-    with fails(batch, bg.BatchError, "saxpy", "scalars[1]", "'100'"):
+    with fails(batch, bg.ArgumentError, "saxpy", "scalars[1]", "'100'"):
         batch.launch(kernel, 2, buffers=[x, y], scalars=[1.0, "100"])
-    with fails(batch, bg.BatchError, "saxpy", "scalars[0]", "True"):
+    with fails(batch, bg.ArgumentError, "saxpy", "scalars[0]", "True"):
         batch.launch(kernel, 2, buffers=[x, y], scalars=[True, 100])
+    with fails(batch, bg.DTypeError, "saxpy", "scalars[1]", str(2**40), "u32"):
+        batch.launch(kernel, 2, buffers=[x, y], scalars=[1.0, 2**40])
+    with fails(batch, bg.DTypeError, "saxpy", "scalars[1]", "i32"):
+        batch.launch(kernel, 2, buffers=[x, y], scalars=[1.0, -(2**31) - 1])
+    with fails(batch, bg.DTypeError, "saxpy", "scalars[0]", "f32"):
+        batch.launch(kernel, 2, buffers=[x, y], scalars=[1e39, 100])
+    with fails(batch, bg.ArgumentError, "saxpy", "scalars", "list"):
+        batch.launch(kernel, 2, buffers=[x, y], scalars=1.0)
     with fails(batch, bg.LimitError, "saxpy", "grid", "below 1"):
         batch.launch(kernel, 0, buffers=[x, y], scalars=[1.0, 100])
     with fails(batch, bg.LimitError, "saxpy", "grid", "1 to 3"):
         batch.launch(kernel, (1, 1, 1, 1), buffers=[x, y], scalars=[1.0, 100])
+    with fails(batch, bg.LimitError, "saxpy", "grid", "2.5"):
+        batch.launch(kernel, 2.5, buffers=[x, y], scalars=[1.0, 100])
+    with fails(batch, bg.LimitError, "saxpy", "grid", "(2, 1.0)"):
+        batch.launch(kernel, (2, 1.0), buffers=[x, y], scalars=[1.0, 100])
     other = bg.GpuCommandBatch(dev, name="elsewhere")
     stranger = other.upload(random_array(rng, (100,), np.float32), name="stranger")
     with fails(batch, bg.DeviceMismatchError, "launch", "buffers[1]", "stranger", "elsewhere"):

@@ -360,17 +360,19 @@ def test_bad_feeds(dev: bg.Device, rng: np.random.Generator) -> None:
         b.execute({probe.x: random_array(rng, (5, 7), np.int32)})
     with fails(b, bg.DTypeError, "execute", "probe_x", "float64"):
         b.execute({probe.x: rng.standard_normal((5, 7))})
-    with fails(b, bg.BatchError, "execute", probe.s.name, "not an input"):
+    with fails(b, bg.ArgumentError, "execute", probe.s.name, "not an input"):
         b.execute({probe.s: random_array(rng, (5, 7), np.float32)})
     resident = dev.tensor(random_array(rng, (5, 7), np.float32), name="resident_w")
-    with fails(b, bg.BatchError, "execute", "resident_w", "not an input"):
+    with fails(b, bg.ArgumentError, "execute", "resident_w", "not an input"):
         b.execute({resident: random_array(rng, (5, 7), np.float32)})
     other = bg.GpuCommandBatch(dev)
     foreign = other.upload(random_array(rng, (5, 7), np.float32), name="foreign_in")
-    with fails(b, bg.BatchError, "execute", "foreign_in", b.name):
+    with fails(b, bg.ArgumentError, "execute", "foreign_in", b.name):
         b.execute({foreign: random_array(rng, (5, 7), np.float32)})
-    with fails(b, bg.BatchError, "execute", "'probe_x'", "not an input"):
+    with fails(b, bg.ArgumentError, "execute", "'probe_x'", "not an input"):
         b.execute({"probe_x": random_array(rng, (5, 7), np.float32)})
+    with fails(b, bg.ArgumentError, "execute", "feeds", "mapping", "int"):
+        b.execute(3)
     # a rejected feed uploads nothing: a good execute still sees the old inputs
     b.execute()
     assert_close(b.read_sync(probe.s), probe.xa + probe.ya)
@@ -441,12 +443,14 @@ def test_zero_size_shapes(dev: bg.Device, rng: np.random.Generator) -> None:
 
 def test_operands_that_are_not_tensors(dev: bg.Device, rng: np.random.Generator) -> None:
     b, probe = new_batch(dev, rng)
-    with fails(b, bg.BatchError, "add", "at least one operand must be a Tensor"):
+    with fails(b, bg.ArgumentError, "add", "at least one operand must be a Tensor"):
         b.add(1.0, 2.0)
-    with fails(b, bg.BatchError, "mul", "b", "list"):
+    with fails(b, bg.ArgumentError, "mul", "b", "list", "upload it"):
         b.mul(probe.x, [1.0, 2.0])
-    with fails(b, bg.BatchError, "add", "b", "bool"):
+    with fails(b, bg.ArgumentError, "add", "b", "bool"):
         b.add(probe.x, True)
+    with fails(b, bg.ArgumentError, "sub", "a", "ndarray", "(7,)", "upload it"):
+        b.sub(np.ones(7, np.float32), probe.x)
     probe.check()
 
 

@@ -401,10 +401,15 @@ def test_device_arrays_for_host_only_devices_say_what_to_do(ref, gpu, claim):
         ref.tensor(CaiOnly())
 
 
-def test_wgpu_tensor_given_to_another_device_is_refused_clearly(ref, gpu):
+def test_resident_tensor_given_to_another_device_is_copied_through_the_host(ref, gpu):
     t = gpu.tensor(np.arange(1, 4, dtype=np.float32))
-    with pytest.raises(bg.DeviceMismatchError, match=r"WebGPU device 0 memory.*Device\.read\(t\)"):
-        ref.tensor(t)
+    copied = ref.tensor(t)
+    assert copied.device is ref
+    np.testing.assert_array_equal(ref.read(copied), [1, 2, 3])
+    np.testing.assert_array_equal(gpu.read(gpu.tensor(copied)), [1, 2, 3])
+    batch = bg.GpuCommandBatch(gpu)
+    with pytest.raises(bg.ArgumentError, match=r"batch tensor.*read_sync"):
+        ref.tensor(batch.upload(np.ones(2, np.float32)))
 
 
 # --- device memory: torch / CuPy on Device("cuda") (skip without a CUDA device) -------------------------

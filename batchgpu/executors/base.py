@@ -161,6 +161,11 @@ class Executor(ABC):
         batch's declared scalars."""
 
     @abstractmethod
+    def carry(self, source: Plan, target: Plan, storages: Sequence[Storage]) -> None:
+        """Copy the device contents of ``storages`` from ``source``'s buffers into ``target``'s, ordered
+        after the work already submitted: a batch planned anew after executes keeps its state."""
+
+    @abstractmethod
     def run(
         self,
         plan: Plan,

@@ -22,7 +22,7 @@ Nothing here has run on a GPU yet (see README, "Native CUDA and HIP").
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import math
@@ -47,6 +47,7 @@ from ..scalars import SCALAR_BYTES, Scalar
 from ..scalars import pack as pack_scalars
 from ..tensor import Storage
 from .base import Execution, Executor, Plan, ReadbackLayout, Stats, alias_buffers
+from .blocking import BlockingWorker, wait_future
 from .native_timing import EventTimer
 
 if TYPE_CHECKING:
@@ -531,10 +532,13 @@ class NativeExecution(Execution):
         self.layout = layout
         self.event: int | None = event
         self.results: dict[Storage, np.ndarray] | None = None
+        self.waiting: concurrent.futures.Future | None = None  # an async read's wait, on the executor's worker
 
     def abandon(self) -> None:
         if self.results is not None or self.event is None:
             return
+        if self.waiting is not None and not self.waiting.done():
+            return  # the worker still waits on the event: leave it and the buffer to the garbage collector
         if self.staging is not None:
             self.staging.event = self.event  # the buffer owns the event now: reusable once it is done
             self.allocator.release(self.staging)
@@ -575,6 +579,7 @@ class NativeExecutor(Executor):
         self.stats = Stats()
         self.poison = poison
         self.graphs = os.environ.get(ENV_GRAPHS, "1") != "0"
+        self.waits = BlockingWorker(f"batchgpu-{vendor}-readback")  # event waits of async reads
         stream = ctypes.c_void_p()
         drv.check(drv.stream_create(ctypes.byref(stream), STREAM_NON_BLOCKING), "stream create")
         self.stream = int(stream.value or 0)
@@ -729,6 +734,14 @@ class NativeExecutor(Executor):
         drv.check(drv.memset_d8_async(scalars_buffer.pointer, 0, SCALAR_BYTES, self.stream), "scalar buffer fill")
         packed = [self._pack(launch, buffers, scalars_buffer) for launch in launches]
         return NativePlan(buffers, packed, scalars_buffer, tuple(scalars))
+
+    def carry(self, source: Plan, target: Plan, storages: Sequence[Storage]) -> None:
+        assert isinstance(source, NativePlan) and isinstance(target, NativePlan)
+        self.make_current()
+        for storage in storages:
+            old, new = source.buffers[storage], target.buffers[storage]
+            size = min(old.nbytes, new.nbytes)
+            self.driver.check(self.driver.memcpy_dtod_async(new.pointer, old.pointer, size, self.stream), "carry")
 
     def _pack(self, launch: Launch, buffers: dict[Storage, DeviceBuffer], scalars_buffer: DeviceBuffer) -> PackedLaunch:
         grid, dynamic = check_native_launch(launch, self.attrs)
@@ -890,16 +903,24 @@ class NativeExecutor(Executor):
         if not any(s is storage for s, *_ in execution.layout.copies):
             execution = self._extra_execution(plan, storage)
         if execution.results is None:
-            self._wait(execution)
-            execution.results = self._copy_out(execution)
+            if execution.waiting is not None:  # an async read's wait (perhaps cancelled) is in flight
+                execution.waiting.result()
+            else:
+                self._wait(execution)
+            if execution.results is None:
+                execution.results = self._copy_out(execution)
         return execution.results[storage]
 
     async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
+        """Waits for the execute's event on the executor's worker thread, which keeps waiting if this
+        await is cancelled (a later read gets the result)."""
         assert isinstance(plan, NativePlan) and isinstance(execution, NativeExecution)
         if not any(s is storage for s, *_ in execution.layout.copies):
             execution = self._extra_execution(plan, storage)
         if execution.results is None:
-            await asyncio.get_running_loop().run_in_executor(None, self._wait, execution)
+            if execution.waiting is None:
+                execution.waiting = self.waits.submit(self._wait, execution)
+            await wait_future(execution.waiting)
             if execution.results is None:
                 execution.results = self._copy_out(execution)
         return execution.results[storage]

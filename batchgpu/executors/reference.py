@@ -88,6 +88,10 @@ class ReferenceExecutor(Executor):
                     arrays[tensor.storage] = self._resident[tensor.storage]
         return ReferencePlan(nodes, arrays)
 
+    def carry(self, source: Plan, target: Plan, storages: Sequence[Storage]) -> None:
+        for storage in storages:
+            target.arrays[storage][:] = source.arrays[storage]  # type: ignore[attr-defined]
+
     def run(
         self,
         plan: Plan,

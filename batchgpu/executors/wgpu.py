@@ -7,7 +7,7 @@ encoder, and submits once. Readback maps one pooled staging buffer per execute.
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import logging
 import os
 import tempfile
@@ -31,6 +31,7 @@ from ..scalars import pack as pack_scalars
 from ..shaders import render_wgsl
 from ..tensor import Storage
 from .base import Execution, Executor, Plan, ReadbackLayout, Stats, alias_buffers
+from .blocking import BlockingWorker, wait_future
 from .wgpu_timing import GpuTimer
 
 if TYPE_CHECKING:
@@ -95,8 +96,9 @@ def choose_adapter(wgpu: Any, adapter: Any = None) -> Any:
 class StagingPool:
     """MAP_READ staging buffers reused across executes, bucketed by power-of-two size."""
 
-    def __init__(self, device: Any, wgpu: Any, stats: Stats, max_idle_per_size: int = 4) -> None:
+    def __init__(self, device: Any, wgpu: Any, stats: Stats, limit: int, max_idle_per_size: int = 4) -> None:
         self._device = device
+        self.limit = limit  # largest staging buffer: the device's max_buffer_size
         self._usage = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
         self._idle: dict[int, list[Any]] = {}
         self._stats = stats
@@ -104,6 +106,8 @@ class StagingPool:
 
     def acquire(self, nbytes: int) -> Any:
         size = max(256, 1 << (nbytes - 1).bit_length())
+        if size > self.limit:  # the power-of-two bucket would exceed the limit: exact size, still pooled
+            size = -(-nbytes // 4) * 4
         bucket = self._idle.get(size)
         if bucket:
             self._stats.staging_idle -= 1
@@ -209,17 +213,36 @@ class WgpuPlan(Plan):
 
 
 class WgpuExecution(Execution):
-    def __init__(self, pool: StagingPool, staging: Any, layout: ReadbackLayout) -> None:
+    """One submit's readback: the staging buffers (parts of the layout's byte range, each at most the
+    pool's limit) and, once mapped and copied out, the results."""
+
+    def __init__(self, pool: StagingPool, parts: list[tuple[Any, int, int]], layout: ReadbackLayout) -> None:
         self.pool = pool
-        self.staging = staging
+        self.parts = parts  # (staging buffer, first byte of the layout it holds, bytes)
         self.layout = layout
         self.results: dict[Storage, np.ndarray] | None = None
-        self.fetching: asyncio.Future | None = None
+        self.mapping: concurrent.futures.Future | None = None  # an async read's map, on the executor's worker
 
     def abandon(self) -> None:
-        if self.staging is not None and self.fetching is None and self.results is None:
-            self.pool.release(self.staging)
-            self.staging = None
+        if self.mapping is None and self.results is None:
+            for buffer, _, _ in self.parts:
+                self.pool.release(buffer)
+        self.parts = []  # a mapping in flight finishes on its own; its buffers are then dropped
+
+
+def staging_parts(layout: ReadbackLayout, limit: int) -> list[tuple[int, int]]:
+    """(first byte, bytes) spans covering the layout's copies, each at most ``limit`` bytes and holding
+    whole copies: one staging buffer per span."""
+    parts: list[tuple[int, int]] = []
+    start = end = 0
+    for _, _, offset, size in layout.copies:
+        if offset + size - start > limit and end > start:
+            parts.append((start, end - start))
+            start = offset
+        end = offset + size
+    if end > start:
+        parts.append((start, end - start))
+    return parts
 
 
 class WgpuExecutor(Executor):
@@ -243,7 +266,8 @@ class WgpuExecutor(Executor):
         self.poison = poison
         self.pipelines = PipelineCache(self.device, wgpu, self.stats)
         self.pipelines.disk.open(chosen, driver_cache)
-        self.staging = StagingPool(self.device, wgpu, self.stats)
+        self.staging = StagingPool(self.device, wgpu, self.stats, self.limits.max_buffer_size)
+        self.waits = BlockingWorker("batchgpu-wgpu-readback")  # maps staging buffers for async reads
         self.pipelines.lost = self.check_alive
         self.lost_reason: str | None = None  # set once the device is known to be lost or destroyed
         self._resident: dict[int, Any] = {}  # storage id -> buffer
@@ -329,8 +353,8 @@ class WgpuExecutor(Executor):
     def read_resident(self, storage: Storage) -> np.ndarray:
         self.check_alive("Device.read")
         buffer = self._resident[storage.id]
-        execution = self._submit_copies([(storage, buffer, 0, buffer.size)], buffer.size)
-        return self._map_sync(execution)[storage]
+        execution = self._submit_copies(ReadbackLayout([(storage, buffer, 0, buffer.size)], buffer.size))
+        return self.collect(execution)[storage]
 
     # planning ---------------------------------------------------------------------------------
 
@@ -410,6 +434,15 @@ class WgpuExecutor(Executor):
             self.check_alive(f"{launch.label}: binding buffers", probe=True)
             raise DeviceError(f"{launch.label}: binding buffers failed ({launch.describe()}): {exc}") from None
 
+    def carry(self, source: Plan, target: Plan, storages: Sequence[Storage]) -> None:
+        assert isinstance(source, WgpuPlan) and isinstance(target, WgpuPlan)
+        self.check_alive("execute")
+        encoder = self.device.create_command_encoder()
+        for storage in storages:
+            old, new = source.buffers[storage], target.buffers[storage]
+            encoder.copy_buffer_to_buffer(old, 0, new, 0, min(old.size, new.size))
+        self._submit(encoder)
+
     # execution --------------------------------------------------------------------------------
 
     def run(
@@ -443,15 +476,13 @@ class WgpuExecutor(Executor):
         layout = plan.readback_layout(readback)
         if timer:
             layout = timer.extend_readback(encoder, layout)
-        execution = self._encode_copies(encoder, layout.copies, layout.total, layout)
+        execution = self._encode_copies(encoder, layout)
         if timer:
             timer.encoded()
         try:
             self._submit(encoder)
         except DeviceError as exc:
-            if execution.staging is not None:
-                self.staging.release(execution.staging)
-                execution.staging = None
+            execution.abandon()
             culprit = self._failing_dispatch(plan)
             if culprit is None:
                 raise
@@ -461,13 +492,14 @@ class WgpuExecutor(Executor):
         self.stats.dispatches += len(plan.dispatches)
         return execution
 
-    def _encode_copies(
-        self, encoder: Any, copies: list, total: int, layout: ReadbackLayout | None = None
-    ) -> WgpuExecution:
-        staging = self.staging.acquire(total) if total else None
-        for _, buffer, offset, size in copies:
-            encoder.copy_buffer_to_buffer(buffer, 0, staging, offset, size)
-        return WgpuExecution(self.staging, staging, layout or ReadbackLayout(copies, total))
+    def _encode_copies(self, encoder: Any, layout: ReadbackLayout) -> WgpuExecution:
+        parts = []
+        for start, size in staging_parts(layout, self.staging.limit):
+            parts.append((self.staging.acquire(size), start, size))
+        for _, buffer, offset, size in layout.copies:
+            staging, start, _ = next(p for p in parts if p[1] <= offset < p[1] + p[2])
+            encoder.copy_buffer_to_buffer(buffer, 0, staging, offset - start, size)
+        return WgpuExecution(self.staging, parts, layout)
 
     def _submit(self, encoder: Any) -> None:
         try:
@@ -493,72 +525,97 @@ class WgpuExecutor(Executor):
                 return f"{label}, dispatch {x}x{y}x{z}"
         return None
 
-    def _submit_copies(self, copies: list, total: int) -> WgpuExecution:
+    def _submit_copies(self, layout: ReadbackLayout) -> WgpuExecution:
         encoder = self.device.create_command_encoder()
-        execution = self._encode_copies(encoder, copies, total)
+        execution = self._encode_copies(encoder, layout)
         self._submit(encoder)
         return execution
 
     def _extra_execution(self, plan: WgpuPlan, storage: Storage) -> WgpuExecution:
         """A storage that was not in the execute's readback set: copy it in a submit of its own."""
         buffer = plan.buffers[storage]
-        return self._submit_copies([(storage, buffer, 0, buffer.size)], buffer.size)
+        return self._submit_copies(ReadbackLayout([(storage, buffer, 0, buffer.size)], buffer.size))
+
+    def _map_parts(self, execution: WgpuExecution) -> None:
+        """Map every staging part for reading, blocking until the GPU has written them. Run on the
+        executor's worker thread (no event loop there), wgpu's map promises are bound to no loop, so a
+        loop that closes meanwhile is never called back."""
+        for staging, _, size in execution.parts:
+            promise = staging.map_async("READ_NOSYNC", 0, size)
+            self._wait_settled(promise)
+            promise.sync_wait()  # runs the promise's handler (the buffer is mapped) or raises its error
+
+    def _wait_settled(self, promise: Any) -> None:
+        """Block until a map ``promise`` settles, checking twice a second that the device still lives:
+        wgpu-py's ``GPUDevice.destroy()`` stops the poll thread that settles pending maps (0.32 sets a
+        ``_thread_event`` when one settles; without it, wait in ``sync_wait``)."""
+        settled = getattr(promise, "_thread_event", None)
+        if settled is None:
+            return
+        while not settled.wait(0.5):
+            self.check_alive("read")
 
     def _copy_out(self, execution: WgpuExecution) -> dict[Storage, np.ndarray]:
         self.check_alive("read")  # a map that resolved while the device was destroyed cannot be read
-        staging = execution.staging
-        mapped = staging.read_mapped(0, execution.layout.total, copy=False)
-        results = {
-            storage: np.frombuffer(mapped, np.uint8, count=size, offset=offset).view(storage.dtype).copy()
-            for storage, _, offset, size in execution.layout.copies
-        }
-        staging.unmap()
+        results = {}
+        for staging, start, size in execution.parts:
+            mapped = staging.read_mapped(0, size, copy=False)
+            for storage, _, offset, nbytes in execution.layout.copies:
+                if start <= offset < start + size:
+                    raw = np.frombuffer(mapped, np.uint8, count=nbytes, offset=offset - start)
+                    results[storage] = raw.view(storage.dtype).copy()
+            staging.unmap()
+            execution.pool.release(staging)
         self.stats.bytes_read += execution.layout.total
-        execution.staging = None
-        execution.pool.release(staging)
+        execution.parts = []
         return results
 
-    def _map_sync(self, execution: WgpuExecution) -> dict[Storage, np.ndarray]:
+    def _mapping_failed(self, exc: BaseException) -> DeviceError:
+        self.check_alive("read", probe=True)
+        return DeviceError(f"read: mapping the staging buffer failed: {exc}")
+
+    def collect(self, execution: WgpuExecution) -> dict[Storage, np.ndarray]:
+        """The execution's results, waiting for the GPU (blocking); an async read's mapping in flight is
+        waited for, not repeated."""
         if execution.results is None:
-            if execution.fetching is not None:
-                raise DeviceError("read_sync: an async read of the same execute is in flight; await it instead")
             self.check_alive("read")
             try:
-                execution.staging.map_sync("READ_NOSYNC", 0, execution.layout.total)
+                if execution.mapping is not None:
+                    execution.mapping.result()
+                else:
+                    self._map_parts(execution)
             except Exception as exc:
-                self.check_alive("read", probe=True)
-                raise DeviceError(f"read: mapping the staging buffer failed: {exc}") from None
-            execution.results = self._copy_out(execution)
+                raise self._mapping_failed(exc) from None
+            if execution.results is None:
+                execution.results = self._copy_out(execution)
         return execution.results
 
-    async def _map_async(self, execution: WgpuExecution) -> dict[Storage, np.ndarray]:
+    async def collect_async(self, execution: WgpuExecution) -> dict[Storage, np.ndarray]:
+        """``collect`` without blocking the event loop: the staging buffers are mapped on the executor's
+        worker thread, which keeps going if this await is cancelled (a later read gets the result)."""
         if execution.results is None:
-            if execution.fetching is None:
-                execution.fetching = asyncio.ensure_future(self._fetch(execution))
-            await execution.fetching
-        assert execution.results is not None
+            self.check_alive("read")
+            if execution.mapping is None:
+                execution.mapping = self.waits.submit(self._map_parts, execution)
+            try:
+                await wait_future(execution.mapping)
+            except Exception as exc:
+                raise self._mapping_failed(exc) from None
+            if execution.results is None:
+                execution.results = self._copy_out(execution)
         return execution.results
-
-    async def _fetch(self, execution: WgpuExecution) -> None:
-        self.check_alive("read")
-        try:
-            await execution.staging.map_async("READ_NOSYNC", 0, execution.layout.total)
-        except Exception as exc:
-            self.check_alive("read", probe=True)
-            raise DeviceError(f"read: mapping the staging buffer failed: {exc}") from None
-        execution.results = self._copy_out(execution)
 
     async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
         assert isinstance(plan, WgpuPlan) and isinstance(execution, WgpuExecution)
         if not any(s is storage for s, *_ in execution.layout.copies):
             execution = self._extra_execution(plan, storage)
-        return (await self._map_async(execution))[storage]
+        return (await self.collect_async(execution))[storage]
 
     def read_sync(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
         assert isinstance(plan, WgpuPlan) and isinstance(execution, WgpuExecution)
         if not any(s is storage for s, *_ in execution.layout.copies):
             execution = self._extra_execution(plan, storage)
-        return self._map_sync(execution)[storage]
+        return self.collect(execution)[storage]
 
 
 def _decrement_live(stats: Stats) -> None:

@@ -125,7 +125,7 @@ class GpuTimer:
         self.session.gpu_pass_only = mode == "pass"
 
         def fetch() -> np.ndarray:
-            ticks = executor._map_sync(execution)[storage]
+            ticks = executor.collect(execution)[storage]
             return ticks.reshape(-1, 2).astype(np.float64) * period
 
         self.session.gpu_fetch = fetch

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BatchError, LimitError, UnsupportedError
+from ..errors import ArgumentError, BatchError, DTypeError, LimitError, UnsupportedError
 from ..kernels import Binding, Kernel, Launch
 from ..tensor import Tensor
 from .spec import Node, OpSpec
@@ -16,29 +16,48 @@ from .spec import Node, OpSpec
 
 def normalize_grid(kernel: Kernel, grid: int | Sequence[int]) -> tuple[int, int, int]:
     """A 3-tuple of positive workgroup counts."""
-    dims = (grid,) if isinstance(grid, (int, np.integer)) else tuple(grid)
-    if not 1 <= len(dims) <= 3 or not all(isinstance(d, (int, np.integer)) for d in dims):
-        raise LimitError(f"launch {kernel.name}: grid must be 1 to 3 ints, got {grid!r}")
+    integral = (int, np.integer)
+    dims = (grid,) if isinstance(grid, integral) else grid
+    if not isinstance(dims, (tuple, list)) or not 1 <= len(dims) <= 3 or not all(
+        isinstance(d, integral) and not isinstance(d, (bool, np.bool_)) for d in dims
+    ):
+        raise LimitError(f"launch {kernel.name}: grid must be an int or 1 to 3 ints, got {grid!r}")
     if any(d < 1 for d in dims):
         raise LimitError(f"launch {kernel.name}: grid {tuple(dims)} has a workgroup count below 1")
     padded = tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
     return (padded[0], padded[1], padded[2])
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 def pack_scalars(kernel: Kernel, scalars: Sequence[Any]) -> bytes:
     """Scalars as a uniform struct of 4-byte fields: float -> f32, int -> i32 (u32 above 2**31 - 1),
-    numpy scalars keep their dtype; padded to 16 bytes."""
+    numpy scalars keep their dtype; padded to 16 bytes. Values a 4-byte field cannot hold are refused."""
+    if isinstance(scalars, (str, bytes)) or not isinstance(scalars, (tuple, list)):
+        raise ArgumentError(f"launch {kernel.name}: scalars must be a list of numbers, got {scalars!r}")
     out = b""
     for i, value in enumerate(scalars):
-        if isinstance(value, (np.floating, float)):
-            out += struct.pack("<f", float(value))
-        elif isinstance(value, np.unsignedinteger) or (isinstance(value, (int, np.integer)) and value > 2**31 - 1):
-            out += struct.pack("<I", int(value))
-        elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-            out += struct.pack("<i", int(value))
-        else:
-            raise BatchError(f"launch {kernel.name}: scalars[{i}] = {value!r} is not an int or float")
+        out += _pack_scalar(kernel, i, value)
     return out + b"\0" * (-len(out) % 16)
+
+
+def _pack_scalar(kernel: Kernel, index: int, value: Any) -> bytes:
+    what = f"launch {kernel.name}: scalars[{index}] = {value!r}"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ArgumentError(f"{what} is not an int or float")
+    if isinstance(value, (np.floating, float)):
+        if abs(float(value)) > F32_MAX and np.isfinite(value):
+            raise DTypeError(f"{what} does not fit an f32 field (largest finite {F32_MAX:g})")
+        return struct.pack("<f", float(value))
+    number = int(value)
+    if isinstance(value, np.unsignedinteger) or number > 2**31 - 1:
+        if not 0 <= number <= 2**32 - 1:
+            raise DTypeError(f"{what} does not fit a u32 field (0 .. {2**32 - 1})")
+        return struct.pack("<I", number)
+    if number < -(2**31):
+        raise DTypeError(f"{what} does not fit an i32 field ({-(2**31)} .. {2**31 - 1})")
+    return struct.pack("<i", number)
 
 
 def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[None, None]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,8 +19,18 @@ from .spec import Node, OpSpec, check_dtype, same_dtype
 GELU_C = 0.7978845608028654  # sqrt(2 / pi)
 
 
-def _gelu(x: np.ndarray) -> np.ndarray:
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(GELU_C * (x + 0.044715 * x**3)))
+
+
+_erfc = np.vectorize(math.erfc, otypes=[np.float64])
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    """x * Phi(x) (torch's default ``gelu``) in float64, Phi(x) = erfc(-x / sqrt(2)) / 2 (no cancellation
+    for negative x, unlike 1 + erf), rounded to the input's float dtype."""
+    wide = x.astype(np.float64)
+    return (0.5 * wide * _erfc(-wide / math.sqrt(2.0))).astype(x.dtype)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -38,12 +49,13 @@ UNARY: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], str, str, str]] 
     "tanh": ("tanh(clamp(x, -15.0, 15.0))", np.tanh, "float", "any", "hyperbolic tangent"),
     "sigmoid": ("1.0 / (1.0 + exp(-x))", _sigmoid, "float", "any", "1 / (1 + e**-x)"),
     "relu": ("max(x, C(0))", lambda x: np.maximum(x, 0).astype(x.dtype), "all", "any", "max(x, 0)"),
-    "gelu": (
+    "gelu": ("gelu_erf(x)", _gelu, "float", "any", "GELU, exact: x * Phi(x) with erf (torch's default)"),
+    "gelu_tanh": (
         f"0.5 * x * (1.0 + tanh(clamp({GELU_C} * (x + 0.044715 * x * x * x), -15.0, 15.0)))",
-        _gelu,
+        _gelu_tanh,
         "float",
         "any",
-        "GELU, tanh approximation",
+        "GELU, tanh approximation (torch's approximate='tanh')",
     ),
     "silu": ("x / (1.0 + exp(-x))", lambda x: x * _sigmoid(x), "float", "any", "x * sigmoid(x)"),
     "copy": ("x", np.copy, "all", "any", "a copy in a new buffer"),

@@ -59,6 +59,7 @@ EMBEDDING = OpSpec(
     reference=_embedding_reference,
     lower=_embedding_lower,
     doc="table[ids] for int32 ids of any shape (ids outside the table give zero rows)",
+    quantized=(1,),  # the table may be quantized weights (QuantTensor)
 )
 
 

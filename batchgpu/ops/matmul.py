@@ -219,6 +219,7 @@ MATMUL = OpSpec(
     reference=_reference,
     lower=_lower,
     doc="a @ b (+ bias), 2-D or batched with broadcast batch dims; transpose_a / transpose_b",
+    quantized=(1,),  # b may be quantized weights (QuantTensor), dequantized in registers
 )
 
 SPECS: list[OpSpec] = [MATMUL]

@@ -39,6 +39,7 @@ class OpSpec:
     domain: str = "any"
     doc: str = ""
     inplace: tuple[int, ...] | str = ()  # inputs the op writes in place ("all" for custom kernels)
+    quantized: tuple[int, ...] = ()  # inputs that may be quantized weights (QuantTensor): their kernels dequantize
 
 
 @dataclass(eq=False)
@@ -100,7 +101,8 @@ def same_dtype(op: str, tensors: Sequence[Tensor], names: Sequence[str]) -> np.d
 
 
 def normalize_axis(op: str, axis: int, ndim: int, tensor: Tensor) -> int:
-    """Map a possibly negative axis into ``range(ndim)`` or raise ShapeError."""
-    if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < max(ndim, 1):
+    """Map a possibly negative axis into ``range(ndim)`` or raise ShapeError (a 0-d tensor has no axis,
+    as in numpy)."""
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
         raise ShapeError(f"{op}: axis {axis!r} is out of range for {tensor.describe()} (ndim {ndim})")
-    return int(axis) % max(ndim, 1)
+    return int(axis) % ndim

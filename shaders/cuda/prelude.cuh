@@ -59,6 +59,20 @@ __device__ __forceinline__ int bg_min(int x, int y) { return x < y ? x : y; }
 __device__ __forceinline__ unsigned bg_min(unsigned x, unsigned y) { return x < y ? x : y; }
 __device__ __forceinline__ float bg_clamp(float x, float lo, float hi) { return fminf(fmaxf(x, lo), hi); }
 
+// Phi(-a) = erfc(a / sqrt(2)) / 2 for a >= 0 and exact GELU x * Phi(x); mirrors normal_tail/gelu_erf
+// of shaders/wgsl/elementwise.wgsl (erfcc with exp(-a^2 / 2) split so that no rounding of a is amplified).
+__device__ __forceinline__ float bg_normal_tail(float a) {
+    float t = 1.0f / (1.0f + 0.35355339059327373f * a);
+    float poly = -1.26551223f + t * (1.00002368f + t * (0.37409196f + t * (0.09678418f + t * (-0.18628806f
+               + t * (0.27886807f + t * (-1.13520398f + t * (1.48851587f + t * (-0.82215223f + t * 0.17087277f))))))));
+    float ah = truncf(a * 256.0f) * (1.0f / 256.0f);
+    return 0.5f * t * expf(-0.5f * ah * ah) * expf(-0.5f * (a - ah) * (a + ah) + poly);
+}
+__device__ __forceinline__ float bg_gelu_erf(float x) {
+    float tail = fabsf(x) > 16.0f ? 0.0f : bg_normal_tail(fabsf(x));
+    return x * (x >= 0.0f ? 1.0f - tail : tail);
+}
+
 // The WGSL kernels' linear index over a 1-D count split across grid x and y:
 // wg.x + wg.y * num_workgroups.x, times the block size, plus the local index.
 __device__ __forceinline__ unsigned bg_block_index() { return blockIdx.x + blockIdx.y * gridDim.x; }
