@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import profiling
+from . import arguments, profiling
 from .device import Device
 from .dtypes import FLOATS, as_dtype, host_copy
 from .errors import (
@@ -86,7 +87,7 @@ class GpuCommandBatch:
                 f"the default device, got {type(device).__name__}"
             )
         self.device = device if device is not None else default_device()
-        self.name = name or f"batch{next(self._names)}"
+        self.name = arguments.text("GpuCommandBatch", "name", name) or f"batch{next(self._names)}"
         self._nodes: list[Node] = []
         self._storages: list[Storage] = []
         self._births: dict[int, int] = {}  # storage id -> record index
@@ -125,6 +126,7 @@ class GpuCommandBatch:
 
         float64/int64 data is refused unless ``dtype`` asks for a cast."""
         self._check_open("upload")
+        arguments.text("upload", "name", name)
         array = host_copy(data, dtype, what=f"upload {name}".strip())  # later edits of data don't leak in
         self.device.check_storable(f"upload {name}".strip(), array.shape, array.dtype)
         tensor = self._new_tensor(array.shape, array.dtype, "input", name or f"input{self._recorded}")
@@ -134,6 +136,7 @@ class GpuCommandBatch:
     def empty(self, shape: Sequence[int] | int, dtype: Any = np.float32, *, name: str = "") -> Tensor:
         """An uninitialized tensor for custom kernels to write into."""
         self._check_open("empty")
+        arguments.text("empty", "name", name)
         shape = as_shape(shape, what=f"empty {name}".strip())
         resolved = as_dtype(dtype, what="empty")
         self.device.check_storable(f"empty {name}".strip(), shape, resolved)
@@ -194,7 +197,7 @@ class GpuCommandBatch:
         """GELU with ``torch.nn.functional.gelu``'s signature: ``"none"`` (default) is the exact
         ``x * Phi(x)`` (erf), ``"tanh"`` the tanh approximation."""
         ops = {"none": "gelu", "tanh": "gelu_tanh"}
-        if approximate not in ops:
+        if not isinstance(approximate, str) or approximate not in ops:
             raise ArgumentError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
         return self._record(ops[approximate], (x,))
 
@@ -211,19 +214,23 @@ class GpuCommandBatch:
         transposes swap the last two dims of an operand without a copy; ``bias`` (one value per output
         column) is added in the same kernel."""
         operands = (a, b) if bias is None else (a, b, bias)
-        return self._record("matmul", operands, transpose_a=transpose_a, transpose_b=transpose_b)
+        flags = {
+            name: arguments.flag("matmul", name, value)
+            for name, value in (("transpose_a", transpose_a), ("transpose_b", transpose_b))
+        }
+        return self._record("matmul", operands, **flags)
 
     def sum(self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
         """Sum over ``axis`` (int, tuple, or None for all); integer sums wrap like int32."""
-        return self._record("sum", (x,), axis=axis, keepdims=keepdims)
+        return self._record("sum", (x,), axis=axis, keepdims=arguments.flag("sum", "keepdims", keepdims))
 
     def mean(self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
         """Mean over ``axis`` (floats only)."""
-        return self._record("mean", (x,), axis=axis, keepdims=keepdims)
+        return self._record("mean", (x,), axis=axis, keepdims=arguments.flag("mean", "keepdims", keepdims))
 
     def max(self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
         """Maximum over ``axis``."""
-        return self._record("max", (x,), axis=axis, keepdims=keepdims)
+        return self._record("max", (x,), axis=axis, keepdims=arguments.flag("max", "keepdims", keepdims))
 
     def softmax(self, x: Tensor, axis: int = -1) -> Tensor:
         """Numerically stable softmax along ``axis``."""
@@ -236,11 +243,11 @@ class GpuCommandBatch:
 
     def permute(self, x: Tensor, axes: Sequence[int]) -> Tensor:
         """Reorder axes (``numpy.transpose(x, axes)``), materialized in a new buffer."""
-        return self._record("permute", (x,), axes=tuple(axes))
+        return self._record("permute", (x,), axes=_sequence("permute", "axes", axes))
 
     def transpose(self, x: Tensor, axes: Sequence[int] | None = None) -> Tensor:
         """Reverse the axes, or permute them by ``axes``."""
-        return self._record("permute", (x,), axes=None if axes is None else tuple(axes))
+        return self._record("permute", (x,), axes=None if axes is None else _sequence("transpose", "axes", axes))
 
     def slice(self, x: Tensor, key: Any) -> Tensor:
         """``x[key]`` with ints, slices (any step) and Ellipsis; also available as ``x[key]``."""
@@ -248,7 +255,7 @@ class GpuCommandBatch:
 
     def concat(self, tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
         """Join tensors along ``axis`` (``numpy.concatenate``)."""
-        return self._record("concat", tuple(tensors), axis=axis)
+        return self._record("concat", _sequence("concat", "tensors", tensors), axis=axis)
 
     def cast(self, x: Tensor, dtype: Any) -> Tensor:
         """Convert to ``dtype`` (float to int truncates toward zero; out-of-range values saturate on GPU)."""
@@ -256,19 +263,20 @@ class GpuCommandBatch:
 
     def rms_norm(self, x: Tensor, w: Tensor, eps: float = 1e-5) -> Tensor:
         """``x / sqrt(mean(x**2, -1) + eps) * w`` per row, one workgroup reduction per row."""
-        return self._record("rms_norm", (x, w), eps=eps)
+        return self._record("rms_norm", (x, w), eps=arguments.real("rms_norm", "eps", eps))
 
     def add_rms_norm(self, x: Tensor, residual: Tensor, w: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
         """The residual add fused into the norm: returns ``(rms_norm(x + residual, w, eps), x + residual)``."""
-        return self._record("add_rms_norm", (x, residual, w), eps=eps)
+        return self._record("add_rms_norm", (x, residual, w), eps=arguments.real("add_rms_norm", "eps", eps))
 
     def layer_norm(self, x: Tensor, w: Tensor, b: Tensor, eps: float = 1e-5) -> Tensor:
         """``(x - mean) / sqrt(var + eps) * w + b`` over the last dim."""
-        return self._record("layer_norm", (x, w, b), eps=eps)
+        return self._record("layer_norm", (x, w, b), eps=arguments.real("layer_norm", "eps", eps))
 
     def rope(self, x: Tensor, pos: Scalar | int, theta: float = 10000.0) -> Tensor:
         """Rotary embedding, rotate-half convention (Llama in transformers), of ``x`` shaped
         (tokens, heads, head_dim); token t sits at position ``pos + t``."""
+        theta = arguments.real("rope", "theta", theta)
         return self._record("rope", (x,), pos=self._own_scalar("rope", pos), theta=theta)
 
     def kv_write(self, cache: Tensor, new: Tensor, pos: Scalar | int) -> Tensor:
@@ -290,6 +298,8 @@ class GpuCommandBatch:
         """Attention of ``q`` (tokens, heads, head_dim) over cache rows ``[0, pos + tokens)``; query t
         sees rows up to ``pos + t`` when causal. Grouped-query: heads a multiple of the cache's kv heads."""
         pos = self._own_scalar("attention", pos)
+        causal = arguments.flag("attention", "causal", causal)
+        scale = None if scale is None else arguments.real("attention", "scale", scale)
         return self._record("attention", (q, k_cache, v_cache), pos=pos, causal=causal, scale=scale)
 
     def embedding(self, ids: Tensor, table: Tensor) -> Tensor:
@@ -428,7 +438,7 @@ class GpuCommandBatch:
         returns without waiting for the GPU. Inputs and scalars keep their values until changed.
         ``profile=True`` also times every dispatch (see :meth:`profile`)."""
         self._check_open("execute")
-        session = profiling.start(self, profile)
+        session = profiling.start(self, arguments.flag("execute", "profile", profile))
         feeds = self._validate_feeds(feeds)
         scalar_values = resolve_scalars(self._scalars, self._scalar_values, _as_mapping(scalars, "execute: scalars"))
         executor = self.device.executor
@@ -655,6 +665,8 @@ class GpuCommandBatch:
         and ``scalars`` to record the expected outputs. See :func:`batchgpu.export.export_webgpu`."""
         from .export.webgpu import export_webgpu
 
+        if not isinstance(out_dir, (str, os.PathLike)):
+            raise ArgumentError(f"export_webgpu: out_dir must be a path, got {type(out_dir).__name__}")
         return export_webgpu(
             self,
             out_dir,
@@ -701,6 +713,13 @@ def _scalar_kind(name: str, dtype: Any) -> str:
     if kind is None:
         raise DTypeError(f"scalar {name!r}: dtype {dtype!r} is not one of {', '.join(SCALAR_FORMATS)}")
     return kind
+
+
+def _sequence(op: str, argument: str, value: Any) -> tuple:
+    """``value`` (a list or tuple) as a tuple, or ArgumentError naming the op and argument."""
+    if not isinstance(value, (list, tuple)):
+        raise ArgumentError(f"{op}: {argument} must be a list or tuple, got {type(value).__name__} {value!r:.60}")
+    return tuple(value)
 
 
 def _as_mapping(value: Any, what: str) -> Mapping:

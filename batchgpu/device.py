@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from . import arguments
 from .dtypes import SUPPORTED, as_dtype, host_array
 from .errors import ArgumentError, BatchError, DeviceMismatchError, DTypeError, LimitError, ShapeError, UnsupportedError
 from .executors import Executor, Stats, create_executor
@@ -30,6 +31,8 @@ class Device:
     """
 
     def __init__(self, kind: str | None = None, *, adapter: Any = None, poison: bool = False) -> None:
+        if kind is not None and not isinstance(kind, str):
+            raise ArgumentError(f"Device: kind must be a str such as 'wgpu' or 'reference', got {type(kind).__name__}")
         self.kind = kind or os.environ.get(ENV_DEVICE) or "wgpu"
         self.executor: Executor = create_executor(self.kind, adapter=adapter, poison=poison)
         self.thread = threading.get_ident()  # the one thread allowed to use this device and its batches
@@ -87,6 +90,7 @@ class Device:
         ``Device("hip")``: it is copied device to device, without a host round trip. A resident batchgpu
         tensor of another device is copied through the host (device to device between native devices)."""
         self.check_thread("Device.tensor")
+        arguments.text("Device.tensor", "name", name)
         if isinstance(data, Tensor) and not (data.resident and self._same_native_kind(data.device)):
             data = self._host_copy_of(data, name)
         where = foreign_device(data)
@@ -156,6 +160,8 @@ class Device:
         ``bytes`` or ``memoryview``, as GGUF readers hand them out) once; kernels read the blocks and
         dequantize in registers."""
         self.check_thread("Device.quantized")
+        arguments.text("Device.quantized", "name", name)
+        arguments.text("Device.quantized", "qtype", qtype)
         what = f"Device.quantized {name}".strip()
         dims = as_shape(shape, what=what)
         if len(dims) != 2 or min(dims) <= 0:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DTypeError, ShapeError
+from .errors import ArgumentError, DTypeError, ExportError, ShapeError
 
 # DLDeviceType (dlpack.h)
 KDL_CPU = 1
@@ -237,7 +237,7 @@ def parse_capsule(capsule: Any, *, what: str = "foreign array") -> ForeignArray:
         address = _capsule_get_pointer(capsule, VERSIONED_NAME)
         managed: Any = DLManagedTensorVersioned.from_address(address)
         if managed.version.major != 1:
-            raise BufferError(
+            raise ExportError(
                 f"{what}: DLPack capsule of version {managed.version.major}.{managed.version.minor}; "
                 f"this consumer reads major version 1"
             )
@@ -247,7 +247,7 @@ def parse_capsule(capsule: Any, *, what: str = "foreign array") -> ForeignArray:
         managed = DLManagedTensor.from_address(address)
         used, readonly = USED_NAME, False
     else:
-        raise BufferError(f"{what}: expected an unconsumed DLPack capsule ('dltensor'), got {capsule!r}")
+        raise ExportError(f"{what}: expected an unconsumed DLPack capsule ('dltensor'), got {capsule!r}")
     tensor = managed.dl_tensor
     dtype = dlpack_dtype(tensor.dtype, what=what)
     ndim = int(tensor.ndim)
@@ -263,7 +263,7 @@ def parse_capsule(capsule: Any, *, what: str = "foreign array") -> ForeignArray:
         readonly=readonly,
     )
     if _capsule_set_name(capsule, used) != 0:
-        raise BufferError(f"{what}: could not mark the DLPack capsule as consumed")
+        raise ExportError(f"{what}: could not mark the DLPack capsule as consumed")
     array._finalizer = weakref.finalize(array, _call_deleter, address, managed.deleter)
     return array
 
@@ -302,15 +302,15 @@ def parse_cuda_array_interface(interface: Any, *, owner: Any = None, what: str =
     """Read a ``__cuda_array_interface__`` dict (versions 2 and 3; masks are refused). ``owner``
     (the producer object) is kept alive until release: the protocol has no other lifetime."""
     if not isinstance(interface, dict):
-        raise TypeError(f"{what}: __cuda_array_interface__ must be a dict, got {type(interface).__name__}")
+        raise ArgumentError(f"{what}: __cuda_array_interface__ must be a dict, got {type(interface).__name__}")
     version = interface.get("version")
     if version not in (2, 3):
-        raise BufferError(f"{what}: __cuda_array_interface__ version {version!r} is not supported (expected 2 or 3)")
+        raise ExportError(f"{what}: __cuda_array_interface__ version {version!r} is not supported (expected 2 or 3)")
     for key in ("shape", "typestr", "data"):
         if key not in interface:
-            raise BufferError(f"{what}: __cuda_array_interface__ lacks the required entry {key!r}")
+            raise ExportError(f"{what}: __cuda_array_interface__ lacks the required entry {key!r}")
     if interface.get("mask") is not None:
-        raise BufferError(f"{what}: masked arrays (__cuda_array_interface__ 'mask') are not supported")
+        raise ExportError(f"{what}: masked arrays (__cuda_array_interface__ 'mask') are not supported")
     shape = tuple(int(e) for e in interface["shape"])
     if any(e < 0 for e in shape):
         raise ShapeError(f"{what}: __cuda_array_interface__ shape {shape} has a negative extent")
@@ -322,10 +322,10 @@ def parse_cuda_array_interface(interface: Any, *, owner: Any = None, what: str =
         raise DTypeError(f"{what}: typestr {interface['typestr']!r} is not in this machine's byte order")
     data = interface["data"]
     if not (isinstance(data, tuple | list) and len(data) == 2):
-        raise BufferError(f"{what}: __cuda_array_interface__ 'data' must be (pointer, readonly), got {data!r}")
+        raise ExportError(f"{what}: __cuda_array_interface__ 'data' must be (pointer, readonly), got {data!r}")
     pointer, readonly = int(data[0] or 0), bool(data[1])
     if pointer == 0 and math.prod(shape) != 0:
-        raise BufferError(f"{what}: __cuda_array_interface__ of shape {shape} has a null data pointer")
+        raise ExportError(f"{what}: __cuda_array_interface__ of shape {shape} has a null data pointer")
     strides = interface.get("strides")
     if strides is not None:
         strides = tuple(int(s) for s in strides)
@@ -335,7 +335,7 @@ def parse_cuda_array_interface(interface: Any, *, owner: Any = None, what: str =
     if stream is not None:
         stream = int(stream)
         if stream == 0:
-            raise BufferError(f"{what}: __cuda_array_interface__ stream 0 is disallowed (ambiguous); see the v3 spec")
+            raise ExportError(f"{what}: __cuda_array_interface__ stream 0 is disallowed (ambiguous); see the v3 spec")
     return ForeignArray(
         pointer=pointer,
         shape=shape,

@@ -49,6 +49,11 @@ class Kernel:
         cuda: str | None = None,
         cuda_entry: str | None = None,
     ) -> None:
+        if not isinstance(wgsl, str) or not isinstance(entry, str) or not isinstance(cuda, (str, type(None))):
+            raise ArgumentError(
+                f"Kernel: wgsl and entry must be str (cuda str or None), got {type(wgsl).__name__}, "
+                f"{type(entry).__name__}, {type(cuda).__name__}"
+            )
         self.wgsl = wgsl
         self.cuda = cuda
         self.entry = entry
@@ -118,7 +123,7 @@ def parse_workgroup_size(source: str, entry: str) -> tuple[int, ...] | None:
 
 def as_sizes(sizes: Sequence[int] | int, what: str) -> tuple[int, ...]:
     """1 to 3 positive ints (an int is one size)."""
-    dims = (sizes,) if isinstance(sizes, int) else tuple(sizes)
+    dims = (sizes,) if isinstance(sizes, int) else tuple(sizes) if isinstance(sizes, (tuple, list)) else ()
     if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
         raise ArgumentError(f"{what} must be 1 to 3 positive ints, got {sizes!r}")
     return dims

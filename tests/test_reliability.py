@@ -396,6 +396,28 @@ BAD_INPUTS: dict[str, tuple[Callable[[Ctx], Any], type[bg.BatchError], tuple[str
         bg.LimitError,
         ("kv_write", "kcache"),
     ),
+    "matmul flag not a bool": (
+        lambda c: c.b.matmul(c.p.x, c.p.y, transpose_b="yes"),
+        bg.ArgumentError,
+        ("matmul", "transpose_b", "'yes'"),
+    ),
+    "keepdims not a bool": (lambda c: c.b.sum(c.p.x, 0, keepdims=np.ones(2)), bg.ArgumentError, ("sum", "keepdims")),
+    "eps not a number": (
+        lambda c: c.b.rms_norm(c.p.x, c.b.upload(np.ones(7, np.float32)), eps="1e-5"),
+        bg.ArgumentError,
+        ("rms_norm", "eps", "str"),
+    ),
+    "causal not a bool": (
+        lambda c: c.b.attention(c.q1, c.kcache, c.kcache, 0, causal=(1, 2)),
+        bg.ArgumentError,
+        ("attention", "causal"),
+    ),
+    "upload name not a str": (lambda c: c.b.upload(np.ones(3, np.float32), name=3), bg.ArgumentError, ("name",)),
+    "permute axes not a sequence": (lambda c: c.b.permute(c.p.x, 1), bg.ArgumentError, ("permute", "axes", "int")),
+    "concat of a tensor": (lambda c: c.b.concat(c.p.x), bg.ArgumentError, ("concat", "tensors", "Tensor")),
+    "slice by an array": (lambda c: c.b.slice(c.p.x, np.array([0, 1])), bg.ShapeError, ("slice", "unsupported")),
+    "device kind not a str": (lambda c: bg.Device(3), bg.ArgumentError, ("Device", "kind", "int")),
+    "export to a non-path": (lambda c: c.b.export_webgpu(3.5), bg.ArgumentError, ("export_webgpu", "out_dir")),
     # execute, read, outputs
     "execute feeds not a mapping": (lambda c: c.b.execute(3), bg.ArgumentError, ("feeds", "mapping")),
     "execute scalars not a mapping": (
@@ -421,6 +443,12 @@ BAD_INPUTS: dict[str, tuple[Callable[[Ctx], Any], type[bg.BatchError], tuple[str
         lambda c: bg.Kernel("@compute @workgroup_size(64) fn main() {}", workgroup_size=(32,)),
         bg.ArgumentError,
         ("workgroup_size", "(64, 1, 1)"),
+    ),
+    "kernel source not a str": (lambda c: bg.Kernel(wgsl=3), bg.ArgumentError, ("Kernel", "wgsl")),
+    "kernel workgroup size not ints": (
+        lambda c: bg.Kernel("fn main() {}", workgroup_size=2.5),
+        bg.ArgumentError,
+        ("workgroup_size", "2.5"),
     ),
     "kernel workgroup size unreadable": (
         lambda c: bg.Kernel("const W = 8u;\n@compute @workgroup_size(W * 2u) fn main() {}"),

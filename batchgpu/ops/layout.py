@@ -118,10 +118,15 @@ PERMUTE = OpSpec(
 def slice_plan(x: Tensor, key: Any) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
     """Output shape, base offset and element strides of ``x[key]`` (ints, slices, one Ellipsis)."""
     key = key if isinstance(key, tuple) else (key,)
+    for k in key:
+        if not (
+            k is Ellipsis or isinstance(k, slice) or (isinstance(k, (int, np.integer)) and not isinstance(k, bool))
+        ):
+            raise ShapeError(f"slice: unsupported index {k!r:.60} (ints, slices and ... only) for {x.describe()}")
     if sum(k is Ellipsis for k in key) > 1:
         raise ShapeError(f"slice: at most one Ellipsis is allowed, got {key!r} for {x.describe()}")
-    if Ellipsis in key:
-        at = key.index(Ellipsis)
+    if any(k is Ellipsis for k in key):
+        at = next(i for i, k in enumerate(key) if k is Ellipsis)
         fill = x.ndim - (len(key) - 1)
         key = key[:at] + (slice(None),) * fill + key[at + 1 :]
     if len(key) > x.ndim:

@@ -1,0 +1,31 @@
+"""Checks of plain arguments of the public calls (flags, numbers, names), raising ``ArgumentError`` that
+names the call and the argument instead of whatever Python error a bad value would cause later."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import ArgumentError
+
+
+def flag(what: str, name: str, value: Any) -> bool:
+    """A bool (``True``/``False`` or a numpy bool)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentError(f"{what}: {name} must be True or False, got {type(value).__name__} {value!r:.40}")
+    return bool(value)
+
+
+def real(what: str, name: str, value: Any) -> float:
+    """A real number (int, float or a numpy number, not a bool) as a float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ArgumentError(f"{what}: {name} must be a number, got {type(value).__name__} {value!r:.40}")
+    return float(value)
+
+
+def text(what: str, name: str, value: Any) -> str:
+    """A str."""
+    if not isinstance(value, str):
+        raise ArgumentError(f"{what}: {name} must be a str, got {type(value).__name__} {value!r:.40}")
+    return value
