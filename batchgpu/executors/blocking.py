@@ -22,9 +22,7 @@ class BlockingWorker:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 

@@ -18,8 +18,10 @@ def normalize_grid(kernel: Kernel, grid: int | Sequence[int]) -> tuple[int, int,
     """A 3-tuple of positive workgroup counts."""
     integral = (int, np.integer)
     dims = (grid,) if isinstance(grid, integral) else grid
-    if not isinstance(dims, (tuple, list)) or not 1 <= len(dims) <= 3 or not all(
-        isinstance(d, integral) and not isinstance(d, (bool, np.bool_)) for d in dims
+    if (
+        not isinstance(dims, (tuple, list))
+        or not 1 <= len(dims) <= 3
+        or not all(isinstance(d, integral) and not isinstance(d, (bool, np.bool_)) for d in dims)
     ):
         raise LimitError(f"launch {kernel.name}: grid must be an int or 1 to 3 ints, got {grid!r}")
     if any(d < 1 for d in dims):
