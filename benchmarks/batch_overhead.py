@@ -9,7 +9,10 @@ the cost of getting work to it.
 
   (a)  library, one batch of all ops: ``execute()`` + ``read_sync(last)`` (steady state,
        after a warm-up execute), and ``execute()`` alone (host time of encode + submit; the GPU is
-       drained by a read outside the timed region before anything else is timed).
+       drained by a read outside the timed region before anything else is timed). This batch's
+       first record (the ``add``/``mul`` calls; built-in ops compile nothing at record) and first
+       ``execute()`` (plan: buffers, bind groups and the two pipeline compiles) are timed once
+       each, apart, in the rows labelled "first".
   (b)  library, one submit per op: ``--ops`` one-op batches recorded and planned once, each executed
        (one submit each), then ``read_sync`` of the last. Batches cannot share tensors, so each op
        reads resident tensors (``Device.tensor``) instead of the previous op's output; the GPU work
@@ -17,16 +20,20 @@ the cost of getting work to it.
   (c)  naive raw wgpu-py: per op create shader module + pipeline (no cache), buffers with the data,
        bind group, encode, submit and map the result back; the host array feeds the next op. Slow,
        so only ``--naive-ops`` ops are run and the time is scaled per op.
-  (d)  raw wgpu-py floor: pipelines and bind groups made beforehand; timed is only the loop
+  (d)  raw wgpu-py floor: pipelines and bind groups made beforehand (the buffers + bind groups timed
+       once, apart: the row labelled "once"), then one untimed warm-up run; timed is only the loop
        ``set_pipeline; set_bind_group; dispatch_workgroups`` over all ops inside one compute pass
        (host encoding), and separately the whole encode + submit + wait (map the last result);
        also the same dispatches with one encoder + submit each, then wait (the raw twin of (b)).
   rec  re-recording the chain into a fresh batch (host time of the ``add``/``mul`` calls, pipelines
-       already cached), and the first ``execute()`` after it (planning: buffers + bind groups).
+       already cached), and the first ``execute()`` after it (host time of planning: buffers + bind
+       groups, no compiles, plus encode + submit); one untimed warm-up round first.
 
 Every figure is timed once per round with ``time.perf_counter``; the ``--repeat`` rounds run all
 measurements interleaved (so a change of load on the machine hits all of them alike) and the table
-shows medians.
+shows medians. Warm-up (first records, plans, pipeline compiles, first runs) is outside every timed
+window except the rows labelled "first" or "once", which time it on purpose. The machine's 1-minute
+load average before and after the rounds is printed beside the table and written into the JSON.
 """
 
 from __future__ import annotations
@@ -53,6 +60,11 @@ try:
 except ImportError:  # running from a source checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import batchgpu as bg
+try:
+    from machine_load import load_average
+except ImportError:  # loaded by path (python -m batchgpu bench), not run as a script
+    sys.path.append(str(Path(__file__).resolve().parent))
+    from machine_load import load_average
 
 ADD_VALUE = 0.01
 MUL_VALUE = 0.99
@@ -128,8 +140,8 @@ def record_chain(dev: bg.Device, x0: np.ndarray, ops: int) -> tuple[bg.GpuComman
 
 
 def setup_library_batch(dev: bg.Device, x0: np.ndarray, ops: int) -> Bench:
-    batch, last, first_record = record_chain(dev, x0, ops)  # compiles the two pipelines
-    first_execute = timed(batch.execute)  # plans: buffers, bind groups
+    batch, last, first_record = record_chain(dev, x0, ops)  # built-in ops compile nothing at record
+    first_execute = timed(batch.execute)  # plans: buffers, bind groups, the two pipeline compiles
     check("(a)", batch.read_sync(last), numpy_chain(x0, ops))
     batch.execute()  # warm-up
     batch.read_sync(last)
@@ -151,6 +163,7 @@ def setup_rerecord(dev: bg.Device, x0: np.ndarray, ops: int) -> Bench:
         batch.release()
         return {"record_s": record, "plan_execute_s": plan}
 
+    one_round()  # warm-up: the first fresh batch's allocations stay out of the timed rounds
     return Bench({}, one_round)
 
 
@@ -335,7 +348,8 @@ def sweep(
 ) -> list[dict[str, float]]:
     """Milliseconds per batch of ``n`` chained ops for each ``n`` in ``op_counts``: (a) one batch,
     execute + read; (b) one submit per op, execute all + read the last; (c) naive raw wgpu-py (run for
-    at most ``naive_ops`` ops and scaled to ``n``). Medians of ``repeat`` interleaved rounds."""
+    at most ``naive_ops`` ops and scaled to ``n``). Medians of ``repeat`` interleaved rounds, after each
+    setup's warm-up; ``load_average`` is the machine's 1-minute load average after the row's rounds."""
     x0 = np.random.default_rng(0).standard_normal(size).astype(np.float32)
     raw_device = dev.executor.device
     rows = []
@@ -361,6 +375,7 @@ def sweep(
                 "per_op_submit_ms": 1e3 * statistics.median(samples["per_op_submit"]),
                 "naive_ms": 1e3 * statistics.median(samples["naive"]) * ops / naive,
                 "naive_ops_run": naive,
+                "load_average": load_average(),
             }
         )
     return rows
@@ -398,11 +413,13 @@ def main(argv: list[str] | None = None) -> int:
         "rerecord": setup_rerecord(dev, x0, ops),
     }
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in benches}
+    load_before = load_average()
     for _ in range(repeat):
         for name, bench in benches.items():
             gc.collect()
             for key, value in bench.one_round().items():
                 samples[name].setdefault(key, []).append(value)
+    load_after = load_average()
     medians = {
         name: {**benches[name].once, **{key: statistics.median(values) for key, values in figures.items()}}
         for name, figures in samples.items()
@@ -425,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         "rerecord": us_per_op(rec["record_s"], ops),
         "rerecord_plan": us_per_op(rec["plan_execute_s"], ops),
         "reexecute": us_per_op(a["execute_s"], ops),
-        "first_record_with_compile": us_per_op(a["first_record_s"], ops),
+        "first_record": us_per_op(a["first_record_s"], ops),
+        "first_execute_with_compile": us_per_op(a["first_execute_s"], ops),
     }
     ratios = {
         "naive_over_batch": per_op["c_naive"] / per_op["a_execute_read"],
@@ -465,11 +483,12 @@ def main(argv: list[str] | None = None) -> int:
         ("library re-record (add/mul calls, fresh batch)", rec["record_s"], ops, per_op["rerecord"]),
         ("library first execute after record (plan)", rec["plan_execute_s"], ops, per_op["rerecord_plan"]),
         ("(d) raw wgpu: create buffers + bind groups (once)", d["setup_s"], ops, per_op["d_setup"]),
+        ("library first record (add/mul calls, no compiles)", a["first_record_s"], ops, per_op["first_record"]),
         (
-            "library first record (incl. 2 pipeline compiles)",
-            a["first_record_s"],
+            "library first execute (plan + 2 pipeline compiles, host)",
+            a["first_execute_s"],
             ops,
-            per_op["first_record_with_compile"],
+            per_op["first_execute_with_compile"],
         ),
     ]
     lines = [
@@ -478,7 +497,9 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {dev.name}",
         f"host:   {platform.python_implementation()} {platform.python_version()}, wgpu {wgpu.__version__}, "
         f"numpy {np.__version__}, {os.cpu_count()} CPUs",
-        f"median of {repeat} interleaved rounds; (c) ran {naive_ops} ops per round and is scaled per op",
+        f"median of {repeat} interleaved rounds after warm-up; (c) ran {naive_ops} ops per round and is scaled "
+        "per op; rows labelled first/once are single timings of the warm-up itself",
+        f"load average (1 min): {load_before:.2f} before the rounds, {load_after:.2f} after, on {os.cpu_count()} CPUs",
         "",
         f"| {'measurement':<58} | {'median ms':>10} | {'ops':>5} | {'us/op':>9} |",
         f"|{'-' * 60}|{'-' * 11}:|{'-' * 6}:|{'-' * 10}:|",
@@ -514,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
             "size": args.size,
             "repeat": repeat,
             "naive_ops": naive_ops,
+            "load_average_before": load_before,
+            "load_average_after": load_after,
             "seconds_median": medians,
             "seconds_samples": samples,
             "us_per_op": per_op,

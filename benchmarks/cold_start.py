@@ -13,8 +13,25 @@ Every sample is a new Python process running the FFN stack of ``examples/ffn_lay
   first process    issue 5, with an empty ``BATCHGPU_CACHE_DIR`` (a new one per sample).
   second process   issue 5, with a ``BATCHGPU_CACHE_DIR`` warmed by one earlier process.
 
+Cold start measures first runs on purpose. Per column, each a median over the samples:
+
+  Device() to first result  from after the imports to the first result on the host: ``Device()``,
+                            the weight uploads, recording, the first ``execute()`` and ``read_sync``.
+  CPU ms (all threads)      the process CPU time over the same window (lavapipe's threads included).
+  Device() ms               ``bg.Device("wgpu")`` alone.
+  execute ms                host time of the first ``execute()``: planning (buffers, bind groups),
+                            pipeline creation (compile or cache load), encode and submit.
+  first read ms             the first ``read_sync``: waits for the first run's GPU work (and any
+                            compile work the driver defers to it), copies back.
+  import ms                 the child's imports (numpy, batchgpu, ffn_layer); interpreter start excluded.
+  process ms                the parent's wall time of the whole child: interpreter start, imports, all
+                            of the above, the steady-state runs below and exit.
+
 Also reported: the steady-state execute + read of the same batch in the same process (the GPU work
-itself, which no cache removes), and the pipeline counters of ``dev.stats``.
+itself, which no cache removes): the median of 3 timed runs after the first result and one more
+untimed warm-up run (so no plan, compile or first run is in it), and the pipeline counters of
+``dev.stats``. The machine's 1-minute load average before and after the samples is printed beside the
+table and written into the JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +47,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine_load import load_average
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,9 +79,15 @@ executed = time.perf_counter()
 out = batch.read_sync(y)
 first_result = time.perf_counter()
 cpu_first_result = time.process_time()
-batch.execute({x: x_data * 2})
+batch.execute({x: x_data * 2})  # warm-up: the first run with a fed input
 batch.read_sync(y)
-steady = time.perf_counter() - first_result
+steady_runs = []
+for i in range(3):
+    steady_started = time.perf_counter()
+    batch.execute({x: x_data * (3 + i)})
+    batch.read_sync(y)
+    steady_runs.append(time.perf_counter() - steady_started)
+steady = sorted(steady_runs)[1]
 print(json.dumps({
     "import_s": imported - started,
     "device_s": device_ready - imported,
@@ -112,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     began = time.perf_counter()
     samples: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="batchgpu-coldstart-") as tmp:
         work = Path(tmp)
         warm_mesa = work / "mesa-default"
@@ -128,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             for name in CONFIGS:
                 samples[name].append(run_child(envs[name]))
+    load_after = load_average()
 
     def median(name: str, key: str) -> float:
         return statistics.median(s[key] for s in samples[name])
@@ -139,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {device}",
         f"host:   {platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPUs",
         f"median of {max(1, args.repeat)} samples per configuration, configurations interleaved",
+        f"load average (1 min): {load_before:.2f} before the samples, {load_after:.2f} after",
         "",
         "| configuration   | Device() to first result ms | CPU ms (all threads) | Device() ms | execute ms "
         "| first read ms | import ms | process ms | pipelines created / cache hits / misses |",
@@ -171,20 +199,28 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['import_s']:>9.0f} | {row['process_s']:>10.0f} | {counts:<39} |"
         )
     steady = statistics.median(s["steady_execute_read_s"] for runs in samples.values() for s in runs)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
     first, second, none = (figures[n]["to_first_result_s"] for n in ("first process", "second process", "no caches"))
     lines += [
         "",
-        f"steady-state execute + read of the same batch (GPU work, no compile): {1e3 * steady:.0f} ms",
+        f"steady-state execute + read of the same batch (GPU work; after the first result and one more "
+        f"untimed run, so no plan, compile or first run): {1e3 * steady:.0f} ms",
         f"second process / first process: {second / first:.2f}x; second process / no caches: {second / none:.2f}x; "
         f"first process / no caches: {first / none:.2f}x",
-        f"CPU ms: process CPU time (all threads, incl. lavapipe's) from after the imports to the first result;"
-        f" less sensitive than wall time to other load on the machine (load average at the end: {load})",
+        "CPU ms: process CPU time (all threads, incl. lavapipe's) from after the imports to the first result;"
+        " less sensitive than wall time to other load on the machine",
         f"total run time {time.perf_counter() - began:.0f} s",
     ]
     print("\n".join(lines))
     if args.json:
-        payload = {"date": date, "device": device, "repeat": args.repeat, "figures": figures, "samples": samples}
+        payload = {
+            "date": date,
+            "device": device,
+            "repeat": args.repeat,
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+            "figures": figures,
+            "samples": samples,
+        }
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     return 0
 

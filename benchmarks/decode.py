@@ -1,11 +1,12 @@
 """SmolLM2-135M decode speed: batchgpu (fp32 and quantized weights) beside a numpy fp32 decode of the
 same model, measured in one run on one machine, with the bandwidth floor of each.
 
-    python benchmarks/decode.py [--tokens 8] [--device wgpu] [--json out.json]
+    python benchmarks/decode.py [--tokens 10] [--device wgpu] [--json out.json]
 
-Timed window: the decode steps after the first one. Prefill, recording, pipeline compiles and the
-first decode step (which records and first runs the decode batch) are warm-up and excluded; each
-decoder reports the median and the mean of its steady steps. The machine's 1-minute load average is
+Timed window: the decode steps after the first two. Prefill, recording, pipeline compiles, the first
+decode step (which records and first runs the decode batch) and the second (where native executors
+capture the plan into a CUDA/HIP graph) are warm-up and excluded; each decoder reports the median and
+the mean of its steady steps. The machine's 1-minute load average is
 printed beside the figures (the host is shared: compare decoders measured in the same run).
 
 The floor is the weight bytes one token must read divided by the measured host memory bandwidth
@@ -20,14 +21,22 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 
 import batchgpu as bg
 from batchgpu.models.llama import GGUFWeights, Llama, smollm2_path
+
+try:
+    from machine_load import load_average
+except ImportError:  # loaded by path (python -m batchgpu bench), not run as a script
+    sys.path.append(str(Path(__file__).resolve().parent))
+    from machine_load import load_average
 
 PROMPT = [504, 3575, 282, 4649, 314]
 
@@ -94,13 +103,17 @@ class NumpyDecoder:
         return steady_steps(tokens_out())
 
 
+WARM_TOKENS = 3
+"""Untimed tokens: the prompt's, the first decode step's (recording, compiles, first run) and the
+second's (native executors capture their graph on a plan's second run)."""
+
+
 def steady_steps(ids: Iterator[int]) -> tuple[list[int], list[float]]:
-    """Consume a token stream; time each token after the second: the first comes from the prompt, the
-    second from the first decode step (recording, compiles, first run), both warm-up."""
+    """Consume a token stream; the seconds of each token after the first WARM_TOKENS."""
     out, steps, last = [], [], 0.0
     for token in ids:
         now = time.perf_counter()
-        if len(out) >= 2:
+        if len(out) >= WARM_TOKENS:
             steps.append(now - last)
         out.append(token)
         last = now
@@ -112,14 +125,6 @@ def batchgpu_decode(device: bg.Device, quantized: bool, tokens: int) -> tuple[li
     weight_bytes = sum(t.nbytes for t in model.params.values())
     ids, steps = steady_steps(model.generate(PROMPT, tokens))
     return ids, steps, weight_bytes
-
-
-def load_average() -> float:
-    """The machine's 1-minute load average (NaN where the OS has none)."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return math.nan
 
 
 def copy_bandwidth() -> float:
@@ -135,13 +140,13 @@ def copy_bandwidth() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=10, help="greedy tokens (timed: all but the first two)")
+    parser.add_argument("--tokens", type=int, default=10, help="greedy tokens (all but the first 3 timed)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    if args.tokens < 3:
-        parser.error("--tokens must be at least 3: the first two tokens are warm-up")
+    if args.tokens <= WARM_TOKENS:
+        parser.error(f"--tokens must be more than {WARM_TOKENS}: the first {WARM_TOKENS} tokens are warm-up")
     device = bg.Device(args.device)
     bandwidth = copy_bandwidth()
     rows = []
@@ -153,7 +158,8 @@ def main() -> None:
         ids, steps, nbytes = batchgpu_decode(device, quantized, args.tokens)
         rows.append((f"batchgpu {'Q4_1/Q8_0' if quantized else 'fp32'}", ids, steps, nbytes, load_average()))
 
-    print(f"SmolLM2-135M decode, {args.tokens} tokens after a {len(PROMPT)}-token prompt; timed: tokens 3..")
+    timed = f"timed: tokens {WARM_TOKENS + 1}..{args.tokens}"
+    print(f"SmolLM2-135M decode, {args.tokens} tokens after a {len(PROMPT)}-token prompt; {timed}")
     print(f"date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}; device: {device.name}")
     print(f"host memory bandwidth (numpy copy, read + write): {bandwidth / 1e9:.1f} GB/s")
     print(f"load average (1 min) before: {load_before:.2f} on {os.cpu_count()} CPUs\n")
@@ -191,8 +197,8 @@ def main() -> None:
 def decode_tokens_per_s(device: bg.Device, quick: bool = False) -> dict[str, float]:
     """Decode tokens/s (median step) for ``python -m batchgpu bench``: batchgpu with quantized weights
     (and fp32 and the numpy baseline unless ``quick``), after a 5-token prompt; 4 tokens when quick,
-    else 10, the first two of each untimed (warm-up)."""
-    tokens = 4 if quick else 10
+    else 10, the first WARM_TOKENS of each untimed."""
+    tokens = WARM_TOKENS + 2 if quick else 10
     figures = {}
     if not quick:
         _, steps = NumpyDecoder(GGUFWeights(smollm2_path())).generate(PROMPT, tokens)

@@ -20,8 +20,16 @@ Sections (each prints a table and ratios, or a line saying why it was skipped):
           events; TF32 is off for the fp32 comparison (``torch.backends.cuda.matmul.allow_tf32 = False``),
           and a TF32-on torch row is shown for reference.
 
-Times are medians of ``--repeat`` rounds after warm-ups (``time.perf_counter``). ``--device wgpu
---quick`` runs the batchgpu columns on any machine (lavapipe too); torch columns need a CUDA torch.
+Timed windows exclude warm-up (recording, planning, pipeline compiles, graph capture, first runs):
+launch figures are medians of ``--repeat`` rounds after 3 untimed runs of each variant; matmul figures
+are medians of ``--repeat`` GPU timings, the first two dropped (batchgpu plans with one untimed execute
+before them); decode figures are the median of the decode steps (``--tokens`` - 1; the prefill is not
+timed) of a second generation, each decoder (and each graph mode) first generating min(``--tokens``, 4)
+tokens untimed; kernels profiles one decode step after a 3-token generation. Wall times use
+``time.perf_counter``, GPU times timing events. The machine's 1-minute load average is printed at the
+start and after each section, and written into the JSON (``environment.load_average`` and each
+section's ``load_average``). ``--device wgpu --quick`` runs the batchgpu columns on any machine
+(lavapipe too); torch columns need a CUDA torch.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -40,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from machine_load import load_average
 
 try:
     import batchgpu as bg
@@ -493,6 +503,8 @@ def environment(device: bg.Device) -> dict[str, Any]:
         "graphs": getattr(device.executor, "graphs", None),
         "python": platform.python_version(),
         "numpy": np.__version__,
+        "cpus": os.cpu_count(),
+        "load_average": round(load_average(), 2),
     }
     torch, reason = try_torch()
     if torch is not None:
@@ -545,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n## {name}: FAILED: {type(exc).__name__}: {first_line(exc)}")
             results["sections"][name] = {"failed": f"{type(exc).__name__}: {exc}"}
             failed.append(name)
+        load = results["sections"][name]["load_average"] = load_average()
+        print(f"load average (1 min) after {name}: {load:.2f} on {os.cpu_count()} CPUs")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=float) + "\n")
         print(f"\nwrote {args.json}")

@@ -3,6 +3,10 @@ device's live buffer count must stay flat.
 
 Run from a checkout: ``python benchmarks/soak.py [--rounds 10000] [--layers 1 --tokens 4 --hidden 64 --ffn 128]``.
 ``tests/test_soak.py`` runs :func:`soak` with a bound; this script prints the figures for RESULTS.md.
+
+Timed window (ms per round): the ``--rounds`` rounds after 200 untimed warm-up rounds (plan,
+pipeline compiles, first runs, staging pool); it includes the numpy checks (about every 500 rounds) and
+an RSS probe every 1000. The machine's 1-minute load average before and after the timed rounds is printed.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +25,12 @@ import numpy as np
 import psutil
 
 import batchgpu as bg
+
+try:
+    from machine_load import load_average
+except ImportError:  # loaded by path (tests/test_soak.py), not run as a script
+    sys.path.append(str(Path(__file__).resolve().parent))
+    from machine_load import load_average
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +58,8 @@ def soak(
     """Execute the FFN batch ``rounds`` times with a new input each time and read the result each time;
     every ``check_every`` rounds the result is compared with numpy. Returns the figures: RSS and
     ``buffers_live`` / ``buffers_created`` / ``staging_idle`` after ``warmup`` rounds and at the end,
-    the peak RSS seen, and the time per round."""
+    the peak RSS seen, the time per round (the warm-up rounds untimed) and the 1-minute load average
+    before and after the timed rounds."""
     ffn_module = load_ffn()
     rng = np.random.default_rng(7)
     host_weights = ffn_module.make_weights(rng, layers, hidden, ffn)
@@ -75,6 +88,7 @@ def soak(
     gc.collect()
     before = {"rss": process.memory_info().rss, **dev.stats.snapshot()}
     peak = before["rss"]
+    load_before = load_average()
     started = time.perf_counter()
     worst = 0.0
     done = 0
@@ -84,13 +98,17 @@ def soak(
         done += step
         peak = max(peak, process.memory_info().rss)
     seconds = time.perf_counter() - started
+    load_after = load_average()
     gc.collect()
     after = {"rss": process.memory_info().rss, **dev.stats.snapshot()}
     batch.release()
     return {
         "rounds": rounds,
+        "warmup_rounds": warmup,
         "ops": len(weights) * 6,
         "ms_per_round": 1e3 * seconds / rounds,
+        "load_average_before": load_before,
+        "load_average_after": load_after,
         "worst_relative_error": worst,
         "rss_before": before["rss"],
         "rss_after": after["rss"],
@@ -118,7 +136,11 @@ def main() -> None:
     print(f"device: {dev.name}; CPython {platform.python_version()}, numpy {np.__version__}")
     shape = f"x {args.tokens}x{args.hidden}, ffn {args.ffn}"
     print(f"FFN {args.layers} layer(s), {shape}: {figures['ops']} ops per execute")
-    print(f"rounds (execute + read_sync): {figures['rounds']}, {figures['ms_per_round']:.3f} ms per round")
+    print(
+        f"rounds (execute + read_sync): {figures['rounds']} after {figures['warmup_rounds']} untimed warm-up rounds, "
+        f"{figures['ms_per_round']:.3f} ms per round; load average (1 min) {figures['load_average_before']:.2f} "
+        f"before, {figures['load_average_after']:.2f} after, on {os.cpu_count()} CPUs"
+    )
     print(
         f"host RSS: before {figures['rss_before'] / mib:.1f} MiB, after {figures['rss_after'] / mib:.1f} MiB "
         f"(growth {(figures['rss_after'] - figures['rss_before']) / mib:+.2f} MiB), "
