@@ -215,16 +215,17 @@ def _initial_data(
     """Buffer contents at the start of the exported run, captured before the expected-output execute:
     what the batch's next execute would start from."""
     executor = batch.device.executor
-    current = batch._plan is not None and batch._plan is batch._executed_plan and batch._execution is not None
+    executed = batch._executed_plan if batch._execution is not None else None
     data: dict[Storage, bytes] = {}
     stateful = _stateful(batch)
     for storage in storages:
+        carried = executed is not None and batch._births.get(storage.id, batch._executed_mark) < batch._executed_mark
         if storage in feeds:
             array = feeds[storage]
         elif storage.kind == "resident":
             array = executor.read_resident(storage)
-        elif storage in stateful and current:  # the device's value after the latest execute
-            array = executor.read_sync(batch._plan, batch._execution, storage)
+        elif storage in stateful and carried:  # the device's value after the latest execute (a new plan
+            array = executor.read_sync(executed, batch._execution, storage)  # carries it over)
         elif storage.kind in ("input", "const"):  # a new plan uploads the host copy
             array = batch._host[storage]
         elif storage in stateful and getattr(executor, "poison", False):
