@@ -58,10 +58,10 @@ FAMILY_ARGS: dict[str, int] = {
     "elementwise": 4,
     "copy": 3,
     "reduce": 3,
-    "softmax": 3,
+    "softmax": 4,
     "matmul": 5,
-    "norm": 6,
-    "attention": 7,
+    "norm": 7,
+    "attention": 9,
     "gather": 6,
     "qmatmul": 5,
 }
@@ -143,7 +143,7 @@ def argument_count(launch: Launch) -> int:
 
 def dynamic_shared_bytes(launch: Launch) -> int:
     """Bytes of dynamic shared memory the CUDA kernel of ``launch`` needs."""
-    if launch.family == "attention" and launch.entry == "attention":
+    if launch.family == "attention" and launch.entry in ("attention", "attention_partial"):  # scores, query row
         constants = dict(launch.constants)
         return 4 * (int(constants["SMAX"]) + int(constants["HEAD_DIM"]))
     return 0

@@ -137,6 +137,7 @@ static inline void __syncthreads() {
     bg_yield();
 }
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+static inline unsigned __float_as_uint(float x) { unsigned u; __builtin_memcpy(&u, &x, 4); return u; }
 // A lane exchange as a block-wide step: every thread of the block must take part (bg_warp_sum's rule
 // for a warp, made block-wide here). One barrier per exchange: the slots alternate between two sets, so
 // the next exchange writes the other set, and the one after passes the next barrier first, which every

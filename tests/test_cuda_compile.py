@@ -9,7 +9,9 @@ executors would compile for those ops.
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -19,6 +21,7 @@ import batchgpu as bg
 from batchgpu import cuda_source
 from batchgpu.errors import CompileError, UnsupportedError
 from batchgpu.nvrtc import Hiprtc, ModuleCache, Nvrtc
+from batchgpu.ops import bounds
 
 ARCHS = ("sm_80", "sm_90")
 HIP_ARCHS = ("gfx90a", "gfx1030")
@@ -96,6 +99,8 @@ def _record_everything() -> list[bg.kernels.Launch]:
             b.kv_write(cache, b.upload(np.ones((2, 2, 8), dtype)), pos)
             b.attention(q, cache, cache, pos=pos)
             b.attention(q, cache, cache, pos=1, causal=False)
+            long_cache = b.upload(np.ones((200, 2, 8), dtype))  # split into blocks under shrunk bounds
+            b.attention(q, long_cache, long_cache, pos=pos)
         if dtype == np.int32:
             b.neg(x)
     for qtype, block_bytes in (("q4_1", 20), ("q8_0", 34)):
@@ -106,10 +111,29 @@ def _record_everything() -> list[bg.kernels.Launch]:
     return [launch for node in b.nodes for launch in node.launches]
 
 
+@contextlib.contextmanager
+def _shrunk_bounds() -> Iterator[None]:
+    """Tiny per-invocation work bounds (batchgpu/ops/bounds.py), so that the small shapes above take the
+    chunked paths: row pieces, split-K, attention over blocks of rows with merge passes."""
+    tiny = {"LOOP_BUDGET": 1, "ROW_CHUNK": 3, "COLUMN_LIMIT": 2, "MATMUL_K_CHUNK": 16, "QUANT_BLOCK_CHUNK": 1}
+    saved = {name: getattr(bounds, name) for name in tiny}
+    for name, value in tiny.items():
+        setattr(bounds, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(bounds, name, value)
+
+
 def _sources() -> dict[str, tuple[str, set[str]]]:
-    """Each module source with the entries launched from it (WGSL-shaped and native forms)."""
+    """Each module source with the entries launched from it (WGSL-shaped and native forms), recorded
+    with the real bounds and with shrunk ones."""
     sources: dict[str, tuple[str, set[str]]] = {}
-    for recorded in _record_everything():
+    launches = _record_everything()
+    with _shrunk_bounds():
+        launches += _record_everything()
+    for recorded in launches:
         for launch in {id(recorded): recorded, id(recorded.for_native()): recorded.for_native()}.values():
             source, name = cuda_source.render(launch)
             sources.setdefault(source, (name, set()))[1].add(launch.entry)

@@ -234,3 +234,266 @@ def test_quantized_errors(gpu):
         gpu.quantized(np.zeros(34, np.uint8), "q8_0", (1, 30))
     with pytest.raises(bg.DTypeError, match="unknown block format"):
         gpu.quantized(np.zeros(34, np.uint8), "q5_k", (1, 32))
+
+
+# Long rows: pieces of bounds.ROW_CHUNK elements (300 under small_bounds) whose partial results a second
+# pass combines; and rows past llvmpipe's per-invocation loop cap.
+
+LONG_ROW_WIDTHS = [1, 299, 300, 301, 601, 1000]  # 1000: a ragged last piece
+
+
+@pytest.mark.parametrize("width", LONG_ROW_WIDTHS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_norms_long_rows(gpu, ref, small_bounds, width, dtype):
+    """Per-piece statistics (sums of squares; sums and deviations, combined with Chan's formula) give the
+    one-pass results; a ramp makes the pieces' means differ."""
+    rng = np.random.default_rng(60)
+    shape = (3, width)
+    x = random_array(rng, shape, dtype) + np.linspace(-4, 4, width).astype(dtype)
+    r = random_array(rng, shape, dtype)
+    w, b = random_array(rng, (width,), dtype), random_array(rng, (width,), dtype)
+    check(gpu, ref, [x, w], lambda bt, tx, tw: bt.rms_norm(tx, tw, 1e-5), dtype, scale=2)
+    check(gpu, ref, [x, w, b], lambda bt, tx, tw, tb: bt.layer_norm(tx, tw, tb, 1e-5), dtype, scale=4)
+    check(gpu, ref, [x, r, w], lambda bt, tx, tr, tw: bt.add_rms_norm(tx, tr, tw, 1e-5)[0], dtype, scale=2)
+    check(gpu, ref, [x, r, w], lambda bt, tx, tr, tw: bt.add_rms_norm(tx, tr, tw, 1e-5)[1], dtype)
+
+
+@pytest.mark.parametrize("width", LONG_ROW_WIDTHS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.uint32])
+def test_argmax_long_rows(gpu, ref, small_bounds, width, dtype):
+    """Each piece's first maximum, then one pass per row picks among them (ties to the lower index); a long
+    non-last axis is moved last first."""
+    x = random_array(np.random.default_rng(61), (3, width), dtype)
+    out = check(gpu, ref, [x], lambda b, t: b.argmax(t), np.int32)
+    np.testing.assert_array_equal(out, np.argmax(x, axis=-1))
+    out = check(gpu, ref, [np.ascontiguousarray(x.T)], lambda b, t: b.argmax(t, axis=0), np.int32)
+    np.testing.assert_array_equal(out, np.argmax(x, axis=-1))
+
+
+@pytest.mark.parametrize("width", [200, 1000])  # one launch; pieces of 300
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.uint32])
+def test_argmax_nan_first_wins(gpu, ref, small_bounds, width, dtype):
+    """As numpy: a row with NaN gives its first NaN. Integers with NaN's bit pattern are plain numbers (the
+    int32 ones here are -1, the uint32 ones grow along the row so the last is the maximum)."""
+    x = random_array(np.random.default_rng(62), (5, width), dtype)
+    marked = {0: [5], 1: [width * 2 // 3], 2: [width - 1, width // 2, width // 3], 3: [0, width - 1]}  # 4: none
+    for row, columns in marked.items():
+        for column in columns:
+            x[row, column] = {"f": np.nan, "i": -1, "u": 0x7F800001 + column}[np.dtype(dtype).kind]
+    out = check(gpu, ref, [x], lambda b, t: b.argmax(t), np.int32)
+    np.testing.assert_array_equal(out, np.argmax(x, axis=-1))
+    if np.dtype(dtype).kind == "f":
+        np.testing.assert_array_equal(out[:4], [5, width * 2 // 3, width // 3, 0])
+
+
+PAST_LOOP_CAP = 2**24 + 17
+"""A row length whose one-workgroup-per-row loops (length / 256 iterations each) pass llvmpipe's cap of
+65,535 iterations per invocation: the kernels must split it (float32: 67 MB, within a 128 MiB binding)."""
+
+
+def _past_loop_cap_rows(seed: int, count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(PAST_LOOP_CAP, dtype=np.float32) for _ in range(count)]
+
+
+def test_argmax_past_loop_cap(gpu):
+    (x,) = _past_loop_cap_rows(63, 1)
+    batch = bg.GpuCommandBatch(gpu)
+    out = batch.argmax(batch.upload(x))
+    batch.execute()
+    assert batch.read_sync(out) == np.argmax(x)
+
+
+def test_rms_norm_past_loop_cap(gpu):
+    x, w = _past_loop_cap_rows(64, 2)
+    batch = bg.GpuCommandBatch(gpu)
+    out = batch.rms_norm(batch.upload(x), batch.upload(w), 1e-5)
+    batch.execute()
+    wide = x.astype(np.float64)
+    assert_close(batch.read_sync(out), (wide / np.sqrt(np.mean(wide * wide) + 1e-5) * w).astype(np.float32))
+
+
+def test_add_rms_norm_past_loop_cap(gpu):
+    x, residual, w = _past_loop_cap_rows(65, 3)
+    batch = bg.GpuCommandBatch(gpu)
+    normed, summed = batch.add_rms_norm(batch.upload(x), batch.upload(residual), batch.upload(w), 1e-5)
+    batch.execute()
+    h = x.astype(np.float64) + residual
+    assert_close(batch.read_sync(summed), x + residual)
+    assert_close(batch.read_sync(normed), (h / np.sqrt(np.mean(h * h) + 1e-5) * w).astype(np.float32))
+
+
+def test_layer_norm_past_loop_cap(gpu):
+    x, w, b = _past_loop_cap_rows(66, 3)
+    x += 3  # a mean far from zero: variance from sums of squares would lose precision
+    batch = bg.GpuCommandBatch(gpu)
+    out = batch.layer_norm(batch.upload(x), batch.upload(w), batch.upload(b), 1e-5)
+    batch.execute()
+    centered = x.astype(np.float64) - np.mean(x, dtype=np.float64)
+    expected = centered / np.sqrt(np.mean(centered * centered) + 1e-5) * w + b
+    assert_close(batch.read_sync(out), expected.astype(np.float32))
+
+
+# Attention over long caches: blocks of split_rows(head_dim) cache rows (64 or 128 under small_bounds)
+# whose partials attention_merge / attention_combine fold, caches past llvmpipe's loop cap, scale and
+# position checks.
+
+
+def attention_float64(q, k, v, pos: int, causal: bool = True, scale: float | None = None) -> np.ndarray:
+    """Grouped-query attention over cache rows [0, pos + T) in float64, written out per token."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    tokens, heads, head_dim = q.shape
+    group = heads // k.shape[1]
+    scale = 1 / np.sqrt(head_dim) if scale is None else scale
+    out = np.empty_like(q)
+    for t in range(tokens):
+        rows = min(pos + t + 1 if causal else pos + tokens, k.shape[0])
+        keys, values = np.repeat(k[:rows], group, axis=1), np.repeat(v[:rows], group, axis=1)
+        scores = np.einsum("hd,shd->hs", q[t], keys) * scale
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        out[t] = np.einsum("hs,shd->hd", weights / weights.sum(axis=-1, keepdims=True), values)
+    return out
+
+
+def _attention_inputs(seed: int, tokens: int, heads: int, kv_heads: int, rows: int, head_dim: int, dtype):
+    rng = np.random.default_rng(seed)
+    q = random_array(rng, (tokens, heads, head_dim), dtype)
+    k, v = (random_array(rng, (rows, kv_heads, head_dim), dtype) for _ in range(2))
+    return q, k, v
+
+
+def _attention_entries(batch: bg.GpuCommandBatch) -> list[str]:
+    return [launch.entry for launch in batch.nodes[-1].launches]
+
+
+SPLIT = ["attention_partial", "attention_combine"]
+SPLIT_MERGED = ["attention_partial", "attention_merge", "attention_combine"]
+
+
+@pytest.mark.parametrize(
+    "head_dim,tokens,heads,kv_heads,rows,pos,causal,dtype,entries",
+    [
+        (2, 1, 6, 2, 300, 299, True, np.float32, SPLIT),  # blocks of 128 rows, the last of 44
+        (2, 3, 6, 2, 300, 200, False, np.float16, SPLIT),
+        (8, 5, 6, 2, 300, 100, True, np.float16, SPLIT),  # rows 101 to 105 visible: later blocks empty
+        (8, 2, 3, 3, 1000, 998, False, np.float32, SPLIT),
+        (64, 4, 6, 2, 200, 150, True, np.float32, SPLIT),  # blocks of 64 rows
+        (64, 1, 4, 1, 200, 199, False, np.float16, SPLIT),
+        (512, 2, 2, 1, 1600, 1500, True, np.float32, SPLIT_MERGED),  # 25 blocks, folded 23 at a time
+    ],
+)
+def test_attention_split_over_cache_blocks(
+    gpu, ref, small_bounds, head_dim, tokens, heads, kv_heads, rows, pos, causal, dtype, entries
+):
+    """Per-block partials (max, sum of exp, weighted value sums) folded into the one-pass softmax result:
+    grouped-query heads, causal or not, ragged last blocks, float16 storage computed in f32."""
+    q, k, v = _attention_inputs(70 + head_dim, tokens, heads, kv_heads, rows, head_dim, dtype)
+    recorded = []
+
+    def build(batch, tq, tk, tv):
+        out = batch.attention(tq, tk, tv, pos, causal=causal)
+        recorded.append(_attention_entries(batch))
+        return out
+
+    out = check(gpu, ref, [q, k, v], build, dtype, scale=10)
+    assert recorded == [entries, entries]
+    np.testing.assert_allclose(out, attention_float64(q, k, v, pos, causal), rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.parametrize(
+    "head_dim,tokens,rows,positions",
+    [
+        (8, 2, 700, [0, 1, 126, 127, 128, 400, 698]),  # 6 blocks of 128: at 0, 5 of them empty
+        (512, 1, 1600, [0, 63, 64, 1000, 1471, 1472, 1599]),  # 25 blocks in 2 folds: at 0, the second all empty
+    ],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_split_with_position_scalar(gpu, ref, small_bounds, head_dim, tokens, rows, positions, causal):
+    """One recorded batch executed at several positions: blocks past the visible rows contribute nothing."""
+    q, k, v = _attention_inputs(71, tokens, 6, 2, rows, head_dim, np.float32)
+    results = []
+    for device in (gpu, ref):
+        batch = bg.GpuCommandBatch(device)
+        pos = batch.scalar("pos")
+        out = batch.attention(batch.upload(q), batch.upload(k), batch.upload(v), pos, causal=causal)
+        assert _attention_entries(batch)[0] == "attention_partial"
+        for position in positions:
+            batch.execute(scalars={"pos": position})
+            results.append(batch.read_sync(out))
+    for position, actual, expected in zip(positions, results[: len(positions)], results[len(positions) :]):
+        assert_close(actual, expected, np.float32, scale=10)
+        np.testing.assert_allclose(actual, attention_float64(q, k, v, position, causal), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [40, 300])  # one pass; blocks of 128 rows (small_bounds)
+def test_attention_scale_zero_weighs_rows_uniformly(gpu, ref, small_bounds, rows):
+    """scale=0.0 means 0.0 (it used to mean the default): each token gets the mean of its visible v rows."""
+    q, k, v = _attention_inputs(72, 2, 4, 2, rows, 8, np.float32)
+    pos = rows - 3
+    out = check(gpu, ref, [q, k, v], lambda b, tq, tk, tv: b.attention(tq, tk, tv, pos, scale=0.0), np.float32, scale=4)
+    for t in range(2):
+        means = v[: pos + t + 1].astype(np.float64).mean(axis=0)  # (kv_heads, head_dim)
+        assert_close(out[t], np.repeat(means, 2, axis=0).astype(np.float32), scale=10)
+
+
+def test_attention_refuses_bad_scale_and_position(gpu):
+    """A non-finite scale, an int position whose tokens run past the cache (or past u32) and a head_dim too
+    wide for the workgroup memory are refused at record time; the batch still runs a correct attention."""
+    rng = np.random.default_rng(73)
+    q, k, v = _attention_inputs(73, 2, 2, 1, 5, 4, np.float32)
+    batch = bg.GpuCommandBatch(gpu)
+    tq, tk, tv = batch.upload(q, name="q"), batch.upload(k, name="k_rows"), batch.upload(v, name="v_rows")
+    for scale in (float("nan"), float("inf"), -float("inf"), 1e39):
+        with pytest.raises(bg.BatchError) as refused:
+            batch.attention(tq, tk, tv, 0, scale=scale)
+        assert "attention" in str(refused.value) and repr(scale) in str(refused.value)
+    with pytest.raises(bg.LimitError, match=r"attention: pos 4 \+ 2 tokens.*5 rows of k_cache k_rows"):
+        batch.attention(tq, tk, tv, 4)
+    with pytest.raises(bg.LimitError, match=r"attention.*6 tokens.*k_rows"):
+        batch.attention(batch.upload(random_array(rng, (6, 2, 4), np.float32)), tk, tv, batch.scalar("pos"))
+    with pytest.raises(bg.BatchError, match=r"rope: pos .* 4294967296"):  # past u32: was a bare struct.error
+        batch.rope(tq, 2**32)
+    wide = batch.upload(random_array(rng, (1, 1, 3970), np.float32))
+    with pytest.raises(bg.LimitError, match=r"head_dim 3970 .* exceeds 3968"):  # a query row and 64 scores: 16 KiB
+        batch.attention(wide, wide, wide, 0)
+    out = batch.attention(tq, tk, tv, 3)
+    batch.execute()
+    assert_close(batch.read_sync(out), attention_float64(q, k, v, 3).astype(np.float32), scale=10)
+
+
+def test_attention_blocks_fit_the_loop_budget_and_workgroup_memory(ref):
+    """Rows per block for common head dims; every head_dim's blocks and folds stay within the bounds;
+    SmolLM2 (head_dim 64) keeps one launch per attention up to 2048 cache rows."""
+    from batchgpu.ops import attention, bounds
+
+    assert [attention.split_rows(d) for d in (64, 128, 512)] == [2048, 2048, 512]
+    for head_dim in range(1, attention.largest_head_dim() + 1):
+        rows = attention.split_rows(head_dim)
+        assert attention._rows_loops(rows, head_dim) <= bounds.LOOP_BUDGET
+        assert attention._rows_workgroup_bytes(rows, head_dim) <= bounds.WORKGROUP_BYTES
+        dims = -(-head_dim // attention.ATTENTION_WORKGROUP)
+        fan_in = attention.fold_fan_in(head_dim)
+        assert (2 + dims) * fan_in + 2 * dims + 3 <= bounds.LOOP_BUDGET  # max, sum, dims x weighted sums
+    for rows, entries in ((2048, ["attention"]), (2049, SPLIT)):
+        batch = bg.GpuCommandBatch(ref)
+        cache = batch.empty((rows, 3, 64))
+        batch.attention(batch.empty((1, 9, 64)), cache, cache, batch.scalar("pos"))
+        assert _attention_entries(batch) == entries
+
+
+@pytest.mark.parametrize(
+    "rows,head_dim,tokens,heads,kv_heads",
+    [
+        (7000, 512, 1, 2, 1),  # a 512-long dot product and weighted sum per row: 7.3M iterations in one pass
+        (16384, 8, 3, 6, 2),  # scores of 16384 rows: 64 KiB of workgroup memory in one pass
+    ],
+)
+def test_attention_past_loop_cap(gpu, rows, head_dim, tokens, heads, kv_heads):
+    """Caches whose one-pass kernel passes llvmpipe's 65,535 loop iterations per invocation (wrong numbers,
+    no error) or the workgroup memory limit (refused): split over blocks of cache rows."""
+    q, k, v = _attention_inputs(74, tokens, heads, kv_heads, rows, head_dim, np.float32)
+    pos = rows - tokens
+    batch = bg.GpuCommandBatch(gpu)
+    out = batch.attention(batch.upload(q), batch.upload(k), batch.upload(v), pos)
+    batch.execute()
+    assert_close(batch.read_sync(out), attention_float64(q, k, v, pos).astype(np.float32), scale=10)

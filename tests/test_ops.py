@@ -358,3 +358,33 @@ def test_softmax_long_columns(gpu, ref):
 
     x = random_array(np.random.default_rng(19), (COLUMN_LIMIT + 3, 2, 3), np.float32)
     check(gpu, ref, [x], lambda b, t: b.softmax(t, axis=0), np.float32)
+
+
+@pytest.mark.parametrize("width", [1, 299, 300, 301, 601, 1000])  # pieces of 300; 1000: a ragged last piece
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_softmax_long_rows(gpu, ref, small_bounds, width, dtype):
+    """Rows longer than ROW_CHUNK: per-piece (max, sum of exp) partials combined as online softmax does; a
+    long non-last axis is moved last first, a short one (1 here) takes the column kernel."""
+    x = random_array(np.random.default_rng(21), (3, width), dtype) * 4
+    check(gpu, ref, [x], lambda b, t: b.softmax(t), dtype, scale=2)
+    check(gpu, ref, [np.ascontiguousarray(x.T)], lambda b, t: b.softmax(t, axis=0), dtype, scale=2)
+
+
+def test_softmax_long_rows_with_masked_pieces(gpu, ref, small_bounds):
+    """A piece of -inf only (max -inf: its sum of exp(x - max) is NaN) adds nothing to its row."""
+    x = random_array(np.random.default_rng(22), (2, 1000), np.float32)
+    x[0, 300:600] = -np.inf  # exactly the second piece
+    x[1, 250:700] = -np.inf  # the second piece and parts of its neighbours
+    out = check(gpu, ref, [x], lambda b, t: b.softmax(t), np.float32)
+    assert not out[np.isinf(x)].any()
+
+
+def test_softmax_past_loop_cap(gpu):
+    """A 6M row: one workgroup's three loops of 6M / 256 iterations would pass llvmpipe's per-invocation
+    cap (65,535) and leave elements unwritten."""
+    x = np.random.default_rng(23).standard_normal(6_000_000, dtype=np.float32)
+    batch = bg.GpuCommandBatch(gpu)
+    out = batch.softmax(batch.upload(x))
+    batch.execute()
+    shifted = np.exp(x.astype(np.float64) - x.max())
+    np.testing.assert_allclose(batch.read_sync(out), shifted / shifted.sum(), rtol=2e-5, atol=0)  # values ~1e-7

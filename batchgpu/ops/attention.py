@@ -10,14 +10,18 @@ from typing import Any
 
 import numpy as np
 
+from ..dtypes import FLOAT32
 from ..errors import BatchError, LimitError, ShapeError
 from ..kernels import Binding, Launch, pack_struct, wgsl_aliases
 from ..scalars import SCALAR_BYTES, Scalar, operand
-from ..tensor import Tensor
+from ..tensor import Storage, Tensor
+from . import bounds
 from .common import groups_for, reads, uniform, writes
 from .spec import Node, OpSpec, check_dtype, same_dtype
 
 ATTENTION_WORKGROUP = 64
+F32_MAX = float(np.finfo(np.float32).max)
+U32_MAX = 2**32 - 1
 
 
 def _position(op: str, pos: Any) -> None:
@@ -25,8 +29,8 @@ def _position(op: str, pos: Any) -> None:
         if pos.dtype != "u32":
             raise BatchError(f"{op}: position scalar {pos.name!r} must be u32, got {pos.dtype}")
         return
-    if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or pos < 0:
-        raise BatchError(f"{op}: pos must be a u32 Scalar (batch.scalar) or an int >= 0, got {pos!r}")
+    if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not 0 <= pos <= U32_MAX:
+        raise BatchError(f"{op}: pos must be a u32 Scalar (batch.scalar) or an int in [0, 2**32), got {pos!r}")
 
 
 def _heads_layout(op: str, tensor: Tensor, argument: str) -> None:
@@ -35,24 +39,38 @@ def _heads_layout(op: str, tensor: Tensor, argument: str) -> None:
 
 
 def _params(
-    tokens: int, heads: int, kv_heads: int, head_dim: int, cache_len: int, pos: Any, causal: bool, scale: float
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    cache_len: int,
+    pos: Any,
+    causal: bool,
+    scale: float,
+    *,
+    split_rows: int = 0,
+    splits: int = 0,
+    fan_in: int = 0,
 ) -> bytes:
     slot, literal = operand(pos)
-    return pack_struct(
-        "IIIIIIIIfIII", tokens, heads, kv_heads, head_dim, cache_len, slot, literal, int(causal), scale, 0, 0, 0
-    )
+    fields = (tokens, heads, kv_heads, head_dim, cache_len, slot, literal, int(causal), scale)
+    return pack_struct("IIIIIIIIfIII", *fields, split_rows, splits, fan_in)
 
 
-def _launch(node: Node, entry: str, groups: int, bindings: list[Binding], params: bytes, **extra: Any) -> Launch:
+def _launch(
+    node: Node, entry: str, groups: int, bindings: list[Binding], params: bytes, *, position: bool = True, **extra: Any
+) -> Launch:
+    """A launch of ``entry`` with the Params uniform, and the per-execute scalars where it reads the position."""
     dtype = node.inputs[0].dtype
     extra.setdefault("workgroup_size", (ATTENTION_WORKGROUP, 1, 1))
+    scalars = [Binding(6, "scalars", None, SCALAR_BYTES)] if position else []
     return Launch(
         label=node.spec.name,
         family="attention",
         entry=entry,
         types=wgsl_aliases(A=dtype),
         groups=groups,
-        bindings=(*bindings, uniform(5, params), Binding(6, "scalars", None, SCALAR_BYTES)),
+        bindings=(*bindings, uniform(5, params), *scalars),
         params=params,
         **extra,
     )
@@ -157,6 +175,76 @@ KV_WRITE = OpSpec(
 
 
 # attention -------------------------------------------------------------------------------------
+#
+# Caches of at most split_rows(head_dim) rows: one pass, one workgroup per (token, head) with its scores
+# in workgroup memory. Longer caches, flash-decoding style: attention_partial, one workgroup per
+# (token, head, block of split_rows rows), writes each block's partial (max score, sum of exp, exp-weighted
+# sum of value rows) to f32 scratch; attention_merge folds fan_in partials into one while more remain than
+# one invocation may loop over; attention_combine folds each (token, head)'s partials into its output.
+
+PARTIAL_HEADER = 2
+"""f32s in front of a partial's head_dim weighted sums: the block's max score and its sum of exp."""
+
+
+def _log2(n: int) -> int:
+    return n.bit_length() - 1
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _loops(*counts: int) -> int:
+    """Loop iterations llvmpipe counts for loops of ``counts`` iterations: each exit test counts too."""
+    return sum(count + 1 for count in counts)
+
+
+def _rows_loops(rows: int, head_dim: int) -> int:
+    """Loop iterations of one attention / attention_partial invocation over ``rows`` cache rows: the query
+    row, scores (a head_dim dot product per row), two tree reductions, exp, and the weighted value sums."""
+    lanes, dims = _ceil_div(rows, ATTENTION_WORKGROUP), _ceil_div(head_dim, ATTENTION_WORKGROUP)
+    tree = _log2(ATTENTION_WORKGROUP)
+    return (
+        _loops(dims, lanes, tree, lanes, tree, dims)
+        + lanes * _loops(head_dim)  # dot products
+        + dims * _loops(rows)  # weighted sums of value rows
+    )
+
+
+def _rows_workgroup_bytes(rows: int, head_dim: int) -> int:
+    """Workgroup memory of attention / attention_partial: scores, the scaled query row, tree partials."""
+    return 4 * (rows + head_dim + ATTENTION_WORKGROUP)
+
+
+def split_rows(head_dim: int) -> int:
+    """Cache rows one attention workgroup takes: the largest power of two, at least the workgroup, whose
+    loops fit ``bounds.LOOP_BUDGET`` and whose workgroup memory fits ``bounds.WORKGROUP_BYTES``."""
+    rows = ATTENTION_WORKGROUP
+    while (
+        _rows_loops(2 * rows, head_dim) <= bounds.LOOP_BUDGET
+        and _rows_workgroup_bytes(2 * rows, head_dim) <= bounds.WORKGROUP_BYTES
+    ):
+        rows *= 2
+    return rows
+
+
+def fold_fan_in(head_dim: int) -> int:
+    """Partials one attention_merge / attention_combine invocation folds within ``bounds.LOOP_BUDGET``
+    (loops over them for the max, the sum, and per output dimension), at least 2."""
+    dims = _ceil_div(head_dim, ATTENTION_WORKGROUP)
+    fixed = _loops(0, 0, dims) + dims  # exit tests, independent of the fan-in
+    return max(2, (bounds.LOOP_BUDGET - fixed) // (2 + dims))
+
+
+def largest_head_dim() -> int:
+    """The largest head_dim whose query row, tree partials and one workgroup of scores fit
+    ``bounds.WORKGROUP_BYTES``."""
+    return bounds.WORKGROUP_BYTES // 4 - 2 * ATTENTION_WORKGROUP
+
+
+def _attention_scale(params: dict[str, Any], head_dim: int) -> float:
+    scale = params.get("scale")
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
 def _attention_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
@@ -173,7 +261,22 @@ def _attention_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[
         raise ShapeError(
             f"attention: {q.shape[1]} query heads of q {q.describe()} are not a multiple of {k.shape[1]} kv heads"
         )
-    _position("attention", params["pos"])
+    if q.shape[2] > largest_head_dim():
+        raise LimitError(
+            f"attention: head_dim {q.shape[2]} of q {q.describe()} exceeds {largest_head_dim()}: the query row and "
+            f"a workgroup of scores must fit {bounds.WORKGROUP_BYTES} bytes of workgroup memory"
+        )
+    scale = params.get("scale")
+    if scale is not None and not abs(float(scale)) <= F32_MAX:
+        raise BatchError(f"attention: scale must be a finite f32, got {scale!r}")
+    pos = params["pos"]
+    _position("attention", pos)
+    tokens, rows = q.shape[0], k.shape[0]
+    if tokens > rows or (not isinstance(pos, Scalar) and pos + tokens > rows):
+        raise LimitError(
+            f"attention: pos {pos!r} + {tokens} tokens of q {q.describe()} exceeds the {rows} rows of k_cache "
+            f"{k.describe()}"
+        )
     return q.shape, dtype
 
 
@@ -185,8 +288,7 @@ def _attention_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np
     group = heads // k_cache.shape[1]
     k = np.repeat(k_cache[:length], group, axis=1)
     v = np.repeat(v_cache[:length], group, axis=1)
-    scale = params.get("scale") or 1.0 / math.sqrt(head_dim)
-    scores = np.einsum("thd,shd->hts", q, k) * np.float32(scale)
+    scores = np.einsum("thd,shd->hts", q, k) * np.float32(_attention_scale(params, head_dim))
     if params.get("causal", True):
         allowed = np.arange(length)[None, :] <= (pos + np.arange(tokens))[:, None]
         scores = np.where(allowed[None], scores, -np.inf)
@@ -198,22 +300,73 @@ def _attention_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np
 def _attention_lower(node: Node) -> list[Launch]:
     q, k, v = node.inputs
     tokens, heads, head_dim = q.shape
-    cache_len, kv_heads, _ = k.shape
+    cache_len = k.shape[0]
     _bound_position(node.params["pos"], tokens, k, "attention")
-    scale = node.params.get("scale") or 1.0 / math.sqrt(head_dim)
-    params = _params(tokens, heads, kv_heads, head_dim, cache_len, node.params["pos"], node.params["causal"], scale)
+    rows = split_rows(head_dim)
+    if cache_len > rows:
+        return _attention_over_blocks(node, rows)
     bindings = [reads(0, q), reads(2, k), reads(3, v), writes(4, node.output.storage)]
-    return [
-        _launch(
-            node,
-            "attention",
-            tokens * heads,
-            bindings,
-            params,
-            constants=(("SMAX", cache_len), ("HEAD_DIM", head_dim)),
-            workgroup_bytes=4 * (cache_len + head_dim + ATTENTION_WORKGROUP),
-        )
-    ]
+    params = _attention_params(node, split_rows=cache_len)
+    return [_rows_launch(node, "attention", tokens * heads, bindings, params, cache_len)]
+
+
+def _attention_over_blocks(node: Node, rows: int) -> list[Launch]:
+    """attention_partial over blocks of ``rows`` cache rows, attention_merge passes while an item has more
+    partials than fold_fan_in, then attention_combine."""
+    q, k, v = node.inputs
+    tokens, heads, head_dim = q.shape
+    items = tokens * heads
+
+    def scratch(splits: int) -> Storage:
+        return node.new_scratch(items * splits * (head_dim + PARTIAL_HEADER) * FLOAT32.itemsize, FLOAT32)
+
+    splits = _ceil_div(k.shape[0], rows)
+    partials = scratch(splits)
+    bindings = [reads(0, q), reads(2, k), reads(3, v), _partials_out(partials)]
+    params = _attention_params(node, split_rows=rows, splits=splits)
+    launches = [_rows_launch(node, "attention_partial", items * splits, bindings, params, rows)]
+    fan_in = fold_fan_in(head_dim)
+    while splits > fan_in:
+        folded = _ceil_div(splits, fan_in)
+        merged = scratch(folded)
+        params = _attention_params(node, split_rows=rows, splits=splits, fan_in=fan_in)
+        bindings = [_partials_in(partials), _partials_out(merged)]
+        launches.append(_launch(node, "attention_merge", items * folded, bindings, params, position=False))
+        partials, splits = merged, folded
+    params = _attention_params(node, split_rows=rows, splits=splits, fan_in=splits)
+    bindings = [_partials_in(partials), writes(4, node.output.storage)]
+    launches.append(_launch(node, "attention_combine", items, bindings, params, position=False))
+    return launches
+
+
+def _attention_params(node: Node, **split: int) -> bytes:
+    q, k, _ = node.inputs
+    tokens, heads, head_dim = q.shape
+    cache_len, kv_heads, _ = k.shape
+    pos, causal, scale = node.params["pos"], node.params["causal"], _attention_scale(node.params, head_dim)
+    return _params(tokens, heads, kv_heads, head_dim, cache_len, pos, causal, scale, **split)
+
+
+def _partials_in(storage: Storage) -> Binding:
+    return Binding(7, "read", storage, storage.nbytes)
+
+
+def _partials_out(storage: Storage) -> Binding:
+    return Binding(8, "write", storage, storage.nbytes)
+
+
+def _rows_launch(node: Node, entry: str, groups: int, bindings: list[Binding], params: bytes, rows: int) -> Launch:
+    """attention or attention_partial over blocks of at most ``rows`` cache rows (SMAX)."""
+    head_dim = node.inputs[0].shape[2]
+    return _launch(
+        node,
+        entry,
+        groups,
+        bindings,
+        params,
+        constants=(("SMAX", rows), ("HEAD_DIM", head_dim)),
+        workgroup_bytes=_rows_workgroup_bytes(rows, head_dim),
+    )
 
 
 ATTENTION = OpSpec(

@@ -33,3 +33,8 @@ into partial products that a reduction pass sums (split-K). A multiple of the 16
 
 QUANT_BLOCK_CHUNK = 8192
 """32-weight blocks along K that one quantized-matmul invocation accumulates before split-K."""
+
+WORKGROUP_BYTES = 16384
+"""Workgroup memory a built-in kernel sizes its blocks for: WebGPU's default maxComputeWorkgroupStorageSize,
+so the kernels fit every adapter (launches are still checked against the device's own limit). Attention
+takes cache rows in blocks whose scores fit it."""

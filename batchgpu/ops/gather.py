@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ from ..dtypes import INT32
 from ..errors import DTypeError, ShapeError
 from ..kernels import DEFAULT_WORKGROUP, Binding, Launch, pack_struct, wgsl_aliases
 from ..tensor import QuantTensor, Tensor
+from . import bounds
 from .common import groups_for, reads, uniform, writes
 from .reduce import move_axes_last
 from .spec import Node, OpSpec, normalize_axis
@@ -79,21 +81,35 @@ def _argmax_lower(node: Node) -> list[Launch]:
         launches.append(launch)
     width = x.shape[axis]
     rows = x.size // width
-    params = pack_struct("IIII", rows, width, 0, 0)
     out = node.output.storage
-    launches.append(
-        Launch(
-            label="argmax",
-            family="gather",
-            entry="argmax_rows",
-            types=wgsl_aliases(A=x.dtype, O=x.dtype),
-            groups=rows,
-            bindings=(reads(1, source), uniform(3, params), Binding(4, "write", out, out.nbytes)),
-            params=params,
-            workgroup_bytes=DEFAULT_WORKGROUP * 8,
-        )
+    chunk = bounds.ROW_CHUNK
+    if width <= chunk:
+        return [*launches, _argmax_launch("argmax_rows", source, rows, width, width, rows, writes(4, out))]
+    # Long rows: the best index of each piece into scratch, then one workgroup per row picks among them.
+    chunks = math.ceil(width / chunk)
+    candidates = node.new_scratch(rows * chunks * INT32.itemsize, INT32)
+    read_candidates = Binding(0, "read", candidates, candidates.nbytes)
+    return [
+        *launches,
+        _argmax_launch("argmax_rows", source, rows, width, chunk, rows * chunks, writes(4, candidates)),
+        _argmax_launch("argmax_candidates", source, rows, width, chunk, rows, writes(4, out), read_candidates),
+    ]
+
+
+def _argmax_launch(entry: str, x: Tensor, rows: int, width: int, chunk: int, groups: int, *bindings: Binding) -> Launch:
+    """A launch of an argmax entry over (rows, width) ``x`` taken in pieces of ``chunk`` elements."""
+    params = pack_struct("IIII", rows, width, 0, chunk)
+    return Launch(
+        label="argmax",
+        family="gather",
+        entry=entry,
+        types=wgsl_aliases(A=x.dtype, O=x.dtype),
+        constants=(("IS_FLOAT", x.dtype.kind == "f"),),
+        groups=groups,
+        bindings=(reads(1, x), uniform(3, params), *bindings),
+        params=params,
+        workgroup_bytes=DEFAULT_WORKGROUP * 8,
     )
-    return launches
 
 
 ARGMAX = OpSpec(

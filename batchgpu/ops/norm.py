@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from ..dtypes import FLOAT32
 from ..errors import ShapeError
-from ..kernels import DEFAULT_WORKGROUP, Launch, pack_struct, wgsl_aliases
+from ..kernels import DEFAULT_WORKGROUP, Binding, Launch, pack_struct, wgsl_aliases
 from ..tensor import Tensor
+from . import bounds
 from .common import reads, uniform, writes
 from .spec import Node, OpSpec, check_dtype, same_dtype
 
@@ -53,42 +56,68 @@ def _layer(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarra
     return (x - mean) / np.sqrt(var + np.float32(eps)) * w + b
 
 
-def _launch(node: Node, entry: str, bindings: list) -> list[Launch]:
+def _norm_passes(
+    node: Node, op: str, *, whole: list[Binding], partials: list[Binding], chunks: list[Binding], statistics: int
+) -> list[Launch]:
+    """``op`` over the rows of ``x``: ``{op}_rows`` (bindings ``whole``) while rows fit in one chunk; longer
+    rows in two passes over pieces of ``bounds.ROW_CHUNK`` elements: ``{op}_partials`` (bindings
+    ``partials``) writes ``statistics`` floats per piece to scratch, ``{op}_chunks`` (bindings ``chunks``)
+    combines a row's and writes its piece."""
     x = node.inputs[0]
-    rows = x.size // x.shape[-1]
-    params = pack_struct("IIfI", rows, x.shape[-1], float(node.params["eps"]), 0)
+    d = x.shape[-1]
+    rows = x.size // d
+    chunk = bounds.ROW_CHUNK
+    if d <= chunk:
+        return [_launch(node, f"{op}_rows", whole, d, rows)]
+    pieces = rows * math.ceil(d / chunk)
+    scratch = node.new_scratch(pieces * statistics * FLOAT32.itemsize, FLOAT32)
+    per_piece = Binding(6, "write", scratch, scratch.nbytes)
     return [
-        Launch(
-            label=node.spec.name,
-            family="norm",
-            entry=entry,
-            types=wgsl_aliases(A=x.dtype),
-            groups=rows,
-            bindings=(*bindings, uniform(5, params)),
-            params=params,
-            workgroup_bytes=DEFAULT_WORKGROUP * 4,
-        )
+        _launch(node, f"{op}_partials", [*partials, per_piece], chunk, pieces),
+        _launch(node, f"{op}_chunks", [*chunks, per_piece], chunk, pieces),
     ]
+
+
+def _launch(node: Node, entry: str, bindings: list[Binding], chunk: int, groups: int) -> Launch:
+    x = node.inputs[0]
+    params = pack_struct("IIfI", x.size // x.shape[-1], x.shape[-1], float(node.params["eps"]), chunk)
+    return Launch(
+        label=node.spec.name,
+        family="norm",
+        entry=entry,
+        types=wgsl_aliases(A=x.dtype),
+        groups=groups,
+        bindings=(*bindings, uniform(5, params)),
+        params=params,
+        workgroup_bytes=DEFAULT_WORKGROUP * 4,
+    )
 
 
 def _rms_lower(node: Node) -> list[Launch]:
     x, w = node.inputs
-    return _launch(node, "rms_norm_rows", [reads(0, x), reads(1, w), writes(3, node.output.storage)])
+    normed = [reads(0, x), reads(1, w), writes(3, node.output.storage)]
+    return _norm_passes(node, "rms_norm", whole=normed, partials=[reads(0, x)], chunks=normed, statistics=1)
 
 
 def _add_rms_lower(node: Node) -> list[Launch]:
     x, residual, w = node.inputs
     normed, summed = node.outputs
-    return _launch(
+    h = [reads(0, x), reads(2, residual)]  # x + residual, recomputed in each pass
+    out = [*h, reads(1, w), writes(3, normed.storage)]
+    return _norm_passes(
         node,
-        "add_rms_norm_rows",
-        [reads(0, x), reads(1, w), reads(2, residual), writes(3, normed.storage), writes(4, summed.storage)],
+        "add_rms_norm",
+        whole=[*out, writes(4, summed.storage)],
+        partials=[*h, writes(4, summed.storage)],
+        chunks=out,
+        statistics=1,
     )
 
 
 def _layer_lower(node: Node) -> list[Launch]:
     x, w, b = node.inputs
-    return _launch(node, "layer_norm_rows", [reads(0, x), reads(1, w), reads(2, b), writes(3, node.output.storage)])
+    normed = [reads(0, x), reads(1, w), reads(2, b), writes(3, node.output.storage)]
+    return _norm_passes(node, "layer_norm", whole=normed, partials=[reads(0, x)], chunks=normed, statistics=2)
 
 
 RMS_NORM = OpSpec(

@@ -1,6 +1,8 @@
 """Reductions (sum, mean, max over axes) and softmax. A reduction over one contiguous run of axes is
-seen as (outer, r, inner): rows (inner == 1) reduce with one workgroup per row in workgroup memory,
-columns with one thread per output. Other axis sets are first permuted into a scratch buffer."""
+seen as (outer, r, inner): rows (inner == 1) reduce with one workgroup per row in workgroup memory (rows
+longer than ``bounds.ROW_CHUNK`` in pieces, whose partial results another pass combines), columns with one
+thread per output. Other axis sets, and columns longer than ``bounds.COLUMN_LIMIT``, are first permuted
+into a scratch buffer."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import compute_dtype
-from ..kernels import DEFAULT_WORKGROUP, Launch, pack_struct, wgsl_aliases
+from ..dtypes import FLOAT32, compute_dtype
+from ..kernels import DEFAULT_WORKGROUP, Binding, Launch, pack_struct, wgsl_aliases
 from ..tensor import Storage, Tensor, contiguous_strides
 from . import bounds
 from .common import check_rank, groups_for, reads, uniform, writes
@@ -210,7 +212,9 @@ def _softmax_lower(node: Node) -> list[Launch]:
     (x,), out = node.inputs, node.output
     axis = normalize_axis("softmax", node.params.get("axis", -1), x.ndim, x)
     outer, r, inner = three_way(x.shape, axis, axis)
-    if inner == 1 or r <= bounds.COLUMN_LIMIT:
+    if inner == 1:
+        return _softmax_rows(node, x, out.storage, outer, r)
+    if r <= bounds.COLUMN_LIMIT:
         return [row_or_column_launch("softmax", "softmax", x, out.storage, out.dtype, outer, r, inner)]
     # Long columns: permute the axis last, softmax rows in scratch, permute back into the output.
     rows, to_rows = move_axes_last(node, x, (axis,))
@@ -219,7 +223,7 @@ def _softmax_lower(node: Node) -> list[Launch]:
     strides = contiguous_strides(rows.shape)
     return [
         to_rows,
-        row_or_column_launch("softmax", "softmax", rows, result, x.dtype, x.size // r, r, 1),
+        *_softmax_rows(node, rows, result, x.size // r, r),
         strided_copy(
             "softmax",
             Tensor(rows.shape, x.dtype, result, device=x.device, batch=x.batch),
@@ -232,6 +236,31 @@ def _softmax_lower(node: Node) -> list[Launch]:
             contiguous_strides(out.shape),
         ),
     ]
+
+
+def _softmax_rows(node: Node, x: Tensor, out: Storage, outer: int, r: int) -> list[Launch]:
+    """Softmax of (outer, r) rows: one launch, or for rows longer than ROW_CHUNK two passes over pieces of
+    it: per-piece (max, sum of exp(x - max)) partials, then each piece written from its row's partials."""
+    if r <= bounds.ROW_CHUNK:
+        return [row_or_column_launch("softmax", "softmax", x, out, x.dtype, outer, r, 1)]
+    chunk = bounds.ROW_CHUNK
+    chunks = math.ceil(r / chunk)
+    partials = node.new_scratch(outer * chunks * 2 * FLOAT32.itemsize, FLOAT32)
+    params = pack_struct("IIIfIIII", outer, r, 1, 1.0, chunk, chunks, 0, 0)
+
+    def launch(entry: str, *bindings: Binding) -> Launch:
+        return Launch(
+            label="softmax",
+            family="softmax",
+            entry=entry,
+            types=wgsl_aliases(A=x.dtype, O=x.dtype),
+            groups=outer * chunks,
+            bindings=(reads(0, x), uniform(2, params), writes(3, partials), *bindings),
+            params=params,
+            workgroup_bytes=DEFAULT_WORKGROUP * 4,
+        )
+
+    return [launch("softmax_partials"), launch("softmax_chunks", writes(1, out))]
 
 
 def _inverse_order(ndim: int, axis: int) -> tuple[int, ...]:

@@ -1,12 +1,18 @@
 // Row gathers; mirrors shaders/wgsl/gather.wgsl. embedding: out[i, :] = table[ids[i], :] (ids outside
-// [0, rows) give zeros), also from quantized tables; argmax_rows: index of the first maximum of each
-// row. A (table / input type), O (output type), C (compute type of A).
+// [0, rows) give zeros), also from quantized tables; argmax_rows: index of the first maximum (NaN first,
+// as numpy) of each row, or of each piece of p.chunk elements of a longer row; argmax_candidates: for long
+// rows, the best of each row's pieces' candidates. A (table / input type), O (output type), C (compute type
+// of A). IS_FLOAT: argmax of float data (NaN counts).
+
+#ifndef IS_FLOAT
+#define IS_FLOAT 0
+#endif
 
 struct Params {
     unsigned count;  // embedding: number of ids; argmax: rows
     unsigned width;  // embedding: row width; argmax: row length
     unsigned rows;   // embedding: table rows
-    unsigned pad;
+    unsigned chunk;  // argmax: piece length (the row length for rows taken whole)
 };
 
 extern "C" __global__ void embedding(const int* ids, const A* table, O* out, const Params p, int* indices,
@@ -59,35 +65,90 @@ extern "C" __global__ void embedding_q8_0(const int* ids, const A* table, O* out
     embed_quantized<true>(ids, out, p, qtable);
 }
 
+// NaN by bit pattern, as in the WGSL kernel (integer data never is).
+__device__ __forceinline__ bool is_nan(C v) {
+#if IS_FLOAT
+    return (__float_as_uint(v) & 0x7fffffffu) > 0x7f800000u;
+#else
+    return false;
+#endif
+}
+
+// Whether (v, k) comes before (best, at) in argmax order: NaN first, then the larger value, then the lower index.
+__device__ __forceinline__ bool better(C v, unsigned k, C best, unsigned at) {
+    bool v_nan = is_nan(v), best_nan = is_nan(best);
+    if (v_nan || best_nan) return v_nan && (!best_nan || k < at);
+    return v > best || (v == best && k < at);
+}
+
+// The index of the best (value, index) pair of the block; every thread must call it (barriers).
+__device__ unsigned tree_best(C* best_value, unsigned* best_index, unsigned lid, C value, unsigned index) {
+    best_value[lid] = value;
+    best_index[lid] = index;
+    __syncthreads();
+    for (unsigned stride = WG / 2; stride > 0; stride >>= 1) {
+        unsigned other = lid + stride;
+        if (lid < stride && better(best_value[other], best_index[other], best_value[lid], best_index[lid])) {
+            best_value[lid] = best_value[other];
+            best_index[lid] = best_index[other];
+        }
+        __syncthreads();
+    }
+    unsigned result = best_index[0];
+    __syncthreads();
+    return result;
+}
+
+__device__ __forceinline__ unsigned argmax_chunks(const Params& p) { return (p.width - 1u) / p.chunk + 1u; }
+
+// Block `item` takes piece item % chunks of row item / chunks and writes the row index of the piece's best
+// element to indices[item] (rows taken whole: chunks = 1, item = row).
 extern "C" __global__ void argmax_rows(const int* ids, const A* table, O* out, const Params p, int* indices,
                                        const unsigned* qtable) {
     __shared__ C best_value[WG];
     __shared__ unsigned best_index[WG];
     unsigned lid = threadIdx.x;
-    unsigned row = bg_block_index();
-    unsigned base = bg_min(row, p.count - 1u) * p.width;
+    unsigned item = bg_block_index();
+    unsigned chunks = argmax_chunks(p);
+    unsigned clamped = bg_min(item, p.count * chunks - 1u);
+    unsigned first = (clamped % chunks) * p.chunk;
+    unsigned count = bg_min(p.chunk, p.width - first);
+    unsigned base = (clamped / chunks) * p.width + first;
     C value = CVT(C, table[base]);
     unsigned index = 0;
-    for (unsigned k = lid; k < p.width; k += WG) {
+    for (unsigned k = lid; k < count; k += WG) {
         C v = CVT(C, table[base + k]);
-        if (v > value) {
+        if (better(v, k, value, index)) {
             value = v;
             index = k;
         }
     }
-    best_value[lid] = value;
-    best_index[lid] = index;
-    __syncthreads();
-    for (unsigned stride = WG / 2; stride > 0; stride >>= 1) {
-        if (lid < stride) {
-            C v = best_value[lid + stride];
-            unsigned k = best_index[lid + stride];
-            if (v > best_value[lid] || (v == best_value[lid] && k < best_index[lid])) {
-                best_value[lid] = v;
-                best_index[lid] = k;
-            }
+    unsigned best = tree_best(best_value, best_index, lid, value, index);
+    if (lid == 0 && item < p.count * chunks) indices[item] = (int)(first + best);
+}
+
+// Long rows, second pass: one block per row reads its pieces' candidate indices (ids, as argmax_rows wrote
+// them) and writes the best one to indices[row].
+extern "C" __global__ void argmax_candidates(const int* ids, const A* table, O* out, const Params p, int* indices,
+                                             const unsigned* qtable) {
+    __shared__ C best_value[WG];
+    __shared__ unsigned best_index[WG];
+    unsigned lid = threadIdx.x;
+    unsigned row = bg_block_index();
+    unsigned clamped = bg_min(row, p.count - 1u);
+    unsigned chunks = argmax_chunks(p);
+    unsigned first = clamped * chunks;
+    unsigned base = clamped * p.width;
+    unsigned index = (unsigned)ids[first];
+    C value = CVT(C, table[base + index]);
+    for (unsigned j = lid; j < chunks; j += WG) {
+        unsigned k = (unsigned)ids[first + j];
+        C v = CVT(C, table[base + k]);
+        if (better(v, k, value, index)) {
+            value = v;
+            index = k;
         }
-        __syncthreads();
     }
-    if (lid == 0 && row < p.count) indices[row] = (int)best_index[0];
+    unsigned best = tree_best(best_value, best_index, lid, value, index);
+    if (lid == 0 && row < p.count) indices[row] = (int)best;
 }

@@ -1,13 +1,16 @@
-// Row normalizations, one block per row, sums in float; mirrors shaders/wgsl/norm.wgsl. A (storage
-// type of every tensor). extra: layer_norm bias, or add_rms_norm's residual.
+// Row normalizations, sums in float; mirrors shaders/wgsl/norm.wgsl. A (storage type of every tensor).
+// extra: layer_norm bias, or add_rms_norm's residual. *_rows: one block per row; longer rows, one block per
+// (row, piece of p.chunk elements), in two passes: *_partials write per-piece statistics to `partials`,
+// *_chunks combine the row's partials and write their piece.
 
 struct Params {
     unsigned rows, d;
     float eps;
-    unsigned pad;
+    unsigned chunk;  // piece length of long rows
 };
 
-extern "C" __global__ void rms_norm_rows(const A* x, const A* w, const A* extra, A* out, A* summed, const Params p) {
+extern "C" __global__ void rms_norm_rows(const A* x, const A* w, const A* extra, A* out, A* summed,
+                                         const Params p, float* partials) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     unsigned row = bg_block_index();
@@ -23,7 +26,7 @@ extern "C" __global__ void rms_norm_rows(const A* x, const A* w, const A* extra,
 }
 
 extern "C" __global__ void add_rms_norm_rows(const A* x, const A* w, const A* extra, A* out, A* summed,
-                                             const Params p) {
+                                             const Params p, float* partials) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     unsigned row = bg_block_index();
@@ -44,7 +47,7 @@ extern "C" __global__ void add_rms_norm_rows(const A* x, const A* w, const A* ex
 }
 
 extern "C" __global__ void layer_norm_rows(const A* x, const A* w, const A* extra, A* out, A* summed,
-                                           const Params p) {
+                                           const Params p, float* partials) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     unsigned row = bg_block_index();
@@ -61,5 +64,146 @@ extern "C" __global__ void layer_norm_rows(const A* x, const A* w, const A* extr
     if (row >= p.rows) return;
     for (unsigned k = lid; k < p.d; k += WG) {
         out[base + k] = CVT(A, (CVT(float, x[base + k]) - mean) * scale * CVT(float, w[k]) + CVT(float, extra[k]));
+    }
+}
+
+// Long rows ---------------------------------------------------------------------------------------
+
+// A piece of a long row: block `index` takes piece index % chunks of row index / chunks.
+struct Piece {
+    unsigned row, first, count, index;  // first: counted from the row's start; index: row * chunks + piece
+    bool valid;                         // false past the last piece (such blocks only take part in barriers)
+};
+
+__device__ __forceinline__ unsigned chunks(const Params& p) { return (p.d - 1u) / p.chunk + 1u; }
+
+__device__ __forceinline__ Piece piece_of(const Params& p) {
+    unsigned index = bg_block_index();
+    unsigned clamped = bg_min(index, p.rows * chunks(p) - 1u);
+    unsigned first = (clamped % chunks(p)) * p.chunk;
+    return Piece{clamped / chunks(p), first, bg_min(p.chunk, p.d - first), index, index < p.rows * chunks(p)};
+}
+
+extern "C" __global__ void rms_norm_partials(const A* x, const A* w, const A* extra, A* out, A* summed,
+                                             const Params p, float* partials) {
+    __shared__ float partial[WG];
+    unsigned lid = threadIdx.x;
+    Piece piece = piece_of(p);
+    unsigned base = piece.row * p.d + piece.first;
+    float squares = 0.0f;
+    for (unsigned k = lid; k < piece.count; k += WG) {
+        float v = CVT(float, x[base + k]);
+        squares += v * v;
+    }
+    float piece_squares = bg_tree(partial, lid, squares, false);
+    if (lid == 0 && piece.valid) partials[piece.index] = piece_squares;
+}
+
+extern "C" __global__ void add_rms_norm_partials(const A* x, const A* w, const A* extra, A* out, A* summed,
+                                                 const Params p, float* partials) {
+    __shared__ float partial[WG];
+    unsigned lid = threadIdx.x;
+    Piece piece = piece_of(p);
+    unsigned base = piece.row * p.d + piece.first;
+    float squares = 0.0f;
+    for (unsigned k = lid; k < piece.count; k += WG) {
+        float v = CVT(float, x[base + k]) + CVT(float, extra[base + k]);
+        squares += v * v;
+        if (piece.valid) summed[base + k] = CVT(A, v);
+    }
+    float piece_squares = bg_tree(partial, lid, squares, false);
+    if (lid == 0 && piece.valid) partials[piece.index] = piece_squares;
+}
+
+// rsqrt(mean(x^2) + eps) of the piece's row, from its pieces' sums of squares.
+__device__ float rms_scale(float* partial, unsigned lid, const Piece& piece, const Params& p, const float* partials) {
+    unsigned first = piece.row * chunks(p);
+    float squares = 0.0f;
+    for (unsigned j = lid; j < chunks(p); j += WG) squares += partials[first + j];
+    return rsqrtf(bg_tree(partial, lid, squares, false) / (float)p.d + p.eps);
+}
+
+extern "C" __global__ void rms_norm_chunks(const A* x, const A* w, const A* extra, A* out, A* summed,
+                                           const Params p, float* partials) {
+    __shared__ float partial[WG];
+    unsigned lid = threadIdx.x;
+    Piece piece = piece_of(p);
+    float scale = rms_scale(partial, lid, piece, p, partials);
+    if (!piece.valid) return;
+    unsigned base = piece.row * p.d + piece.first;
+    for (unsigned k = lid; k < piece.count; k += WG) {
+        out[base + k] = CVT(A, CVT(float, x[base + k]) * scale * CVT(float, w[piece.first + k]));
+    }
+}
+
+extern "C" __global__ void add_rms_norm_chunks(const A* x, const A* w, const A* extra, A* out, A* summed,
+                                               const Params p, float* partials) {
+    __shared__ float partial[WG];
+    unsigned lid = threadIdx.x;
+    Piece piece = piece_of(p);
+    float scale = rms_scale(partial, lid, piece, p, partials);
+    if (!piece.valid) return;
+    unsigned base = piece.row * p.d + piece.first;
+    for (unsigned k = lid; k < piece.count; k += WG) {
+        float v = CVT(float, x[base + k]) + CVT(float, extra[base + k]);
+        out[base + k] = CVT(A, v * scale * CVT(float, w[piece.first + k]));
+    }
+}
+
+extern "C" __global__ void layer_norm_partials(const A* x, const A* w, const A* extra, A* out, A* summed,
+                                               const Params p, float* partials) {
+    __shared__ float partial[WG];
+    unsigned lid = threadIdx.x;
+    Piece piece = piece_of(p);
+    unsigned base = piece.row * p.d + piece.first;
+    float total = 0.0f;
+    for (unsigned k = lid; k < piece.count; k += WG) total += CVT(float, x[base + k]);
+    float piece_total = bg_tree(partial, lid, total, false);
+    float mean = piece_total / (float)piece.count;
+    float deviations = 0.0f;
+    for (unsigned k = lid; k < piece.count; k += WG) {
+        float c = CVT(float, x[base + k]) - mean;
+        deviations += c * c;
+    }
+    float piece_deviations = bg_tree(partial, lid, deviations, false);
+    if (lid == 0 && piece.valid) {
+        partials[2u * piece.index] = piece_total;
+        partials[2u * piece.index + 1u] = piece_deviations;
+    }
+}
+
+struct LayerStats {
+    float mean, scale;
+};
+
+// (mean, rsqrt(var + eps)) of the piece's row from its pieces' (sum, squared deviations) partials, with
+// Chan et al.'s parallel formula: row deviations = sum over pieces of (deviations + n * (piece mean - mean)^2).
+__device__ LayerStats layer_stats(float* partial, unsigned lid, const Piece& piece, const Params& p,
+                                  const float* partials) {
+    unsigned first = piece.row * chunks(p);
+    float total = 0.0f;
+    for (unsigned j = lid; j < chunks(p); j += WG) total += partials[2u * (first + j)];
+    float mean = bg_tree(partial, lid, total, false) / (float)p.d;
+    float deviations = 0.0f;
+    for (unsigned j = lid; j < chunks(p); j += WG) {
+        float n = (float)bg_min(p.chunk, p.d - j * p.chunk);
+        float offset = partials[2u * (first + j)] / n - mean;
+        deviations += partials[2u * (first + j) + 1u] + n * offset * offset;
+    }
+    return LayerStats{mean, rsqrtf(bg_tree(partial, lid, deviations, false) / (float)p.d + p.eps)};
+}
+
+extern "C" __global__ void layer_norm_chunks(const A* x, const A* w, const A* extra, A* out, A* summed,
+                                             const Params p, float* partials) {
+    __shared__ float partial[WG];
+    unsigned lid = threadIdx.x;
+    Piece piece = piece_of(p);
+    LayerStats stats = layer_stats(partial, lid, piece, p, partials);
+    if (!piece.valid) return;
+    unsigned base = piece.row * p.d + piece.first;
+    for (unsigned k = lid; k < piece.count; k += WG) {
+        unsigned c = piece.first + k;
+        float normed = (CVT(float, x[base + k]) - stats.mean) * stats.scale;
+        out[base + k] = CVT(A, normed * CVT(float, w[c]) + CVT(float, extra[c]));
     }
 }

@@ -1,5 +1,7 @@
 // Numerically stable softmax over the middle extent of an (outer, r, inner) view, in float;
-// mirrors shaders/wgsl/softmax.wgsl. A (input), O (output).
+// mirrors shaders/wgsl/softmax.wgsl. A (input), O (output). softmax_rows: one block per row;
+// softmax_partials and softmax_chunks: rows longer than one chunk, one block per (row, piece), in two
+// passes over per-piece (max, sum of exp(x - max)) partials; softmax_cols: one thread per column.
 
 struct Params {
     unsigned outer, r, inner;
@@ -7,7 +9,7 @@ struct Params {
     unsigned chunk, chunks, pad0, pad1;
 };
 
-extern "C" __global__ void softmax_rows(const A* a, O* out, const Params p) {
+extern "C" __global__ void softmax_rows(const A* a, O* out, const Params p, float* partials) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     unsigned row = bg_block_index();
@@ -23,7 +25,69 @@ extern "C" __global__ void softmax_rows(const A* a, O* out, const Params p) {
     for (unsigned k = lid; k < p.r; k += WG) out[base + k] = CVT(O, expf(CVT(float, a[base + k]) - row_max) / total);
 }
 
-extern "C" __global__ void softmax_cols(const A* a, O* out, const Params p) {
+// A piece of a long row: block `index` takes piece index % chunks of row index / chunks.
+struct Piece {
+    unsigned row, first, count, index;  // first: counted from the row's start; index: row * chunks + piece
+    bool valid;                         // false past the last piece (such blocks only take part in barriers)
+};
+
+__device__ __forceinline__ Piece piece_of(const Params& p) {
+    unsigned index = bg_block_index();
+    unsigned clamped = bg_min(index, p.outer * p.chunks - 1u);
+    unsigned first = (clamped % p.chunks) * p.chunk;
+    return Piece{clamped / p.chunks, first, bg_min(p.chunk, p.r - first), index, index < p.outer * p.chunks};
+}
+
+extern "C" __global__ void softmax_partials(const A* a, O* out, const Params p, float* partials) {
+    __shared__ float partial[WG];
+    unsigned lid = threadIdx.x;
+    Piece piece = piece_of(p);
+    unsigned base = piece.row * p.r + piece.first;
+    float m = CVT(float, a[base]);
+    for (unsigned k = lid; k < piece.count; k += WG) m = fmaxf(m, CVT(float, a[base + k]));
+    float piece_max = bg_tree(partial, lid, m, true);
+    float s = 0.0f;
+    for (unsigned k = lid; k < piece.count; k += WG) s += expf(CVT(float, a[base + k]) - piece_max);
+    float piece_sum = bg_tree(partial, lid, s, false);
+    if (lid == 0 && piece.valid) {
+        partials[2u * piece.index] = piece_max;
+        partials[2u * piece.index + 1u] = piece_sum;
+    }
+}
+
+struct RowStats {
+    float max, sum;
+};
+
+// (max, sum of exp(x - max)) of the piece's row from its pieces' partials. A piece of -inf only (its sum is
+// NaN) adds nothing.
+__device__ RowStats row_max_and_sum(float* partial, unsigned lid, const Piece& piece, const Params& p,
+                                    const float* partials) {
+    unsigned first = piece.row * p.chunks;
+    float m = partials[2u * first];
+    for (unsigned j = lid; j < p.chunks; j += WG) m = fmaxf(m, partials[2u * (first + j)]);
+    float row_max = bg_tree(partial, lid, m, true);
+    float s = 0.0f;
+    for (unsigned j = lid; j < p.chunks; j += WG) {
+        float piece_max = partials[2u * (first + j)];
+        if (!(piece_max < -3.4028234e38f)) s += partials[2u * (first + j) + 1u] * expf(piece_max - row_max);
+    }
+    return RowStats{row_max, bg_tree(partial, lid, s, false)};
+}
+
+extern "C" __global__ void softmax_chunks(const A* a, O* out, const Params p, float* partials) {
+    __shared__ float partial[WG];
+    unsigned lid = threadIdx.x;
+    Piece piece = piece_of(p);
+    RowStats row_stats = row_max_and_sum(partial, lid, piece, p, partials);
+    if (!piece.valid) return;
+    unsigned base = piece.row * p.r + piece.first;
+    for (unsigned k = lid; k < piece.count; k += WG) {
+        out[base + k] = CVT(O, expf(CVT(float, a[base + k]) - row_stats.max) / row_stats.sum);
+    }
+}
+
+extern "C" __global__ void softmax_cols(const A* a, O* out, const Params p, float* partials) {
     unsigned i = bg_thread_index();
     if (i >= p.outer * p.inner) return;
     unsigned base = (i / p.inner) * p.r * p.inner + i % p.inner;

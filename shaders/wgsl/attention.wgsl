@@ -3,7 +3,13 @@
 // kv_write:  cache[pos + t] = new[t] for a (cache_len, kv_heads, head_dim) cache, in place.
 // attention: softmax(q . k^T * scale + causal mask) . v over cache rows [0, pos + t], grouped-query
 //            heads (head h reads kv head h / (heads / kv_heads)); one workgroup per (token, head),
-//            scores kept in workgroup memory (SMAX = cache length).
+//            scores kept in workgroup memory (SMAX = cache length: caches up to one block of rows).
+// Longer caches, flash-decoding style, over f32 partials (max score, sum of exp, head_dim exp-weighted
+// sums of value rows), p.splits of them per (token, head), in order:
+// attention_partial: one workgroup per (token, head, block of split_rows = SMAX cache rows); a block past
+//            the visible rows (the position is a per-execute scalar) writes (LOWEST, 0, 0...).
+// attention_merge:   folds each run of p.fan_in partials into one (while too many for one invocation).
+// attention_combine: folds all of a (token, head)'s partials and writes its output.
 // Aliases: A (tensor storage type), C (f32).
 
 override WG: u32 = 64u;
@@ -11,6 +17,8 @@ override SMAX: u32 = 1u;
 override HEAD_DIM: u32 = 1u;
 const NO_SLOT: u32 = 0xFFFFFFFFu;
 const TWO_PI: f32 = 6.283185307179586;
+const LOWEST: f32 = -3.4028234e38;
+const PARTIAL_HEADER: u32 = 2u;         // a partial's max and sum, then its head_dim weighted sums
 
 struct Params {
     tokens: u32,
@@ -22,9 +30,9 @@ struct Params {
     pos_literal: u32,
     causal: u32,
     scale: f32,
-    pad0: u32,
-    pad1: u32,
-    pad2: u32,
+    split_rows: u32,                    // cache rows of one attention_partial block (scores' length)
+    splits: u32,                        // partials per (token, head): written, or read by merge/combine
+    fan_in: u32,                        // partials attention_merge folds into one
 }
 
 struct Scalars {
@@ -38,6 +46,8 @@ struct Scalars {
 @group(0) @binding(4) var<storage, read_write> dst: array<A>;    // rope/attention output, kv cache
 @group(0) @binding(5) var<uniform> p: Params;
 @group(0) @binding(6) var<uniform> scalars: Scalars;
+@group(0) @binding(7) var<storage, read> partials_in: array<f32>;
+@group(0) @binding(8) var<storage, read_write> partials_out: array<f32>;
 
 var<workgroup> scores: array<f32, SMAX>;
 var<workgroup> q_row: array<f32, HEAD_DIM>;
@@ -77,47 +87,151 @@ fn kv_write(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgrou
     dst[target_row * row + i % row] = src[i];
 }
 
+// Rows of the cache token t sees: [0, pos + t] when causal, else [0, pos + tokens).
+fn visible_rows(t: u32) -> u32 {
+    if p.causal != 0u { return min(position() + t + 1u, p.cache_len); }
+    return min(position() + p.tokens, p.cache_len);
+}
+
+// Offset of item (token * heads + head)'s kv head within a cache row.
+fn kv_offset(item: u32) -> u32 {
+    return (item % p.heads) / (p.heads / p.kv_heads) * p.head_dim;
+}
+
+// Scores of item's query over cache rows [first, last) (at most SMAX): scores[j - first] =
+// exp(score_j - top); returns (top, sum of exp), (LOWEST, 0) for no rows. Every invocation of the
+// workgroup calls it in uniform control flow (barriers).
+fn softmax_rows(lid: u32, item: u32, first: u32, last: u32) -> vec2<f32> {
+    let row = p.kv_heads * p.head_dim;
+    let offset = kv_offset(item);
+    for (var d = lid; d < p.head_dim; d += WG) {
+        q_row[d] = f32(src[item * p.head_dim + d]) * p.scale;
+    }
+    workgroupBarrier();
+    var best = LOWEST;
+    for (var j = first + lid; j < last; j += WG) {
+        var s = 0.0;
+        for (var d = 0u; d < p.head_dim; d++) {
+            s += q_row[d] * f32(keys[j * row + offset + d]);
+        }
+        scores[j - first] = s;
+        best = max(best, s);
+    }
+    let top = tree_max(lid, best);
+    var mass = 0.0;
+    for (var j = first + lid; j < last; j += WG) {
+        let e = exp(scores[j - first] - top);
+        scores[j - first] = e;
+        mass += e;
+    }
+    return vec2<f32>(top, tree_sum(lid, mass));
+}
+
+// Sum over cache rows [first, last) of scores[j - first] * v[j][d] for item's kv head.
+fn weighted_values(item: u32, first: u32, last: u32, d: u32) -> f32 {
+    let row = p.kv_heads * p.head_dim;
+    let column = kv_offset(item) + d;
+    var acc = 0.0;
+    for (var j = first; j < last; j++) {
+        acc += scores[j - first] * f32(values[j * row + column]);
+    }
+    return acc;
+}
+
 @compute @workgroup_size(WG)
 fn attention(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
              @builtin(num_workgroups) groups: vec3<u32>) {
     let item = wid.x + wid.y * groups.x;      // token * heads + head
     let valid = item < p.tokens * p.heads;
     let it = min(item, p.tokens * p.heads - 1u);
-    let t = it / p.heads;
-    let kv_head = (it % p.heads) / (p.heads / p.kv_heads);
-    let start = position();
-    var count = min(start + p.tokens, p.cache_len);
-    if p.causal != 0u { count = min(start + t + 1u, p.cache_len); }
-    let row = p.kv_heads * p.head_dim;
-    let head_offset = kv_head * p.head_dim;
-
-    for (var d = lid.x; d < p.head_dim; d += WG) {
-        q_row[d] = f32(src[it * p.head_dim + d]) * p.scale;
-    }
-    workgroupBarrier();
-    var best = -3.4028234e38;
-    for (var j = lid.x; j < count; j += WG) {
-        var s = 0.0;
-        for (var d = 0u; d < p.head_dim; d++) {
-            s += q_row[d] * f32(keys[j * row + head_offset + d]);
-        }
-        scores[j] = s;
-        best = max(best, s);
-    }
-    let top = tree_max(lid.x, best);
-    var mass = 0.0;
-    for (var j = lid.x; j < count; j += WG) {
-        let e = exp(scores[j] - top);
-        scores[j] = e;
-        mass += e;
-    }
-    let total = tree_sum(lid.x, mass);
+    let count = visible_rows(it / p.heads);
+    let stats = softmax_rows(lid.x, it, 0u, count);
     if !valid { return; }
     for (var d = lid.x; d < p.head_dim; d += WG) {
-        var acc = 0.0;
-        for (var j = 0u; j < count; j++) {
-            acc += scores[j] * f32(values[j * row + head_offset + d]);
-        }
-        dst[it * p.head_dim + d] = A(acc / total);
+        dst[it * p.head_dim + d] = A(weighted_values(it, 0u, count, d) / stats.y);
+    }
+}
+
+@compute @workgroup_size(WG)
+fn attention_partial(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+                     @builtin(num_workgroups) groups: vec3<u32>) {
+    let blocks = p.tokens * p.heads * p.splits;
+    let block = wid.x + wid.y * groups.x;     // (token * heads + head) * splits + split
+    let valid = block < blocks;
+    let b = min(block, blocks - 1u);
+    let it = b / p.splits;
+    let first = (b % p.splits) * p.split_rows;
+    let last = clamp(visible_rows(it / p.heads), first, first + p.split_rows);
+    let stats = softmax_rows(lid.x, it, first, last);
+    if !valid { return; }
+    let base = b * (p.head_dim + PARTIAL_HEADER);
+    if lid.x == 0u {
+        partials_out[base] = stats.x;
+        partials_out[base + 1u] = stats.y;
+    }
+    for (var d = lid.x; d < p.head_dim; d += WG) {
+        partials_out[base + PARTIAL_HEADER + d] = weighted_values(it, first, last, d);
+    }
+}
+
+// Folds of partials_in [first, last) (indices of partials): the largest max, the sum of the sums and
+// the weighted sums at d, each partial rescaled by exp(its max - top).
+fn folded_max(first: u32, last: u32) -> f32 {
+    var top = LOWEST;
+    for (var s = first; s < last; s++) {
+        top = max(top, partials_in[s * (p.head_dim + PARTIAL_HEADER)]);
+    }
+    return top;
+}
+
+fn folded_sum(first: u32, last: u32, top: f32) -> f32 {
+    var total = 0.0;
+    for (var s = first; s < last; s++) {
+        let base = s * (p.head_dim + PARTIAL_HEADER);
+        total += exp(partials_in[base] - top) * partials_in[base + 1u];
+    }
+    return total;
+}
+
+fn folded_values(first: u32, last: u32, top: f32, d: u32) -> f32 {
+    var acc = 0.0;
+    for (var s = first; s < last; s++) {
+        let base = s * (p.head_dim + PARTIAL_HEADER);
+        acc += exp(partials_in[base] - top) * partials_in[base + PARTIAL_HEADER + d];
+    }
+    return acc;
+}
+
+@compute @workgroup_size(WG)
+fn attention_merge(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+                   @builtin(num_workgroups) groups: vec3<u32>) {
+    let folded = (p.splits + p.fan_in - 1u) / p.fan_in;   // partials per (token, head) after this pass
+    let fold = wid.x + wid.y * groups.x;      // (token * heads + head) * folded + fold of this workgroup
+    if fold >= p.tokens * p.heads * folded { return; }
+    let it = fold / folded;
+    let first = it * p.splits + (fold % folded) * p.fan_in;
+    let last = min(first + p.fan_in, (it + 1u) * p.splits);
+    let top = folded_max(first, last);
+    let base = fold * (p.head_dim + PARTIAL_HEADER);
+    if lid.x == 0u {
+        partials_out[base] = top;
+        partials_out[base + 1u] = folded_sum(first, last, top);
+    }
+    for (var d = lid.x; d < p.head_dim; d += WG) {
+        partials_out[base + PARTIAL_HEADER + d] = folded_values(first, last, top, d);
+    }
+}
+
+@compute @workgroup_size(WG)
+fn attention_combine(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+                     @builtin(num_workgroups) groups: vec3<u32>) {
+    let it = wid.x + wid.y * groups.x;        // token * heads + head
+    if it >= p.tokens * p.heads { return; }
+    let first = it * p.splits;
+    let last = first + p.splits;
+    let top = folded_max(first, last);
+    let total = folded_sum(first, last, top);
+    for (var d = lid.x; d < p.head_dim; d += WG) {
+        dst[it * p.head_dim + d] = A(folded_values(first, last, top, d) / total);
     }
 }

@@ -1,17 +1,20 @@
 // Row gathers. embedding: out[i, :] = table[ids[i], :] (ids outside [0, rows) give zeros);
-// argmax_rows: index of the first maximum of each row (one workgroup per row, (value, index) tree).
+// argmax_rows: index of the first maximum (NaN first, as numpy) of each row, or of each piece of p.chunk
+// elements of a longer row (one workgroup per piece, (value, index) tree); argmax_candidates: for long
+// rows, one workgroup per row picks the best of its pieces' candidates.
 // Aliases: A (table / input type), O (output type), C (compute type of A).
 
 override WG: u32 = 256u;
+override IS_FLOAT: bool = false;   // argmax of float data: NaN counts (integer bit patterns never do)
 
 struct Params {
     count: u32,    // embedding: number of ids; argmax: rows
     width: u32,    // embedding: row width; argmax: row length
     rows: u32,     // embedding: table rows
-    pad: u32,
+    chunk: u32,    // argmax: piece length (the row length for rows taken whole)
 }
 
-@group(0) @binding(0) var<storage, read> ids: array<i32>;
+@group(0) @binding(0) var<storage, read> ids: array<i32>;   // embedding: ids; argmax_candidates: candidates
 @group(0) @binding(1) var<storage, read> table: array<A>;
 @group(0) @binding(2) var<storage, read_write> out: array<O>;
 @group(0) @binding(3) var<uniform> p: Params;
@@ -74,30 +77,79 @@ fn embedding_q8_0(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_wo
     embed_quantized(gid, groups, true);
 }
 
-@compute @workgroup_size(WG)
-fn argmax_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
-               @builtin(num_workgroups) groups: vec3<u32>) {
-    let row = wid.x + wid.y * groups.x;
-    let base = min(row, p.count - 1u) * p.width;
-    var value = C(table[base]);
-    var index = 0u;
-    for (var k = lid.x; k < p.width; k += WG) {
-        let v = C(table[base + k]);
-        if v > value { value = v; index = k; }
-    }
-    best_value[lid.x] = value;
-    best_index[lid.x] = index;
+// NaN by bit pattern: WGSL compilers may assume float comparisons see no NaN.
+fn is_nan(v: C) -> bool {
+    return IS_FLOAT && (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;
+}
+
+// Whether (v, k) comes before (best, at) in argmax order: NaN first, then the larger value, then the lower index.
+fn better(v: C, k: u32, best: C, at: u32) -> bool {
+    let v_nan = is_nan(v);
+    let best_nan = is_nan(best);
+    if v_nan || best_nan { return v_nan && (!best_nan || k < at); }
+    return v > best || (v == best && k < at);
+}
+
+// The index of the best (value, index) pair of the workgroup. Every invocation must call it (barriers).
+fn tree_best(lid: u32, value: C, index: u32) -> u32 {
+    best_value[lid] = value;
+    best_index[lid] = index;
     workgroupBarrier();
     for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if lid.x < stride {
-            let v = best_value[lid.x + stride];
-            let k = best_index[lid.x + stride];
-            if v > best_value[lid.x] || (v == best_value[lid.x] && k < best_index[lid.x]) {
-                best_value[lid.x] = v;
-                best_index[lid.x] = k;
-            }
+        let other = lid + stride;
+        if lid < stride && better(best_value[other], best_index[other], best_value[lid], best_index[lid]) {
+            best_value[lid] = best_value[other];
+            best_index[lid] = best_index[other];
         }
         workgroupBarrier();
     }
-    if lid.x == 0u && row < p.count { indices[row] = i32(best_index[0]); }
+    let result = best_index[0];
+    workgroupBarrier();
+    return result;
+}
+
+fn argmax_chunks() -> u32 {
+    return (p.width - 1u) / p.chunk + 1u;
+}
+
+// Workgroup `item` takes piece item % chunks of row item / chunks and writes the row index of the piece's
+// best element to indices[item] (rows taken whole: chunks = 1, item = row).
+@compute @workgroup_size(WG)
+fn argmax_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+               @builtin(num_workgroups) groups: vec3<u32>) {
+    let item = wid.x + wid.y * groups.x;
+    let chunks = argmax_chunks();
+    let clamped = min(item, p.count * chunks - 1u);
+    let first = (clamped % chunks) * p.chunk;
+    let count = min(p.chunk, p.width - first);
+    let base = (clamped / chunks) * p.width + first;
+    var value = C(table[base]);
+    var index = 0u;
+    for (var k = lid.x; k < count; k += WG) {
+        let v = C(table[base + k]);
+        if better(v, k, value, index) { value = v; index = k; }
+    }
+    let best = tree_best(lid.x, value, index);
+    if lid.x == 0u && item < p.count * chunks { indices[item] = i32(first + best); }
+}
+
+// Long rows, second pass: one workgroup per row reads its pieces' candidate indices (ids, as argmax_rows
+// wrote them) and writes the best one to indices[row].
+@compute @workgroup_size(WG)
+fn argmax_candidates(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+                     @builtin(num_workgroups) groups: vec3<u32>) {
+    let row = wid.x + wid.y * groups.x;
+    let clamped = min(row, p.count - 1u);
+    let chunks = argmax_chunks();
+    let first = clamped * chunks;
+    let base = clamped * p.width;
+    var index = u32(ids[first]);
+    var value = C(table[base + index]);
+    for (var j = lid.x; j < chunks; j += WG) {
+        let k = u32(ids[first + j]);
+        let v = C(table[base + k]);
+        if better(v, k, value, index) { value = v; index = k; }
+    }
+    let best = tree_best(lid.x, value, index);
+    if lid.x == 0u && row < p.count { indices[row] = i32(best); }
 }

@@ -1,6 +1,10 @@
 // Numerically stable softmax over the middle extent of an (outer, r, inner) view:
 // exp(x - max) / sum(exp(x - max)), computed in f32. Aliases: A (input), O (output), C (f32 here).
-// softmax_rows (inner == 1): one workgroup per row with tree reductions in workgroup memory.
+// softmax_rows (inner == 1, rows of at most one chunk): one workgroup per row with tree reductions in
+// workgroup memory.
+// Longer rows, in p.chunks pieces of p.chunk elements, one workgroup per (row, piece) in two passes:
+// softmax_partials writes each piece's (max, sum of exp(x - max)) to `partials`; softmax_chunks combines
+// the row's partials as online softmax does and writes its piece.
 // softmax_cols (inner > 1): one thread per (outer, inner) column.
 
 override WG: u32 = 256u;
@@ -19,6 +23,7 @@ struct Params {
 @group(0) @binding(0) var<storage, read> a: array<A>;
 @group(0) @binding(1) var<storage, read_write> out: array<O>;
 @group(0) @binding(2) var<uniform> p: Params;
+@group(0) @binding(3) var<storage, read_write> partials: array<f32>;   // long rows: (max, sum) per piece
 
 //!include tree
 
@@ -37,6 +42,66 @@ fn softmax_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup
     if !valid { return; }
     for (var k = lid.x; k < p.r; k += WG) {
         out[base + k] = O(exp(f32(a[base + k]) - row_max) / total);
+    }
+}
+
+// A piece of a long row: workgroup `index` takes piece index % chunks of row index / chunks.
+struct Piece {
+    row: u32,
+    first: u32,    // the piece's first element, counted from the row's start
+    count: u32,    // elements in the piece
+    index: u32,    // row * chunks + piece
+    valid: bool,   // false for workgroups past the last piece (they only take part in barriers)
+}
+
+fn piece_of(wid: vec3<u32>, groups: vec3<u32>) -> Piece {
+    let index = wid.x + wid.y * groups.x;
+    let clamped = min(index, p.outer * p.chunks - 1u);
+    let first = (clamped % p.chunks) * p.chunk;
+    return Piece(clamped / p.chunks, first, min(p.chunk, p.r - first), index, index < p.outer * p.chunks);
+}
+
+@compute @workgroup_size(WG)
+fn softmax_partials(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+                    @builtin(num_workgroups) groups: vec3<u32>) {
+    let piece = piece_of(wid, groups);
+    let base = piece.row * p.r + piece.first;
+    var m = f32(a[base]);
+    for (var k = lid.x; k < piece.count; k += WG) { m = max(m, f32(a[base + k])); }
+    let piece_max = tree_max(lid.x, m);
+    var s = 0.0;
+    for (var k = lid.x; k < piece.count; k += WG) { s += exp(f32(a[base + k]) - piece_max); }
+    let piece_sum = tree_sum(lid.x, s);
+    if lid.x == 0u && piece.valid {
+        partials[2u * piece.index] = piece_max;
+        partials[2u * piece.index + 1u] = piece_sum;
+    }
+}
+
+// (max, sum of exp(x - max)) of the piece's row from its pieces' partials. A piece of -inf only (its sum
+// is NaN) adds nothing.
+fn row_max_and_sum(lid: u32, piece: Piece) -> vec2<f32> {
+    let first = piece.row * p.chunks;
+    var m = partials[2u * first];
+    for (var j = lid; j < p.chunks; j += WG) { m = max(m, partials[2u * (first + j)]); }
+    let row_max = tree_max(lid, m);
+    var s = 0.0;
+    for (var j = lid; j < p.chunks; j += WG) {
+        let piece_max = partials[2u * (first + j)];
+        if !(piece_max < -3.4028234e38) { s += partials[2u * (first + j) + 1u] * exp(piece_max - row_max); }
+    }
+    return vec2(row_max, tree_sum(lid, s));
+}
+
+@compute @workgroup_size(WG)
+fn softmax_chunks(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+                  @builtin(num_workgroups) groups: vec3<u32>) {
+    let piece = piece_of(wid, groups);
+    let row_stats = row_max_and_sum(lid.x, piece);
+    if !piece.valid { return; }
+    let base = piece.row * p.r + piece.first;
+    for (var k = lid.x; k < piece.count; k += WG) {
+        out[base + k] = O(exp(f32(a[base + k]) - row_stats.x) / row_stats.y);
     }
 }
 
