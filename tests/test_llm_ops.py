@@ -497,3 +497,37 @@ def test_attention_past_loop_cap(gpu, rows, head_dim, tokens, heads, kv_heads):
     out = batch.attention(batch.upload(q), batch.upload(k), batch.upload(v), pos)
     batch.execute()
     assert_close(batch.read_sync(out), attention_float64(q, k, v, pos).astype(np.float32), scale=10)
+
+
+# Quantized split-K: K longer than bounds.QUANT_BLOCK_CHUNK blocks (2 under small_bounds) is cut into ranges of
+# blocks whose partial sums (the bias added once) a sum over the splits adds; and a GEMV past llvmpipe's cap.
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m,rows,k", [(1, 1, 96), (1, 33, 160), (5, 33, 96), (5, 1, 160), (9, 33, 160), (9, 1, 96)])
+def test_quantized_matmul_split_k(gpu, ref, small_bounds, qtype, m, rows, k):
+    """K of 3 and 5 blocks: 2 and 3 splits of at most 2 blocks, against gguf's dequantization."""
+    (wg, wr), truth = quantized_pair([gpu, ref], qtype, rows, k, seed=m * 100 + rows + k)
+    rng = np.random.default_rng(56)
+    x, bias = random_array(rng, (m, k), np.float32), random_array(rng, (rows,), np.float32)
+    expected = x.astype(np.float64) @ truth.T.astype(np.float64) + bias
+    for device, w in ((gpu, wg), (ref, wr)):
+        batch = bg.GpuCommandBatch(device)
+        y = batch.matmul(batch.upload(x), w, transpose_b=True, bias=batch.upload(bias))
+        batch.execute()
+        assert len(batch.nodes[-1].launches) == 2  # the partial sums, then their sum
+        np.testing.assert_allclose(batch.read_sync(y), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+def test_matmul_quantized_past_loop_cap(gpu, qtype):
+    """K = 2.1M: 65,625 blocks, one loop iteration each in matmul_q4_1 / matmul_q8_0, past llvmpipe's
+    65,535 per invocation (the last blocks were silently left out): split-K."""
+    k = 2_100_000
+    (w,), truth = quantized_pair([gpu], qtype, 3, k, seed=57)
+    x = random_array(np.random.default_rng(58), (1, k), np.float32)
+    batch = bg.GpuCommandBatch(gpu)
+    y = batch.matmul(batch.upload(x), w, transpose_b=True)
+    batch.execute()
+    expected = x.astype(np.float64) @ truth.T.astype(np.float64)
+    np.testing.assert_allclose(batch.read_sync(y), expected, rtol=0, atol=1e-5 * np.abs(expected).max())

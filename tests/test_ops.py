@@ -388,3 +388,110 @@ def test_softmax_past_loop_cap(gpu):
     batch.execute()
     shifted = np.exp(x.astype(np.float64) - x.max())
     np.testing.assert_allclose(batch.read_sync(out), shifted / shifted.sum(), rtol=2e-5, atol=0)  # values ~1e-7
+
+
+# Split-K: K longer than bounds.MATMUL_K_CHUNK (32 under small_bounds) is cut into ranges whose partial
+# products (float32 for float16, wrapping for integers; the bias added once) a sum over the splits adds.
+# Every kernel form honours the split: the tiled kernel, matmul_skinny, the GEMV of b stored (N, K)
+# (matmul_gemv_t: tests/test_wgpu_gpu_kernels.py, tests/test_cuda_kernels_cpu.py) and matmul_128.
+
+
+def check_split_k(gpu, ref, arrays, build, dtype, k: int) -> None:
+    """``check``, after asserting that the matmul lowers to a split-K pass and a sum exactly when K is
+    longer than the chunk."""
+    from batchgpu.ops import bounds
+
+    batch = bg.GpuCommandBatch(ref)
+    build(batch, *(batch.upload(a) for a in arrays))
+    assert (len(batch.nodes[-1].launches) > 1) == (k > bounds.MATMUL_K_CHUNK)
+    check(gpu, ref, arrays, build, dtype, scale=4 * np.sqrt(k))
+
+
+SPLIT_K_CASES = [  # a shape, b shape, flags, with a bias
+    ((3, 1), (1, 5), {}, True),  # K = 1 and K = 31: one split, the kernels as without split-K
+    ((1, 31), (31, 7), {}, False),
+    ((1, 33), (33, 1), {}, True),  # matmul_skinny: 2 splits, the last one k long
+    ((5, 97), (97, 13), {}, True),  # 4 splits
+    ((8, 97), (131, 97), {"transpose_b": True}, True),  # decode GEMV (matmul_gemv_t on GPUs)
+    ((1, 257), (67, 257), {"transpose_b": True}, False),  # 9 splits > COLUMN_LIMIT (7): summed as rows
+    ((67, 97), (97, 131), {}, True),  # tiled: 2 x 3 tiles of 64, ragged
+    ((97, 9), (97, 65), {"transpose_a": True}, False),
+    ((2, 1, 9, 33), (3, 33, 65), {}, True),  # broadcast batch dims
+    ((2, 33, 17), (2, 19, 33), {"transpose_a": True, "transpose_b": True}, True),
+    ((97,), (97, 5), {}, True),  # 1-D operands
+    ((11, 97), (97,), {}, False),
+    ((97,), (97,), {}, False),
+]
+
+
+@pytest.mark.parametrize("a_shape,b_shape,params,with_bias", SPLIT_K_CASES)
+def test_matmul_split_k_float32(gpu, ref, small_bounds, a_shape, b_shape, params, with_bias):
+    rng = np.random.default_rng(sum(a_shape) * 17 + sum(b_shape))
+    arrays = [random_array(rng, a_shape, np.float32), random_array(rng, b_shape, np.float32)]
+    n = (b_shape[-2] if params.get("transpose_b") else b_shape[-1]) if len(b_shape) > 1 else 1
+    arrays += [random_array(rng, (n,), np.float32)] if with_bias else []
+    k = a_shape[-2] if params.get("transpose_a") else a_shape[-1]
+
+    def build(bt, x, y, *bias):
+        return bt.matmul(x, y, bias=bias[0] if bias else None, **params)
+
+    check_split_k(gpu, ref, arrays, build, np.float32, k)
+
+
+SPLIT_K_DTYPE_CASES = [
+    ((13, 97), (97, 67), {}),  # tiled
+    ((2, 5, 33), (33, 9), {}),  # batched
+    ((3, 97), (67, 97), {"transpose_b": True}),  # decode GEMV
+    ((1, 65), (65, 70), {}),  # matmul_skinny
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int32, np.uint32])
+@pytest.mark.parametrize("a_shape,b_shape,params", SPLIT_K_DTYPE_CASES)
+def test_matmul_split_k_other_dtypes(gpu, ref, small_bounds, dtype, a_shape, b_shape, params):
+    rng = np.random.default_rng(sum(a_shape) * 19 + sum(b_shape))
+    shrink = 1 if np.dtype(dtype).kind == "f" else 10
+    n = b_shape[-2] if params.get("transpose_b") else b_shape[-1]
+    arrays = [(random_array(rng, shape, dtype) // shrink).astype(dtype) for shape in (a_shape, b_shape, (n,))]
+    check_split_k(gpu, ref, arrays, lambda bt, x, y, z: bt.matmul(x, y, bias=z, **params), dtype, a_shape[-1])
+
+
+@pytest.mark.parametrize(
+    "dtype,a_shape,b_shape",
+    [
+        (np.float32, (16, 129, 65), (65, 131)),  # 2 x 2 tiles of 128 x 16 x 3 splits: matmul_128
+        (np.float16, (8, 129, 97), (97, 130)),  # float16 with splits: matmul_128, not tensor cores
+        (np.int32, (16, 130, 33), (33, 129)),
+    ],
+)
+def test_matmul_split_k_big_tiles(gpu, ref, small_bounds, dtype, a_shape, b_shape):
+    """The native executors' 128 x 128 tiles with split-K (grid y: m tiles x splits); other executors run
+    the tiled kernel."""
+    rng = np.random.default_rng(sum(a_shape) + 3 * sum(b_shape))
+    shrink = 1 if np.dtype(dtype).kind == "f" else 10
+    arrays = [(random_array(rng, shape, dtype) // shrink).astype(dtype) for shape in (a_shape, b_shape, b_shape[1:])]
+    check_split_k(gpu, ref, arrays, lambda bt, x, y, z: bt.matmul(x, y, bias=z), dtype, a_shape[-1])
+
+
+def test_matmul_k_chunk_fits_the_loop_budget():
+    """Loop iterations per invocation at the chunk, as llvmpipe counts them (batchgpu/ops/bounds.py): 18
+    per 16-deep k tile of the tiled kernel, one per k of matmul_skinny, one per block of the quantized
+    kernels; the chunk is a whole number of k tiles (no tile straddles two splits)."""
+    from batchgpu.ops import bounds, matmul
+
+    assert bounds.MATMUL_K_CHUNK % matmul.TILE_K == 0
+    assert 18 * bounds.MATMUL_K_CHUNK // matmul.TILE_K <= bounds.LOOP_BUDGET
+    assert bounds.MATMUL_K_CHUNK <= bounds.LOOP_BUDGET and bounds.QUANT_BLOCK_CHUNK <= bounds.LOOP_BUDGET
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 70_000, 8), (9, 65_536, 2)])  # matmul_skinny; the tiled kernel
+def test_matmul_long_k_past_loop_cap(gpu, m, k, n):
+    """K whose one-invocation loop passes llvmpipe's 65,535 iterations per invocation (matmul_skinny: one
+    per k; the tiled kernel: 18 per 16 k) and silently gave wrong numbers: split-K."""
+    rng = np.random.default_rng(k + m)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    batch = bg.GpuCommandBatch(gpu)
+    out = batch.matmul(batch.upload(a), batch.upload(b))
+    batch.execute()
+    assert_close(batch.read_sync(out), (a.astype(np.float64) @ b).astype(np.float32), scale=4 * np.sqrt(k))

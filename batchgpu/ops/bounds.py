@@ -29,10 +29,15 @@ longer reduced extents are permuted into rows first."""
 
 MATMUL_K_CHUNK = 8192
 """Inner-dimension (K) length one matmul invocation accumulates; longer K is split over workgroups
-into partial products that a reduction pass sums (split-K). A multiple of the 16-deep k tile."""
+into partial products that a reduction pass sums (split-K). A multiple of the 16-deep k tile. Loop
+iterations per invocation at this chunk, as llvmpipe counts them: the tiled kernel 18 per 16-deep k tile
+(its inner k loop is not unrolled: measured, (9, K) @ (K, 2) runs up to K = 58240) = 9216; matmul_skinny
+one per k = 8192; matmul_gemv_t (GPU form) about 10 per 128 k = 640; matmul_128 (native only) 6 per 8 k."""
 
 QUANT_BLOCK_CHUNK = 8192
-"""32-weight blocks along K that one quantized-matmul invocation accumulates before split-K."""
+"""32-weight blocks along K that one quantized-matmul invocation accumulates before split-K: one loop
+iteration per block in matmul_q4_1 / matmul_q8_0 (8192), one per 32 words of the blocks in their
+``_warp`` GPU forms (2048 for Q8_0)."""
 
 WORKGROUP_BYTES = 16384
 """Workgroup memory a built-in kernel sizes its blocks for: WebGPU's default maxComputeWorkgroupStorageSize,

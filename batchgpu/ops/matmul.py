@@ -2,7 +2,12 @@
 promoted like numpy. Lowered to one tiled kernel: 64x64 output tiles, 16-deep k tiles staged in
 workgroup memory, 4x4 outputs per invocation. With a quantized ``b`` (QuantTensor, rows of GGUF
 blocks) it lowers to ``qmatmul.wgsl``: one invocation per 8 output features and one row of ``a``,
-blocks dequantized in registers."""
+blocks dequantized in registers.
+
+Split-K: an invocation accumulates at most ``bounds.MATMUL_K_CHUNK`` values of K (quantized b:
+``bounds.QUANT_BLOCK_CHUNK`` blocks). Longer K is cut into ``splits`` ranges: the kernel (every form of
+it) writes split s's partial products to slice s of a (batch, splits, m * n) scratch in the compute dtype,
+split 0 adding the bias, and a sum over the splits axis (the sum op's own lowering) writes the output."""
 
 from __future__ import annotations
 
@@ -13,10 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from ..dtypes import compute_dtype
 from ..errors import ShapeError
 from ..kernels import Launch, pack_params, pack_struct, wgsl_aliases
 from ..quant import BLOCK
 from ..tensor import QuantTensor, Tensor
+from . import bounds, reduce
 from .common import broadcast_strides, reads, uniform, writes
 from .spec import Node, OpSpec, same_dtype
 
@@ -80,9 +87,50 @@ def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int,
     return shape, dtype
 
 
+def _split_k(k: int, chunk: int, step: int = 1) -> tuple[int, int]:
+    """(chunk, splits) of split-K over ``k``: ``splits`` ranges of ``chunk`` (a multiple of ``step``, the
+    kernel's k tile, so no tile straddles two ranges); one range of all of ``k`` when it fits one chunk."""
+    chunk = math.ceil(chunk / step) * step
+    return min(k, chunk), max(1, math.ceil(k / chunk))
+
+
+def _split_output(node: Node, splits: int, batch: int) -> Tensor:
+    """What the matmul kernel writes: the output itself, or with split-K a (batch, splits, m * n) scratch of
+    partial products in the compute dtype (float16 sums in float32, integers wrap as the output does)."""
+    out = node.output
+    if splits == 1:
+        return out
+    dtype = compute_dtype(out.dtype)
+    shape = (batch, splits, out.size // batch)
+    storage = node.new_scratch(math.prod(shape) * dtype.itemsize, dtype)
+    return Tensor(shape, dtype, storage, device=out.device, batch=out.batch, name=f"{node.spec.name}.partials")
+
+
+SUM = next(spec for spec in reduce.SPECS if spec.name == "sum")
+
+
+def _sum_splits(node: Node, partials: Tensor) -> list[Launch]:
+    """Split-K's second pass: the partials' sum over the splits axis into the output, lowered as the sum op
+    lowers it (one thread per output walking the splits; a splits axis longer than bounds.COLUMN_LIMIT is
+    permuted into rows first, rows longer than bounds.ROW_CHUNK go through partial sums). Nothing without
+    split-K."""
+    out = node.output
+    if partials is out:
+        return []
+    batch, _, size = partials.shape
+    total = Tensor((batch, size), out.dtype, out.storage, device=out.device, batch=out.batch, name=out.name)
+    sum_node = Node(SUM, (partials,), {"axis": 1}, (total,))
+    launches = SUM.lower(sum_node)
+    node.scratch += sum_node.scratch
+    for launch in launches:
+        launch.label = node.spec.name  # profiles and limit errors name the matmul
+    return launches
+
+
 def _warp_per_output(launch: Launch, entry: str, outputs: int, rows: int) -> Launch:
     """The GPU form of a GEMV launch (CUDA/HIP, and wgpu on GPU adapters): a 32-lane warp per output
-    of each of ``rows`` rows, as a linear block count the executor splits over the grid."""
+    of each of ``rows`` rows (with split-K: rows of every split, split after split), as a linear block
+    count the executor splits over the grid."""
     return replace(
         launch,
         entry=entry,
@@ -91,41 +139,45 @@ def _warp_per_output(launch: Launch, entry: str, outputs: int, rows: int) -> Lau
     )
 
 
-def _big_tile(launch: Launch, dtype: np.dtype, m: int, n: int, batch: int) -> Launch | None:
+def _big_tile(launch: Launch, dtype: np.dtype, m: int, n: int, batch: int, splits: int) -> Launch | None:
     """The native form of a tiled matmul: float16 on tensor cores (``matmul_mma_f16``, a 128 x 128
     tile; HIP runs it as ``matmul_128``), other dtypes the 128 x 128 tile once there are enough tiles
-    to fill a large GPU; else the WGSL-shaped 64 x 64 tile (None)."""
-    half = dtype == np.float16
-    big_tiles = math.ceil(m / BIG_TILE) * math.ceil(n / BIG_TILE) * batch
+    to fill a large GPU; else the WGSL-shaped 64 x 64 tile (None). ``matmul_mma_f16`` ignores split-K
+    (it runs all of K; inline PTX that only real NVIDIA GPUs run, so a split path in it would go
+    untested): with splits, float16 takes the split-aware tiles like the other dtypes."""
+    half = dtype == np.float16 and splits == 1
+    big_tiles = math.ceil(m / BIG_TILE) * math.ceil(n / BIG_TILE) * batch * splits
     if not half and big_tiles < BIG_TILE_MIN_BLOCKS:
         return None
     return replace(
         launch,
         entry="matmul_mma_f16" if half else "matmul_128",
-        groups=(math.ceil(n / BIG_TILE), math.ceil(m / BIG_TILE), batch),
+        groups=(math.ceil(n / BIG_TILE), math.ceil(m / BIG_TILE) * splits, batch),
         workgroup_size=(256, 1, 1),
         workgroup_bytes=2 * BIG_TILE * (MMA_ROW_HALVES * 2 if half else BIG_TILE_K * 4),
     )
 
 
-def _skinny_launch(node: Node, params: bytes, m: int, n: int, bias: Tensor, b_transposed: bool) -> Launch:
-    """Few rows of a (decode): one invocation per 8 output columns of one row, no tiles to fill. With
-    b stored (N, K), GPUs (native executors, wgpu on GPU adapters) run a warp per output column over
-    all m rows instead."""
+def _skinny_launch(
+    node: Node, params: bytes, m: int, n: int, bias: Tensor, b_transposed: bool, target: Tensor, splits: int
+) -> Launch:
+    """Few rows of a (decode): one invocation per 8 output columns of one row (and split), no tiles to
+    fill. With b stored (N, K), GPUs (native executors, wgpu on GPU adapters) run a warp per output column
+    over all m rows instead."""
     a, b = node.inputs[:2]
     launch = Launch(
         label="matmul",
         family="matmul",
         entry="matmul_skinny",
-        types=wgsl_aliases(A=a.dtype, O=node.output.dtype),
-        groups=(math.ceil(n / (SKINNY_WORKGROUP * SKINNY_COLUMNS)), m, 1),
+        types=wgsl_aliases(A=a.dtype, O=target.dtype),
+        groups=(math.ceil(n / (SKINNY_WORKGROUP * SKINNY_COLUMNS)), m, splits),
         constants=(("HAS_BIAS", len(node.inputs) == 3),),
-        bindings=(reads(0, a), reads(1, b), writes(2, node.output.storage), uniform(3, params), reads(4, bias)),
+        bindings=(reads(0, a), reads(1, b), writes(2, target.storage), uniform(3, params), reads(4, bias)),
         params=params,
         workgroup_size=(SKINNY_WORKGROUP, 1, 1),
     )
     if b_transposed:
-        launch.native = launch.gpu = _warp_per_output(launch, "matmul_gemv_t", n, 1)
+        launch.native = launch.gpu = _warp_per_output(launch, "matmul_gemv_t", n, splits)
     return launch
 
 
@@ -147,23 +199,24 @@ def _infer_quantized(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[
 def _lower_quantized(node: Node) -> list[Launch]:
     x, w = node.inputs[:2]
     bias = node.inputs[2] if len(node.inputs) == 3 else x
-    out = node.output
     rows, k = w.shape
     m = x.size // k
-    params = pack_struct("IIII", m, rows, k, k // BLOCK)
+    block_chunk, splits = _split_k(k // BLOCK, bounds.QUANT_BLOCK_CHUNK)
+    target = _split_output(node, splits, 1)
+    params = pack_struct("IIIIII", m, rows, k, k // BLOCK, block_chunk, splits)
     launch = Launch(
         label="matmul",
         family="qmatmul",
         entry=f"matmul_{w.qtype}",
-        types=wgsl_aliases(A=x.dtype, O=out.dtype),
-        groups=(math.ceil(rows / (QUANT_WORKGROUP * QUANT_ROWS)), m, 1),
+        types=wgsl_aliases(A=x.dtype, O=target.dtype),
+        groups=(math.ceil(rows / (QUANT_WORKGROUP * QUANT_ROWS)), m, splits),
         constants=(("HAS_BIAS", len(node.inputs) == 3),),
-        bindings=(reads(0, x), reads(1, w), writes(2, out.storage), uniform(3, params), reads(4, bias)),
+        bindings=(reads(0, x), reads(1, w), writes(2, target.storage), uniform(3, params), reads(4, bias)),
         params=params,
         workgroup_size=(QUANT_WORKGROUP, 1, 1),
     )
-    launch.native = launch.gpu = _warp_per_output(launch, f"matmul_{w.qtype}_warp", rows, m)
-    return [launch]
+    launch.native = launch.gpu = _warp_per_output(launch, f"matmul_{w.qtype}_warp", rows, m * splits)
+    return [launch, *_sum_splits(node, target)]
 
 
 def _reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
@@ -181,7 +234,6 @@ def _lower(node: Node) -> list[Launch]:
         return _lower_quantized(node)
     a, b = node.inputs[:2]
     bias = node.inputs[2] if len(node.inputs) == 3 else a  # without bias, a stands in for the unread binding
-    out = node.output
     m, k, _, n = _operand_dims(a, b, node.params)
     a_cols = a.shape[-1]
     b_cols = b.shape[-1] if b.ndim > 1 else 1
@@ -193,24 +245,32 @@ def _lower(node: Node) -> list[Launch]:
     b_matrix = b.size // max(math.prod(b_batch), 1)
     a_strides = tuple(s * a_matrix for s in broadcast_strides(a_batch, batch)) if batch else ()
     b_strides = tuple(s * b_matrix for s in broadcast_strides(b_batch, batch)) if batch else ()
-    params = pack_params((m, n, k, len(batch)), "IIII", (a_sm, a_sk, b_sk, b_sn), batch, a_strides, b_strides)
+    batch_count = max(math.prod(batch), 1)
+    k_chunk, splits = _split_k(k, bounds.MATMUL_K_CHUNK, TILE_K)
+    target = _split_output(node, splits, batch_count)
+    strides = (a_sm, a_sk, b_sk, b_sn, k_chunk, splits)  # the Params' strides and split_k vectors
+    params = pack_params((m, n, k, len(batch)), "IIII", strides, batch, a_strides, b_strides)
     if not batch and m <= SKINNY_ROWS:
-        return [_skinny_launch(node, params, m, n, bias, b_transposed=b_sk == 1)]
-    groups = (math.ceil(n / TILE), math.ceil(m / TILE), max(math.prod(batch), 1))
+        skinny = _skinny_launch(node, params, m, n, bias, b_sk == 1, target, splits)
+        return [skinny, *_sum_splits(node, target)]
+    # Split-K folds the splits into grid y (m tiles x splits): a's m x K elements fit one binding, so that
+    # stays far below the per-dimension limit (at most 8192 with 128 MiB bindings); batch x splits in z
+    # would not.
+    groups = (math.ceil(n / TILE), math.ceil(m / TILE) * splits, batch_count)
     launch = Launch(
         label="matmul",
         family="matmul",
         entry="matmul",
-        types=wgsl_aliases(A=a.dtype, O=out.dtype),
+        types=wgsl_aliases(A=a.dtype, O=target.dtype),
         groups=groups,
         constants=(("HAS_BIAS", len(node.inputs) == 3),),
-        bindings=(reads(0, a), reads(1, b), writes(2, out.storage), uniform(3, params), reads(4, bias)),
+        bindings=(reads(0, a), reads(1, b), writes(2, target.storage), uniform(3, params), reads(4, bias)),
         params=params,
         workgroup_size=WORKGROUP,
         workgroup_bytes=2 * TILE * TILE_K * 4,
     )
-    launch.native = _big_tile(launch, a.dtype, m, n, groups[2])
-    return [launch]
+    launch.native = _big_tile(launch, a.dtype, m, n, batch_count, splits)
+    return [launch, *_sum_splits(node, target)]
 
 
 MATMUL = OpSpec(

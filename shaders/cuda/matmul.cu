@@ -1,7 +1,9 @@
 // Tiled matmul out[z] = A[z] (M x K) @ B[z] (K x N); mirrors shaders/wgsl/matmul.wgsl. A 16x16 block
 // computes a 64x64 output tile, k advancing 16 at a time through tiles in shared memory; each thread
-// keeps 4x4 accumulators. Operands are read through element strides. A (operand type), O (output),
-// C (accumulator type), HAS_BIAS.
+// keeps 4x4 accumulators. Operands are read through element strides. Split-K as in the WGSL twin: split
+// s of p.split_k[1] accumulates k in [s * k_chunk, min(k, (s + 1) * k_chunk)) into slice s of a
+// (batch, splits, m, n) output, split 0 adding the bias. A (operand type), O (output), C (accumulator type),
+// HAS_BIAS.
 
 #ifndef HAS_BIAS
 #define HAS_BIAS 0
@@ -12,11 +14,17 @@
 struct Params {
     unsigned m, n, k, batch_ndim;
     unsigned strides[4];  // a_sm, a_sk, b_sk, b_sn
-    unsigned pad[4];
+    unsigned split_k[4];  // k_chunk (a multiple of TK when splits > 1), splits, unused, unused
     unsigned batch_shape[8];
     unsigned a_batch_strides[8];
     unsigned b_batch_strides[8];
 };
+
+// First and end k of split `split` (an empty range for a split past the end); mirrors split_range.
+__device__ __forceinline__ unsigned split_first(const Params& p, unsigned split) { return split * p.split_k[0]; }
+__device__ __forceinline__ unsigned split_end(const Params& p, unsigned split) {
+    return bg_min(p.k, split_first(p, split) + p.split_k[0]);
+}
 
 __device__ __forceinline__ C load_a(const A* a, const Params& p, unsigned base, unsigned row, unsigned k) {
     return (row < p.m && k < p.k) ? CVT(C, a[base + row * p.strides[0] + k * p.strides[1]]) : (C)0;
@@ -27,12 +35,12 @@ __device__ __forceinline__ C load_b(const A* b, const Params& p, unsigned base, 
 }
 
 __device__ __forceinline__ void store_row(O* out, const A* bias, const Params& p, unsigned base, unsigned row,
-                                          unsigned col, const C* values) {
+                                          unsigned col, const C* values, bool with_bias) {
     if (row >= p.m) return;
     for (unsigned j = 0; j < 4; j++) {
         if (col + j < p.n) {
             C value = values[j];
-            if (HAS_BIAS) value += CVT(C, bias[col + j]);
+            if (HAS_BIAS && with_bias) value += CVT(C, bias[col + j]);
             out[base + row * p.n + col + j] = CVT(O, value);
         }
     }
@@ -59,12 +67,14 @@ extern "C" __global__ void __launch_bounds__(256) matmul(const A* a, const A* b,
     unsigned tx = threadIdx.x, ty = threadIdx.y;
     unsigned a_base, b_base;
     batch_bases(p, a_base, b_base);
-    unsigned row0 = blockIdx.y * TILE, col0 = blockIdx.x * TILE;
+    unsigned splits = p.split_k[1], split = blockIdx.y % splits;  // grid y runs over m tiles x splits
+    unsigned row0 = (blockIdx.y / splits) * TILE, col0 = blockIdx.x * TILE;
     unsigned stage_row = row0 + tx * 4u, stage_col = col0 + tx * 4u;
     C acc[4][4];
     for (int i = 0; i < 4; i++)
         for (int j = 0; j < 4; j++) acc[i][j] = (C)0;
-    for (unsigned k0 = 0; k0 < p.k; k0 += TK) {
+    unsigned k_end = split_end(p, split);  // k_chunk is a multiple of TK: no tile straddles two splits
+    for (unsigned k0 = split_first(p, split); k0 < k_end; k0 += TK) {
         unsigned k = k0 + ty;
         for (unsigned j = 0; j < 4; j++) {
             a_tile[ty][tx * 4 + j] = load_a(a, p, a_base, stage_row + j, k);
@@ -83,19 +93,19 @@ extern "C" __global__ void __launch_bounds__(256) matmul(const A* a, const A* b,
         }
         __syncthreads();
     }
-    unsigned out_base = blockIdx.z * p.m * p.n;
+    unsigned out_base = (blockIdx.z * splits + split) * p.m * p.n;
     unsigned row = row0 + ty * 4u, col = col0 + tx * 4u;
-    for (unsigned i = 0; i < 4; i++) store_row(out, bias, p, out_base, row + i, col, acc[i]);
+    for (unsigned i = 0; i < 4; i++) store_row(out, bias, p, out_base, row + i, col, acc[i], split == 0u);
 }
 
-// Few rows of A (decode-style GEMV): one thread per output (column, row); block y picks the row.
-// Each thread: 8 consecutive output columns of one row of A (block y), as batchgpu/ops/matmul.py launches.
+// Few rows of A (decode-style GEMV); mirrors matmul_skinny of the WGSL twin. Each thread: 8 consecutive
+// output columns of one row of A (block y) and split (block z), as batchgpu/ops/matmul.py launches.
 extern "C" __global__ void matmul_skinny(const A* a, const A* b, O* out, const Params p, const A* bias) {
     unsigned col0 = (blockIdx.x * blockDim.x + threadIdx.x) * 8u;
     if (col0 >= p.n) return;
-    unsigned row = blockIdx.y;
+    unsigned row = blockIdx.y, split = blockIdx.z;
     C acc[8] = {};
-    for (unsigned k = 0; k < p.k; k++) {
+    for (unsigned k = split_first(p, split), k_end = split_end(p, split); k < k_end; k++) {
         C av = CVT(C, a[row * p.strides[0] + k * p.strides[1]]);
 #pragma unroll
         for (unsigned j = 0; j < 8u; j++) {
@@ -106,21 +116,26 @@ extern "C" __global__ void matmul_skinny(const A* a, const A* b, O* out, const P
     for (unsigned j = 0; j < 8u; j++) {
         if (col0 + j >= p.n) continue;
         C value = acc[j];
-        if (HAS_BIAS) value += CVT(C, bias[col0 + j]);
-        out[row * p.n + col0 + j] = CVT(O, value);
+        if (HAS_BIAS && split == 0u) value += CVT(C, bias[col0 + j]);
+        out[(split * p.m + row) * p.n + col0 + j] = CVT(O, value);
     }
 }
 
-// Few rows of A times a B stored (N, K) (transpose_b: b_sk == 1), decode-style: one 32-lane warp per
-// output column n (the linear block index times the warps per block, plus the warp), lanes striding over k so a warp reads a row of B coalesced; the
-// p.m <= 8 rows of A share each B load. The native executors launch it (batchgpu/ops/matmul.py).
+// Few rows of A times a B stored (N, K) (transpose_b: b_sk == 1), decode-style; mirrors matmul_gemv_t of
+// the WGSL twin: one 32-lane warp per output column n of one split (the linear block index runs over
+// ceil(p.n / warps per block) blocks per split, split after split), lanes striding over the split's k so a
+// warp reads a row of B coalesced; the p.m <= 8 rows of A share each B load. The native executors launch
+// it (batchgpu/ops/matmul.py).
 extern "C" __global__ void matmul_gemv_t(const A* a, const A* b, O* out, const Params p, const A* bias) {
-    unsigned lane = threadIdx.x & 31u;
-    unsigned n = bg_block_index() * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    unsigned lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
+    unsigned per_split = (p.n + warps - 1u) / warps, block = bg_block_index();
+    unsigned split = block / per_split;
+    if (split >= p.split_k[1]) return;  // spare blocks of a count spread over grid x and y
+    unsigned n = (block % per_split) * warps + (threadIdx.x >> 5);
     const A* b_row = b + bg_min(n, p.n - 1u) * p.strides[3];
     C acc[8] = {};
-    unsigned k = lane;
-    for (; k + 96u < p.k; k += 128u) {  // four loads in flight per lane
+    unsigned k = split_first(p, split) + lane, k_end = split_end(p, split);
+    for (; k + 96u < k_end; k += 128u) {  // four loads in flight per lane
         C bv[4];
 #pragma unroll
         for (unsigned u = 0; u < 4u; u++) bv[u] = CVT(C, b_row[k + 32u * u]);
@@ -131,7 +146,7 @@ extern "C" __global__ void matmul_gemv_t(const A* a, const A* b, O* out, const P
             for (unsigned u = 0; u < 4u; u++) acc[r] += CVT(C, a[r * p.strides[0] + (k + 32u * u) * p.strides[1]]) * bv[u];
         }
     }
-    for (; k < p.k; k += 32u) {
+    for (; k < k_end; k += 32u) {
         C bv = CVT(C, b_row[k]);
 #pragma unroll
         for (unsigned r = 0; r < 8u; r++) {
@@ -143,8 +158,8 @@ extern "C" __global__ void matmul_gemv_t(const A* a, const A* b, O* out, const P
         if (r >= p.m) break;  // p.m is uniform: every lane takes the same sums
         C value = bg_warp_sum(acc[r]);
         if (lane != 0u || n >= p.n) continue;
-        if (HAS_BIAS) value += CVT(C, bias[n]);
-        out[r * p.n + n] = CVT(O, value);
+        if (HAS_BIAS && split == 0u) value += CVT(C, bias[n]);
+        out[(split * p.m + r) * p.n + n] = CVT(O, value);
     }
 }
 
@@ -152,7 +167,7 @@ extern "C" __global__ void matmul_gemv_t(const A* a, const A* b, O* out, const P
 // computes a 128 x 128 output tile. matmul_128 (any dtype): k advances 8 at a time through tiles in
 // shared memory; each thread keeps 8 x 8 accumulators, rows ty*4.. and 64+ty*4.., columns tx*4.. and
 // 64+tx*4... Tiles are staged so that consecutive threads read consecutive addresses of whichever
-// operand dimension has stride 1.
+// operand dimension has stride 1. Split-K as in matmul: grid y runs over m tiles x splits.
 #define BIG 128u
 #define BIG_K 8u
 
@@ -178,11 +193,13 @@ __device__ __forceinline__ void matmul_128_body(const A* a, const A* b, O* out, 
     unsigned tid = threadIdx.x, tx = tid % 16u, ty = tid / 16u;
     unsigned a_base, b_base;
     batch_bases(p, a_base, b_base);
-    unsigned row0 = blockIdx.y * BIG, col0 = blockIdx.x * BIG;
+    unsigned splits = p.split_k[1], split = blockIdx.y % splits;
+    unsigned row0 = (blockIdx.y / splits) * BIG, col0 = blockIdx.x * BIG;
     C acc[8][8];
     for (int i = 0; i < 8; i++)
         for (int j = 0; j < 8; j++) acc[i][j] = (C)0;
-    for (unsigned k0 = 0; k0 < p.k; k0 += BIG_K) {
+    unsigned k_end = split_end(p, split);  // k_chunk is a multiple of BIG_K too
+    for (unsigned k0 = split_first(p, split); k0 < k_end; k0 += BIG_K) {
         for (unsigned e = tid; e < BIG * BIG_K; e += 256u) {
             unsigned outer, k;
             stage_k_major(e, BIG_K, p.strides[1] == 1u, outer, k);
@@ -207,11 +224,11 @@ __device__ __forceinline__ void matmul_128_body(const A* a, const A* b, O* out, 
         }
         __syncthreads();
     }
-    unsigned out_base = blockIdx.z * p.m * p.n;
+    unsigned out_base = (blockIdx.z * splits + split) * p.m * p.n;
     for (unsigned i = 0; i < 8u; i++) {
         unsigned row = row0 + (i < 4u ? ty * 4u + i : 64u + ty * 4u + (i - 4u));
-        store_row(out, bias, p, out_base, row, col0 + tx * 4u, acc[i]);
-        store_row(out, bias, p, out_base, row, col0 + 64u + tx * 4u, acc[i] + 4);
+        store_row(out, bias, p, out_base, row, col0 + tx * 4u, acc[i], split == 0u);
+        store_row(out, bias, p, out_base, row, col0 + 64u + tx * 4u, acc[i] + 4, split == 0u);
     }
 }
 
@@ -224,7 +241,8 @@ extern "C" __global__ void __launch_bounds__(256) matmul_128(const A* a, const A
 // a 4 x 4 grid of mma.sync m16n8k16 (float16 operands, float32 accumulators, as C = float does),
 // k advancing 32 at a time. Shared tiles hold A as [m][k] and B as [n][k] (k contiguous, rows padded
 // by 8 halves so the fragment loads of a warp hit 32 different banks). HIP (and the CPU test
-// harness) run matmul_128's body instead.
+// harness) run matmul_128's body instead. Not split-K aware (it always runs all of k, block y = m tile):
+// batchgpu/ops/matmul.py launches it only when K takes one split; nobody could test a split path here.
 #define MMA_K 32u
 #define MMA_PAD 40u
 

@@ -3,7 +3,9 @@
 // consecutive output features n for one row m of x (block y), loading each block of x once for all 8.
 // The native executors launch the *_warp entries instead (batchgpu/ops/matmul.py): one 32-lane warp
 // per output feature n, lanes striding over the row's words so a warp reads W coalesced, then a warp
-// sum. x is read as float4 (float32 activations, K a multiple of 32). A (bias type), O (output), HAS_BIAS.
+// sum. x is read as float4 (float32 activations, K a multiple of 32). Split-K as in the WGSL twin: split s
+// of p.splits takes blocks [s * block_chunk, min(blocks, (s + 1) * block_chunk)) into slice s of a
+// (splits, m, n) output, split 0 adding the bias. A (bias type), O (output), HAS_BIAS.
 
 #ifndef HAS_BIAS
 #define HAS_BIAS 0
@@ -13,12 +15,22 @@
 
 struct Params {
     unsigned m, n, k;
-    unsigned blocks;  // blocks per row = k / 32
+    unsigned blocks;       // blocks per row = k / 32
+    unsigned block_chunk;  // blocks per split (split-K)
+    unsigned splits, pad0, pad1;
 };
 
-__device__ __forceinline__ void store(O* out, const A* bias, const Params& p, unsigned n, unsigned m, float value) {
-    float extra = HAS_BIAS ? CVT(float, bias[n]) : 0.0f;
-    out[m * p.n + n] = CVT(O, value + extra);
+// First and end block of split `split` (an empty range for a split past the end); mirrors split_blocks.
+__device__ __forceinline__ unsigned split_first(const Params& p, unsigned split) { return split * p.block_chunk; }
+__device__ __forceinline__ unsigned split_end(const Params& p, unsigned split) {
+    return bg_min(p.blocks, split_first(p, split) + p.block_chunk);
+}
+
+// Output (m, n) of split `split`: element (split, m, n) of the (splits, m, n) output.
+__device__ __forceinline__ void store(O* out, const A* bias, const Params& p, unsigned split, unsigned n, unsigned m,
+                                      float value) {
+    float extra = HAS_BIAS && split == 0u ? CVT(float, bias[n]) : 0.0f;
+    out[(split * p.m + m) * p.n + n] = CVT(O, value + extra);
 }
 
 __device__ __forceinline__ float dot4(float a0, float a1, float a2, float a3, float4 b) {
@@ -61,9 +73,9 @@ template <bool Q8>
 __device__ void matmul_rows(const float4* x, const unsigned* w, O* out, const Params& p, const A* bias) {
     unsigned n0 = (blockIdx.x * blockDim.x + threadIdx.x) * ROWS;
     if (n0 >= p.n) return;
-    unsigned m = blockIdx.y;
+    unsigned m = blockIdx.y, split = blockIdx.z;
     float acc[ROWS] = {};
-    for (unsigned b = 0; b < p.blocks; b++) {
+    for (unsigned b = split_first(p, split), end = split_end(p, split); b < end; b++) {
         float4 xb[8];
         float xsum = 0.0f;
 #pragma unroll
@@ -78,7 +90,7 @@ __device__ void matmul_rows(const float4* x, const unsigned* w, O* out, const Pa
     }
 #pragma unroll
     for (unsigned r = 0; r < ROWS; r++) {
-        if (n0 + r < p.n) store(out, bias, p, n0 + r, m, acc[r]);
+        if (n0 + r < p.n) store(out, bias, p, split, n0 + r, m, acc[r]);
     }
 }
 
@@ -90,21 +102,24 @@ extern "C" __global__ void matmul_q8_0(const float4* x, const unsigned* w, O* ou
     matmul_rows<true>(x, w, out, p, bias);
 }
 
-// One warp per output feature n of row m: the linear block index (split over grid x/y by the
-// executor) runs over ceil(p.n / warps per block) blocks per row, row after row. A unit is one data word of a
-// block with the float4s of x it multiplies: Q4_1 has 4 per block (low nibbles: x[4i..4i+3], high
-// nibbles: x[16+4i..]), Q8_0 has 8. Every lane runs the warp sum (lanes past p.n read the last row).
+// One warp per output feature n of row m and split: the linear block index (split over grid x/y by the
+// executor) runs over ceil(p.n / warps per block) blocks per row, row after row, split after split. A unit
+// is one data word of a block with the float4s of x it multiplies: Q4_1 has 4 per block (low nibbles:
+// x[4i..4i+3], high nibbles: x[16+4i..]), Q8_0 has 8. Every lane runs the warp sum (lanes past p.n read the
+// last row).
 template <bool Q8>
 __device__ void matmul_warp_rows(const float4* x, const unsigned* w, O* out, const Params& p, const A* bias) {
     unsigned lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
     unsigned per_row = (p.n + warps - 1u) / warps, block = bg_block_index();
-    unsigned m = block / per_row, n = (block % per_row) * warps + (threadIdx.x >> 5);
-    if (m >= p.m) return;  // a padded split grid's spare blocks (the whole block returns)
+    unsigned split = block / per_row / p.m;
+    if (split >= p.splits) return;  // spare blocks of a count spread over grid x and y
+    unsigned m = block / per_row % p.m, n = (block % per_row) * warps + (threadIdx.x >> 5);
     unsigned row = bg_min(n, p.n - 1u);
     const float4* xm = x + m * (p.k / 4u);
-    const unsigned units = p.blocks * (Q8 ? 8u : 4u);
+    const unsigned units = Q8 ? 8u : 4u;  // per block
+    const unsigned end = split_end(p, split) * units;
     float acc = 0.0f;
-    for (unsigned u = lane; u < units; u += 32u) {
+    for (unsigned u = split_first(p, split) * units + lane; u < end; u += 32u) {
         if (Q8) {
             unsigned b = u >> 3, i = u & 7u, at = (row * p.blocks + b) * 9u;
             acc += bg_bits2f(w[at] & 0xFFFFu) * dot_i8(w[at + 1u + i], xm[b * 8u + i]);
@@ -118,7 +133,7 @@ __device__ void matmul_warp_rows(const float4* x, const unsigned* w, O* out, con
         }
     }
     acc = bg_warp_sum(acc);
-    if (lane == 0u && n < p.n) store(out, bias, p, n, m, acc);
+    if (lane == 0u && n < p.n) store(out, bias, p, split, n, m, acc);
 }
 
 extern "C" __global__ void matmul_q4_1_warp(const float4* x, const unsigned* w, O* out, const Params p, const A* bias) {

@@ -1,7 +1,9 @@
 // Tiled matmul: out[z] = A[z] (M x K) @ B[z] (K x N). Each 16x16 workgroup computes a 64x64 output
 // tile; k advances 16 at a time through tiles staged in workgroup memory (as vec4 rows/columns);
 // each invocation keeps 4x4 accumulators in four vec4 registers. Operands are read through element strides, so transposes are free.
-// Aliases: A (operand type), O (output), C (accumulator type).
+// Split-K (batchgpu/ops/matmul.py): split s of p.split_k.y accumulates k in [s * k_chunk, min(k, (s + 1) * k_chunk))
+// and writes its partial products to slice s of a (batch, splits, m, n) output that a sum pass reduces; only split 0
+// adds the bias. One split covers all of k. Aliases: A (operand type), O (output), C (accumulator type).
 
 override HAS_BIAS: bool = false;
 const TILE: u32 = 64u;
@@ -13,7 +15,7 @@ struct Params {
     k: u32,
     batch_ndim: u32,
     strides: vec4<u32>,                 // a_sm, a_sk, b_sk, b_sn
-    pad: vec4<u32>,
+    split_k: vec4<u32>,                 // k_chunk (a multiple of TK when splits > 1), splits, unused, unused
     batch_shape: array<vec4<u32>, 2>,
     a_batch_strides: array<vec4<u32>, 2>,
     b_batch_strides: array<vec4<u32>, 2>,
@@ -27,6 +29,12 @@ struct Params {
 
 var<workgroup> a_tile: array<vec4<C>, 256>;   // [TK][TILE / 4]: 4 consecutive rows at one k
 var<workgroup> b_tile: array<vec4<C>, 256>;   // [TK][TILE / 4]: 4 consecutive columns at one k
+
+// [first, end) of the k values split `split` accumulates (empty for a split past the end).
+fn split_range(split: u32) -> vec2<u32> {
+    let first = split * p.split_k.x;
+    return vec2<u32>(first, min(p.k, first + p.split_k.x));
+}
 
 fn load_a(base: u32, row: u32, k: u32) -> C {
     if row < p.m && k < p.k { return C(a[base + row * p.strides.x + k * p.strides.y]); }
@@ -53,7 +61,9 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
         a_base += index * p.a_batch_strides[d / 4u][d % 4u];
         b_base += index * p.b_batch_strides[d / 4u][d % 4u];
     }
-    let row0 = wid.y * TILE;
+    let splits = p.split_k.y;
+    let split = wid.y % splits;         // grid y runs over m tiles x splits
+    let row0 = (wid.y / splits) * TILE;
     let col0 = wid.x * TILE;
     // Staging role of this invocation: one vec4 of the A tile and one of the B tile per k step.
     let stage_k = lid.y;
@@ -64,7 +74,8 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     var acc1 = vec4<C>();
     var acc2 = vec4<C>();
     var acc3 = vec4<C>();
-    for (var k0 = 0u; k0 < p.k; k0 += TK) {
+    let range = split_range(split);   // k_chunk is a multiple of TK: no tile straddles two splits
+    for (var k0 = range.x; k0 < range.y; k0 += TK) {
         let k = k0 + stage_k;
         a_tile[stage_k * 16u + lid.x] = vec4<C>(load_a(a_base, stage_row, k), load_a(a_base, stage_row + 1u, k),
                                                 load_a(a_base, stage_row + 2u, k), load_a(a_base, stage_row + 3u, k));
@@ -81,40 +92,43 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
         }
         workgroupBarrier();
     }
-    let out_base = wid.z * p.m * p.n;
+    let out_base = (wid.z * splits + split) * p.m * p.n;
     let row = row0 + lid.y * 4u;
     let col = col0 + lid.x * 4u;
-    store_row(out_base, row, col, acc0);
-    store_row(out_base, row + 1u, col, acc1);
-    store_row(out_base, row + 2u, col, acc2);
-    store_row(out_base, row + 3u, col, acc3);
+    let with_bias = split == 0u;
+    store_row(out_base, row, col, acc0, with_bias);
+    store_row(out_base, row + 1u, col, acc1, with_bias);
+    store_row(out_base, row + 2u, col, acc2, with_bias);
+    store_row(out_base, row + 3u, col, acc3, with_bias);
 }
 
-fn store_row(base: u32, row: u32, col: u32, values: vec4<C>) {
+fn store_row(base: u32, row: u32, col: u32, values: vec4<C>, with_bias: bool) {
     if row >= p.m { return; }
     for (var j = 0u; j < 4u; j++) {
         if col + j < p.n {
             var value = values[j];
-            if HAS_BIAS { value += C(bias[col + j]); }
+            if HAS_BIAS && with_bias { value += C(bias[col + j]); }
             out[base + row * p.n + col + j] = O(value);
         }
     }
 }
 
 // Skinny matmul for few rows of A (decode-style GEMV): each invocation computes 8 consecutive output
-// columns of one row of A (workgroup y), so each loaded value of A serves 8 columns. No workgroup
-// memory or private arrays: on CPU drivers (llvmpipe) every loaded scalar costs the same wherever it
-// comes from and dynamically indexed arrays spill to memory, so fewer loads is what counts there.
+// columns of one row of A (workgroup y) and split (workgroup z), so each loaded value of A serves 8
+// columns. No workgroup memory or private arrays: on CPU drivers (llvmpipe) every loaded scalar costs the
+// same wherever it comes from and dynamically indexed arrays spill to memory, so fewer loads is what
+// counts there.
 fn b_at(k: u32, col: u32) -> C {
     if col >= p.n { return C(0); }
     return C(b[k * p.strides.z + col * p.strides.w]);
 }
 
-fn store_skinny(row: u32, col: u32, value: C) {
+// Output (row, col) of split `split`: element (split, row, col) of the (splits, m, n) output.
+fn store_skinny(split: u32, row: u32, col: u32, value: C) {
     if col >= p.n { return; }
     var result = value;
-    if HAS_BIAS { result += C(bias[col]); }
-    out[row * p.n + col] = O(result);
+    if HAS_BIAS && split == 0u { result += C(bias[col]); }
+    out[(split * p.m + row) * p.n + col] = O(result);
 }
 
 @compute @workgroup_size(64)
@@ -122,38 +136,46 @@ fn matmul_skinny(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgro
     let col = gid.x * 8u;
     if col >= p.n { return; }
     let row = wid.y;
+    let split = wid.z;
+    let range = split_range(split);
     var lo = vec4<C>();
     var hi = vec4<C>();
-    for (var k = 0u; k < p.k; k++) {
+    for (var k = range.x; k < range.y; k++) {
         let av = C(a[row * p.strides.x + k * p.strides.y]);
         lo += av * vec4<C>(b_at(k, col), b_at(k, col + 1u), b_at(k, col + 2u), b_at(k, col + 3u));
         hi += av * vec4<C>(b_at(k, col + 4u), b_at(k, col + 5u), b_at(k, col + 6u), b_at(k, col + 7u));
     }
-    store_skinny(row, col, lo.x);
-    store_skinny(row, col + 1u, lo.y);
-    store_skinny(row, col + 2u, lo.z);
-    store_skinny(row, col + 3u, lo.w);
-    store_skinny(row, col + 4u, hi.x);
-    store_skinny(row, col + 5u, hi.y);
-    store_skinny(row, col + 6u, hi.z);
-    store_skinny(row, col + 7u, hi.w);
+    store_skinny(split, row, col, lo.x);
+    store_skinny(split, row, col + 1u, lo.y);
+    store_skinny(split, row, col + 2u, lo.z);
+    store_skinny(split, row, col + 3u, lo.w);
+    store_skinny(split, row, col + 4u, hi.x);
+    store_skinny(split, row, col + 5u, hi.y);
+    store_skinny(split, row, col + 6u, hi.z);
+    store_skinny(split, row, col + 7u, hi.w);
 }
 
 // GPU-shaped twin of matmul_skinny for b stored (N, K) (transpose_b; batchgpu/ops/matmul.py attaches
-// it as the launch's GPU form): 256 invocations = 8 groups of 32, a group per output column n (the
-// linear workgroup index times 8 plus the group), lanes striding over k so a group reads a row of B
-// consecutively; the p.m <= 8 rows of A share each B load; sums go through workgroup memory.
+// it as the launch's GPU form): 256 invocations = 8 groups of 32, a group per output column n of one
+// split (the linear workgroup index runs over ceil(p.n / 8) workgroups per split, split after split),
+// lanes striding over the split's k so a group reads a row of B consecutively; the p.m <= 8 rows of A
+// share each B load; sums go through workgroup memory.
 var<workgroup> gemv_sums: array<C, 2048>;   // [8 rows][256 invocations]
 
 @compute @workgroup_size(256)
 fn matmul_gemv_t(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
                  @builtin(num_workgroups) groups: vec3<u32>) {
     let lane = lid % 32u;
-    let n = (wid.x + wid.y * groups.x) * 8u + lid / 32u;
+    let per_split = (p.n + 7u) / 8u;
+    let block = wid.x + wid.y * groups.x;
+    let split = block / per_split;
+    if split >= p.split_k.y { return; }  // spare workgroups of a count spread over x and y (uniform)
+    let n = (block % per_split) * 8u + lid / 32u;
     let col = min(n, p.n - 1u);
+    let range = split_range(split);
     var acc: array<C, 8>;
-    var k = lane;
-    for (; k + 96u < p.k; k += 128u) {  // four loads of B in flight per invocation
+    var k = range.x + lane;
+    for (; k + 96u < range.y; k += 128u) {  // four loads of B in flight per invocation
         let b0 = C(b[col * p.strides.w + k]);
         let b1 = C(b[col * p.strides.w + k + 32u]);
         let b2 = C(b[col * p.strides.w + k + 64u]);
@@ -164,7 +186,7 @@ fn matmul_gemv_t(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_i
                     + C(a[at + 96u * p.strides.y]) * b3;
         }
     }
-    for (; k < p.k; k += 32u) {
+    for (; k < range.y; k += 32u) {
         let bv = C(b[col * p.strides.w + k]);
         for (var r = 0u; r < p.m; r++) { acc[r] += C(a[r * p.strides.x + k * p.strides.y]) * bv; }
     }
@@ -179,8 +201,8 @@ fn matmul_gemv_t(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_i
     if lane == 0u && n < p.n {
         for (var r = 0u; r < p.m; r++) {
             var value = gemv_sums[r * 256u + lid];
-            if HAS_BIAS { value += C(bias[n]); }
-            out[r * p.n + n] = O(value);
+            if HAS_BIAS && split == 0u { value += C(bias[n]); }
+            out[(split * p.m + r) * p.n + n] = O(value);
         }
     }
 }

@@ -4,7 +4,9 @@
 // once, loads each block of x once and applies it to the 8 weight rows, dequantizing their words in
 // registers. Loading x once per 8 rows matters most on CPU drivers (llvmpipe), where every loaded
 // scalar costs the same whatever its address; the code uses no arrays, which such drivers spill to
-// memory. Aliases: A (x type), O (output), C (f32).
+// memory. Split-K (batchgpu/ops/matmul.py): split s of p.splits takes blocks [s * block_chunk, min(blocks,
+// (s + 1) * block_chunk)) and writes its partial sums to slice s of a (splits, m, n) output that a sum pass
+// reduces; only split 0 adds the bias. One split covers all blocks. Aliases: A (x type), O (output), C (f32).
 
 override WG: u32 = 64u;
 override HAS_BIAS: bool = false;
@@ -15,6 +17,10 @@ struct Params {
     n: u32,
     k: u32,
     blocks: u32,          // blocks per row = k / 32
+    block_chunk: u32,     // blocks per split (split-K)
+    splits: u32,
+    pad0: u32,
+    pad1: u32,
 }
 
 // One block (32 values) of a row of x, and its sum.
@@ -74,22 +80,29 @@ fn q8_0_block(n: u32, b: u32, xb: XBlock) -> f32 {
     return unpack2x16float(w[at]).x * qx;
 }
 
-fn store(n: u32, m: u32, value: f32) {
-    if n >= p.n { return; }
-    var extra = 0.0;
-    if HAS_BIAS { extra = f32(bias[n]); }
-    out[m * p.n + n] = O(value + extra);
+// [first, end) of the blocks split `split` takes (empty for a split past the end).
+fn split_blocks(split: u32) -> vec2<u32> {
+    let first = split * p.block_chunk;
+    return vec2<u32>(first, min(p.blocks, first + p.block_chunk));
 }
 
-fn store_rows(n0: u32, m: u32, a0: f32, a1: f32, a2: f32, a3: f32, a4: f32, a5: f32, a6: f32, a7: f32) {
-    store(n0, m, a0);
-    store(n0 + 1u, m, a1);
-    store(n0 + 2u, m, a2);
-    store(n0 + 3u, m, a3);
-    store(n0 + 4u, m, a4);
-    store(n0 + 5u, m, a5);
-    store(n0 + 6u, m, a6);
-    store(n0 + 7u, m, a7);
+// Output (m, n) of split `split`: element (split, m, n) of the (splits, m, n) output.
+fn store(split: u32, n: u32, m: u32, value: f32) {
+    if n >= p.n { return; }
+    var extra = 0.0;
+    if HAS_BIAS && split == 0u { extra = f32(bias[n]); }
+    out[(split * p.m + m) * p.n + n] = O(value + extra);
+}
+
+fn store_rows(split: u32, n0: u32, m: u32, a0: f32, a1: f32, a2: f32, a3: f32, a4: f32, a5: f32, a6: f32, a7: f32) {
+    store(split, n0, m, a0);
+    store(split, n0 + 1u, m, a1);
+    store(split, n0 + 2u, m, a2);
+    store(split, n0 + 3u, m, a3);
+    store(split, n0 + 4u, m, a4);
+    store(split, n0 + 5u, m, a5);
+    store(split, n0 + 6u, m, a6);
+    store(split, n0 + 7u, m, a7);
 }
 
 @compute @workgroup_size(WG)
@@ -97,9 +110,11 @@ fn matmul_q4_1(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup
     let n0 = gid.x * ROWS;
     if n0 >= p.n { return; }
     let m = wid.y;
+    let split = wid.z;
+    let range = split_blocks(split);
     var a0 = 0.0; var a1 = 0.0; var a2 = 0.0; var a3 = 0.0;
     var a4 = 0.0; var a5 = 0.0; var a6 = 0.0; var a7 = 0.0;
-    for (var b = 0u; b < p.blocks; b++) {
+    for (var b = range.x; b < range.y; b++) {
         let xb = load_x(m, b);
         a0 += q4_1_block(n0, b, xb);
         a1 += q4_1_block(n0 + 1u, b, xb);
@@ -110,7 +125,7 @@ fn matmul_q4_1(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup
         a6 += q4_1_block(n0 + 6u, b, xb);
         a7 += q4_1_block(n0 + 7u, b, xb);
     }
-    store_rows(n0, m, a0, a1, a2, a3, a4, a5, a6, a7);
+    store_rows(split, n0, m, a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
 @compute @workgroup_size(WG)
@@ -118,9 +133,11 @@ fn matmul_q8_0(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup
     let n0 = gid.x * ROWS;
     if n0 >= p.n { return; }
     let m = wid.y;
+    let split = wid.z;
+    let range = split_blocks(split);
     var a0 = 0.0; var a1 = 0.0; var a2 = 0.0; var a3 = 0.0;
     var a4 = 0.0; var a5 = 0.0; var a6 = 0.0; var a7 = 0.0;
-    for (var b = 0u; b < p.blocks; b++) {
+    for (var b = range.x; b < range.y; b++) {
         let xb = load_x(m, b);
         a0 += q8_0_block(n0, b, xb);
         a1 += q8_0_block(n0 + 1u, b, xb);
@@ -131,15 +148,15 @@ fn matmul_q8_0(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup
         a6 += q8_0_block(n0 + 6u, b, xb);
         a7 += q8_0_block(n0 + 7u, b, xb);
     }
-    store_rows(n0, m, a0, a1, a2, a3, a4, a5, a6, a7);
+    store_rows(split, n0, m, a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
 // GPU-shaped twins (matmul_q4_1_warp, matmul_q8_0_warp; batchgpu/ops/matmul.py attaches them as the
 // launch's GPU form, run on GPU adapters and by the CUDA/HIP executors): 256 invocations = 8 groups of
-// LANES, a group per output feature n of row m. The linear workgroup index (split over x/y) runs over
-// ceil(p.n / 8) workgroups per row, row after row. A unit is one data word of a block with the vec4s of
-// x it multiplies (Q4_1: 4 per block, low nibbles x[4i..4i+3], high x[16+4i..]; Q8_0: 8), so a group
-// reads W's words consecutively; the group's sum goes through workgroup memory.
+// LANES, a group per output feature n of row m and split. The linear workgroup index (split over x/y) runs
+// over ceil(p.n / 8) workgroups per row, row after row, split after split. A unit is one data word of a
+// block with the vec4s of x it multiplies (Q4_1: 4 per block, low nibbles x[4i..4i+3], high x[16+4i..];
+// Q8_0: 8), so a group reads W's words consecutively; the group's sum goes through workgroup memory.
 const LANES: u32 = 32u;
 var<workgroup> lane_sums: array<f32, 256>;
 
@@ -175,16 +192,19 @@ fn q8_0_unit(row: u32, m: u32, u: u32) -> f32 {
 fn warp_matmul(lid: u32, wid: vec3<u32>, groups: vec3<u32>, q8: bool) {
     let per_row = (p.n + 7u) / 8u;
     let block = wid.x + wid.y * groups.x;
-    let m = block / per_row;
-    if m >= p.m { return; }  // a padded split grid's spare workgroups (uniform: the whole workgroup)
+    let split = block / per_row / p.m;
+    if split >= p.splits { return; }  // spare workgroups of a count spread over x and y (uniform)
+    let m = block / per_row % p.m;
     let n = (block % per_row) * 8u + lid / LANES;
     let row = min(n, p.n - 1u);
+    let units = select(4u, 8u, q8);  // per block
+    let range = split_blocks(split) * units;
     var acc = 0.0;
-    for (var u = lid % LANES; u < p.blocks * select(4u, 8u, q8); u += LANES) {
+    for (var u = range.x + lid % LANES; u < range.y; u += LANES) {
         if q8 { acc += q8_0_unit(row, m, u); } else { acc += q4_1_unit(row, m, u); }
     }
     let total = group_sum(lid, acc);
-    if lid % LANES == 0u { store(n, m, total); }
+    if lid % LANES == 0u { store(split, n, m, total); }
 }
 
 @compute @workgroup_size(256)
