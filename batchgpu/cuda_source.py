@@ -32,9 +32,9 @@ UNARY: dict[str, str] = {
     "log": "logf(x)",
     "sqrt": "sqrtf(x)",
     "rsqrt": "rsqrtf(x)",
-    "tanh": "tanhf(bg_clamp(x, -15.0f, 15.0f))",
+    "tanh": "bg_is_nan(x) ? x : tanhf(bg_clamp(x, -15.0f, 15.0f))",
     "sigmoid": "1.0f / (1.0f + expf(-x))",
-    "relu": "bg_max(x, (C)0)",
+    "relu": "bg_max_nan(x, (C)0)",
     "gelu": "bg_gelu_erf(x)",
     "gelu_tanh": f"0.5f * x * (1.0f + tanhf(bg_clamp({GELU_C} * (x + 0.044715f * x * x * x), -15.0f, 15.0f)))",
     "silu": "x / (1.0f + expf(-x))",
@@ -49,8 +49,8 @@ BINARY: dict[str, str] = {
     "sub": "x - y",
     "mul": "x * y",
     "div": "x / y",
-    "maximum": "bg_max(x, y)",
-    "minimum": "bg_min(x, y)",
+    "maximum": "bg_max_nan(x, y)",
+    "minimum": "bg_min_nan(x, y)",
     "silu_mul": "x / (1.0f + expf(-x)) * y",
 }
 

@@ -495,3 +495,99 @@ def test_matmul_long_k_past_loop_cap(gpu, m, k, n):
     out = batch.matmul(batch.upload(a), batch.upload(b))
     batch.execute()
     assert_close(batch.read_sync(out), (a.astype(np.float64) @ b).astype(np.float32), scale=4 * np.sqrt(k))
+
+
+# NaN propagates exactly like numpy through the ops built on max/min (relu, maximum, minimum, the max
+# reduction, tanh's clamp, softmax's row max): the kernels test NaN by bit pattern, for float data only.
+# check() compares through assert_allclose, which requires NaN and +-inf at the same positions.
+NAN_OPS = {
+    "relu": lambda b, x, y: b.relu(x),
+    "tanh": lambda b, x, y: b.tanh(x),
+    "maximum": lambda b, x, y: b.maximum(x, y),
+    "minimum": lambda b, x, y: b.minimum(x, y),
+    "maximum_broadcast": lambda b, x, y: b.maximum(b.slice(y, slice(0, 1)), x),
+    "minimum_broadcast": lambda b, x, y: b.minimum(x, b.slice(y, slice(0, 1))),
+    "max_rows": lambda b, x, y: b.max(x, axis=-1),
+    "max_cols": lambda b, x, y: b.max(x, axis=0),
+    "max_all": lambda b, x, y: b.max(x),
+    "softmax_rows": lambda b, x, y: b.softmax(x),
+    "softmax_cols": lambda b, x, y: b.softmax(x, axis=0),
+}
+
+
+def nan_data(rng: np.random.Generator, shape: tuple[int, int], dtype, spots: dict) -> np.ndarray:
+    x = random_array(rng, shape, dtype)
+    for value, where in spots.items():
+        for at in where:
+            x[at] = value
+    return x
+
+
+def check_nan(gpu, ref, arrays, build, dtype) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):
+        return check(gpu, ref, arrays, build, dtype, scale=2)
+
+
+@pytest.mark.parametrize("op", sorted(NAN_OPS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_nan_propagates_like_numpy(gpu, ref, op, dtype):
+    """NaN first, last, in the middle, twice in a row, next to +-inf; rows without NaN; rows of one."""
+    rng = np.random.default_rng(31)
+    x = nan_data(
+        rng,
+        (6, 7),
+        dtype,
+        {np.nan: [(0, 0), (1, 6), (2, 3), (3, 1), (3, 5)], np.inf: [(2, 2), (3, 0), (4, 4)], -np.inf: [(1, 0), (5, 6)]},
+    )
+    y = nan_data(rng, (6, 7), dtype, {np.nan: [(0, 1), (1, 6), (4, 4), (5, 2)], np.inf: [(1, 1)], -np.inf: [(2, 0)]})
+    out = check_nan(gpu, ref, [x, y], NAN_OPS[op], dtype)
+    assert np.isnan(out).any()
+    singles = nan_data(rng, (5, 1), dtype, {np.nan: [(1, 0), (3, 0)], np.inf: [(4, 0)]})
+    check_nan(gpu, ref, [singles, singles[::-1].copy()], NAN_OPS[op], dtype)
+
+
+@pytest.mark.parametrize("op", ["max_rows", "max_cols", "softmax_rows", "softmax_cols"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_nan_in_long_rows_and_columns(gpu, ref, small_bounds, op, dtype):
+    """Rows longer than ROW_CHUNK (300 here) reduce in pieces whose partials another pass combines, columns
+    longer than COLUMN_LIMIT are permuted first: a NaN anywhere still makes its row NaN. Row 3's middle
+    piece is -inf but for one NaN (softmax skips pieces of -inf only); row 4's last piece is all NaN; row 6
+    has none."""
+    x = nan_data(
+        np.random.default_rng(32),
+        (7, 1000),
+        dtype,
+        {np.nan: [(0, 0), (1, 999), (2, 450), (3, 450), (5, 299), (5, 300)], np.inf: [(2, 7)], -np.inf: [(1, 5)]},
+    )
+    x[3, 300:600] = -np.inf
+    x[3, 450] = np.nan
+    x[4, 900:] = np.nan
+    if op.endswith("cols"):
+        x = np.ascontiguousarray(x.T)
+    out = check_nan(gpu, ref, [x, x], NAN_OPS[op], dtype)
+    assert np.isnan(out).any() and not np.isnan(out).all()
+
+
+INT_NAN_BITS = {
+    np.int32: [0x7FC00000, -1, 0x7F800001, -0x400000, 0x7F800000, 3, -5, 0],
+    np.uint32: [0x7FC00000, 0xFFFFFFFF, 0x7F800001, 0xFFC00000, 0x7F800000, 3, 5, 0],
+}
+
+
+@pytest.mark.parametrize("op", ["relu", "maximum", "minimum", "max_rows", "max_cols", "max_all"])
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32])
+def test_integers_with_nan_bit_patterns_stay_integers(gpu, ref, op, dtype):
+    """int32/uint32 values whose bits read as a float NaN (or inf) are plain integers to every op."""
+    x = np.array(INT_NAN_BITS[dtype], dtype).reshape(2, 4)
+    y = x[:, ::-1].copy()
+    check(gpu, ref, [x, y], NAN_OPS[op], dtype)
+    check(gpu, ref, [y, x], NAN_OPS[op], dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32])
+def test_integer_long_rows_with_nan_bit_patterns(gpu, ref, small_bounds, dtype):
+    """The chunked max passes treat NaN-looking integer bits as integers too."""
+    rng = np.random.default_rng(33)
+    x = rng.choice(np.array(INT_NAN_BITS[dtype], dtype), (3, 700))
+    check(gpu, ref, [x], lambda b, t: b.max(t, axis=-1), dtype)
+    check(gpu, ref, [np.ascontiguousarray(x.T)], lambda b, t: b.max(t, axis=0), dtype)

@@ -38,7 +38,9 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-x))
 
 
-# name: (WGSL expression of x in the compute type C, numpy reference, dtype class, input domain, doc)
+# name: (WGSL expression of x in the compute type C, numpy reference, dtype class, input domain, doc).
+# NaN propagates like numpy's: max_nan/min_nan/is_nan (shaders/wgsl/lib/nan.wgsl) test its bit pattern
+# on float data (WGSL's max/min/clamp may drop NaN, and x != x may fold to false).
 UNARY: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], str, str, str]] = {
     "neg": ("-x", np.negative, "signed", "any", "-x"),
     "abs": ("abs(x)", np.abs, "all", "any", "|x|"),
@@ -46,9 +48,9 @@ UNARY: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], str, str, str]] 
     "log": ("log(x)", np.log, "float", "positive", "natural log"),
     "sqrt": ("sqrt(x)", np.sqrt, "float", "positive", "square root"),
     "rsqrt": ("inverseSqrt(x)", lambda x: 1.0 / np.sqrt(x), "float", "positive", "1 / sqrt(x)"),
-    "tanh": ("tanh(clamp(x, -15.0, 15.0))", np.tanh, "float", "any", "hyperbolic tangent"),
+    "tanh": ("select(tanh(clamp(x, -15.0, 15.0)), x, is_nan(x))", np.tanh, "float", "any", "hyperbolic tangent"),
     "sigmoid": ("1.0 / (1.0 + exp(-x))", _sigmoid, "float", "any", "1 / (1 + e**-x)"),
-    "relu": ("max(x, C(0))", lambda x: np.maximum(x, 0).astype(x.dtype), "all", "any", "max(x, 0)"),
+    "relu": ("max_nan(x, C(0))", lambda x: np.maximum(x, 0).astype(x.dtype), "all", "any", "max(x, 0)"),
     "gelu": ("gelu_erf(x)", _gelu, "float", "any", "GELU, exact: x * Phi(x) with erf (torch's default)"),
     "gelu_tanh": (
         f"0.5 * x * (1.0 + tanh(clamp({GELU_C} * (x + 0.044715 * x * x * x), -15.0, 15.0)))",
@@ -67,8 +69,8 @@ BINARY: dict[str, tuple[str, Callable[[np.ndarray, np.ndarray], np.ndarray], str
     "sub": ("x - y", np.subtract, "all", "a - b"),
     "mul": ("x * y", np.multiply, "all", "a * b"),
     "div": ("x / y", np.divide, "float", "a / b (floats only)"),
-    "maximum": ("max(x, y)", np.maximum, "all", "elementwise max"),
-    "minimum": ("min(x, y)", np.minimum, "all", "elementwise min"),
+    "maximum": ("max_nan(x, y)", np.maximum, "all", "elementwise max (NaN if either is, as numpy)"),
+    "minimum": ("min_nan(x, y)", np.minimum, "all", "elementwise min (NaN if either is, as numpy)"),
     "silu_mul": ("x / (1.0 + exp(-x)) * y", lambda a, b: a * _sigmoid(a) * b, "float", "silu(a) * b (SwiGLU), fused"),
 }
 
@@ -85,6 +87,7 @@ def _unary_launch(node: Node, expression: str, in_dtype: np.dtype) -> list[Launc
             entry="unary",
             types=wgsl_aliases(A=in_dtype, B=in_dtype, O=out.dtype),
             snippets=(("UNARY", expression),),
+            constants=(("IS_FLOAT", in_dtype.kind == "f"),),
             groups=groups_for(out.size),
             bindings=(reads(0, x), writes(2, out.storage), uniform(3, params)),
             params=params,
@@ -141,7 +144,7 @@ def _binary_launch(node: Node, expression: str) -> list[Launch]:
             entry="binary",
             types=wgsl_aliases(A=a.dtype, B=b.dtype, O=out.dtype),
             snippets=(("BINARY", expression),),
-            constants=(("A_MODE", modes[0]), ("B_MODE", modes[1])),
+            constants=(("A_MODE", modes[0]), ("B_MODE", modes[1]), ("IS_FLOAT", a.dtype.kind == "f")),
             groups=groups_for(out.size),
             bindings=(reads(0, a), reads(1, b), writes(2, out.storage), uniform(3, params)),
             params=params,

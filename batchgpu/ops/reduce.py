@@ -141,7 +141,7 @@ def _reduce_launch(
         inner,
         scale=scale,
         chunk=chunk or r,
-        constants=(("OP", REDUCE_OPS[name]), ("MEAN", name == "mean")),
+        constants=(("OP", REDUCE_OPS[name]), ("MEAN", name == "mean"), ("IS_FLOAT", x.dtype.kind == "f")),
     )
 
 

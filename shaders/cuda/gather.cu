@@ -2,11 +2,8 @@
 // [0, rows) give zeros), also from quantized tables; argmax_rows: index of the first maximum (NaN first,
 // as numpy) of each row, or of each piece of p.chunk elements of a longer row; argmax_candidates: for long
 // rows, the best of each row's pieces' candidates. A (table / input type), O (output type), C (compute type
-// of A). IS_FLOAT: argmax of float data (NaN counts).
-
-#ifndef IS_FLOAT
-#define IS_FLOAT 0
-#endif
+// of A). NaN counts for float data only (prelude.cuh's bg_is_nan, overloaded on C; the WGSL kernel's
+// IS_FLOAT is not needed here).
 
 struct Params {
     unsigned count;  // embedding: number of ids; argmax: rows
@@ -65,18 +62,9 @@ extern "C" __global__ void embedding_q8_0(const int* ids, const A* table, O* out
     embed_quantized<true>(ids, out, p, qtable);
 }
 
-// NaN by bit pattern, as in the WGSL kernel (integer data never is).
-__device__ __forceinline__ bool is_nan(C v) {
-#if IS_FLOAT
-    return (__float_as_uint(v) & 0x7fffffffu) > 0x7f800000u;
-#else
-    return false;
-#endif
-}
-
 // Whether (v, k) comes before (best, at) in argmax order: NaN first, then the larger value, then the lower index.
 __device__ __forceinline__ bool better(C v, unsigned k, C best, unsigned at) {
-    bool v_nan = is_nan(v), best_nan = is_nan(best);
+    bool v_nan = bg_is_nan(v), best_nan = bg_is_nan(best);
     if (v_nan || best_nan) return v_nan && (!best_nan || k < at);
     return v > best || (v == best && k < at);
 }

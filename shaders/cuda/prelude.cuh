@@ -59,6 +59,20 @@ __device__ __forceinline__ int bg_min(int x, int y) { return x < y ? x : y; }
 __device__ __forceinline__ unsigned bg_min(unsigned x, unsigned y) { return x < y ? x : y; }
 __device__ __forceinline__ float bg_clamp(float x, float lo, float hi) { return fminf(fmaxf(x, lo), hi); }
 
+// NaN by bit pattern, as the WGSL kernels test it (shaders/wgsl/lib/nan.wgsl); integer data never is NaN,
+// whatever its bits (float16 data computes as float: C = float).
+__device__ __forceinline__ bool bg_is_nan(float v) { return (__float_as_uint(v) & 0x7fffffffu) > 0x7f800000u; }
+__device__ __forceinline__ bool bg_is_nan(int) { return false; }
+__device__ __forceinline__ bool bg_is_nan(unsigned) { return false; }
+// numpy's np.maximum/np.minimum: NaN if either operand is (fmaxf/fminf, like WGSL's max/min, return the
+// other operand).
+template <typename T> __device__ __forceinline__ T bg_max_nan(T x, T y) {
+    return bg_is_nan(x) ? x : bg_is_nan(y) ? y : bg_max(x, y);
+}
+template <typename T> __device__ __forceinline__ T bg_min_nan(T x, T y) {
+    return bg_is_nan(x) ? x : bg_is_nan(y) ? y : bg_min(x, y);
+}
+
 // Phi(-a) = erfc(a / sqrt(2)) / 2 for a >= 0 and exact GELU x * Phi(x); mirrors normal_tail/gelu_erf
 // of shaders/wgsl/elementwise.wgsl (erfcc with exp(-a^2 / 2) split so that no rounding of a is amplified).
 __device__ __forceinline__ float bg_normal_tail(float a) {
@@ -94,13 +108,14 @@ template <typename T> __device__ __forceinline__ T bg_warp_sum(T value) {
 }
 
 // Block tree reductions of one float per thread over `partial[WG]` in shared memory (WG a power of
-// two); every thread of the block must call them (they hold barriers). Twin of wgsl/lib/tree.wgsl.
+// two); every thread of the block must call them (they hold barriers). Twin of wgsl/lib/tree.wgsl: the
+// max propagates NaN.
 __device__ float bg_tree(float* partial, unsigned lid, float value, bool take_max) {
     partial[lid] = value;
     __syncthreads();
     for (unsigned stride = WG / 2; stride > 0; stride >>= 1) {
         if (lid < stride) {
-            partial[lid] = take_max ? fmaxf(partial[lid], partial[lid + stride]) : partial[lid] + partial[lid + stride];
+            partial[lid] = take_max ? bg_max_nan(partial[lid], partial[lid + stride]) : partial[lid] + partial[lid + stride];
         }
         __syncthreads();
     }

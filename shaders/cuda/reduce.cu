@@ -1,5 +1,6 @@
 // Reductions over the middle extent of an (outer, r, inner) view; mirrors shaders/wgsl/reduce.wgsl.
-// OP 0 sums, 1 takes the max; MEAN scales the sum by p.scale. A (input), O (output), C (accumulator).
+// OP 0 sums, 1 takes the max (NaN propagating like numpy's for float data); MEAN scales the sum by p.scale.
+// A (input), O (output), C (accumulator).
 
 #ifndef OP
 #define OP 0
@@ -14,7 +15,7 @@ struct Params {
     unsigned chunk, chunks, pad0, pad1;
 };
 
-__device__ __forceinline__ C combine(C x, C y) { return OP == 1 ? bg_max(x, y) : x + y; }
+__device__ __forceinline__ C combine(C x, C y) { return OP == 1 ? bg_max_nan(x, y) : x + y; }
 __device__ __forceinline__ C start(const A* a, unsigned first) { return OP == 1 ? CVT(C, a[first]) : (C)0; }
 __device__ __forceinline__ O finish(C x, const Params& p) {
     return MEAN ? CVT(O, (float)x * p.scale) : CVT(O, x);

@@ -16,7 +16,7 @@ extern "C" __global__ void softmax_rows(const A* a, O* out, const Params p, floa
     bool valid = row < p.outer;
     unsigned base = bg_min(row, p.outer - 1u) * p.r;
     float m = CVT(float, a[base]);
-    for (unsigned k = lid; k < p.r; k += WG) m = fmaxf(m, CVT(float, a[base + k]));
+    for (unsigned k = lid; k < p.r; k += WG) m = bg_max_nan(m, CVT(float, a[base + k]));
     float row_max = bg_tree(partial, lid, m, true);
     float s = 0.0f;
     for (unsigned k = lid; k < p.r; k += WG) s += expf(CVT(float, a[base + k]) - row_max);
@@ -44,7 +44,7 @@ extern "C" __global__ void softmax_partials(const A* a, O* out, const Params p, 
     Piece piece = piece_of(p);
     unsigned base = piece.row * p.r + piece.first;
     float m = CVT(float, a[base]);
-    for (unsigned k = lid; k < piece.count; k += WG) m = fmaxf(m, CVT(float, a[base + k]));
+    for (unsigned k = lid; k < piece.count; k += WG) m = bg_max_nan(m, CVT(float, a[base + k]));
     float piece_max = bg_tree(partial, lid, m, true);
     float s = 0.0f;
     for (unsigned k = lid; k < piece.count; k += WG) s += expf(CVT(float, a[base + k]) - piece_max);
@@ -65,7 +65,7 @@ __device__ RowStats row_max_and_sum(float* partial, unsigned lid, const Piece& p
                                     const float* partials) {
     unsigned first = piece.row * p.chunks;
     float m = partials[2u * first];
-    for (unsigned j = lid; j < p.chunks; j += WG) m = fmaxf(m, partials[2u * (first + j)]);
+    for (unsigned j = lid; j < p.chunks; j += WG) m = bg_max_nan(m, partials[2u * (first + j)]);
     float row_max = bg_tree(partial, lid, m, true);
     float s = 0.0f;
     for (unsigned j = lid; j < p.chunks; j += WG) {
@@ -92,7 +92,7 @@ extern "C" __global__ void softmax_cols(const A* a, O* out, const Params p, floa
     if (i >= p.outer * p.inner) return;
     unsigned base = (i / p.inner) * p.r * p.inner + i % p.inner;
     float m = CVT(float, a[base]);
-    for (unsigned k = 0; k < p.r; k++) m = fmaxf(m, CVT(float, a[base + k * p.inner]));
+    for (unsigned k = 0; k < p.r; k++) m = bg_max_nan(m, CVT(float, a[base + k * p.inner]));
     float s = 0.0f;
     for (unsigned k = 0; k < p.r; k++) s += expf(CVT(float, a[base + k * p.inner]) - m);
     for (unsigned k = 0; k < p.r; k++) {

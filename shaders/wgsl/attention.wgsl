@@ -52,6 +52,7 @@ struct Scalars {
 var<workgroup> scores: array<f32, SMAX>;
 var<workgroup> q_row: array<f32, HEAD_DIM>;
 //!include tree
+//!include nan
 
 fn position() -> u32 {
     if p.pos_slot == NO_SLOT { return p.pos_literal; }

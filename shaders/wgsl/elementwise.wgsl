@@ -1,6 +1,7 @@
 // Elementwise ops. Rendered with type aliases A, B (inputs), O (output), C (compute type) and the op
 // expressions ${UNARY} (of x) and ${BINARY} (of x, y). Inputs with A_MODE/B_MODE 0 are read at the
-// output index, 1 is a broadcast scalar, 2 is read through broadcast strides.
+// output index, 1 is a broadcast scalar, 2 is read through broadcast strides. IS_FLOAT (lib/nan.wgsl):
+// float data, for the NaN-propagating max_nan/min_nan/is_nan of the op expressions.
 
 override WG: u32 = 256u;
 override A_MODE: u32 = 0u;
@@ -20,6 +21,8 @@ struct Params {
 @group(0) @binding(1) var<storage, read> b: array<B>;
 @group(0) @binding(2) var<storage, read_write> out: array<O>;
 @group(0) @binding(3) var<uniform> p: Params;
+
+//!include nan
 
 fn unary_op(x: C) -> C {
     return ${UNARY};

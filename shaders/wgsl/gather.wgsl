@@ -5,7 +5,6 @@
 // Aliases: A (table / input type), O (output type), C (compute type of A).
 
 override WG: u32 = 256u;
-override IS_FLOAT: bool = false;   // argmax of float data: NaN counts (integer bit patterns never do)
 
 struct Params {
     count: u32,    // embedding: number of ids; argmax: rows
@@ -77,10 +76,8 @@ fn embedding_q8_0(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_wo
     embed_quantized(gid, groups, true);
 }
 
-// NaN by bit pattern: WGSL compilers may assume float comparisons see no NaN.
-fn is_nan(v: C) -> bool {
-    return IS_FLOAT && (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;
-}
+// is_nan: NaN by bit pattern, for float data only (IS_FLOAT, set for argmax of float data).
+//!include nan
 
 // Whether (v, k) comes before (best, at) in argmax order: NaN first, then the larger value, then the lower index.
 fn better(v: C, k: u32, best: C, at: u32) -> bool {

@@ -26,6 +26,7 @@ struct Params {
 @group(0) @binding(6) var<storage, read_write> partials: array<f32>;   // long rows: statistics per piece
 
 //!include tree
+//!include nan
 
 fn row_of(wid: vec3<u32>, groups: vec3<u32>) -> u32 {
     return wid.x + wid.y * groups.x;

@@ -1,5 +1,6 @@
-// Reductions over the middle extent of an (outer, r, inner) view. OP 0 sums, 1 takes the max;
-// MEAN scales the sum by 1/r. Aliases: A (input), O (output), C (accumulator type).
+// Reductions over the middle extent of an (outer, r, inner) view. OP 0 sums, 1 takes the max (NaN
+// propagating like numpy's for float data, IS_FLOAT: lib/nan.wgsl); MEAN scales the sum by 1/r.
+// Aliases: A (input), O (output), C (accumulator type).
 // reduce_rows (inner == 1): one workgroup per chunk of a row (rows longer than `chunk` are cut into
 // `chunks` pieces whose partial results a second pass combines), strided partials, then a tree in
 // workgroup memory. Output index = row * chunks + chunk index.
@@ -26,8 +27,10 @@ struct Params {
 
 var<workgroup> partial: array<C, WG>;
 
+//!include nan
+
 fn combine(x: C, y: C) -> C {
-    if OP == 1u { return max(x, y); }
+    if OP == 1u { return max_nan(x, y); }
     return x + y;
 }
 

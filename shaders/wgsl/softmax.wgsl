@@ -1,5 +1,6 @@
 // Numerically stable softmax over the middle extent of an (outer, r, inner) view:
 // exp(x - max) / sum(exp(x - max)), computed in f32. Aliases: A (input), O (output), C (f32 here).
+// The max propagates NaN (lib/nan.wgsl), so a row holding NaN is all NaN, as numpy's.
 // softmax_rows (inner == 1, rows of at most one chunk): one workgroup per row with tree reductions in
 // workgroup memory.
 // Longer rows, in p.chunks pieces of p.chunk elements, one workgroup per (row, piece) in two passes:
@@ -26,6 +27,7 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> partials: array<f32>;   // long rows: (max, sum) per piece
 
 //!include tree
+//!include nan
 
 @compute @workgroup_size(WG)
 fn softmax_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
@@ -34,7 +36,7 @@ fn softmax_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup
     let valid = row < p.outer;
     let base = min(row, p.outer - 1u) * p.r;
     var m = f32(a[base]);
-    for (var k = lid.x; k < p.r; k += WG) { m = max(m, f32(a[base + k])); }
+    for (var k = lid.x; k < p.r; k += WG) { m = max_nan_f32(m, f32(a[base + k])); }
     let row_max = tree_max(lid.x, m);
     var s = 0.0;
     for (var k = lid.x; k < p.r; k += WG) { s += exp(f32(a[base + k]) - row_max); }
@@ -67,7 +69,7 @@ fn softmax_partials(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workg
     let piece = piece_of(wid, groups);
     let base = piece.row * p.r + piece.first;
     var m = f32(a[base]);
-    for (var k = lid.x; k < piece.count; k += WG) { m = max(m, f32(a[base + k])); }
+    for (var k = lid.x; k < piece.count; k += WG) { m = max_nan_f32(m, f32(a[base + k])); }
     let piece_max = tree_max(lid.x, m);
     var s = 0.0;
     for (var k = lid.x; k < piece.count; k += WG) { s += exp(f32(a[base + k]) - piece_max); }
@@ -83,7 +85,7 @@ fn softmax_partials(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workg
 fn row_max_and_sum(lid: u32, piece: Piece) -> vec2<f32> {
     let first = piece.row * p.chunks;
     var m = partials[2u * first];
-    for (var j = lid; j < p.chunks; j += WG) { m = max(m, partials[2u * (first + j)]); }
+    for (var j = lid; j < p.chunks; j += WG) { m = max_nan_f32(m, partials[2u * (first + j)]); }
     let row_max = tree_max(lid, m);
     var s = 0.0;
     for (var j = lid; j < p.chunks; j += WG) {
@@ -111,7 +113,7 @@ fn softmax_cols(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_work
     if i >= p.outer * p.inner { return; }
     let base = (i / p.inner) * p.r * p.inner + i % p.inner;
     var m = f32(a[base]);
-    for (var k = 0u; k < p.r; k++) { m = max(m, f32(a[base + k * p.inner])); }
+    for (var k = 0u; k < p.r; k++) { m = max_nan_f32(m, f32(a[base + k * p.inner])); }
     var s = 0.0;
     for (var k = 0u; k < p.r; k++) { s += exp(f32(a[base + k * p.inner]) - m); }
     for (var k = 0u; k < p.r; k++) {
