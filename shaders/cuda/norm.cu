@@ -70,25 +70,17 @@ extern "C" __global__ void layer_norm_rows(const A* x, const A* w, const A* extr
 // Long rows ---------------------------------------------------------------------------------------
 
 // A piece of a long row: block `index` takes piece index % chunks of row index / chunks.
-struct Piece {
-    unsigned row, first, count, index;  // first: counted from the row's start; index: row * chunks + piece
-    bool valid;                         // false past the last piece (such blocks only take part in barriers)
-};
-
 __device__ __forceinline__ unsigned chunks(const Params& p) { return (p.d - 1u) / p.chunk + 1u; }
 
-__device__ __forceinline__ Piece piece_of(const Params& p) {
-    unsigned index = bg_block_index();
-    unsigned clamped = bg_min(index, p.rows * chunks(p) - 1u);
-    unsigned first = (clamped % chunks(p)) * p.chunk;
-    return Piece{clamped / chunks(p), first, bg_min(p.chunk, p.d - first), index, index < p.rows * chunks(p)};
+__device__ __forceinline__ BgPiece piece_of(const Params& p) {
+    return bg_piece_at(bg_block_index(), p.rows, p.d, p.chunk);
 }
 
 extern "C" __global__ void rms_norm_partials(const A* x, const A* w, const A* extra, A* out, A* summed,
                                              const Params p, float* partials) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
-    Piece piece = piece_of(p);
+    BgPiece piece = piece_of(p);
     unsigned base = piece.row * p.d + piece.first;
     float squares = 0.0f;
     for (unsigned k = lid; k < piece.count; k += WG) {
@@ -103,7 +95,7 @@ extern "C" __global__ void add_rms_norm_partials(const A* x, const A* w, const A
                                                  const Params p, float* partials) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
-    Piece piece = piece_of(p);
+    BgPiece piece = piece_of(p);
     unsigned base = piece.row * p.d + piece.first;
     float squares = 0.0f;
     for (unsigned k = lid; k < piece.count; k += WG) {
@@ -116,7 +108,7 @@ extern "C" __global__ void add_rms_norm_partials(const A* x, const A* w, const A
 }
 
 // rsqrt(mean(x^2) + eps) of the piece's row, from its pieces' sums of squares.
-__device__ float rms_scale(float* partial, unsigned lid, const Piece& piece, const Params& p, const float* partials) {
+__device__ float rms_scale(float* partial, unsigned lid, const BgPiece& piece, const Params& p, const float* partials) {
     unsigned first = piece.row * chunks(p);
     float squares = 0.0f;
     for (unsigned j = lid; j < chunks(p); j += WG) squares += partials[first + j];
@@ -127,7 +119,7 @@ extern "C" __global__ void rms_norm_chunks(const A* x, const A* w, const A* extr
                                            const Params p, float* partials) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
-    Piece piece = piece_of(p);
+    BgPiece piece = piece_of(p);
     float scale = rms_scale(partial, lid, piece, p, partials);
     if (!piece.valid) return;
     unsigned base = piece.row * p.d + piece.first;
@@ -140,7 +132,7 @@ extern "C" __global__ void add_rms_norm_chunks(const A* x, const A* w, const A* 
                                                const Params p, float* partials) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
-    Piece piece = piece_of(p);
+    BgPiece piece = piece_of(p);
     float scale = rms_scale(partial, lid, piece, p, partials);
     if (!piece.valid) return;
     unsigned base = piece.row * p.d + piece.first;
@@ -154,7 +146,7 @@ extern "C" __global__ void layer_norm_partials(const A* x, const A* w, const A* 
                                                const Params p, float* partials) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
-    Piece piece = piece_of(p);
+    BgPiece piece = piece_of(p);
     unsigned base = piece.row * p.d + piece.first;
     float total = 0.0f;
     for (unsigned k = lid; k < piece.count; k += WG) total += CVT(float, x[base + k]);
@@ -178,7 +170,7 @@ struct LayerStats {
 
 // (mean, rsqrt(var + eps)) of the piece's row from its pieces' (sum, squared deviations) partials, with
 // Chan et al.'s parallel formula: row deviations = sum over pieces of (deviations + n * (piece mean - mean)^2).
-__device__ LayerStats layer_stats(float* partial, unsigned lid, const Piece& piece, const Params& p,
+__device__ LayerStats layer_stats(float* partial, unsigned lid, const BgPiece& piece, const Params& p,
                                   const float* partials) {
     unsigned first = piece.row * chunks(p);
     float total = 0.0f;
@@ -197,7 +189,7 @@ extern "C" __global__ void layer_norm_chunks(const A* x, const A* w, const A* ex
                                              const Params p, float* partials) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
-    Piece piece = piece_of(p);
+    BgPiece piece = piece_of(p);
     LayerStats stats = layer_stats(partial, lid, piece, p, partials);
     if (!piece.valid) return;
     unsigned base = piece.row * p.d + piece.first;

@@ -94,6 +94,20 @@ __device__ __forceinline__ unsigned bg_thread_index() { return bg_block_index() 
 
 #define BG_NO_SLOT 0xFFFFFFFFu
 
+// A piece of a long row (one block per piece, rows after rows); mirrors shaders/wgsl/lib/pieces.wgsl.
+struct BgPiece {
+    unsigned row, first, count, index;  // first: counted from the row's start; index: row * chunks + piece
+    bool valid;                         // false past the last piece (such blocks only take part in barriers)
+};
+
+// Block `index`'s piece of `rows` rows of `length` elements cut into pieces of `chunk`.
+__device__ __forceinline__ BgPiece bg_piece_at(unsigned index, unsigned rows, unsigned length, unsigned chunk) {
+    unsigned chunks = (length - 1u) / chunk + 1u;
+    unsigned clamped = bg_min(index, rows * chunks - 1u);
+    unsigned first = (clamped % chunks) * chunk;
+    return BgPiece{clamped / chunks, first, bg_min(chunk, length - first), index, index < rows * chunks};
+}
+
 // Sum of `value` over each aligned group of 32 lanes (a CUDA warp; half an AMD wave64): every lane
 // of the group must call it and gets the sum.
 template <typename T> __device__ __forceinline__ T bg_warp_sum(T value) {

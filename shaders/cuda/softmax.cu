@@ -26,22 +26,14 @@ extern "C" __global__ void softmax_rows(const A* a, O* out, const Params p, floa
 }
 
 // A piece of a long row: block `index` takes piece index % chunks of row index / chunks.
-struct Piece {
-    unsigned row, first, count, index;  // first: counted from the row's start; index: row * chunks + piece
-    bool valid;                         // false past the last piece (such blocks only take part in barriers)
-};
-
-__device__ __forceinline__ Piece piece_of(const Params& p) {
-    unsigned index = bg_block_index();
-    unsigned clamped = bg_min(index, p.outer * p.chunks - 1u);
-    unsigned first = (clamped % p.chunks) * p.chunk;
-    return Piece{clamped / p.chunks, first, bg_min(p.chunk, p.r - first), index, index < p.outer * p.chunks};
+__device__ __forceinline__ BgPiece piece_of(const Params& p) {
+    return bg_piece_at(bg_block_index(), p.outer, p.r, p.chunk);
 }
 
 extern "C" __global__ void softmax_partials(const A* a, O* out, const Params p, float* partials) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
-    Piece piece = piece_of(p);
+    BgPiece piece = piece_of(p);
     unsigned base = piece.row * p.r + piece.first;
     float m = CVT(float, a[base]);
     for (unsigned k = lid; k < piece.count; k += WG) m = bg_max_nan(m, CVT(float, a[base + k]));
@@ -61,7 +53,7 @@ struct RowStats {
 
 // (max, sum of exp(x - max)) of the piece's row from its pieces' partials. A piece of -inf only (its sum is
 // NaN) adds nothing.
-__device__ RowStats row_max_and_sum(float* partial, unsigned lid, const Piece& piece, const Params& p,
+__device__ RowStats row_max_and_sum(float* partial, unsigned lid, const BgPiece& piece, const Params& p,
                                     const float* partials) {
     unsigned first = piece.row * p.chunks;
     float m = partials[2u * first];
@@ -78,7 +70,7 @@ __device__ RowStats row_max_and_sum(float* partial, unsigned lid, const Piece& p
 extern "C" __global__ void softmax_chunks(const A* a, O* out, const Params p, float* partials) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
-    Piece piece = piece_of(p);
+    BgPiece piece = piece_of(p);
     RowStats row_stats = row_max_and_sum(partial, lid, piece, p, partials);
     if (!piece.valid) return;
     unsigned base = piece.row * p.r + piece.first;

@@ -91,24 +91,14 @@ fn layer_norm_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgr
 
 // Long rows ---------------------------------------------------------------------------------------
 
-// A piece of a long row: workgroup `index` takes piece index % chunks of row index / chunks.
-struct Piece {
-    row: u32,
-    first: u32,    // the piece's first element, counted from the row's start
-    count: u32,    // elements in the piece
-    index: u32,    // row * chunks + piece
-    valid: bool,   // false for workgroups past the last piece (they only take part in barriers)
-}
+//!include pieces
 
 fn chunks() -> u32 {
     return (p.d - 1u) / p.chunk + 1u;
 }
 
 fn piece_of(wid: vec3<u32>, groups: vec3<u32>) -> Piece {
-    let index = row_of(wid, groups);
-    let clamped = min(index, p.rows * chunks() - 1u);
-    let first = (clamped % chunks()) * p.chunk;
-    return Piece(clamped / chunks(), first, min(p.chunk, p.d - first), index, index < p.rows * chunks());
+    return piece_at(row_of(wid, groups), p.rows, p.d, p.chunk);
 }
 
 @compute @workgroup_size(WG)

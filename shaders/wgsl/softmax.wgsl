@@ -47,20 +47,10 @@ fn softmax_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup
     }
 }
 
-// A piece of a long row: workgroup `index` takes piece index % chunks of row index / chunks.
-struct Piece {
-    row: u32,
-    first: u32,    // the piece's first element, counted from the row's start
-    count: u32,    // elements in the piece
-    index: u32,    // row * chunks + piece
-    valid: bool,   // false for workgroups past the last piece (they only take part in barriers)
-}
+//!include pieces
 
 fn piece_of(wid: vec3<u32>, groups: vec3<u32>) -> Piece {
-    let index = wid.x + wid.y * groups.x;
-    let clamped = min(index, p.outer * p.chunks - 1u);
-    let first = (clamped % p.chunks) * p.chunk;
-    return Piece(clamped / p.chunks, first, min(p.chunk, p.r - first), index, index < p.outer * p.chunks);
+    return piece_at(wid.x + wid.y * groups.x, p.outer, p.r, p.chunk);
 }
 
 @compute @workgroup_size(WG)
