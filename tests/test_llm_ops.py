@@ -531,3 +531,26 @@ def test_matmul_quantized_past_loop_cap(gpu, qtype):
     batch.execute()
     expected = x.astype(np.float64) @ truth.T.astype(np.float64)
     np.testing.assert_allclose(batch.read_sync(y), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+def test_kv_cache_state_survives_re_recording(gpu, ref):
+    """A KV cache in ``batch.empty`` written over executes keeps its rows when the batch is planned anew
+    (one more op recorded, then ``outputs`` declared): every executor carries device state over."""
+    rng = np.random.default_rng(131)
+    rows = [random_array(rng, (1, 2, 4), np.float32) for _ in range(5)]
+    results = []
+    for device in (gpu, ref):
+        batch = bg.GpuCommandBatch(device)
+        pos = batch.scalar("pos")
+        cache = batch.empty((6, 2, 4), np.float32)
+        new = batch.upload(np.zeros((1, 2, 4), np.float32))
+        batch.kv_write(cache, new, pos)
+        for p, row in enumerate(rows[:3]):
+            batch.execute({new: row}, scalars={"pos": p})
+        doubled = batch.mul(cache, 2.0)
+        batch.execute({new: rows[3]}, scalars={"pos": 3})
+        batch.outputs(doubled)
+        batch.execute({new: rows[4]}, scalars={"pos": 4})
+        results.append(batch.read_sync(doubled)[:5])
+    assert_close(results[0], 2 * np.concatenate(rows))
+    assert_close(results[1], 2 * np.concatenate(rows))
