@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -28,11 +29,11 @@ from .errors import (
 from .executors.base import Execution, Plan
 from .kernels import Kernel
 from .limits import check_launch
-from .memory import BufferPlan, share_buffers, stateful_storages
 from .ops import OPS, Node, OpSpec
-from .ops.custom import normalize_grid, pack_scalars
 from .ops.elementwise import BINARY, UNARY
-from .profiling import Profile
+from .profiling import Profile, Session
+from .recording import Recording
+from .runner import Readback, Runner
 from .scalars import MAX_SCALARS, SCALAR_FORMATS, Scalar, check_value
 from .scalars import resolve as resolve_scalars
 from .tensor import QuantTensor, Storage, Tensor, as_shape
@@ -88,36 +89,32 @@ class GpuCommandBatch:
             )
         self.device = device if device is not None else default_device()
         self.name = arguments.text("GpuCommandBatch", "name", name) or f"batch{next(self._names)}"
-        self._nodes: list[Node] = []
-        self._storages: list[Storage] = []
-        self._births: dict[int, int] = {}  # storage id -> record index
-        self._host: dict[Storage, np.ndarray] = {}  # latest data of inputs and constants
-        self._dirty: dict[Storage, np.ndarray] = {}  # data to upload on the next execute
-        self._wanted: set[Storage] = set()  # storages the user has read
-        self._declared: frozenset[Storage] | None = None  # batch.outputs(...): only these are read back
-        self._buffers: BufferPlan | None = None  # buffer sharing of the current plan
-        self._readback: tuple[Storage, ...] | None = None
-        self._plan: Plan | None = None
-        self._execution: Execution | None = None
-        self._executed_plan: Plan | None = None  # the plan of _execution, kept when recording resets _plan
-        self._scalars: dict[str, Scalar] = {}
-        self._scalar_values: dict[str, int | float] = {}
-        self._recorded = 0
-        self._executed_mark = -1
+        self._recording = Recording()
+        self._readback = Readback()
+        self._runner: Runner | None = None  # the plan of the latest execute (or of a failed one after it)
+        self._stale = True  # the recording changed since the runner's plan: the next execute plans anew
         self._released = False
-        self._record_spans: list[tuple[float, float]] = []  # host time of each record call (profiling)
-        self._profiled: profiling.Session | None = None  # the latest execute(profile=True)
 
     def __repr__(self) -> str:
-        return f"GpuCommandBatch({self.name!r}, {len(self._nodes)} ops, {self.device!r})"
+        return f"GpuCommandBatch({self.name!r}, {len(self._recording.nodes)} ops, {self.device!r})"
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return len(self._recording.nodes)
 
     @property
     def nodes(self) -> tuple[Node, ...]:
         """The recorded ops, in order."""
-        return tuple(self._nodes)
+        return tuple(self._recording.nodes)
+
+    @property
+    def released(self) -> bool:
+        """Whether ``release()`` was called."""
+        return self._released
+
+    def view(self) -> BatchView:
+        """A read-only view of what was recorded and executed (for the export, profiling and tools)."""
+        self._check_open("view")
+        return BatchView(self)
 
     # inputs ----------------------------------------------------------------------------------
 
@@ -129,9 +126,7 @@ class GpuCommandBatch:
         arguments.text("upload", "name", name)
         array = host_copy(data, dtype, what=f"upload {name}".strip())  # later edits of data don't leak in
         self.device.check_storable(f"upload {name}".strip(), array.shape, array.dtype)
-        tensor = self._new_tensor(array.shape, array.dtype, "input", name or f"input{self._recorded}")
-        self._host[tensor.storage] = self._dirty[tensor.storage] = array
-        return tensor
+        return self._new_tensor(array.shape, array.dtype, "input", name or f"input{self._recording.count}", array)
 
     def empty(self, shape: Sequence[int] | int, dtype: Any = np.float32, *, name: str = "") -> Tensor:
         """An uninitialized tensor for custom kernels to write into."""
@@ -140,7 +135,7 @@ class GpuCommandBatch:
         shape = as_shape(shape, what=f"empty {name}".strip())
         resolved = as_dtype(dtype, what="empty")
         self.device.check_storable(f"empty {name}".strip(), shape, resolved)
-        return self._new_tensor(shape, resolved, "output", name or f"empty{self._recorded}")
+        return self._new_tensor(shape, resolved, "output", name or f"empty{self._recording.count}")
 
     def scalar(self, name: str, dtype: Any = "u32", value: int | float = 0) -> Scalar:
         """A per-execute value (``"u32"``, ``"i32"`` or ``"f32"``, or the numpy dtypes uint32, int32,
@@ -149,26 +144,30 @@ class GpuCommandBatch:
         self._check_open("scalar")
         if not isinstance(name, str) or not name:
             raise ArgumentError(f"scalar: name must be a non-empty str, got {name!r}")
-        if name in self._scalars:
+        scalars = self._recording.scalars
+        if name in scalars:
             raise BatchError(f"scalar: batch {self.name!r} already declares a scalar named {name!r}")
         kind = _scalar_kind(name, dtype)
-        if len(self._scalars) >= MAX_SCALARS:
+        if len(scalars) >= MAX_SCALARS:
             raise LimitError(f"scalar {name!r}: a batch holds at most {MAX_SCALARS} scalars")
-        declared = Scalar(name, kind, len(self._scalars), self)
-        self._scalar_values[name] = check_value(declared, value)
-        self._scalars[name] = declared
+        declared = Scalar(name, kind, len(scalars), self)
+        self._recording.scalar_values[name] = check_value(declared, value)
+        scalars[name] = declared
+        self._stale = True  # the plan sizes its scalar uniform by the declared scalars
         return declared
 
-    def _new_tensor(self, shape: tuple[int, ...], dtype: np.dtype, kind: str, name: str) -> Tensor:
+    def _new_tensor(
+        self, shape: tuple[int, ...], dtype: np.dtype, kind: str, name: str, data: np.ndarray | None = None
+    ) -> Tensor:
         storage = Storage(math.prod(shape) * dtype.itemsize, kind, dtype)
-        self._own(storage)
+        self._recording.own(storage, data)
+        self._changed()
         return Tensor(shape, dtype, storage, device=self.device, batch=self, name=name)
 
-    def _own(self, storage: Storage) -> None:
-        self._storages.append(storage)
-        self._births[storage.id] = self._recorded
-        self._recorded += 1
-        self._plan = None
+    def _changed(self) -> None:
+        """The recording grew: the next execute plans anew, and the default readback may differ."""
+        self._stale = True
+        self._readback.recording_changed()
 
     # ops -------------------------------------------------------------------------------------
 
@@ -324,11 +323,7 @@ class GpuCommandBatch:
     ) -> None:
         """Run a custom :class:`Kernel` over ``grid`` workgroups. ``buffers`` are bound read_write at
         bindings 0..n-1 and written in place; ``scalars`` form one uniform struct at binding n."""
-        if not isinstance(kernel, Kernel):
-            raise ArgumentError(f"launch: expected a batchgpu.Kernel, got {type(kernel).__name__}")
-        grid3 = normalize_grid(kernel, grid)
-        packed = pack_scalars(kernel, scalars)
-        self._record("launch", tuple(buffers), kernel=kernel, grid=grid3, scalars=tuple(scalars), packed_scalars=packed)
+        self._record("launch", _sequence("launch", "buffers", buffers), kernel=kernel, grid=grid, scalars=scalars)
 
     # recording core --------------------------------------------------------------------------
 
@@ -337,8 +332,10 @@ class GpuCommandBatch:
         started = time.perf_counter()
         self._check_open(op)
         spec = OPS[op]
+        if spec.prepare is not None:
+            params = spec.prepare(params)
         constants: list[tuple[Storage, np.ndarray]] = []
-        inputs = tuple(self._operand(op, i, value, operands, constants) for i, value in enumerate(operands))
+        inputs = tuple(self._operand(spec, i, value, operands, constants) for i, value in enumerate(operands))
         _check_quantized_operands(spec, inputs)
         inferred = spec.infer(inputs, params)
         outputs = tuple(
@@ -353,8 +350,9 @@ class GpuCommandBatch:
             check_launch(launch, self.device.limits, self.device.name)
             if launch.kernel is not None:
                 self.device.executor.prepare(launch)
-        self._commit(node, constants)
-        self._record_spans.append((started, time.perf_counter()))
+        self._recording.add(node, constants)
+        self._changed()
+        self._recording.record_spans.append((started, time.perf_counter()))
         if len(outputs) > 1:
             return outputs
         return outputs[0] if outputs else None
@@ -365,33 +363,23 @@ class GpuCommandBatch:
         self.device.check_storable(op, shape, dtype)
         storage = inputs[0].storage if view else Storage(math.prod(shape) * dtype.itemsize, "output", dtype)
         suffix = f".{index}" if index else ""
-        return Tensor(shape, dtype, storage, device=self.device, batch=self, name=f"{op}{self._recorded}{suffix}")
-
-    def _commit(self, node: Node, constants: list[tuple[Storage, np.ndarray]]) -> None:
-        for storage, value in constants + node.constants:
-            self._own(storage)
-            self._host[storage] = self._dirty[storage] = value
-        if not node.spec.view:
-            for tensor in node.outputs:
-                self._own(tensor.storage)
-        for storage in node.scratch:
-            self._own(storage)
-        self._nodes.append(node)
-        self._recorded += 1
-        self._plan = None
-        self._readback = None
+        name = f"{op}{self._recording.count}{suffix}"
+        return Tensor(shape, dtype, storage, device=self.device, batch=self, name=name)
 
     def _operand(
-        self, op: str, index: int, value: Any, operands: Sequence[Any], constants: list[tuple[Storage, np.ndarray]]
+        self,
+        spec: OpSpec,
+        index: int,
+        value: Any,
+        operands: Sequence[Any],
+        constants: list[tuple[Storage, np.ndarray]],
     ) -> Tensor:
-        if op == "launch":
-            argument = f"buffers[{index}]"
-        else:
-            argument = ("a", "b")[index] if len(operands) == 2 else f"inputs[{index}]"
+        op = spec.name
+        argument = spec.operand_name(index, len(operands))
         if isinstance(value, Tensor):
             self._check_member(op, argument, value)
             return value
-        if op == "launch":  # buffers are written in place: a scalar would silently become a constant
+        if not spec.literal_operands:  # e.g. buffers written in place: a number would silently be a constant
             raise ArgumentError(f"{op}: {argument} must be a Tensor, got {type(value).__name__}")
         if isinstance(value, np.ndarray) or hasattr(value, "__array__") or isinstance(value, (list, tuple)):
             raise ArgumentError(
@@ -440,51 +428,29 @@ class GpuCommandBatch:
         self._check_open("execute")
         session = profiling.start(self, arguments.flag("execute", "profile", profile))
         feeds = self._validate_feeds(feeds)
-        scalar_values = resolve_scalars(self._scalars, self._scalar_values, _as_mapping(scalars, "execute: scalars"))
-        executor = self.device.executor
-        plan = self._plan
-        if plan is None:  # a new plan has new buffers: inputs and constants are uploaded, state is carried
+        scalar_values = self._scalar_values(scalars)
+        recording = self._recording
+        runner = self._runner
+        if runner is None or self._stale:  # a new plan: inputs and constants are uploaded, state carried over
             planning = time.perf_counter()
-            keep = self._storages if self._declared is None else self._declared
-            self._buffers = share_buffers(self._nodes, self._storages, keep)
-            plan = executor.plan(
-                self._nodes, self._buffers.storages, tuple(self._scalars.values()), aliases=self._buffers.aliases
-            )
-            carried = self._carry_state(plan)
-            writes = {**{s: a for s, a in self._host.items() if s not in carried}, **self._dirty, **feeds}
+            fresh = Runner(self.device.executor, recording, self._readback.declared)
+            carried = fresh.carry_from(runner, recording) if runner is not None else frozenset()
+            if runner is not None:
+                runner.drop_execution()
+            self._runner, self._stale, runner = fresh, False, fresh
+            writes = {**{s: a for s, a in recording.host.items() if s not in carried}, **recording.pending, **feeds}
             if session is not None:
                 session.span("plan", planning)
         else:
-            writes = {**self._dirty, **feeds}
-        readback = self._readback_storages()
-        if self._execution is not None:
-            if self._profiled is not None:
-                self._profiled.settle()  # read its timestamps before its readback buffer is recycled
-            self._execution.abandon()
-            self._execution = None
-        extra = profiling.run_kwargs(executor, session)  # {} unless profiling
-        self._execution = executor.run(plan, list(writes.items()), readback, scalar_values, **extra)
-        self._scalar_values = scalar_values
-        self._plan = self._executed_plan = plan
-        self._host.update(writes)
-        self._dirty.clear()
-        self._executed_mark = self._recorded
+            writes = {**recording.pending, **feeds}
+        readback = self._readback.storages(recording)
+        runner.run(writes, readback, scalar_values, profiling.run_kwargs(self.device.executor, session))
+        recording.scalar_values = scalar_values
+        recording.host.update(writes)
+        recording.pending.clear()
         if session is not None:
             session.finish()
-            self._profiled = session
-
-    def _carry_state(self, plan: Plan) -> frozenset[Storage]:
-        """Copy the device contents of every storage whose data lives from one execute to the next (a KV
-        cache in ``batch.empty``, an input a custom kernel updates in place) from the last executed plan
-        into the new ``plan``; returns those storages, whose host copies must not overwrite them."""
-        executed = self._executed_plan
-        if executed is None:
-            return frozenset()
-        state = stateful_storages(self._nodes, self._storages)
-        carried = frozenset(s for s in state if self._births[s.id] < self._executed_mark)
-        if carried:
-            self.device.executor.carry(executed, plan, sorted(carried, key=lambda s: s.id))
-        return carried
+            runner.profiled = session
 
     async def execute_async(
         self,
@@ -500,12 +466,23 @@ class GpuCommandBatch:
         """Timing of the latest ``execute(profile=True)``: per dispatch the op, kernel, shapes, workgroups,
         GPU µs (wgpu timestamp queries) or host µs (reference executor) and share of the total, plus
         host spans. ``print()`` it for a table. Waits for the GPU."""
-        return profiling.result(self)
+        self._check_open("profile")
+        session = self._runner.profiled if self._runner is not None else None
+        if session is None:
+            raise NotExecutedError(
+                f"profile: batch {self.name!r} has no profiled execute; call execute(profile=True) first"
+            )
+        return session.result()
 
     def save_trace(self, path: Any) -> Any:
         """Write the latest profiled execute as a Chrome trace-event JSON file (Perfetto, chrome://tracing):
         one track for host recording/encoding, one for the GPU ops. Returns the path."""
         return self.profile().save_trace(path)
+
+    def _scalar_values(self, given: Any) -> dict[str, int | float]:
+        """Every scalar's value for an execute: the current ones updated by the validated ``given``."""
+        recording = self._recording
+        return resolve_scalars(recording.scalars, recording.scalar_values, _as_mapping(given, "execute: scalars"))
 
     def _validate_feeds(self, feeds: Any) -> dict[Storage, np.ndarray]:
         validated = {}
@@ -538,37 +515,17 @@ class GpuCommandBatch:
             self._check_member("outputs", "tensor", tensor)
             if tensor.resident:
                 raise BatchError(f"outputs: {tensor.describe()} is resident (read it with Device.read), not an output")
-        self._declared = frozenset(t.storage for t in tensors) if tensors else None
-        self._wanted.clear()  # the readback starts again from the declaration
-        self._plan = None
-        self._readback = None
+        self._readback.declare([t.storage for t in tensors] if tensors else None)
+        self._stale = True  # buffer sharing follows the declaration
 
     def memory(self) -> dict[str, int]:
         """Bytes of the batch's own device buffers in the current plan (``planned``, in ``buffers``
         buffers), beside what they would take with a buffer per tensor (``unshared``); 0 before the
         first execute."""
-        plan = self._buffers
-        if plan is None:
+        if self._runner is None:
             return {"planned": 0, "unshared": 0, "buffers": 0}
+        plan = self._runner.buffers
         return {"planned": plan.nbytes, "unshared": plan.unshared_bytes, "buffers": len(plan.storages)}
-
-    def _readback_storages(self) -> tuple[Storage, ...]:
-        """Storages copied back in every execute's submit: the tensors the user has read so far, or,
-        before any read, the declared outputs, else the batch's final outputs (written and never consumed)."""
-        if self._readback is None:
-            default = self._declared if self._declared is not None else self._sinks()
-            self._readback = tuple(sorted(self._wanted or default, key=lambda s: s.id))
-        return self._readback
-
-    def _sinks(self) -> set[Storage]:
-        last_write: dict[Storage, int] = {}
-        last_read: dict[Storage, int] = {}
-        for index, node in enumerate(self._nodes):
-            for tensor in node.inputs:
-                last_read[tensor.storage] = index
-            for storage in node.written():
-                last_write[storage] = index
-        return {s for s, w in last_write.items() if s.kind == "output" and last_read.get(s, -1) <= w}
 
     # readback --------------------------------------------------------------------------------
 
@@ -578,9 +535,9 @@ class GpuCommandBatch:
         storage = self._check_readable(tensor)
         if storage.kind == "resident":
             return self._read_resident(tensor)
-        assert self._executed_plan is not None and self._execution is not None
+        assert self._runner is not None
         try:
-            flat = await self.device.executor.read(self._executed_plan, self._execution, storage)
+            flat = await self._runner.read(storage)
         except DeviceError as exc:
             raise DeviceError(f"read {tensor.describe()} of batch {self.name!r}: {exc}") from None
         return self._finish_read(tensor, flat)
@@ -590,9 +547,9 @@ class GpuCommandBatch:
         storage = self._check_readable(tensor)
         if storage.kind == "resident":
             return self._read_resident(tensor)
-        assert self._executed_plan is not None and self._execution is not None
+        assert self._runner is not None
         try:
-            flat = self.device.executor.read_sync(self._executed_plan, self._execution, storage)
+            flat = self._runner.read_sync(storage)
         except DeviceError as exc:
             raise DeviceError(f"read {tensor.describe()} of batch {self.name!r}: {exc}") from None
         return self._finish_read(tensor, flat)
@@ -606,9 +563,7 @@ class GpuCommandBatch:
         return flat[: tensor.size].reshape(tensor.shape).copy()
 
     def _finish_read(self, tensor: Tensor, flat: np.ndarray) -> np.ndarray:
-        if tensor.storage not in self._wanted:
-            self._wanted.add(tensor.storage)
-            self._readback = None
+        self._readback.want(tensor.storage)
         return flat[: tensor.size].reshape(tensor.shape).copy()
 
     def _check_readable(self, tensor: Tensor) -> Storage:
@@ -616,38 +571,34 @@ class GpuCommandBatch:
         if not isinstance(tensor, Tensor):
             raise ArgumentError(f"read: expected a Tensor, got {type(tensor).__name__}")
         self._check_member("read", "tensor", tensor)
+        runner = self._runner
         if tensor.storage.kind == "resident":
-            used = any(t.storage is tensor.storage for node in self._nodes for t in node.inputs)
-            if not used:
+            if not self._recording.uses(tensor.storage):
                 raise BatchError(f"read: {tensor.describe()} is not used by batch {self.name!r}; use Device.read")
-            if self._executed_mark < 0:
+            if runner is None or not runner.ran:
                 raise NotExecutedError(f"read: batch {self.name!r} was never executed; call execute() first")
             return tensor.storage
-        if self._executed_mark < 0:
+        if runner is None or not runner.ran:
             raise NotExecutedError(
                 f"read: {tensor.describe()} was not executed: batch {self.name!r} was never executed; "
                 f"call execute() first"
             )
-        if tensor.storage in self._shared():  # by the executed plan, whatever outputs() says since
+        if tensor.storage in runner.buffers.shareable:  # by the executed plan, whatever outputs() says since
             raise BatchError(
                 f"read: {tensor.describe()} is an intermediate of batch {self.name!r}, whose buffer other "
                 f"intermediates reuse since batch.outputs(...) was declared; add it to batch.outputs (and "
                 f"execute) to read it"
             )
-        if self._births[tensor.storage.id] >= self._executed_mark:
+        if not self._recording.recorded_before(tensor.storage, runner.count):
             raise NotExecutedError(
                 f"read: {tensor.describe()} was recorded after the last execute() of batch {self.name!r}; execute again"
             )
-        if self._execution is None:
+        if runner.execution is None:
             raise NotExecutedError(
                 f"read: the last execute() of batch {self.name!r} failed, so {tensor.describe()} has no value; "
                 f"execute again"
             )
         return tensor.storage
-
-    def _shared(self) -> frozenset[Storage]:
-        """Storages not kept whole after the latest execute: those its plan was free to share."""
-        return self._buffers.shareable if self._buffers is not None else frozenset()
 
     def export_webgpu(
         self,
@@ -680,13 +631,67 @@ class GpuCommandBatch:
 
     def release(self) -> None:
         """Free the batch's device buffers now; the batch can no longer be used."""
-        if self._execution is not None:
-            self._execution.abandon()
-        self._plan = self._execution = self._executed_plan = None
-        self._nodes.clear()
-        self._record_spans.clear()
-        self._profiled = None
+        if self._runner is not None:
+            self._runner.drop_execution()
+        self._runner = None
+        self._recording = Recording()
         self._released = True
+
+
+class BatchView:
+    """What a batch recorded and last executed, read-only: the seam the WebGPU export, profiling and the
+    CLI use instead of the batch's internals. Taken at one moment; take a new one after recording or
+    executing."""
+
+    def __init__(self, batch: GpuCommandBatch) -> None:
+        recording, runner = batch._recording, batch._runner
+        self.name = batch.name
+        self.device = batch.device
+        self.nodes: tuple[Node, ...] = tuple(recording.nodes)
+        self.storages: tuple[Storage, ...] = tuple(recording.storages)
+        """The batch's own storages (inputs, constants, outputs, scratch) in recording order."""
+        self.inputs: tuple[Tensor, ...] = recording.input_tensors()
+        """One tensor per input storage some op uses, in upload order."""
+        self.host: Mapping[Storage, np.ndarray] = MappingProxyType(dict(recording.host))
+        """The latest host values of inputs and constants (what a new plan uploads)."""
+        self.scalars: tuple[Scalar, ...] = tuple(recording.scalars.values())
+        self.scalar_values: Mapping[str, int | float] = MappingProxyType(dict(recording.scalar_values))
+        self.readback: tuple[Storage, ...] = batch._readback.storages(recording)
+        """The storages the next execute copies back."""
+        self.stateful: frozenset[Storage] = recording.stateful()
+        """Storages whose device contents live from one execute to the next."""
+        self.record_spans: tuple[tuple[float, float], ...] = tuple(recording.record_spans)
+        self.plan: Plan | None = runner.plan if runner is not None else None
+        """The executor's plan of the latest execute (None before the first)."""
+        self.execution: Execution | None = runner.execution if runner is not None else None
+        self.profiled: Session | None = runner.profiled if runner is not None else None
+        """The latest ``execute(profile=True)``."""
+        self._batch = batch
+        self._runner = runner
+
+    def device_value(self, storage: Storage) -> np.ndarray | None:
+        """The flat device contents of one of the batch's storages after the latest execute, which the next
+        execute starts from (a new plan carries them over); None when that execute failed or the storage
+        was recorded after it."""
+        runner = self._runner
+        if runner is None or runner.execution is None:
+            return None
+        if not self._batch._recording.recorded_before(storage, runner.count):
+            return None
+        return runner.read_sync(storage)
+
+    def check_feeds(self, feeds: Any) -> dict[Storage, np.ndarray]:
+        """``execute``'s validation of input feeds (``{tensor: array}`` or pairs): storage -> host copy."""
+        return self._batch._validate_feeds(feeds)
+
+    def check_scalars(self, scalars: Any) -> dict[str, int | float]:
+        """``execute``'s validation of scalar values: every scalar's value with ``scalars`` applied."""
+        return self._batch._scalar_values(scalars)
+
+    def check_member(self, op: str, argument: str, tensor: Tensor) -> None:
+        """Raise DeviceMismatchError unless ``tensor`` may be used by this batch (``op`` and ``argument``
+        name it in the message)."""
+        self._batch._check_member(op, argument, tensor)
 
 
 def _check_quantized_operands(spec: OpSpec, inputs: Sequence[Tensor]) -> None:

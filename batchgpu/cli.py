@@ -319,7 +319,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         sys.argv, sys.path[:] = saved_argv, saved_path
     profiles = []
     for batch in profiling.profiled_batches():
-        if batch._profiled is None:
+        if batch.released or batch.view().profiled is None:
             print(f"\n(batch {batch.name!r} was released before its profile could be shown)")
             continue
         profile = batch.profile()

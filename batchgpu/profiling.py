@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import NotExecutedError
-
 if TYPE_CHECKING:
     from .batch import GpuCommandBatch
     from .kernels import Launch
@@ -89,8 +87,9 @@ class Session:
         self.batch_name = batch.name
         self.device = batch.device.name
         self.executor = batch.device.kind
-        self.nodes: list[Node] = list(batch.nodes)
-        self.record_spans: list[tuple[float, float]] = list(batch._record_spans)
+        view = batch.view()
+        self.nodes: list[Node] = list(view.nodes)
+        self.record_spans: list[tuple[float, float]] = list(view.record_spans)
         self.host: list[tuple[str, float, float]] = []  # (name, start s, end s) inside the execute
         self.finished: float | None = None
         # set by executors
@@ -403,12 +402,3 @@ def save_traces(profiles: Sequence[Profile], path: str | Path) -> Path:
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=1) + "\n")
     return path
-
-
-def result(batch: GpuCommandBatch) -> Profile:
-    session = batch._profiled
-    if session is None:
-        raise NotExecutedError(
-            f"profile: batch {batch.name!r} has no profiled execute; call execute(profile=True) first"
-        )
-    return session.result()

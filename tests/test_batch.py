@@ -85,12 +85,12 @@ def test_bind_groups_and_buffers_are_built_once(gpu, layer_data):
     y = small_layer(batch, tx, gpu.tensor(w), gpu.tensor(b))
     batch.execute()
     batch.read_sync(y)
-    plan = batch._plan
+    plan = batch.view().plan
     created = gpu.stats.buffers_created
     for _ in range(5):
         batch.execute({tx: x})
         batch.read_sync(y)
-    assert batch._plan is plan
+    assert batch.view().plan is plan
     assert gpu.stats.buffers_created == created
 
 

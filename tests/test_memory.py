@@ -108,7 +108,7 @@ def test_members_of_a_shared_buffer_never_overlap_in_time(ref):
     batch, _, out = mlp(ref, np.random.default_rng(6), layers=9)
     diamond = batch.add(batch.exp(out), batch.tanh(out))  # two live branches
     batch.outputs(diamond)
-    nodes, storages = list(batch.nodes), list(batch._storages)
+    nodes, storages = list(batch.nodes), list(batch.view().storages)
     spans = lifetimes(nodes, {diamond.storage})
     plan = share_buffers(nodes, storages, {diamond.storage})
     groups: dict = {}

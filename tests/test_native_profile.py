@@ -60,9 +60,9 @@ def test_profiled_execute_times_every_launch_and_keeps_results(native_device):
         names = [name for name, *_ in profile.host_spans]
         assert names[-3:] == ["upload", "launch", "submit"] and (round_ > 0 or names[0] == "plan")
         if round_ == 0:
-            events = native_timing._events[batch._plan].handles
+            events = native_timing._events[batch.view().plan].handles
         else:
-            assert native_timing._events[batch._plan].handles is events  # created once per plan
+            assert native_timing._events[batch.view().plan].handles is events  # created once per plan
 
 
 def test_unprofiled_executes_after_a_profiled_one_agree(native_device):

@@ -37,12 +37,11 @@ import numpy as np
 from ..errors import BatchError, UnsupportedError
 from ..kernels import Launch
 from ..scalars import SCALAR_BYTES
-from ..scalars import resolve as resolve_scalars
 from ..shaders import render_wgsl
 from ..tensor import Storage, Tensor
 
 if TYPE_CHECKING:
-    from ..batch import GpuCommandBatch
+    from ..batch import BatchView, GpuCommandBatch
 
 FORMAT = "batchgpu-webgpu/1"
 PARAMS_ALIGN = 256
@@ -94,33 +93,32 @@ def export_webgpu(
     ``|browser - expected| <= atol * max(1, max|expected|) + rtol * |expected|`` (default
     ``FLOAT_TOLERANCE``); integer outputs must match exactly.
     """
-    batch._check_open("export_webgpu")
+    view = batch.view()
     out = Path(out_dir)
     _check_out_dir(out)
     offered = {str(f) for f in features}
-    launches = [launch.for_gpu() if gpu_kernels else launch for node in batch.nodes for launch in node.launches]
+    launches = [launch.for_gpu() if gpu_kernels else launch for node in view.nodes for launch in node.launches]
     sources = [_wgsl(launch) for launch in launches]
     required = _required_features(launches, sources, offered)
-    validated_feeds = batch._validate_feeds(feeds or {})
-    scalar_values = resolve_scalars(batch._scalars, batch._scalar_values, scalars or {})
-    output_tensors = _output_tensors(batch, outputs)
+    validated_feeds = view.check_feeds(feeds)
+    scalar_values = view.check_scalars(scalars)
+    output_tensors = _output_tensors(view, outputs)
 
-    storages = _storages(batch, launches, output_tensors)
-    initial = _initial_data(batch, storages, validated_feeds)
+    storages = _storages(view, launches, output_tensors)
+    initial = _initial_data(view, storages, validated_feeds)
 
     # every input is fed, so the device starts from exactly the exported data even where an earlier
     # execute updated an input in place (custom kernels write their buffers)
-    inputs = _input_tensors(batch)
+    inputs = view.inputs
     batch.execute({t: _as_array(initial[t.storage], t) for t in inputs}, scalars=scalar_values)
     expected = [batch.read_sync(tensor) for tensor in output_tensors]
 
     manifest, shader_sources = _manifest(
-        batch, launches, sources, storages, initial, inputs, output_tensors, expected, tolerance
+        view, launches, sources, storages, initial, inputs, output_tensors, expected, tolerance
     )
     manifest["features"] = sorted(required)
     manifest["scalars"] = [
-        {"name": s.name, "dtype": s.dtype, "slot": s.slot, "value": scalar_values[s.name]}
-        for s in batch._scalars.values()
+        {"name": s.name, "dtype": s.dtype, "slot": s.slot, "value": scalar_values[s.name]} for s in view.scalars
     ]
     _write(out, manifest, storages, initial, launches, shader_sources, expected)
     return out
@@ -165,7 +163,7 @@ def _required_features(launches: Sequence[Launch], sources: Sequence[str], offer
     return required
 
 
-def _output_tensors(batch: GpuCommandBatch, outputs: Sequence[Tensor] | None) -> list[Tensor]:
+def _output_tensors(view: BatchView, outputs: Sequence[Tensor] | None) -> list[Tensor]:
     """The tensors the export returns: ``outputs`` or, per read-back storage, the last tensor recorded
     on it (a final reshape's view rather than its source)."""
     if outputs is not None:
@@ -173,18 +171,18 @@ def _output_tensors(batch: GpuCommandBatch, outputs: Sequence[Tensor] | None) ->
         for tensor in chosen:
             if not isinstance(tensor, Tensor):
                 raise BatchError(f"export_webgpu: outputs must be Tensors, got {type(tensor).__name__}")
-            batch._check_member("export_webgpu", "output", tensor)
+            view.check_member("export_webgpu", "output", tensor)
         return chosen
     last: dict[Storage, Tensor] = {}
-    for node in batch.nodes:
+    for node in view.nodes:
         for tensor in (*node.inputs, *node.outputs):
             last[tensor.storage] = tensor
-    return [last[storage] for storage in batch._readback_storages() if storage in last]
+    return [last[storage] for storage in view.readback if storage in last]
 
 
-def _storages(batch: GpuCommandBatch, launches: Sequence[Launch], outputs: Sequence[Tensor]) -> list[Storage]:
+def _storages(view: BatchView, launches: Sequence[Launch], outputs: Sequence[Tensor]) -> list[Storage]:
     """Every buffer of the program: the batch's storages, then resident ones its launches bind."""
-    storages = list(batch._storages)
+    storages = list(view.storages)
     seen = set(storages)
     extra = [b.storage for launch in launches for b in launch.bindings if b.storage is not None]
     for storage in [*extra, *(t.storage for t in outputs)]:
@@ -194,41 +192,24 @@ def _storages(batch: GpuCommandBatch, launches: Sequence[Launch], outputs: Seque
     return storages
 
 
-def _stateful(batch: GpuCommandBatch) -> set[Storage]:
-    """Storages whose device contents before the run matter and may differ from any host copy: outputs
-    first used as an op's input (custom kernels read and write their buffers in place; kv_write updates
-    a cache) and inputs some op updates in place (their device value persists until fed again)."""
-    written: set[Storage] = set()
-    stateful: set[Storage] = set()
-    for node in batch.nodes:
-        for tensor in node.inputs:
-            if tensor.storage.kind in ("output", "scratch") and tensor.storage not in written:
-                stateful.add(tensor.storage)
-        written.update(node.written())
-    stateful.update(s for s in written if s.kind == "input")
-    return stateful
-
-
 def _initial_data(
-    batch: GpuCommandBatch, storages: Sequence[Storage], feeds: Mapping[Storage, np.ndarray]
+    view: BatchView, storages: Sequence[Storage], feeds: Mapping[Storage, np.ndarray]
 ) -> dict[Storage, bytes]:
     """Buffer contents at the start of the exported run, captured before the expected-output execute:
     what the batch's next execute would start from."""
-    executor = batch.device.executor
-    executed = batch._executed_plan if batch._execution is not None else None
+    executor = view.device.executor
     data: dict[Storage, bytes] = {}
-    stateful = _stateful(batch)
     for storage in storages:
-        carried = executed is not None and batch._births.get(storage.id, batch._executed_mark) < batch._executed_mark
+        state = view.device_value(storage) if storage in view.stateful and storage not in feeds else None
         if storage in feeds:
             array = feeds[storage]
         elif storage.kind == "resident":
             array = executor.read_resident(storage)
-        elif storage in stateful and carried:  # the device's value after the latest execute (a new plan
-            array = executor.read_sync(executed, batch._execution, storage)  # carries it over)
+        elif state is not None:  # the device's value after the latest execute (a new plan carries it over)
+            array = state
         elif storage.kind in ("input", "const"):  # a new plan uploads the host copy
-            array = batch._host[storage]
-        elif storage in stateful and getattr(executor, "poison", False):
+            array = view.host[storage]
+        elif storage in view.stateful and getattr(executor, "poison", False):
             data[storage] = bytes([POISON_BYTE]) * storage.nbytes  # a new plan's buffers hold the poison
             continue
         else:
@@ -262,7 +243,7 @@ def _tolerance(dtype: np.dtype, expected: np.ndarray, tolerance: tuple[float, fl
 
 
 def _manifest(
-    batch: GpuCommandBatch,
+    view: BatchView,
     launches: Sequence[Launch],
     sources: Sequence[str],
     storages: Sequence[Storage],
@@ -273,7 +254,7 @@ def _manifest(
     tolerance: tuple[float, float] | None,
 ) -> tuple[dict[str, Any], list[str]]:
     index = {storage: i for i, storage in enumerate(storages)}
-    names = _storage_names(batch, outputs)
+    names = _storage_names(view, outputs)
 
     shaders: list[dict[str, Any]] = []
     shader_index: dict[str, int] = {}
@@ -391,9 +372,9 @@ def _manifest(
 
     manifest = {
         "format": FORMAT,
-        "batch": batch.name,
-        "exported_from": batch.device.name,
-        "ops": len(batch.nodes),
+        "batch": view.name,
+        "exported_from": view.device.name,
+        "ops": len(view.nodes),
         "features": [],
         "limits": needs,
         "buffers": buffers,
@@ -409,10 +390,10 @@ def _manifest(
     return manifest, list(shader_index)
 
 
-def _storage_names(batch: GpuCommandBatch, outputs: Sequence[Tensor]) -> dict[Storage, str]:
+def _storage_names(view: BatchView, outputs: Sequence[Tensor]) -> dict[Storage, str]:
     """A readable name per storage: the first tensor recorded on it."""
     names: dict[Storage, str] = {}
-    for node in batch.nodes:
+    for node in view.nodes:
         for tensor in (*node.inputs, *node.outputs):
             names.setdefault(tensor.storage, tensor.name)
     for tensor in outputs:
@@ -422,16 +403,6 @@ def _storage_names(batch: GpuCommandBatch, outputs: Sequence[Tensor]) -> dict[St
 
 def _as_array(data: bytes, tensor: Tensor) -> np.ndarray:
     return np.frombuffer(data, tensor.dtype, count=tensor.size).reshape(tensor.shape)
-
-
-def _input_tensors(batch: GpuCommandBatch) -> list[Tensor]:
-    """One tensor per batch input storage, in upload order (inputs no op uses are left out)."""
-    by_storage: dict[Storage, Tensor] = {}
-    for node in batch.nodes:
-        for tensor in node.inputs:
-            if tensor.storage.kind == "input":
-                by_storage.setdefault(tensor.storage, tensor)
-    return [by_storage[s] for s in batch._storages if s in by_storage]
 
 
 # writing ---------------------------------------------------------------------------------------

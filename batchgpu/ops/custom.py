@@ -33,7 +33,7 @@ def normalize_grid(kernel: Kernel, grid: int | Sequence[int]) -> tuple[int, int,
 F32_MAX = float(np.finfo(np.float32).max)
 
 
-def pack_scalars(kernel: Kernel, scalars: Sequence[Any]) -> bytes:
+def kernel_uniform(kernel: Kernel, scalars: Sequence[Any]) -> bytes:
     """Scalars as a uniform struct of 4-byte fields: float -> f32, int -> i32 (u32 above 2**31 - 1),
     numpy scalars keep their dtype; padded to 16 bytes. Values a 4-byte field cannot hold are refused."""
     if isinstance(scalars, (str, bytes)) or not isinstance(scalars, (tuple, list)):
@@ -77,6 +77,21 @@ def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[None, None
     return None, None
 
 
+def _prepare(params: dict[str, Any]) -> dict[str, Any]:
+    """``launch``'s params checked and completed: the Kernel, a 3-D grid, the scalars packed into the
+    kernel's uniform struct (``packed_scalars``)."""
+    kernel = params["kernel"]
+    if not isinstance(kernel, Kernel):
+        raise ArgumentError(f"launch: expected a batchgpu.Kernel, got {type(kernel).__name__}")
+    packed = kernel_uniform(kernel, params["scalars"])
+    return {
+        **params,
+        "grid": normalize_grid(kernel, params["grid"]),
+        "scalars": tuple(params["scalars"]),
+        "packed_scalars": packed,
+    }
+
+
 def _reference(arrays: list[np.ndarray], params: dict[str, Any]) -> None:
     kernel: Kernel = params["kernel"]
     if kernel.reference is None:
@@ -113,6 +128,9 @@ LAUNCH = OpSpec(
     lower=_lower,
     inplace="all",
     doc="run a custom Kernel over a grid of workgroups, buffers bound read_write in place",
+    prepare=_prepare,
+    literal_operands=False,  # buffers are written in place: a number would silently become a constant
+    operands_name="buffers",
 )
 
 SPECS: list[OpSpec] = [LAUNCH]

@@ -40,6 +40,16 @@ class OpSpec:
     doc: str = ""
     inplace: tuple[int, ...] | str = ()  # inputs the op writes in place ("all" for custom kernels)
     quantized: tuple[int, ...] = ()  # inputs that may be quantized weights (QuantTensor): their kernels dequantize
+    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    """Validates and completes the params before the op is recorded (custom kernels: grid, scalars)."""
+    literal_operands: bool = True  # Python numbers among the operands become 0-d constants
+    operands_name: str = ""  # errors name operand i "<operands_name>[i]"; default a/b, else inputs[i]
+
+    def operand_name(self, index: int, count: int) -> str:
+        """How errors name operand ``index`` of ``count``."""
+        if self.operands_name:
+            return f"{self.operands_name}[{index}]"
+        return ("a", "b")[index] if count == 2 else f"inputs[{index}]"
 
 
 @dataclass(eq=False)
