@@ -36,7 +36,7 @@ from .recording import Recording
 from .runner import Readback, Runner
 from .scalars import MAX_SCALARS, SCALAR_FORMATS, Scalar, check_value
 from .scalars import resolve as resolve_scalars
-from .tensor import QuantTensor, Storage, Tensor, as_shape
+from .tensor import QuantTensor, Storage, StorageKind, Tensor, as_shape
 
 Number = int | float | np.number
 Operand = Tensor | Number
@@ -157,7 +157,7 @@ class GpuCommandBatch:
         return declared
 
     def _new_tensor(
-        self, shape: tuple[int, ...], dtype: np.dtype, kind: str, name: str, data: np.ndarray | None = None
+        self, shape: tuple[int, ...], dtype: np.dtype, kind: StorageKind, name: str, data: np.ndarray | None = None
     ) -> Tensor:
         storage = Storage(math.prod(shape) * dtype.itemsize, kind, dtype)
         self._recording.own(storage, data)
@@ -427,7 +427,7 @@ class GpuCommandBatch:
         ``profile=True`` also times every dispatch (see :meth:`profile`)."""
         self._check_open("execute")
         session = profiling.start(self, arguments.flag("execute", "profile", profile))
-        feeds = self._validate_feeds(feeds)
+        fed = self._validate_feeds(feeds)
         scalar_values = self._scalar_values(scalars)
         recording = self._recording
         runner = self._runner
@@ -438,11 +438,11 @@ class GpuCommandBatch:
             if runner is not None:
                 runner.drop_execution()
             self._runner, self._stale, runner = fresh, False, fresh
-            writes = {**{s: a for s, a in recording.host.items() if s not in carried}, **recording.pending, **feeds}
+            writes = {**{s: a for s, a in recording.host.items() if s not in carried}, **recording.pending, **fed}
             if session is not None:
                 session.span("plan", planning)
         else:
-            writes = {**recording.pending, **feeds}
+            writes = {**recording.pending, **fed}
         readback = self._readback.storages(recording)
         runner.run(writes, readback, scalar_values, profiling.run_kwargs(self.device.executor, session))
         recording.scalar_values = scalar_values
@@ -714,7 +714,12 @@ def _scalar_kind(name: str, dtype: Any) -> str:
         resolved = as_dtype(dtype, what=f"scalar {name!r}")
     except DTypeError:
         resolved = None
-    kind = {np.dtype(np.uint32): "u32", np.dtype(np.int32): "i32", np.dtype(np.float32): "f32"}.get(resolved)
+    kinds: dict[np.dtype | None, str] = {
+        np.dtype(np.uint32): "u32",
+        np.dtype(np.int32): "i32",
+        np.dtype(np.float32): "f32",
+    }
+    kind = kinds.get(resolved)
     if kind is None:
         raise DTypeError(f"scalar {name!r}: dtype {dtype!r} is not one of {', '.join(SCALAR_FORMATS)}")
     return kind

@@ -15,7 +15,8 @@ not the GPU but cffi parsing C declarations with pycparser inside wgpu-py:
   being parsed (unpickling is restricted to cffi's model classes);
 - simple type strings (``NAME``, ``NAME *``, ``const NAME *``, ``NAME[]``, ``NAME[4]``) of wgpu's ffi
   are resolved straight from the declarations cffi already holds, as cffi's own parser would
-  (tests/test_coldstart.py checks both give equal types for every type string in wgpu-py's source);
+  (``test_fast_type_lookup_equals_cffi_parser`` in tests/test_cache.py checks both give equal types for
+  every type string in wgpu-py's source);
   anything else goes through cffi's parser.
 
 ``BATCHGPU_FAST_IMPORT=0`` turns both off.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -18,16 +18,20 @@ if TYPE_CHECKING:
 _storage_ids = itertools.count()
 
 
+StorageKind = Literal["input", "resident", "const", "output", "scratch"]
+
+
 class Storage:
     """A span of device memory. Several tensors (reshape views) may share one storage.
 
     ``kind`` is one of ``"input"`` (fed by execute), ``"resident"`` (owned by the device),
-    ``"const"`` (a literal recorded into the batch) or ``"output"`` (written by an op).
+    ``"const"`` (a literal recorded into the batch), ``"output"`` (written by an op, or ``batch.empty``)
+    or ``"scratch"`` (an op's temporary, or a buffer shared by several storages).
     """
 
     __slots__ = ("id", "nbytes", "kind", "dtype", "__weakref__")
 
-    def __init__(self, nbytes: int, kind: str, dtype: np.dtype) -> None:
+    def __init__(self, nbytes: int, kind: StorageKind, dtype: np.dtype) -> None:
         self.id = next(_storage_ids)
         self.nbytes = nbytes
         self.kind = kind
