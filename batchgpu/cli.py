@@ -79,7 +79,7 @@ def native_status(vendor: str) -> dict[str, Any]:
         driver = Driver(vendor)
     except UnsupportedError as exc:
         return {"available": False, "library": None, "reason": str(exc)}
-    library = getattr(driver.lib, "_name", None)
+    library = driver.library
     status = driver.init(0)
     if status != 0:
         return {"available": False, "library": library, "reason": f"init: {driver.error_string(status)}"}
@@ -104,10 +104,10 @@ def adapter_report(all_limits: bool) -> dict[str, Any]:
     try:
         cache.configure_driver_cache()
         wgpu = coldstart.import_wgpu()
-        from .executors.wgpu import _adapter_rank, _quiet_environment
+        from .executors.wgpu import adapter_rank, quiet_environment
         from .limits import Limits
 
-        _quiet_environment()
+        quiet_environment()
         adapters = wgpu.gpu.enumerate_adapters_sync()
     except Exception as exc:
         return {"adapters": [], "default": None, "reason": f"wgpu unavailable: {type(exc).__name__}: {exc}"}
@@ -131,7 +131,7 @@ def adapter_report(all_limits: bool) -> dict[str, Any]:
             }
         )
     requested = os.environ.get("BATCHGPU_DEVICE")
-    best = min(range(len(adapters)), key=lambda i: _adapter_rank(adapters[i]))
+    best = min(range(len(adapters)), key=lambda i: adapter_rank(adapters[i]))
     return {"adapters": listed, "default": best, "reason": "", "BATCHGPU_DEVICE": requested}
 
 

@@ -37,12 +37,15 @@ class Limits:
         return cls(**{f.name: int(normalized[f.name]) for f in fields(cls) if f.name in normalized})
 
 
-def split_groups(groups: int, limits: Limits) -> tuple[int, int, int]:
-    """Spread a 1-D workgroup count over x and y so neither exceeds the per-dimension limit.
+def split_groups(groups: int, per_dim: Limits | int) -> tuple[int, int, int]:
+    """Spread a 1-D workgroup count over x and y so neither exceeds the per-dimension limit: ``per_dim``,
+    or a :class:`Limits`' ``max_compute_workgroups_per_dimension`` (the native executors pass their
+    grid's x limit, :func:`batchgpu.executors.native.launch_grid`).
 
     Kernels recover the linear index as ``wg.x + wg.y * num_workgroups.x`` and bounds-check it.
     """
-    per_dim = limits.max_compute_workgroups_per_dimension
+    if isinstance(per_dim, Limits):
+        per_dim = per_dim.max_compute_workgroups_per_dimension
     if groups <= per_dim:
         return (max(groups, 1), 1, 1)
     y = math.ceil(groups / per_dim)

@@ -4,8 +4,9 @@ on-disk cache of compiled modules keyed by source, options, architecture and com
 NVRTC comes from the ``nvidia-cuda-nvrtc`` wheel (``site-packages/nvidia/cu13/lib`` or, for CUDA 12
 wheels, ``nvidia/cuda_nvrtc/lib``) or the system; hipRTC from ROCm (``libhiprtc.so``, or
 ``libamdhip64.so.5`` on ROCm 5). Set
-``BATCHGPU_NVRTC`` / ``BATCHGPU_HIPRTC`` to a library path to choose one. The cache lives under
-``$BATCHGPU_CACHE_DIR`` (default ``$XDG_CACHE_HOME/batchgpu`` or ``~/.cache/batchgpu``); a second
+``BATCHGPU_NVRTC`` / ``BATCHGPU_HIPRTC`` to a library path to choose one. The cache lives in
+``kernels/`` of the project's cache directory (:func:`batchgpu.cache.cache_dir`: ``$BATCHGPU_CACHE_DIR``,
+default the platform's user cache dir; ``off`` disables it, and every process compiles); a second
 process compiling the same kernel for the same device reads it back and compiles nothing.
 """
 
@@ -23,45 +24,46 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from .cache import cache_dir
 from .errors import CompileError, UnsupportedError
 
-ENV_CACHE_DIR = "BATCHGPU_CACHE_DIR"
 CACHE_FORMAT = 1
 """Bumped when what is stored (or how the key is made) changes."""
 
 
-def cache_dir() -> Path:
-    """Where compiled modules are kept: ``$BATCHGPU_CACHE_DIR`` or the platform user cache dir."""
-    explicit = os.environ.get(ENV_CACHE_DIR)
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "batchgpu"
-
-
 class ModuleCache:
-    """Compiled modules on disk, one file per key; written atomically (temp file + rename)."""
+    """Compiled modules on disk, one file per key under ``<root>/kernels``; written atomically (temp file +
+    rename). ``root`` defaults to :func:`batchgpu.cache.cache_dir` at each use; with the cache dir
+    ``off`` nothing is read or written."""
 
     def __init__(self, root: Path | None = None) -> None:
         self.root = root
 
     @property
-    def path(self) -> Path:
-        return (self.root or cache_dir()) / "kernels"
+    def path(self) -> Path | None:
+        """The folder of the compiled modules; None when the cache directory is off."""
+        root = self.root if self.root is not None else cache_dir()
+        return None if root is None else root / "kernels"
 
     def get(self, key: str) -> bytes | None:
+        path = self.path
+        if path is None:
+            return None
         try:
-            return (self.path / key).read_bytes()
+            return (path / key).read_bytes()
         except OSError:
             return None
 
     def put(self, key: str, data: bytes) -> None:
+        path = self.path
+        if path is None:
+            return
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".tmp-")
+            path.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path, prefix=".tmp-")
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
-            os.replace(tmp, self.path / key)
+            os.replace(tmp, path / key)
         except OSError:
             pass  # a read-only or full cache directory costs a recompile, not an error
 

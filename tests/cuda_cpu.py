@@ -33,8 +33,8 @@ import numpy as np
 
 import batchgpu as bg
 from batchgpu import cuda_source
-from batchgpu.executors.base import Execution, Plan, Stats, alias_buffers
-from batchgpu.executors.native import POISON_BYTE, DeviceAttributes, check_native_launch
+from batchgpu.executors.base import POISON_BYTE, Execution, Plan, Stats, plan_buffers
+from batchgpu.executors.native import DeviceAttributes, check_native_launch
 from batchgpu.executors.reference import ReferenceExecution, ReferenceExecutor
 from batchgpu.kernels import Launch
 from batchgpu.ops import Node
@@ -306,18 +306,17 @@ class CudaOnCpuExecutor(ReferenceExecutor):
         *,
         aliases: Mapping[Storage, Storage] | None = None,
     ) -> CpuPlan:
-        arrays: dict[Storage, np.ndarray] = {}
-        for storage in storages:
-            fill = POISON_BYTE if storage.kind in ("output", "scratch") else 0
-            arrays[storage] = np.full(-(-storage.nbytes // 4) * 4, fill, np.uint8)
-        alias_buffers(arrays, aliases)
+        launches = [self.form(launch) for node in nodes for launch in node.launches]
+        arrays = plan_buffers(  # byte arrays as device buffers; new output and scratch ones always poisoned
+            storages,
+            launches,
+            aliases,
+            allocate=lambda storage: np.zeros(-(-storage.nbytes // 4) * 4, np.uint8),
+            resident=lambda storage: self._resident[storage].view(np.uint8),
+            poison=lambda array: array.fill(POISON_BYTE),
+        )
         plan = CpuPlan(arrays, [], tuple(scalars))
-        for node in nodes:
-            for launch in map(self.form, node.launches):
-                for binding in launch.bindings:
-                    if binding.storage is not None and binding.storage not in arrays:
-                        arrays[binding.storage] = self._resident[binding.storage].view(np.uint8)
-                plan.launches.append(self._pack(launch, plan))
+        plan.launches.extend(self._pack(launch, plan) for launch in launches)
         return plan
 
     def _pack(self, launch: Launch, plan: CpuPlan) -> tuple:

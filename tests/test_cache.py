@@ -105,6 +105,44 @@ def test_cache_dir_resolution(monkeypatch, tmp_path):
         assert cache.cache_dir() == tmp_path / "xdg" / "batchgpu"
 
 
+HIP_KERNEL = 'extern "C" __global__ void add_one(float* x) { x[threadIdx.x] += 1.0f; }'
+
+
+def test_kernel_modules_follow_the_cache_dir(monkeypatch, tmp_path):
+    """NVRTC/hipRTC modules live in <cache dir>/kernels, the one cache dir of batchgpu.cache; with
+    BATCHGPU_CACHE_DIR=off nothing is read or written (not a folder named "off" in the working dir)."""
+    from batchgpu.nvrtc import ModuleCache
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BATCHGPU_CACHE_DIR", str(tmp_path / "here"))
+    assert ModuleCache().path == tmp_path / "here" / "kernels"
+    ModuleCache().put("key", b"module bytes")
+    assert ModuleCache().get("key") == b"module bytes"
+    monkeypatch.setenv("BATCHGPU_CACHE_DIR", "off")
+    off = ModuleCache()
+    assert off.path is None and off.get("key") is None
+    off.put("other", b"module bytes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+    assert ModuleCache(tmp_path / "explicit").path == tmp_path / "explicit" / "kernels"  # a root given: used
+
+
+def test_hiprtc_with_the_cache_dir_off_compiles_every_time_and_writes_nothing(monkeypatch, tmp_path):
+    from batchgpu.errors import UnsupportedError
+    from batchgpu.nvrtc import Hiprtc
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BATCHGPU_CACHE_DIR", "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    try:
+        hiprtc = Hiprtc()
+    except UnsupportedError as exc:
+        pytest.skip(f"hipRTC cannot be loaded (apt-get install libamdhip64-5 libhiprtc-builtins5): {exc}")
+    codes = [hiprtc.compile(HIP_KERNEL, "add_one.cu", "gfx90a", target="code") for _ in range(2)]
+    assert all(code[:4] == b"\x7fELF" for code in codes)
+    assert hiprtc.compiled == 2  # no disk cache to read back
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_pipeline_index_round_trip(monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHGPU_CACHE_DIR", str(tmp_path))
     index = cache.PipelineIndex("adapter A")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import batchgpu as bg
+from batchgpu import cuda_source
 from batchgpu.errors import LimitError, UnsupportedError
 from batchgpu.executors import native
 from batchgpu.executors.native import (
@@ -22,6 +23,7 @@ from batchgpu.executors.native import (
     check_native_launch,
 )
 from batchgpu.kernels import Binding, Kernel, Launch
+from batchgpu.limits import split_groups
 
 H100 = DeviceAttributes(
     name="example H100",
@@ -93,6 +95,10 @@ def test_one_dimensional_groups_split_over_x_and_y():
     assert native.launch_grid(_launch(groups=5), H100) == (5, 1, 1)
     x, y, z = native.launch_grid(_launch(groups=2**31 * 3), H100)
     assert x <= H100.max_grid_dim[0] and x * y >= 2**31 * 3 and z == 1
+    # one split rule for wgpu and the native executors: split_groups with the grid's x limit
+    for groups in (1, 4095, 4096, 4097, 10**6, 2**31 * 3):
+        assert native.launch_grid(_launch(groups=groups), H100) == split_groups(groups, H100.max_grid_dim[0])
+    assert native.launch_grid(_launch(groups=(3, 2, 1)), H100) == (3, 2, 1)
 
 
 def test_limits_from_attributes():
@@ -116,6 +122,15 @@ def test_driver_tables_name_both_vendors():
     assert all(len(pair) == 2 for pair in ATTRIBUTES.values())
 
 
+def test_one_executor_and_driver_class_per_vendor():
+    assert {kind: cls.kind for kind, cls in native.EXECUTORS.items()} == {"cuda": "cuda", "hip": "hip"}
+    assert all(issubclass(cls, native.NativeExecutor) for cls in (native.CudaExecutor, native.HipExecutor))
+    assert (native.CudaDriver.vendor, native.HipDriver.vendor) == ("cuda", "hip")
+    assert {"module_unload", "event_destroy", "graph_exec_destroy"} <= FUNCTIONS.keys()  # owning objects' frees
+    with pytest.raises(UnsupportedError, match="unknown vendor 'metal'"):
+        Driver("metal")
+
+
 @pytest.mark.parametrize("vendor", ["cuda", "hip"])
 def test_missing_driver_library_is_named(vendor, monkeypatch):
     monkeypatch.setitem(native.LIBRARIES, vendor, ("libdoes-not-exist.so.1",))
@@ -125,4 +140,4 @@ def test_missing_driver_library_is_named(vendor, monkeypatch):
 
 def test_binding_slots_cover_every_family():
     assert Binding(0, "read").slot == 0  # argument i is binding slot i
-    assert native.cuda_source.FAMILY_ARGS["attention"] == 9
+    assert cuda_source.FAMILY_ARGS["attention"] == 9

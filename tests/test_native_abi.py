@@ -164,6 +164,18 @@ def _run_against_header(vendor: str, include: Path, tmp_path: Path) -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_owning_objects_free_through_checked_rows():
+    """Modules, events and graph executables are freed by their owning objects (executors/native/) with
+    rows of the table, so the header comparisons below check those signatures too."""
+    for vendor, symbols in {
+        "cuda": ("cuModuleUnload", "cuEventDestroy_v2", "cuGraphExecDestroy"),
+        "hip": ("hipModuleUnload", "hipEventDestroy", "hipGraphExecDestroy"),
+    }.items():
+        signatures = _expected_and_program(vendor, "")[0]
+        pointer = _ctypes_class(ctypes.c_void_p)
+        assert all(signatures[symbol] == ["4x", pointer] for symbol in symbols), vendor
+
+
 def test_cuda_table_matches_cuda_h(tmp_path):
     _run_against_header("cuda", _cuda_include(), tmp_path)
 

@@ -21,9 +21,9 @@ def create_executor(kind: str, *, adapter: Any = None, poison: bool = False) -> 
 
         return ReferenceExecutor()
     if kind in ("cuda", "hip"):
-        from .native import NativeExecutor
+        from .native import EXECUTORS
 
-        return NativeExecutor(kind, device=adapter if isinstance(adapter, int) else 0, poison=poison)
+        return EXECUTORS[kind](device=adapter if isinstance(adapter, int) else 0, poison=poison)
     raise BatchError(f"Device: unknown executor {kind!r}; expected one of {', '.join(KINDS)}")
 
 

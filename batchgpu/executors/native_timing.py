@@ -23,24 +23,16 @@ import numpy as np
 
 if TYPE_CHECKING:
     from ..profiling import Session
-    from .native import Driver, NativeExecution, NativeExecutor, NativePlan
+    from .native import Driver, Event, NativeExecution, NativeExecutor, NativePlan
 
 
 class _Events:
-    """``count`` timing events of one plan, destroyed when the plan goes."""
+    """``count`` timing events of one plan (each destroyed when dropped, with the plan)."""
 
     def __init__(self, driver: Driver, count: int) -> None:
-        self.handles: list[int] = []
-        weakref.finalize(self, _destroy, driver, self.handles)  # the list fills below; destroyed with it
-        for _ in range(count):
-            event = ctypes.c_void_p()
-            driver.check(driver.event_create(ctypes.byref(event), 0), "timing event create")  # 0: timing on
-            self.handles.append(int(event.value or 0))
+        from .native.memory import Event
 
-
-def _destroy(driver: Driver, handles: list[int]) -> None:
-    for handle in handles:
-        driver.event_destroy(handle)
+        self.handles: list[Event] = [Event(driver, timing=True) for _ in range(count)]
 
 
 _events: weakref.WeakKeyDictionary[NativePlan, _Events] = weakref.WeakKeyDictionary()
@@ -69,12 +61,12 @@ class EventTimer:
     def launch_all(self, plan: NativePlan) -> None:
         """Every launch eagerly, an event before the first and after each."""
         assert self.events is not None
-        drv, stream, handles = self.executor.driver, self.executor.stream, self.events.handles
+        stream, handles = self.executor.stream, self.events.handles
         self.session.gpu_anchor = time.perf_counter()  # the GPU track starts about when the first event is queued
-        drv.check(drv.event_record(handles[0], stream), "timing event record")
+        handles[0].record(stream, "timing event record")
         for packed, event in zip(plan.launches, handles[1:]):
-            self.executor._launch(packed)
-            drv.check(drv.event_record(event, stream), "timing event record")
+            self.executor.launch(packed)
+            event.record(stream, "timing event record")
         self.cursor = self.session.span("launch", self.cursor)
 
     def submitted(self, execution: NativeExecution) -> None:
@@ -85,14 +77,14 @@ class EventTimer:
             self.session.gpu_fetch = lambda: elapsed_ns(self.executor, events.handles)
 
 
-def elapsed_ns(executor: NativeExecutor, handles: list[int]) -> np.ndarray:
+def elapsed_ns(executor: NativeExecutor, handles: list[Event]) -> np.ndarray:
     """(len(handles) - 1, 2) start/end nanoseconds of each launch after the first event; waits for the last."""
     drv = executor.driver
     executor.make_current()
-    drv.check(drv.event_synchronize(handles[-1]), "waiting for the timing events")
+    handles[-1].synchronize("waiting for the timing events")
     ms = ctypes.c_float()
     times = np.zeros(len(handles), np.float64)
     for i, event in enumerate(handles[1:], start=1):
-        drv.check(drv.event_elapsed_time(ctypes.byref(ms), handles[0], event), "event elapsed time")
+        drv.check(drv.event_elapsed_time(ctypes.byref(ms), handles[0].handle, event.handle), "event elapsed time")
         times[i] = ms.value * 1e6
     return np.stack([times[:-1], times[1:]], axis=1)

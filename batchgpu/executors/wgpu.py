@@ -1,13 +1,13 @@
 """The wgpu executor: WGSL kernels on Vulkan, Metal, D3D12, GL or lavapipe through wgpu-py.
 
-Planning builds every buffer, pipeline (from the device's cache) and bind group once; ``run`` writes
-the inputs, encodes all dispatches in one compute pass plus the readback copies in one command
-encoder, and submits once. Readback maps one pooled staging buffer per execute.
+Planning builds every buffer, pipeline (from the device's cache) and bind group once, by the rules of
+:mod:`.wgpu_plan`; ``run`` writes the inputs, encodes all dispatches in one compute pass plus the
+readback copies in one command encoder, and submits once. Readback maps pooled ``MAP_READ`` staging
+buffers (the read path itself is :class:`~batchgpu.executors.base.DeviceExecutor`'s).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import tempfile
@@ -28,10 +28,10 @@ from ..limits import Limits, split_groups
 from ..ops import Node
 from ..scalars import SCALAR_BYTES, Scalar
 from ..scalars import pack as pack_scalars
-from ..shaders import render_wgsl
 from ..tensor import Storage
-from .base import Execution, Executor, Plan, ReadbackLayout, Stats, alias_buffers
-from .blocking import BlockingWorker, wait_future
+from .base import POISON_BYTE, DeviceExecutor, Plan, ReadbackLayout, StagedExecution, StagingPool, Stats, padded
+from .blocking import BlockingWorker
+from .wgpu_plan import LaunchLayout, PipelineSpec, pipeline_key, pipeline_spec, plan_launches
 from .wgpu_timing import GpuTimer
 
 if TYPE_CHECKING:
@@ -39,14 +39,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("batchgpu")
 
-POISON_BYTE = 0x7F
-"""Fill byte of new output buffers when the device was made with ``poison=True`` (NaN for float16,
-3.4e38 for float32, 2139062143 for int32): an element a kernel fails to write shows up in tests."""
-
 REQUESTED_FEATURES = ("shader-f16", "timestamp-query", "timestamp-query-inside-passes", "subgroup")
 
 
-def _quiet_environment() -> None:
+def quiet_environment() -> None:
     """Give Mesa's WSI a private XDG_RUNTIME_DIR so it does not print 'XDG_RUNTIME_DIR is invalid'."""
     current = os.environ.get("XDG_RUNTIME_DIR")
     if current and os.path.isdir(current):
@@ -56,7 +52,7 @@ def _quiet_environment() -> None:
     os.environ["XDG_RUNTIME_DIR"] = path
 
 
-def _adapter_rank(adapter: Any) -> tuple[int, int]:
+def adapter_rank(adapter: Any) -> tuple[int, int]:
     """Lower is better: discrete before integrated before CPU, native APIs before OpenGL."""
     info = adapter.info
     type_rank = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}.get(info.get("adapter_type"), 4)
@@ -90,38 +86,25 @@ def choose_adapter(wgpu: Any, adapter: Any = None) -> Any:
         if not matches:
             raise DeviceError(f"wgpu: no adapter matches {adapter!r}; found {[a.summary for a in adapters]}")
         adapters = matches
-    return min(adapters, key=_adapter_rank)
+    return min(adapters, key=adapter_rank)
 
 
-class StagingPool:
-    """MAP_READ staging buffers reused across executes, bucketed by power-of-two size."""
+class MapReadPool(StagingPool):
+    """``MAP_READ`` staging buffers; ``limit`` is the device's ``max_buffer_size``."""
 
-    def __init__(self, device: Any, wgpu: Any, stats: Stats, limit: int, max_idle_per_size: int = 4) -> None:
+    def __init__(self, device: Any, wgpu: Any, stats: Stats, limit: int) -> None:
+        super().__init__(stats, limit)
         self._device = device
-        self.limit = limit  # largest staging buffer: the device's max_buffer_size
         self._usage = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
-        self._idle: dict[int, list[Any]] = {}
-        self._stats = stats
-        self._max_idle = max_idle_per_size
 
-    def acquire(self, nbytes: int) -> Any:
-        size = max(256, 1 << (nbytes - 1).bit_length())
-        if size > self.limit:  # the power-of-two bucket would exceed the limit: exact size, still pooled
-            size = -(-nbytes // 4) * 4
-        bucket = self._idle.get(size)
-        if bucket:
-            self._stats.staging_idle -= 1
-            return bucket.pop()
-        self._stats.buffers_created += 1
+    def create(self, size: int) -> Any:
         return self._device.create_buffer(size=size, usage=self._usage, label="batchgpu.staging")
 
-    def release(self, buffer: Any) -> None:
-        bucket = self._idle.setdefault(buffer.size, [])
-        if len(bucket) < self._max_idle:
-            bucket.append(buffer)
-            self._stats.staging_idle += 1
-        else:
-            buffer.destroy()
+    def size(self, buffer: Any) -> int:
+        return buffer.size
+
+    def discard(self, buffer: Any) -> None:
+        buffer.destroy()
 
 
 class PipelineCache:
@@ -129,7 +112,7 @@ class PipelineCache:
 
     def __init__(self, device: Any, wgpu: Any, stats: Stats) -> None:
         self._device = device
-        self._wgpu = wgpu
+        self.wgpu = wgpu
         self._stats = stats
         self.lost: Any = lambda what, probe=False: None  # set by the executor: a lost device is no CompileError
         self._modules: dict[str, Any] = {}
@@ -137,62 +120,47 @@ class PipelineCache:
         self._layouts: dict[tuple[int, bool], Any] = {}
         self.disk = DiskIndex(stats)  # pipelines built by earlier processes (see batchgpu/cache.py)
 
-    def get(self, launch: Launch) -> Any:
-        source = launch.kernel.wgsl if launch.kernel else render_wgsl(launch.family, launch.types, launch.snippets)
-        key = (source, launch.entry, launch.constants, launch.kernel is not None and _custom_layout_key(launch))
+    def get(self, launch: Launch, spec: PipelineSpec | None = None) -> Any:
+        """The pipeline of ``launch`` (``spec``: its :func:`~.wgpu_plan.pipeline_spec`, when known)."""
+        key = spec.key if spec is not None else pipeline_key(launch)
         pipeline = self._pipelines.get(key)
         if pipeline is None:
-            pipeline = self._pipelines[key] = self._compile(launch, source)
+            pipeline = self._pipelines[key] = self._compile(launch, spec or pipeline_spec(launch))
             self.disk.created(pipeline, key)
         return pipeline
 
-    def _shader_name(self, launch: Launch) -> str:
-        return f"kernel {launch.kernel.name}" if launch.kernel else f"shaders/wgsl/{launch.family}.wgsl"
-
-    def _compile(self, launch: Launch, source: str) -> Any:
+    def _compile(self, launch: Launch, spec: PipelineSpec) -> Any:
         started = time.perf_counter()
-        module = self._modules.get(source)
+        module = self._modules.get(spec.source)
         try:
             if module is None:
-                module = self._device.create_shader_module(code=source, label=self._shader_name(launch))
-                self._modules[source] = module
-            layout = self._custom_layout(launch) if launch.kernel else "auto"
+                module = self._device.create_shader_module(code=spec.source, label=spec.shader_name)
+                self._modules[spec.source] = module
+            layout = self._custom_layout(spec.layout) if spec.layout is not None else "auto"
             pipeline = self._device.create_compute_pipeline(
                 layout=layout,
-                compute={
-                    "module": module,
-                    "entry_point": launch.entry,
-                    "constants": {name: float(value) for name, value in launch.constants},
-                },
-                label=f"{launch.label}:{launch.entry}",
+                compute={"module": module, "entry_point": spec.entry, "constants": spec.constants},
+                label=spec.label,
             )
-        except self._wgpu.GPUError as exc:
-            self._modules.pop(source, None)
-            self.lost(f"{launch.label}: compiling {self._shader_name(launch)}", probe=True)
-            raise CompileError(f"{launch.label}: {self._shader_name(launch)} failed to compile: {exc}") from None
+        except self.wgpu.GPUError as exc:
+            self._modules.pop(spec.source, None)
+            self.lost(f"{launch.label}: compiling {spec.shader_name}", probe=True)
+            raise CompileError(f"{launch.label}: {spec.shader_name} failed to compile: {exc}") from None
         self._stats.pipelines_compiled += 1
-        log.info(
-            "compiled %s:%s in %.1f ms", self._shader_name(launch), launch.entry, 1e3 * (time.perf_counter() - started)
-        )
+        log.info("compiled %s:%s in %.1f ms", spec.shader_name, spec.entry, 1e3 * (time.perf_counter() - started))
         return pipeline
 
-    def _custom_layout(self, launch: Launch) -> Any:
-        key = _custom_layout_key(launch)
+    def _custom_layout(self, key: tuple[int, bool]) -> Any:
         layout = self._layouts.get(key)
         if layout is None:
             storage_count, has_uniform = key
-            stage = self._wgpu.ShaderStage.COMPUTE
+            stage = self.wgpu.ShaderStage.COMPUTE
             entries = [{"binding": i, "visibility": stage, "buffer": {"type": "storage"}} for i in range(storage_count)]
             if has_uniform:
                 entries.append({"binding": storage_count, "visibility": stage, "buffer": {"type": "uniform"}})
             group = self._device.create_bind_group_layout(entries=entries)
             layout = self._layouts[key] = self._device.create_pipeline_layout(bind_group_layouts=[group])
         return layout
-
-
-def _custom_layout_key(launch: Launch) -> tuple[int, bool]:
-    uniform = any(b.kind == "uniform" for b in launch.bindings)
-    return (len(launch.bindings) - uniform, uniform)
 
 
 class WgpuPlan(Plan):
@@ -212,19 +180,17 @@ class WgpuPlan(Plan):
         self.labels: list[str] = []  # per dispatch: the op and kernel, for errors
 
 
-class WgpuExecution(Execution):
+class WgpuExecution(StagedExecution):
     """One submit's readback: the staging buffers (parts of the layout's byte range, each at most the
-    pool's limit) and, once mapped and copied out, the results."""
+    pool's limit) and, once mapped and copied out, the results. ``waiting``: an asyncio read's mapping
+    on the executor's worker."""
 
-    def __init__(self, pool: StagingPool, parts: list[tuple[Any, int, int]], layout: ReadbackLayout) -> None:
+    def __init__(self, pool: MapReadPool, parts: list[tuple[Any, int, int]], layout: ReadbackLayout) -> None:
+        super().__init__(layout, parts)
         self.pool = pool
-        self.parts = parts  # (staging buffer, first byte of the layout it holds, bytes)
-        self.layout = layout
-        self.results: dict[Storage, np.ndarray] | None = None
-        self.mapping: concurrent.futures.Future | None = None  # an async read's map, on the executor's worker
 
     def abandon(self) -> None:
-        if self.mapping is None and self.results is None:
+        if self.waiting is None and self.results is None:
             for buffer, _, _ in self.parts:
                 self.pool.release(buffer)
         self.parts = []  # a mapping in flight finishes on its own; its buffers are then dropped
@@ -245,15 +211,16 @@ def staging_parts(layout: ReadbackLayout, limit: int) -> list[tuple[int, int]]:
     return parts
 
 
-class WgpuExecutor(Executor):
+class WgpuExecutor(DeviceExecutor):
     kind = "wgpu"
 
     def __init__(self, adapter: Any = None, *, poison: bool = False) -> None:
-        _quiet_environment()
+        super().__init__()
+        quiet_environment()
         driver_cache = configure_driver_cache()  # before the graphics instance exists
         wgpu = import_wgpu()
 
-        self._wgpu = wgpu
+        self.wgpu = wgpu  # the wgpu-py module this executor runs on
         chosen = choose_adapter(wgpu, adapter)
         features = [f for f in REQUESTED_FEATURES if f in chosen.features]
         wanted_limits = {k: v for k, v in chosen.limits.items() if k.replace("-", "_") in Limits.__dataclass_fields__}
@@ -266,11 +233,10 @@ class WgpuExecutor(Executor):
         self.poison = poison
         self.pipelines = PipelineCache(self.device, wgpu, self.stats)
         self.pipelines.disk.open(chosen, driver_cache)
-        self.staging = StagingPool(self.device, wgpu, self.stats, self.limits.max_buffer_size)
+        self.staging = MapReadPool(self.device, wgpu, self.stats, self.limits.max_buffer_size)
         self.waits = BlockingWorker("batchgpu-wgpu-readback")  # maps staging buffers for async reads
         self.pipelines.lost = self.check_alive
         self.lost_reason: str | None = None  # set once the device is known to be lost or destroyed
-        self._resident: dict[int, Any] = {}  # storage id -> buffer
         self._group_layouts: dict[Any, Any] = {}  # pipeline -> its bind group layout 0
         self._usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self.gpu_kernels = gpu_kernels(chosen)
@@ -298,7 +264,7 @@ class WgpuExecutor(Executor):
         if self.lost_reason is None and probe:
             try:
                 self.device.create_command_encoder().finish()
-            except self._wgpu.GPUError as exc:
+            except self.wgpu.GPUError as exc:
                 if "lost" in str(exc).lower():
                     self.lost_reason = "lost: " + " ".join(str(exc).split())
         if self.lost_reason is not None:
@@ -310,12 +276,12 @@ class WgpuExecutor(Executor):
     # buffers ----------------------------------------------------------------------------------
 
     def _create_buffer(self, storage: Storage, label: str) -> Any:
-        size = max(4, -(-storage.nbytes // 4) * 4)
+        size = padded(storage.nbytes)
         if size > self.limits.max_buffer_size:
             raise LimitError(f"{label}: max_buffer_size exceeded: {size} > {self.limits.max_buffer_size}")
         try:
             buffer = self.device.create_buffer(size=size, usage=self._usage, label=label)
-        except self._wgpu.GPUError as exc:
+        except self.wgpu.GPUError as exc:
             self.check_alive(f"allocating {label}", probe=True)
             raise DeviceError(f"allocating {label} ({size} bytes) failed: {exc}") from None
         self.stats.buffers_created += 1
@@ -330,16 +296,21 @@ class WgpuExecutor(Executor):
         self.device.queue.write_buffer(buffer, 0, raw)
         self.stats.bytes_uploaded += data.nbytes
 
+    def allocate(self, storage: Storage) -> Any:
+        return self._create_buffer(storage, f"{storage.kind} {storage.id}")
+
+    def poison_fill(self, buffer: Any) -> None:
+        self.device.queue.write_buffer(buffer, 0, bytes([POISON_BYTE]) * buffer.size)
+
     def alloc_resident(self, storage: Storage, data: np.ndarray) -> None:
         self.check_alive("Device.tensor")
         buffer = self._create_buffer(storage, f"resident {storage.id}")
-        self._resident[storage.id] = buffer
-        weakref.finalize(storage, self._resident.pop, storage.id, None)
+        self.keep_resident(storage, buffer)
         self._write(buffer, data)
 
     def write_resident(self, storage: Storage, data: np.ndarray) -> None:
         self.check_alive("Device.write")
-        self._write(self._resident[storage.id], data)
+        self._write(self.resident_buffer(storage), data)
 
     def dlpack_device(self) -> tuple[int, int]:
         return (KDL_WEBGPU, 0)
@@ -352,8 +323,7 @@ class WgpuExecutor(Executor):
 
     def read_resident(self, storage: Storage) -> np.ndarray:
         self.check_alive("Device.read")
-        buffer = self._resident[storage.id]
-        execution = self._submit_copies(ReadbackLayout([(storage, buffer, 0, buffer.size)], buffer.size))
+        execution = self.submit_copies(ReadbackLayout.single(storage, self.resident_buffer(storage)))
         return self.collect(execution)[storage]
 
     # planning ---------------------------------------------------------------------------------
@@ -370,24 +340,20 @@ class WgpuExecutor(Executor):
         aliases: Mapping[Storage, Storage] | None = None,
     ) -> WgpuPlan:
         self.check_alive("execute")
-        buffers: dict[Storage, Any] = {}
-        for storage in storages:
-            buffers[storage] = self._create_buffer(storage, f"{storage.kind} {storage.id}")
-            if self.poison and storage.kind in ("output", "scratch"):
-                self.device.queue.write_buffer(buffers[storage], 0, bytes([POISON_BYTE]) * buffers[storage].size)
-        alias_buffers(buffers, aliases)
-        launches = [self.form(launch) for node in nodes for launch in node.launches]
-        for launch in launches:
-            for binding in launch.bindings:
-                if binding.storage is not None and binding.storage not in buffers:
-                    buffers[binding.storage] = self._resident[binding.storage.id]
-        params_buffer, offsets = self._params_buffer(launches)
-        uniform_usage = self._wgpu.BufferUsage.UNIFORM | self._wgpu.BufferUsage.COPY_DST
+        buffers, launches = self.plan_buffers(nodes, storages, aliases)
+        layout = plan_launches(launches, self.limits.min_uniform_buffer_offset_alignment)
+        uniform_usage = self.wgpu.BufferUsage.UNIFORM | self.wgpu.BufferUsage.COPY_DST
+        params_buffer = None
+        if layout.params:
+            params_buffer = self.device.create_buffer(size=len(layout.params), usage=uniform_usage, label="params")
+            self.device.queue.write_buffer(params_buffer, 0, layout.params)
         scalars_buffer = self.device.create_buffer(size=SCALAR_BYTES, usage=uniform_usage, label="scalars")
+        own = {"params": params_buffer, "scalars": scalars_buffer}
         dispatches = []
-        for launch, offset in zip(launches, offsets):
-            pipeline = self.pipelines.get(launch)
-            bind_group = self._bind_group(pipeline, launch, buffers, (params_buffer, offset), scalars_buffer)
+        for planned in layout.launches:
+            launch = planned.launch
+            pipeline = self.pipelines.get(launch, planned.pipeline)
+            bind_group = self._bind_group(pipeline, planned, buffers, own)
             grid = split_groups(launch.groups, self.limits) if isinstance(launch.groups, int) else launch.groups
             dispatches.append((pipeline, bind_group, *grid))
         self.pipelines.disk.dispatched([d[0] for d in dispatches])
@@ -395,42 +361,27 @@ class WgpuExecutor(Executor):
         plan.labels = [f"op {launch.label!r} ({launch.describe()})" for launch in launches]
         return plan
 
-    def _params_buffer(self, launches: Sequence[Launch]) -> tuple[Any, list[int]]:
-        align = self.limits.min_uniform_buffer_offset_alignment
-        offsets, total = [], 0
-        for launch in launches:
-            offsets.append(total)
-            total += -(-max(len(launch.params), 16) // align) * align
-        if total == 0:
-            return None, offsets
-        data = bytearray(total)
-        for launch, offset in zip(launches, offsets):
-            data[offset : offset + len(launch.params)] = launch.params
-        buffer = self.device.create_buffer(
-            size=total, usage=self._wgpu.BufferUsage.UNIFORM | self._wgpu.BufferUsage.COPY_DST, label="params"
-        )
-        self.device.queue.write_buffer(buffer, 0, bytes(data))
-        return buffer, offsets
-
-    def _bind_group(
-        self, pipeline: Any, launch: Launch, buffers: dict, params: tuple[Any, int], scalars_buffer: Any
-    ) -> Any:
-        entries = []
-        for binding in launch.bindings:
-            if binding.kind == "uniform":
-                resource = {"buffer": params[0], "offset": params[1], "size": len(launch.params)}
-            elif binding.kind == "scalars":
-                resource = {"buffer": scalars_buffer, "offset": 0, "size": SCALAR_BYTES}
-            else:  # the storage's own bytes: a shared buffer may be larger
-                size = max(4, -(-binding.storage.nbytes // 4) * 4)
-                resource = {"buffer": buffers[binding.storage], "offset": 0, "size": size}
-            entries.append({"binding": binding.slot, "resource": resource})
+    def _bind_group(self, pipeline: Any, planned: LaunchLayout, buffers: dict, own: dict[str, Any]) -> Any:
+        """The bind group of ``planned`` (:func:`~.wgpu_plan.bind_entries`): ``own`` holds the plan's
+        params and scalars buffers."""
+        entries = [
+            {
+                "binding": entry.slot,
+                "resource": {
+                    "buffer": buffers[entry.storage] if entry.storage is not None else own[entry.kind],
+                    "offset": entry.offset,
+                    "size": entry.size,
+                },
+            }
+            for entry in planned.entries
+        ]
         layout = self._group_layouts.get(pipeline)
         if layout is None:
             layout = self._group_layouts[pipeline] = pipeline.get_bind_group_layout(0)
         try:
             return self.device.create_bind_group(layout=layout, entries=entries)
-        except self._wgpu.GPUError as exc:
+        except self.wgpu.GPUError as exc:
+            launch = planned.launch
             self.check_alive(f"{launch.label}: binding buffers", probe=True)
             raise DeviceError(f"{launch.label}: binding buffers failed ({launch.describe()}): {exc}") from None
 
@@ -504,7 +455,7 @@ class WgpuExecutor(Executor):
     def _submit(self, encoder: Any) -> None:
         try:
             self.device.queue.submit([encoder.finish()])
-        except self._wgpu.GPUError as exc:
+        except self.wgpu.GPUError as exc:
             self.check_alive("submit", probe=True)
             raise DeviceError(f"submit failed: {exc}") from None
         self.stats.submits += 1
@@ -521,25 +472,22 @@ class WgpuExecutor(Executor):
             compute.end()
             try:
                 encoder.finish()
-            except self._wgpu.GPUError:
+            except self.wgpu.GPUError:
                 return f"{label}, dispatch {x}x{y}x{z}"
         return None
 
-    def _submit_copies(self, layout: ReadbackLayout) -> WgpuExecution:
+    # reading (the read path is DeviceExecutor's) -----------------------------------------------
+
+    def submit_copies(self, layout: ReadbackLayout) -> WgpuExecution:
         encoder = self.device.create_command_encoder()
         execution = self._encode_copies(encoder, layout)
         self._submit(encoder)
         return execution
 
-    def _extra_execution(self, plan: WgpuPlan, storage: Storage) -> WgpuExecution:
-        """A storage that was not in the execute's readback set: copy it in a submit of its own."""
-        buffer = plan.buffers[storage]
-        return self._submit_copies(ReadbackLayout([(storage, buffer, 0, buffer.size)], buffer.size))
-
-    def _map_parts(self, execution: WgpuExecution) -> None:
-        """Map every staging part for reading, blocking until the GPU has written them. Run on the
-        executor's worker thread (no event loop there), wgpu's map promises are bound to no loop, so a
-        loop that closes meanwhile is never called back."""
+    def wait_staged(self, execution: StagedExecution) -> None:
+        """Map every staging part for reading, blocking until the GPU has written them. On the executor's
+        worker thread (no event loop there) for asyncio reads: wgpu's map promises are bound to no loop,
+        so a loop that closes meanwhile is never called back."""
         for staging, _, size in execution.parts:
             promise = staging.map_async("READ_NOSYNC", 0, size)
             self._wait_settled(promise)
@@ -555,67 +503,19 @@ class WgpuExecutor(Executor):
         while not settled.wait(0.5):
             self.check_alive("read")
 
-    def _copy_out(self, execution: WgpuExecution) -> dict[Storage, np.ndarray]:
-        self.check_alive("read")  # a map that resolved while the device was destroyed cannot be read
-        results = {}
-        for staging, start, size in execution.parts:
-            mapped = staging.read_mapped(0, size, copy=False)
-            for storage, _, offset, nbytes in execution.layout.copies:
-                if start <= offset < start + size:
-                    raw = np.frombuffer(mapped, np.uint8, count=nbytes, offset=offset - start)
-                    results[storage] = raw.view(storage.dtype).copy()
-            staging.unmap()
-            execution.pool.release(staging)
-        self.stats.bytes_read += execution.layout.total
-        execution.parts = []
-        return results
+    def staged_bytes(self, staging: Any, size: int) -> Any:
+        return staging.read_mapped(0, size, copy=False)
 
-    def _mapping_failed(self, exc: BaseException) -> DeviceError:
+    def unstage(self, staging: Any) -> None:
+        staging.unmap()
+        self.staging.release(staging)
+
+    def check_readable(self) -> None:
+        self.check_alive("read")  # a map that resolved while the device was destroyed cannot be read
+
+    def wait_failed(self, exc: Exception) -> Exception:
         self.check_alive("read", probe=True)
         return DeviceError(f"read: mapping the staging buffer failed: {exc}")
-
-    def collect(self, execution: WgpuExecution) -> dict[Storage, np.ndarray]:
-        """The execution's results, waiting for the GPU (blocking); an async read's mapping in flight is
-        waited for, not repeated."""
-        if execution.results is None:
-            self.check_alive("read")
-            try:
-                if execution.mapping is not None:
-                    execution.mapping.result()
-                else:
-                    self._map_parts(execution)
-            except Exception as exc:
-                raise self._mapping_failed(exc) from None
-            if execution.results is None:
-                execution.results = self._copy_out(execution)
-        return execution.results
-
-    async def collect_async(self, execution: WgpuExecution) -> dict[Storage, np.ndarray]:
-        """``collect`` without blocking the event loop: the staging buffers are mapped on the executor's
-        worker thread, which keeps going if this await is cancelled (a later read gets the result)."""
-        if execution.results is None:
-            self.check_alive("read")
-            if execution.mapping is None:
-                execution.mapping = self.waits.submit(self._map_parts, execution)
-            try:
-                await wait_future(execution.mapping)
-            except Exception as exc:
-                raise self._mapping_failed(exc) from None
-            if execution.results is None:
-                execution.results = self._copy_out(execution)
-        return execution.results
-
-    async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
-        assert isinstance(plan, WgpuPlan) and isinstance(execution, WgpuExecution)
-        if not any(s is storage for s, *_ in execution.layout.copies):
-            execution = self._extra_execution(plan, storage)
-        return (await self.collect_async(execution))[storage]
-
-    def read_sync(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
-        assert isinstance(plan, WgpuPlan) and isinstance(execution, WgpuExecution)
-        if not any(s is storage for s, *_ in execution.layout.copies):
-            execution = self._extra_execution(plan, storage)
-        return self.collect(execution)[storage]
 
 
 def _decrement_live(stats: Stats) -> None:

@@ -32,7 +32,7 @@ class _Queries:
     """Query sets and their resolve buffer for one plan, reused by its profiled executes."""
 
     def __init__(self, executor: WgpuExecutor, count: int) -> None:
-        wgpu = executor._wgpu
+        wgpu = executor.wgpu
         self.count = count
         self.sets = [
             executor.device.create_query_set(type="timestamp", count=min(MAX_QUERIES, count - start))
