@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import BatchError, UnsupportedError
+from ..executors.base import POISON_BYTE, padded
+from ..executors.wgpu_plan import LaunchLayout, WgpuLayout, plan_launches
 from ..kernels import Launch
 from ..scalars import SCALAR_BYTES
-from ..shaders import render_wgsl
 from ..tensor import Storage, Tensor
 
 if TYPE_CHECKING:
@@ -49,7 +50,6 @@ PARAMS_ALIGN = 256
 layout is valid on every browser device."""
 
 TEMPLATE_FILES = ("index.html", "batch.js")
-POISON_BYTE = 0x7F  # the wgpu executor's fill byte of new output buffers on a poisoned device
 
 _ENABLE = re.compile(r"^\s*enable\s+([^;]+);", re.MULTILINE)
 _EXTENSION_FEATURES = {"f16": "shader-f16", "subgroups": "subgroups", "clip_distances": "clip-distances"}
@@ -98,8 +98,8 @@ def export_webgpu(
     _check_out_dir(out)
     offered = {str(f) for f in features}
     launches = [launch.for_gpu() if gpu_kernels else launch for node in view.nodes for launch in node.launches]
-    sources = [_wgsl(launch) for launch in launches]
-    required = _required_features(launches, sources, offered)
+    layout = plan_launches(launches, PARAMS_ALIGN)  # what the wgpu executor would build, params 256-aligned
+    required = _required_features(layout.launches, offered)
     validated_feeds = view.check_feeds(feeds)
     scalar_values = view.check_scalars(scalars)
     output_tensors = _output_tensors(view, outputs)
@@ -113,14 +113,12 @@ def export_webgpu(
     batch.execute({t: _as_array(initial[t.storage], t) for t in inputs}, scalars=scalar_values)
     expected = [batch.read_sync(tensor) for tensor in output_tensors]
 
-    manifest, shader_sources = _manifest(
-        view, launches, sources, storages, initial, inputs, output_tensors, expected, tolerance
-    )
+    manifest, shader_sources = _manifest(view, layout, storages, initial, inputs, output_tensors, expected, tolerance)
     manifest["features"] = sorted(required)
     manifest["scalars"] = [
         {"name": s.name, "dtype": s.dtype, "slot": s.slot, "value": scalar_values[s.name]} for s in view.scalars
     ]
-    _write(out, manifest, storages, initial, launches, shader_sources, expected)
+    _write(out, manifest, storages, initial, layout.params, shader_sources, expected)
     return out
 
 
@@ -134,19 +132,12 @@ def _check_out_dir(out: Path) -> None:
         raise BatchError(f"export_webgpu: {out} is not empty and holds no earlier export; pick an empty folder")
 
 
-def _wgsl(launch: Launch) -> str:
-    return launch.kernel.wgsl if launch.kernel else render_wgsl(launch.family, launch.types, launch.snippets)
-
-
-def _shader_name(launch: Launch) -> str:
-    return f"kernel {launch.kernel.name}" if launch.kernel else f"shaders/wgsl/{launch.family}.wgsl"
-
-
-def _required_features(launches: Sequence[Launch], sources: Sequence[str], offered: set[str]) -> set[str]:
+def _required_features(launches: Sequence[LaunchLayout], offered: set[str]) -> set[str]:
     """WebGPU features the WGSL ``enable`` directives need; refuses those not in ``offered``."""
     required: set[str] = set()
-    for launch, source in zip(launches, sources):
-        for directive in _ENABLE.findall(source):
+    for planned in launches:
+        launch, pipeline = planned.launch, planned.pipeline
+        for directive in _ENABLE.findall(pipeline.source):
             for extension in (e.strip() for e in directive.split(",")):
                 if not extension:
                     continue
@@ -154,7 +145,7 @@ def _required_features(launches: Sequence[Launch], sources: Sequence[str], offer
                 if feature not in offered:
                     offered_text = ", ".join(sorted(offered)) or "none: core WebGPU"
                     raise UnsupportedError(
-                        f"export_webgpu: {launch.label} ({_shader_name(launch)}) needs the WebGPU feature "
+                        f"export_webgpu: {launch.label} ({pipeline.shader_name}) needs the WebGPU feature "
                         f"{feature!r} (WGSL 'enable {extension}'), which the export's features do not include "
                         f"({offered_text}); browsers without it (e.g. Chrome's SwiftShader) cannot run it. "
                         f"Use float32 tensors, or pass features=({feature!r},) if the target browsers offer it"
@@ -209,7 +200,7 @@ def _initial_data(
             array = state
         elif storage.kind in ("input", "const"):  # a new plan uploads the host copy
             array = view.host[storage]
-        elif storage in view.stateful and getattr(executor, "poison", False):
+        elif storage in view.stateful and executor.poison:
             data[storage] = bytes([POISON_BYTE]) * storage.nbytes  # a new plan's buffers hold the poison
             continue
         else:
@@ -229,10 +220,6 @@ def _unique(name: str, used: set[str]) -> str:
     return candidate
 
 
-def _padded(nbytes: int) -> int:
-    return max(4, -(-nbytes // 4) * 4)
-
-
 def _tolerance(dtype: np.dtype, expected: np.ndarray, tolerance: tuple[float, float] | None) -> dict[str, float]:
     if dtype.name not in FLOAT_TOLERANCE:
         return {"rtol": 0.0, "atol": 0.0}
@@ -244,8 +231,7 @@ def _tolerance(dtype: np.dtype, expected: np.ndarray, tolerance: tuple[float, fl
 
 def _manifest(
     view: BatchView,
-    launches: Sequence[Launch],
-    sources: Sequence[str],
+    layout: WgpuLayout,
     storages: Sequence[Storage],
     initial: Mapping[Storage, bytes],
     input_tensors: Sequence[Tensor],
@@ -261,7 +247,6 @@ def _manifest(
     pipelines: list[dict[str, Any]] = []
     pipeline_index: dict[tuple, int] = {}
     dispatches: list[dict[str, Any]] = []
-    params_offset = 0
     needs = {
         "maxStorageBufferBindingSize": 0,
         "maxBufferSize": SCALAR_BYTES,
@@ -275,41 +260,44 @@ def _manifest(
         "maxComputeWorkgroupsPerDimension": 1,
     }
 
-    for launch, source in zip(launches, sources):
-        if source not in shader_index:
-            shader_index[source] = len(shaders)
-            shaders.append({"file": f"shaders/{len(shaders)}.wgsl", "label": _shader_name(launch)})
-        uniform = any(b.kind == "uniform" for b in launch.bindings)
-        layout: Any = {"storage": len(launch.bindings) - uniform, "uniform": uniform} if launch.kernel else "auto"
-        constants = {name: float(value) for name, value in launch.constants}
-        key = (shader_index[source], launch.entry, tuple(sorted(constants.items())), json.dumps(layout))
+    for planned in layout.launches:
+        launch, pipeline = planned.launch, planned.pipeline
+        if pipeline.source not in shader_index:
+            shader_index[pipeline.source] = len(shaders)
+            shaders.append({"file": f"shaders/{len(shaders)}.wgsl", "label": pipeline.shader_name})
+        manifest_layout: Any = "auto"
+        if pipeline.layout is not None:
+            manifest_layout = {"storage": pipeline.layout[0], "uniform": pipeline.layout[1]}
+        key = (
+            shader_index[pipeline.source],
+            pipeline.entry,
+            tuple(sorted(pipeline.constants.items())),
+            pipeline.layout,
+        )
         if key not in pipeline_index:
             pipeline_index[key] = len(pipelines)
             pipelines.append(
                 {
-                    "shader": shader_index[source],
-                    "entry": launch.entry,
-                    "constants": constants,
-                    "layout": layout,
-                    "label": f"{launch.label}:{launch.entry}",
+                    "shader": shader_index[pipeline.source],
+                    "entry": pipeline.entry,
+                    "constants": pipeline.constants,
+                    "layout": manifest_layout,
+                    "label": pipeline.label,
                 }
             )
         bindings = []
         storage_count = 0
-        for binding in launch.bindings:
-            if binding.kind == "uniform":
-                bindings.append(
-                    {"binding": binding.slot, "kind": "uniform", "offset": params_offset, "size": len(launch.params)}
-                )
-                needs["maxUniformBufferBindingSize"] = max(needs["maxUniformBufferBindingSize"], len(launch.params))
-            elif binding.kind == "scalars":
-                bindings.append({"binding": binding.slot, "kind": "scalars"})
+        for entry in planned.entries:
+            if entry.kind == "params":
+                bindings.append({"binding": entry.slot, "kind": "uniform", "offset": entry.offset, "size": entry.size})
+                needs["maxUniformBufferBindingSize"] = max(needs["maxUniformBufferBindingSize"], entry.size)
+            elif entry.kind == "scalars":
+                bindings.append({"binding": entry.slot, "kind": "scalars"})
             else:
-                assert binding.storage is not None
+                assert entry.storage is not None
                 storage_count += 1
-                bindings.append({"binding": binding.slot, "kind": "storage", "buffer": index[binding.storage]})
-                size = _padded(binding.storage.nbytes)
-                needs["maxStorageBufferBindingSize"] = max(needs["maxStorageBufferBindingSize"], size)
+                bindings.append({"binding": entry.slot, "kind": "storage", "buffer": index[entry.storage]})
+                needs["maxStorageBufferBindingSize"] = max(needs["maxStorageBufferBindingSize"], entry.size)
         dispatch: dict[str, Any] = {
             "label": launch.label,
             "pipeline": pipeline_index[key],
@@ -317,8 +305,6 @@ def _manifest(
             "bindings": bindings,
         }
         dispatches.append(dispatch)
-        if launch.params:
-            params_offset += -(-len(launch.params) // PARAMS_ALIGN) * PARAMS_ALIGN
         x, y, z = launch.workgroup_size
         needs["maxStorageBuffersPerShaderStage"] = max(needs["maxStorageBuffersPerShaderStage"], storage_count)
         needs["maxComputeWorkgroupStorageSize"] = max(needs["maxComputeWorkgroupStorageSize"], launch.workgroup_bytes)
@@ -335,14 +321,14 @@ def _manifest(
             "name": names.get(storage, f"{storage.kind}{storage.id}"),
             "kind": storage.kind,
             "dtype": storage.dtype.name,
-            "size": _padded(storage.nbytes),
+            "size": padded(storage.nbytes),
             "bytes": storage.nbytes,
         }
         if storage in initial:
             entry["file"] = f"data/{i}.bin"
         buffers.append(entry)
         needs["maxBufferSize"] = max(needs["maxBufferSize"], entry["size"])
-    needs["maxBufferSize"] = max(needs["maxBufferSize"], params_offset)
+    needs["maxBufferSize"] = max(needs["maxBufferSize"], len(layout.params))
 
     used: set[str] = set()
     inputs = []
@@ -380,7 +366,7 @@ def _manifest(
         "buffers": buffers,
         "shaders": shaders,
         "pipelines": pipelines,
-        "params": {"file": "params.bin", "size": params_offset},
+        "params": {"file": "params.bin", "size": len(layout.params)},
         "dispatches": dispatches,
         "inputs": inputs,
         "scalars": [],
@@ -413,7 +399,7 @@ def _write(
     manifest: dict[str, Any],
     storages: Sequence[Storage],
     initial: Mapping[Storage, bytes],
-    launches: Sequence[Launch],
+    params: bytes,
     shader_sources: Sequence[str],
     expected: Sequence[np.ndarray],
 ) -> None:
@@ -423,12 +409,7 @@ def _write(
         (out / folder).mkdir()
     for shader, source in zip(manifest["shaders"], shader_sources):
         (out / shader["file"]).write_text(source, encoding="utf-8")
-    params = bytearray(manifest["params"]["size"])
-    for launch, dispatch in zip(launches, manifest["dispatches"]):
-        for binding in dispatch["bindings"]:
-            if binding["kind"] == "uniform":
-                params[binding["offset"] : binding["offset"] + len(launch.params)] = launch.params
-    (out / "params.bin").write_bytes(bytes(params))
+    (out / "params.bin").write_bytes(params)
     for i, storage in enumerate(storages):
         if storage in initial:
             (out / manifest["buffers"][i]["file"]).write_bytes(initial[storage])
