@@ -30,7 +30,6 @@ from .executors.base import Execution, Plan
 from .kernels import Kernel
 from .limits import check_launch
 from .ops import OPS, Node, OpSpec
-from .ops.elementwise import BINARY, UNARY
 from .profiling import Profile, Session
 from .recording import Recording
 from .runner import Readback, Runner
@@ -57,7 +56,7 @@ def _unary(op: str) -> Callable[[GpuCommandBatch, Tensor], Tensor]:
         return self._record(op, (x,))
 
     record.__name__ = record.__qualname__ = op
-    record.__doc__ = f"Record ``{op}(x)``: {UNARY[op][4]}, elementwise."
+    record.__doc__ = f"Record ``{op}(x)``: {OPS[op].doc}, elementwise."
     return record
 
 
@@ -66,7 +65,7 @@ def _binary(op: str) -> Callable[[GpuCommandBatch, Operand, Operand], Tensor]:
         return self._record(op, (a, b))
 
     record.__name__ = record.__qualname__ = op
-    record.__doc__ = f"Record ``{op}(a, b)``: {BINARY[op][3]}, broadcasting like numpy; either may be a Python scalar."
+    record.__doc__ = f"Record ``{op}(a, b)``: {OPS[op].doc}, broadcasting like numpy; either may be a Python scalar."
     return record
 
 

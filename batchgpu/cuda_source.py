@@ -3,13 +3,14 @@
 A :class:`~batchgpu.kernels.Launch` names a shader family, WGSL type aliases, op snippets and override
 constants. For the native executors each of those becomes a ``#define`` in front of the family's source
 (after ``prelude.cuh``): one module per specialization, its ``extern "C"`` kernels named like the WGSL
-entry points. Op expressions are not translated from WGSL text: :data:`UNARY` and :data:`BINARY` give
-the CUDA expression of each op by name (the launch's label).
+entry points. Op expressions are not translated from WGSL text: the op-expression table
+(``batchgpu/ops/elementwise.py``) gives each op's CUDA expression by op name.
 
-Kernel arguments follow the WGSL binding slots: slot ``i`` is argument ``i``; a storage binding is a
-device pointer (NULL where the launch binds nothing), the ``uniform`` slot is the ``Params`` struct
-passed by value (the launch's ``params`` bytes, the same layout as the WGSL struct) and the
-``scalars`` slot is a pointer to the per-execute scalar buffer (64 x 4 bytes).
+Kernel arguments follow the WGSL binding slots, both declared once in ``batchgpu/ops/interface.py``
+(``BG_ARGS``): slot ``i`` is argument ``i``; a storage binding is a device pointer (NULL where the launch
+binds nothing), the ``uniform`` slot is the ``Params`` struct passed by value (the launch's ``params``
+bytes, the same layout as the WGSL struct) and the ``scalars`` slot is a pointer to the per-execute
+scalar buffer (64 x 4 bytes).
 """
 
 from __future__ import annotations
@@ -18,79 +19,33 @@ import functools
 
 from .errors import UnsupportedError
 from .kernels import Launch
-from .shaders import shader_root
+from .ops.interface import FAMILIES as _FAMILIES
+from .ops.interface import cuda_literal
+from .shaders import expression, shader_root
+from .shaders import family_source as _family_source
 
 CUDA_TYPE = {"f32": "float", "f16": "bg_half", "i32": "int", "u32": "unsigned"}
 """CUDA type of each WGSL scalar type used in type aliases (float16 is a 2-byte storage struct)."""
 
-GELU_C = "0.7978845608028654f"
+FAMILIES = tuple(_FAMILIES)
+"""The built-in kernel families (``shaders/cuda/<family>.cu``)."""
 
-UNARY: dict[str, str] = {
-    "neg": "-x",
-    "abs": "bg_abs(x)",
-    "exp": "expf(x)",
-    "log": "logf(x)",
-    "sqrt": "sqrtf(x)",
-    "rsqrt": "rsqrtf(x)",
-    "tanh": "bg_is_nan(x) ? x : tanhf(bg_clamp(x, -15.0f, 15.0f))",
-    "sigmoid": "1.0f / (1.0f + expf(-x))",
-    "relu": "bg_max_nan(x, (C)0)",
-    "gelu": "bg_gelu_erf(x)",
-    "gelu_tanh": f"0.5f * x * (1.0f + tanhf(bg_clamp({GELU_C} * (x + 0.044715f * x * x * x), -15.0f, 15.0f)))",
-    "silu": "x / (1.0f + expf(-x))",
-    "copy": "x",
-    "cast": "x",
+"""Kernel arguments of each family (derived from its declared bindings; :func:`argument_count` is the API)."""
+
+RUNTIME_CONSTANTS: dict[str, frozenset[str]] = {
+    name: frozenset(c.name for c in family.constants if c.runtime) for name, family in _FAMILIES.items()
 }
-"""CUDA expression of ``x`` (in the compute type C) for every unary op, same math as the WGSL ones in
-``batchgpu/ops/elementwise.py``."""
-
-BINARY: dict[str, str] = {
-    "add": "x + y",
-    "sub": "x - y",
-    "mul": "x * y",
-    "div": "x / y",
-    "maximum": "bg_max_nan(x, y)",
-    "minimum": "bg_min_nan(x, y)",
-    "silu_mul": "x / (1.0f + expf(-x)) * y",
-}
-
-FAMILY_ARGS: dict[str, int] = {
-    "elementwise": 4,
-    "copy": 3,
-    "reduce": 3,
-    "softmax": 4,
-    "matmul": 5,
-    "norm": 7,
-    "attention": 9,
-    "gather": 6,
-    "qmatmul": 5,
-}
-"""Kernel arguments of each family's entry points (one per WGSL binding slot)."""
-
-RUNTIME_CONSTANTS: dict[str, frozenset[str]] = {"attention": frozenset({"SMAX", "HEAD_DIM"})}
 """Override constants the CUDA kernels take at launch (dynamic shared memory), not as #defines."""
-
-FAMILIES = tuple(FAMILY_ARGS)
 
 
 @functools.cache
-def _read(name: str) -> str:
-    return (shader_root() / "cuda" / name).read_text()
-
-
 def prelude() -> str:
-    return _read("prelude.cuh")
+    return (shader_root() / "cuda" / "prelude.cuh").read_text()
 
 
 def family_source(family: str) -> str:
-    return _read(f"{family}.cu")
-
-
-def _literal(value: float | bool) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    number = float(value)
-    return str(int(number)) if number.is_integer() else repr(number) + "f"
+    """``shaders/cuda/<family>.cu`` with its declared interface (Params, BG_ARGS, constants) in place."""
+    return _family_source("cuda", family)
 
 
 def defines(launch: Launch) -> list[str]:
@@ -102,14 +57,10 @@ def defines(launch: Launch) -> list[str]:
     for alias in ("A", "B", "O", "C"):
         if alias not in types:  # families declare every alias; fill unused ones with float
             lines.append(f"typedef float {alias};")
-    for name, _ in launch.snippets:
-        table = UNARY if name == "UNARY" else BINARY
-        expression = table.get(launch.label)
-        if expression is None:
-            raise UnsupportedError(f"{launch.label}: no CUDA expression for this op (see batchgpu/cuda_source.py)")
-        lines.append(f"#define {name}_EXPR ({expression})")
+    for name, op in launch.snippets:
+        lines.append(f"#define {name}_EXPR ({expression(op, 'cuda')})")
     skip = RUNTIME_CONSTANTS.get(launch.family, frozenset())
-    lines += [f"#define {name} {_literal(value)}" for name, value in launch.constants if name not in skip]
+    lines += [f"#define {name} {cuda_literal(value)}" for name, value in launch.constants if name not in skip]
     return lines
 
 
@@ -136,9 +87,10 @@ def entry_name(launch: Launch) -> str:
 
 
 def argument_count(launch: Launch) -> int:
+    """Arguments of the kernel ``launch`` calls: a custom kernel's bindings, a family's declared bindings."""
     if launch.kernel is not None:
         return len(launch.bindings)
-    return FAMILY_ARGS[launch.family]
+    return len(_FAMILIES[launch.family].bindings)
 
 
 def dynamic_shared_bytes(launch: Launch) -> int:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import re
-import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -148,12 +147,17 @@ def parse_workgroup_bytes(source: str) -> int:
     return total
 
 
+BindingKind = Literal["read", "write", "uniform", "scalars"]
+"""A binding's kind: a storage the kernel reads (``var<storage, read>``) or writes (``read_write``), the
+launch's ``Params`` (``uniform``, the launch's ``params`` bytes) or the per-execute ``scalars`` buffer."""
+
+
 @dataclass(frozen=True, slots=True)
 class Binding:
-    """One buffer bound to a launch: a storage (whole) or the launch's uniform parameters."""
+    """One buffer bound to a launch: a storage (whole), the launch's uniform parameters or the scalars."""
 
     slot: int
-    kind: str  # "read", "write" (read_write storage) or "uniform"
+    kind: BindingKind
     storage: Storage | None = None
     nbytes: int = 0
 
@@ -162,9 +166,12 @@ class Binding:
 class Launch:
     """One kernel dispatch, described without executor objects.
 
-    Built-in kernels name a shader ``family`` (``shaders/wgsl/<family>.wgsl``) rendered with type
-    aliases and op snippets; custom kernels carry their ``kernel``. ``groups`` is a 1-D workgroup
-    count (split over x/y by the executor when over the per-dimension limit) or an explicit grid.
+    Built-in kernels name a shader ``family`` (``shaders/wgsl/<family>.wgsl``, its interface declared in
+    ``batchgpu/ops/interface.py``) rendered with type aliases and ``snippets``: (placeholder, op name)
+    pairs, each placeholder filled with that op's expression from the op-expression table
+    (``batchgpu/ops/elementwise.py``) in the shader's language; custom kernels carry their ``kernel``.
+    ``groups`` is a 1-D workgroup count (split over x/y by the executor when over the per-dimension
+    limit) or an explicit grid.
     ``native`` and ``gpu`` optionally name differently shaped launches of the same op for the CUDA/HIP
     executors and for wgpu on GPU adapters; executors pick theirs with :meth:`Executor.form`.
     """
@@ -181,7 +188,6 @@ class Launch:
     kernel: Kernel | None = None
     workgroup_size: tuple[int, int, int] = (DEFAULT_WORKGROUP, 1, 1)
     workgroup_bytes: int = 0
-    extra: dict = field(default_factory=dict)
     native: Launch | None = None
     """What the native executors (CUDA, HIP) launch instead, where a GPU wants another kernel shape
     than the WGSL one (same bindings and params; e.g. a warp per output row for decode GEMVs)."""
@@ -209,24 +215,3 @@ def wgsl_aliases(**dtypes: np.dtype) -> tuple[tuple[str, str], ...]:
     first = next(iter(dtypes.values()))
     aliases.append(("C", WGSL_COMPUTE_TYPE[first]))
     return tuple(aliases)
-
-
-_DIMS_BLOCK = struct.Struct(f"<{MAX_DIMS}I")
-_ZEROS = (0,) * MAX_DIMS
-
-
-def pack_struct(layout: str, *values: int | float) -> bytes:
-    """Pack 4-byte uniform fields (``I`` u32, ``i`` i32, ``f`` f32), padded to 16 bytes."""
-    out = struct.pack("<" + layout, *values)
-    return out + b"\0" * (-len(out) % 16)
-
-
-def pack_params(header: Sequence[int | float], header_format: str, *arrays: Sequence[int]) -> bytes:
-    """Pack a uniform struct: a 16-byte header (4 fields) then ``array<vec4<u32|i32>, 2>`` blocks.
-
-    ``header_format`` is a 4-letter struct format (``I`` u32, ``i`` i32, ``f`` f32).
-    """
-    out = pack_struct(header_format, *header)
-    for values in arrays:
-        out += _DIMS_BLOCK.pack(*(int(v) & 0xFFFFFFFF for v in values), *_ZEROS[len(values) :])
-    return out

@@ -1,4 +1,9 @@
-"""Finding and rendering the shader sources under ``shaders/<language>/<family>``."""
+"""Finding and rendering the shader sources under ``shaders/<language>/<family>``.
+
+A family's source has an ``//!interface`` line where its declarations go, generated from its
+:class:`~batchgpu.ops.interface.Family` (constants, ``Params``, bindings / ``BG_ARGS``); WGSL sources also
+``//!include`` files of ``shaders/wgsl/lib`` and ``${NAME}`` placeholders for op expressions.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,27 @@ import functools
 import re
 import string
 from pathlib import Path
+from typing import Literal
+
+from .errors import UnsupportedError
+from .ops.elementwise import EXPRESSIONS
+from .ops.interface import FAMILIES
 
 _HERE = Path(__file__).resolve().parent
 SEARCH_PATH = (_HERE / "shaders", _HERE.parent / "shaders")  # inside a wheel, then a source checkout
 
+Language = Literal["wgsl", "cuda"]
+
 DEFAULT_SNIPPETS = {"UNARY": "x", "BINARY": "x"}
+"""What a placeholder no snippet names stands for (the other op kind's function of elementwise.wgsl)."""
+
+_SUFFIX = {"wgsl": ".wgsl", "cuda": ".cu"}
+_INTERFACE = "//!interface"
+_INCLUDE = re.compile(r"^//!include (\w+)$", re.MULTILINE)
 
 
 def shader_root() -> Path:
-    """The folder holding ``wgsl/`` (and later ``cuda/``) shader families."""
+    """The folder holding the ``wgsl/`` and ``cuda/`` shader families."""
     for candidate in SEARCH_PATH:
         if (candidate / "wgsl").is_dir():
             return candidate
@@ -22,12 +39,16 @@ def shader_root() -> Path:
 
 
 @functools.cache
-def _template(language: str, family: str) -> string.Template:
-    suffix = {"wgsl": ".wgsl", "cuda": ".cu"}[language]
-    return string.Template(_with_includes((shader_root() / language / f"{family}{suffix}").read_text()))
-
-
-_INCLUDE = re.compile(r"^//!include (\w+)$", re.MULTILINE)
+def family_source(language: Language, family: str) -> str:
+    """``shaders/<language>/<family>`` with its ``//!interface`` line replaced by the family's declarations
+    (and, for WGSL, its ``//!include`` lines by the lib files)."""
+    path = shader_root() / language / f"{family}{_SUFFIX[language]}"
+    text = path.read_text()
+    if text.count(_INTERFACE + "\n") != 1:
+        raise ValueError(f"{path}: needs exactly one {_INTERFACE} line (where the family's declarations go)")
+    declared = FAMILIES[family]
+    text = text.replace(_INTERFACE + "\n", (declared.wgsl() if language == "wgsl" else declared.cuda()) + "\n")
+    return _with_includes(text) if language == "wgsl" else text
 
 
 def _with_includes(text: str) -> str:
@@ -35,10 +56,24 @@ def _with_includes(text: str) -> str:
     return _INCLUDE.sub(lambda m: (shader_root() / "wgsl" / "lib" / f"{m.group(1)}.wgsl").read_text(), text)
 
 
+def expression(op: str, language: Language) -> str:
+    """The expression of elementwise op ``op`` in ``language``, from the op-expression table."""
+    row = EXPRESSIONS.get(op)
+    if row is None:
+        raise UnsupportedError(f"{op!r} is not an elementwise op of batchgpu/ops/elementwise.py's EXPRESSIONS")
+    return row.text(language)
+
+
+@functools.cache
+def _template(family: str) -> string.Template:
+    return string.Template(family_source("wgsl", family))
+
+
 @functools.cache
 def render_wgsl(family: str, types: tuple[tuple[str, str], ...], snippets: tuple[tuple[str, str], ...]) -> str:
-    """WGSL source of ``family`` with ``alias`` lines for ``types`` and ``${NAME}`` snippets filled in."""
+    """WGSL source of ``family`` with ``alias`` lines for ``types`` and each ``${NAME}`` placeholder of
+    ``snippets`` (NAME, op name) filled with the op's WGSL expression."""
     header = "enable f16;\n" if any(t == "f16" for _, t in types) else ""
     header += "".join(f"alias {name} = {wgsl_type};\n" for name, wgsl_type in types)
-    body = _template("wgsl", family).substitute({**DEFAULT_SNIPPETS, **dict(snippets)})
-    return header + body
+    filled = {**DEFAULT_SNIPPETS, **{name: expression(op, "wgsl") for name, op in snippets}}
+    return header + _template(family).substitute(filled)

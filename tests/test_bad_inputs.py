@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import batchgpu as bg
-from batchgpu.ops.elementwise import BINARY, UNARY
+from batchgpu.ops.elementwise import EXPRESSIONS
 
 from .test_errors import Probe, new_batch, rng  # noqa: F401 - rng is a fixture
 
@@ -24,8 +24,7 @@ def _binary(op: str):
     return lambda b, x, y: getattr(b, op)(x, y)
 
 
-CASES = {op: _unary(op) for op in UNARY}
-CASES.update({op: _binary(op) for op in BINARY})
+CASES = {op: _unary(op) if row.arity == 1 else _binary(op) for op, row in EXPRESSIONS.items()}
 CASES.update(
     {
         "sum": lambda b, x, y: b.sum(b.reshape(x, (2, 4)), axis=1),

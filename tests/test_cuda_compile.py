@@ -9,9 +9,7 @@ executors would compile for those ops.
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -21,7 +19,9 @@ import batchgpu as bg
 from batchgpu import cuda_source
 from batchgpu.errors import CompileError, UnsupportedError
 from batchgpu.nvrtc import Hiprtc, ModuleCache, Nvrtc
-from batchgpu.ops import bounds
+from batchgpu.ops.interface import FAMILIES
+
+from .op_examples import record_all, shrunk_bounds
 
 ARCHS = ("sm_80", "sm_90")
 HIP_ARCHS = ("gfx90a", "gfx1030")
@@ -45,85 +45,11 @@ def hiprtc(tmp_path_factory) -> Hiprtc:
 
 
 def _record_everything() -> list[bg.kernels.Launch]:
-    """Record every op family over every dtype it accepts; returns all launches."""
-    dev = bg.Device("reference")
-    b = bg.GpuCommandBatch(dev)
-    for dtype in DTYPES:
-        x = b.upload(np.ones((4, 8), dtype))
-        row = b.upload(np.ones((8,), dtype))
-        col = b.upload(np.ones((4, 1), dtype))
-        one = b.upload(np.ones((1,), dtype))
-        for op in ("add", "sub", "mul", "maximum", "minimum"):
-            getattr(b, op)(x, x)  # contiguous
-            getattr(b, op)(x, row)  # strided broadcast
-            getattr(b, op)(one, x)  # scalar broadcast
-            getattr(b, op)(col, row)  # both strided
-        for op in ("abs", "relu", "copy"):
-            getattr(b, op)(x)
-        for target in DTYPES:
-            b.cast(x, target)
-        b.transpose(x)
-        x[1:3, ::2]
-        b.concat([x, x], axis=1)
-        b.sum(x)
-        b.sum(x, axis=0)
-        b.max(x, axis=1)
-        b.max(x, axis=(0, 1))
-        b.argmax(x)
-        b.argmax(x, axis=0)
-        b.matmul(x, b.upload(np.ones((8, 3), dtype)))  # skinny
-        big = b.upload(np.ones((2, 16, 8), dtype))
-        b.matmul(big, b.upload(np.ones((8, 5), dtype)), bias=b.upload(np.ones((5,), dtype)))  # tiled, batched
-        b.matmul(b.upload(np.ones((16, 8), dtype)), b.upload(np.ones((16, 8), dtype)), transpose_a=True)
-        b.matmul(x, b.upload(np.ones((3, 8), dtype)), transpose_b=True)  # GPU form: a warp per column
-        b.matmul(b.upload(np.ones((32, 129, 9), dtype)), b.upload(np.ones((9, 130), dtype)))  # 128 tiles
-        ids = b.upload(np.zeros((3,), np.int32))
-        b.embedding(ids, x)
-        if dtype in (np.float32, np.float16):
-            b.neg(x)
-            for op in ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "gelu", "silu"):
-                getattr(b, op)(x)
-            b.div(x, row)
-            b.silu_mul(x, x)
-            b.mean(x, axis=1)
-            b.softmax(x)
-            b.softmax(x, axis=0)
-            b.rms_norm(x, row)
-            b.add_rms_norm(x, x, row)
-            b.layer_norm(x, row, row)
-            q = b.upload(np.ones((2, 4, 8), dtype))
-            cache = b.upload(np.ones((16, 2, 8), dtype))
-            pos = b.scalar(f"pos_{np.dtype(dtype).name}")
-            b.rope(q, pos)
-            b.rope(q, 3)
-            b.kv_write(cache, b.upload(np.ones((2, 2, 8), dtype)), pos)
-            b.attention(q, cache, cache, pos=pos)
-            b.attention(q, cache, cache, pos=1, causal=False)
-            long_cache = b.upload(np.ones((200, 2, 8), dtype))  # split into blocks under shrunk bounds
-            b.attention(q, long_cache, long_cache, pos=pos)
-        if dtype == np.int32:
-            b.neg(x)
-    for qtype, block_bytes in (("q4_1", 20), ("q8_0", 34)):
-        w = dev.quantized(np.zeros(6 * 2 * block_bytes, np.uint8), qtype, (6, 64))
-        b.matmul(b.upload(np.ones((3, 64), np.float32)), w, transpose_b=True)
-        b.matmul(b.upload(np.ones((3, 64), np.float32)), w, transpose_b=True, bias=b.upload(np.ones(6, np.float32)))
-        b.embedding(b.upload(np.zeros((2,), np.int32)), w)
+    """Record every op of the op table over every dtype it accepts (tests/op_examples.py); returns all
+    launches."""
+    b = bg.GpuCommandBatch(bg.Device("reference"))
+    record_all(b, DTYPES)
     return [launch for node in b.nodes for launch in node.launches]
-
-
-@contextlib.contextmanager
-def _shrunk_bounds() -> Iterator[None]:
-    """Tiny per-invocation work bounds (batchgpu/ops/bounds.py), so that the small shapes above take the
-    chunked paths: row pieces, split-K, attention over blocks of rows with merge passes."""
-    tiny = {"LOOP_BUDGET": 1, "ROW_CHUNK": 3, "COLUMN_LIMIT": 2, "MATMUL_K_CHUNK": 16, "QUANT_BLOCK_CHUNK": 1}
-    saved = {name: getattr(bounds, name) for name in tiny}
-    for name, value in tiny.items():
-        setattr(bounds, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(bounds, name, value)
 
 
 def _sources() -> dict[str, tuple[str, set[str]]]:
@@ -131,7 +57,7 @@ def _sources() -> dict[str, tuple[str, set[str]]]:
     with the real bounds and with shrunk ones."""
     sources: dict[str, tuple[str, set[str]]] = {}
     launches = _record_everything()
-    with _shrunk_bounds():
+    with shrunk_bounds():
         launches += _record_everything()
     for recorded in launches:
         for launch in {id(recorded): recorded, id(recorded.for_native()): recorded.for_native()}.values():
@@ -141,7 +67,7 @@ def _sources() -> dict[str, tuple[str, set[str]]]:
 
 
 SOURCES = _sources()
-NATIVE_ONLY_ENTRIES = {"matmul_128", "matmul_mma_f16"}  # CUDA/HIP-only forms of the tiled matmul
+NATIVE_ONLY_ENTRIES = set().union(*(family.native_only for family in FAMILIES.values()))  # CUDA/HIP-only forms
 
 
 def test_every_family_and_entry_is_covered():

@@ -19,6 +19,7 @@ from batchgpu.export.browser import Chromium, find_chromium, serve
 from batchgpu.limits import Limits, split_groups
 from batchgpu.shaders import render_wgsl
 
+from .op_examples import record_all
 from .test_custom_kernels import saxpy_kernel, square_plus_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,43 +200,17 @@ def test_browser_runs_every_builtin_kernel_like_the_reference(
     ref: bg.Device, browser: Chromium, tmp_path: Path
 ) -> None:
     """Exported from the numpy reference device (no GPU needed to export): the browser compiles every
-    built-in WGSL family with its own compiler and must match numpy."""
+    built-in WGSL family with its own compiler and must match numpy. Every op of the op table, in each
+    form tests/op_examples.py records, over float32, int32 and uint32 (float16 needs the shader-f16
+    feature, which SwiftShader lacks: test_browser_reports_a_missing_feature)."""
     rng = np.random.default_rng(11)
-
-    def f(*shape: int) -> np.ndarray:
-        return rng.standard_normal(shape).astype(np.float32)
-
     batch = bg.GpuCommandBatch(ref, name="builtins")
-    x, p = batch.upload(f(6, 40), name="x"), batch.upload(rng.uniform(0.5, 2, (6, 40)).astype(np.float32), name="p")
-    w, bias = ref.tensor(f(40, 24), name="w"), ref.tensor(f(24), name="bias")
-    xi = batch.upload(rng.integers(-50, 50, (6, 40)).astype(np.int32), name="xi")
-    outs = [getattr(batch, op)(x) for op in ("neg", "abs", "exp", "tanh", "sigmoid", "relu", "gelu", "silu", "copy")]
-    outs += [getattr(batch, op)(p) for op in ("log", "sqrt", "rsqrt")]
-    outs += [getattr(batch, op)(x, p) for op in ("add", "sub", "mul", "div", "maximum", "minimum", "silu_mul")]
-    outs += [batch.add(x, 2.5), batch.matmul(x, w, bias=bias), batch.matmul(x, x, transpose_b=True)]
-    outs += [batch.matmul(batch.reshape(x, (2, 3, 40)), w), batch.sum(x, axis=1), batch.mean(x, axis=0)]
-    outs += [batch.max(x), batch.softmax(x), batch.rms_norm(x, batch.upload(f(40)))]
-    outs += [
-        *batch.add_rms_norm(x, p, batch.upload(f(40))),
-        batch.layer_norm(x, batch.upload(f(40)), batch.upload(f(40))),
-    ]
-    outs += [batch.transpose(x), batch.permute(batch.reshape(x, (2, 3, 40)), (2, 0, 1)), x[1:5, ::3]]
-    outs += [batch.concat([x, p], axis=1), batch.cast(x, np.int32), batch.argmax(x)]
-    outs += [batch.embedding(batch.upload(np.array([3, 0, 5, 9, 1], np.int32)), batch.upload(f(8, 16)))]
-    outs += [batch.sum(xi, axis=1), batch.mul(xi, xi), batch.max(batch.cast(xi, np.uint32), axis=0)]
-    try:  # GGUF-quantized weights (qmatmul.wgsl, the quantized gather) where the gguf package is installed
-        from gguf import quants
-    except ImportError:
-        quants = None
-    if quants is not None:
-        for qtype in ("q4_1", "q8_0"):
-            kind = getattr(quants.GGMLQuantizationType, qtype.upper())
-            table = ref.quantized(quants.quantize(f(24, 64), kind), qtype, (24, 64), name=qtype)
-            outs += [batch.matmul(batch.upload(f(3, 64)), table, transpose_b=True)]
-            outs += [batch.embedding(batch.upload(np.array([5, 0, 23], np.int32)), table)]
-    out = batch.export_webgpu(tmp_path / "builtins", outputs=outs)
+    outs, scalars = record_all(batch, (np.float32, np.int32, np.uint32), rng)
+    outs.append(batch.add(batch.upload(rng.standard_normal((6, 40)).astype(np.float32)), 2.5))  # a Python scalar
+    quants = importlib.util.find_spec("gguf")  # GGUF-quantized weights where the gguf package is installed
+    out = batch.export_webgpu(tmp_path / "builtins", scalars=scalars, outputs=outs)
     families = {(out / s["file"]).read_text() for s in manifest(out)["shaders"]}
-    assert len(families) >= 8 and manifest(out)["exported_from"] == "numpy reference"
+    assert len(families) >= 9 and manifest(out)["exported_from"] == "numpy reference"
     assert quants is None or sum("unpack2x16float" in source for source in families) >= 2
     entries = {pipeline["entry"] for pipeline in manifest(out)["pipelines"]}
     assert "matmul_gemv_t" in entries  # the GPU forms (Launch.gpu), checked against the reference

@@ -9,20 +9,13 @@ import numpy as np
 import pytest
 
 import batchgpu as bg
-from batchgpu.ops.elementwise import BINARY, UNARY
+from batchgpu.ops import OPS
+from batchgpu.ops.elementwise import EXPRESSIONS
 
 from .conftest import assert_close, random_array
+from .op_examples import accepts
 
 DTYPES = [np.float32, np.float16, np.int32, np.uint32]
-
-
-def allowed(op_dtypes: str, dtype) -> bool:
-    dtype = np.dtype(dtype)
-    return (
-        op_dtypes == "all"
-        or (op_dtypes == "float" and dtype.kind == "f")
-        or (op_dtypes == "signed" and dtype.kind in "fi")
-    )
 
 
 def run_on(device: bg.Device, arrays: Sequence[np.ndarray], build: Callable) -> np.ndarray:
@@ -40,18 +33,18 @@ def check(gpu, ref, arrays, build, dtype=None, scale=1.0) -> np.ndarray:
     return actual
 
 
+# every elementwise op of the op-expression table, over each dtype its spec accepts
 UNARY_CASES = [
-    (op, dtype)
-    for op in sorted(UNARY)
-    for dtype in DTYPES
-    if allowed(UNARY[op][2], dtype) and not (op == "neg" and dtype == np.uint32)
+    (op, dtype) for op in sorted(EXPRESSIONS) for dtype in DTYPES if EXPRESSIONS[op].arity == 1 and accepts(op, dtype)
 ]
-BINARY_CASES = [(op, dtype) for op in sorted(BINARY) for dtype in DTYPES if allowed(BINARY[op][2], dtype)]
+BINARY_CASES = [
+    (op, dtype) for op in sorted(EXPRESSIONS) for dtype in DTYPES if EXPRESSIONS[op].arity == 2 and accepts(op, dtype)
+]
 
 
 @pytest.mark.parametrize("op,dtype", UNARY_CASES)
 def test_unary(gpu, ref, op, dtype):
-    domain = UNARY[op][3]
+    domain = OPS[op].domain
     rng = np.random.default_rng(hash((op, str(dtype))) % 2**32)
     for shape in [(1,), (257,), (3, 5, 11)]:
         x = random_array(rng, shape, dtype, domain)
@@ -71,7 +64,7 @@ def test_unary_reference_matches_numpy(ref):
         "sigmoid": lambda v: 1 / (1 + np.exp(-v)),
     }
     for op, fn in numpy_fns.items():
-        data = pos if UNARY[op][3] == "positive" else x
+        data = pos if OPS[op].domain == "positive" else x
         np.testing.assert_allclose(
             run_on(ref, [data], lambda b, t, op=op: getattr(b, op)(t)), fn(data.astype(np.float64)), rtol=1e-6
         )

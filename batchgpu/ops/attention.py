@@ -12,14 +12,15 @@ import numpy as np
 
 from ..dtypes import FLOAT32
 from ..errors import BatchError, LimitError, ShapeError
-from ..kernels import Binding, Launch, pack_struct, wgsl_aliases
-from ..scalars import SCALAR_BYTES, Scalar, operand
+from ..kernels import Launch, wgsl_aliases
+from ..scalars import Scalar, operand
 from ..tensor import Storage, Tensor
-from . import bounds
-from .common import groups_for, reads, uniform, writes
+from . import bounds, interface
+from .common import groups_for
 from .spec import Node, OpSpec, check_dtype, same_dtype
 
-ATTENTION_WORKGROUP = 64
+FAMILY = interface.ATTENTION
+ATTENTION_WORKGROUP = FAMILY.value("WG")
 F32_MAX = float(np.finfo(np.float32).max)
 U32_MAX = 2**32 - 1
 
@@ -51,27 +52,45 @@ def _params(
     split_rows: int = 0,
     splits: int = 0,
     fan_in: int = 0,
-) -> bytes:
-    slot, literal = operand(pos)
-    fields = (tokens, heads, kv_heads, head_dim, cache_len, slot, literal, int(causal), scale)
-    return pack_struct("IIIIIIIIfIII", *fields, split_rows, splits, fan_in)
+) -> dict[str, Any]:
+    pos_slot, pos_literal = operand(pos)
+    return dict(
+        tokens=tokens,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        cache_len=cache_len,
+        pos_slot=pos_slot,
+        pos_literal=pos_literal,
+        causal=int(causal),
+        scale=scale,
+        split_rows=split_rows,
+        splits=splits,
+        fan_in=fan_in,
+    )
+
+
+Buffers = dict[str, Tensor | Storage]
 
 
 def _launch(
-    node: Node, entry: str, groups: int, bindings: list[Binding], params: bytes, *, position: bool = True, **extra: Any
+    node: Node,
+    entry: str,
+    groups: int,
+    buffers: Buffers,
+    params: dict[str, Any],
+    *,
+    position: bool = True,
+    **extra: Any,
 ) -> Launch:
     """A launch of ``entry`` with the Params uniform, and the per-execute scalars where it reads the position."""
-    dtype = node.inputs[0].dtype
-    extra.setdefault("workgroup_size", (ATTENTION_WORKGROUP, 1, 1))
-    scalars = [Binding(6, "scalars", None, SCALAR_BYTES)] if position else []
-    return Launch(
+    return FAMILY.launch(
         label=node.spec.name,
-        family="attention",
         entry=entry,
-        types=wgsl_aliases(A=dtype),
+        types=wgsl_aliases(A=node.inputs[0].dtype),
         groups=groups,
-        bindings=(*bindings, uniform(5, params), *scalars),
         params=params,
+        buffers=dict(buffers, scalars=position),
         **extra,
     )
 
@@ -113,8 +132,8 @@ def _rope_lower(node: Node) -> list[Launch]:
     tokens, heads, head_dim = x.shape
     table = node.new_constant(inverse_frequencies(head_dim, node.params["theta"]))
     params = _params(tokens, heads, heads, head_dim, 0, node.params["pos"], False, 0.0)
-    bindings = [reads(0, x), Binding(1, "read", table, table.nbytes), writes(4, node.output.storage)]
-    return [_launch(node, "rope", groups_for(x.size // 2, ATTENTION_WORKGROUP), bindings, params)]
+    buffers: Buffers = dict(src=x, table=table, dst=node.output)
+    return [_launch(node, "rope", groups_for(x.size // 2, ATTENTION_WORKGROUP), buffers, params)]
 
 
 ROPE = OpSpec(
@@ -160,8 +179,8 @@ def _kv_write_lower(node: Node) -> list[Launch]:
     cache, new = node.inputs
     _bound_position(node.params["pos"], new.shape[0], cache, "kv_write")
     params = _params(new.shape[0], 0, cache.shape[1], cache.shape[2], cache.shape[0], node.params["pos"], False, 0)
-    bindings = [reads(0, new), writes(4, cache.storage)]
-    return [_launch(node, "kv_write", groups_for(new.size, ATTENTION_WORKGROUP), bindings, params)]
+    buffers: Buffers = dict(src=new, dst=cache)
+    return [_launch(node, "kv_write", groups_for(new.size, ATTENTION_WORKGROUP), buffers, params)]
 
 
 KV_WRITE = OpSpec(
@@ -182,7 +201,7 @@ KV_WRITE = OpSpec(
 # sum of value rows) to f32 scratch; attention_merge folds fan_in partials into one while more remain than
 # one invocation may loop over; attention_combine folds each (token, head)'s partials into its output.
 
-PARTIAL_HEADER = 2
+PARTIAL_HEADER = FAMILY.value("PARTIAL_HEADER")
 """f32s in front of a partial's head_dim weighted sums: the block's max score and its sum of exp."""
 
 
@@ -305,9 +324,9 @@ def _attention_lower(node: Node) -> list[Launch]:
     rows = split_rows(head_dim)
     if cache_len > rows:
         return _attention_over_blocks(node, rows)
-    bindings = [reads(0, q), reads(2, k), reads(3, v), writes(4, node.output.storage)]
+    buffers: Buffers = dict(src=q, keys=k, values=v, dst=node.output)
     params = _attention_params(node, split_rows=cache_len)
-    return [_rows_launch(node, "attention", tokens * heads, bindings, params, cache_len)]
+    return [_rows_launch(node, "attention", tokens * heads, buffers, params, cache_len)]
 
 
 def _attention_over_blocks(node: Node, rows: int) -> list[Launch]:
@@ -322,24 +341,24 @@ def _attention_over_blocks(node: Node, rows: int) -> list[Launch]:
 
     splits = _ceil_div(k.shape[0], rows)
     partials = scratch(splits)
-    bindings = [reads(0, q), reads(2, k), reads(3, v), _partials_out(partials)]
+    buffers: Buffers = dict(src=q, keys=k, values=v, partials_out=partials)
     params = _attention_params(node, split_rows=rows, splits=splits)
-    launches = [_rows_launch(node, "attention_partial", items * splits, bindings, params, rows)]
+    launches = [_rows_launch(node, "attention_partial", items * splits, buffers, params, rows)]
     fan_in = fold_fan_in(head_dim)
     while splits > fan_in:
         folded = _ceil_div(splits, fan_in)
         merged = scratch(folded)
         params = _attention_params(node, split_rows=rows, splits=splits, fan_in=fan_in)
-        bindings = [_partials_in(partials), _partials_out(merged)]
-        launches.append(_launch(node, "attention_merge", items * folded, bindings, params, position=False))
+        buffers = dict(partials_in=partials, partials_out=merged)
+        launches.append(_launch(node, "attention_merge", items * folded, buffers, params, position=False))
         partials, splits = merged, folded
     params = _attention_params(node, split_rows=rows, splits=splits, fan_in=splits)
-    bindings = [_partials_in(partials), writes(4, node.output.storage)]
-    launches.append(_launch(node, "attention_combine", items, bindings, params, position=False))
+    buffers = dict(partials_in=partials, dst=node.output)
+    launches.append(_launch(node, "attention_combine", items, buffers, params, position=False))
     return launches
 
 
-def _attention_params(node: Node, **split: int) -> bytes:
+def _attention_params(node: Node, **split: int) -> dict[str, Any]:
     q, k, _ = node.inputs
     tokens, heads, head_dim = q.shape
     cache_len, kv_heads, _ = k.shape
@@ -347,22 +366,14 @@ def _attention_params(node: Node, **split: int) -> bytes:
     return _params(tokens, heads, kv_heads, head_dim, cache_len, pos, causal, scale, **split)
 
 
-def _partials_in(storage: Storage) -> Binding:
-    return Binding(7, "read", storage, storage.nbytes)
-
-
-def _partials_out(storage: Storage) -> Binding:
-    return Binding(8, "write", storage, storage.nbytes)
-
-
-def _rows_launch(node: Node, entry: str, groups: int, bindings: list[Binding], params: bytes, rows: int) -> Launch:
+def _rows_launch(node: Node, entry: str, groups: int, buffers: Buffers, params: dict[str, Any], rows: int) -> Launch:
     """attention or attention_partial over blocks of at most ``rows`` cache rows (SMAX)."""
     head_dim = node.inputs[0].shape[2]
     return _launch(
         node,
         entry,
         groups,
-        bindings,
+        buffers,
         params,
         constants=(("SMAX", rows), ("HEAD_DIM", head_dim)),
         workgroup_bytes=_rows_workgroup_bytes(rows, head_dim),

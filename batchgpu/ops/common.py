@@ -1,24 +1,12 @@
-"""Helpers the op families share: bindings, broadcast strides, group counts."""
+"""Helpers the op families share: broadcast strides, group counts, rank checks."""
 
 from __future__ import annotations
 
 import math
 
 from ..errors import ShapeError
-from ..kernels import DEFAULT_WORKGROUP, MAX_DIMS, Binding
-from ..tensor import Storage, Tensor, contiguous_strides
-
-
-def reads(slot: int, tensor: Tensor) -> Binding:
-    return Binding(slot, "read", tensor.storage, tensor.storage.nbytes)
-
-
-def writes(slot: int, storage: Storage) -> Binding:
-    return Binding(slot, "write", storage, storage.nbytes)
-
-
-def uniform(slot: int, params: bytes) -> Binding:
-    return Binding(slot, "uniform", None, len(params))
+from ..kernels import DEFAULT_WORKGROUP, MAX_DIMS
+from ..tensor import Tensor, contiguous_strides
 
 
 def groups_for(threads: int, workgroup: int = DEFAULT_WORKGROUP) -> int:

@@ -1,20 +1,23 @@
-"""Elementwise ops: unary math, broadcasting binary ops, cast and copy. One WGSL template,
-``elementwise.wgsl``, specialized per op by its expression and per dtype by type aliases."""
+"""Elementwise ops: unary math, broadcasting binary ops, cast and copy. One kernel family,
+``elementwise.wgsl`` / ``elementwise.cu``, specialized per op by its expression (:data:`EXPRESSIONS`, looked
+up by op name in each language) and per dtype by type aliases."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
 from ..dtypes import UINT32, as_dtype
 from ..errors import ShapeError
-from ..kernels import Launch, pack_params, wgsl_aliases
+from ..kernels import Launch, wgsl_aliases
 from ..tensor import Tensor
-from .common import broadcast_strides, check_rank, collapse, groups_for, reads, uniform, writes
-from .spec import Node, OpSpec, check_dtype, same_dtype
+from .common import broadcast_strides, check_rank, collapse, groups_for
+from .interface import CONTIGUOUS, ELEMENTWISE, SCALAR, STRIDED
+from .spec import Domain, DtypeClass, InferFn, Node, OpSpec, check_dtype, same_dtype
 
 GELU_C = 0.7978845608028654  # sqrt(2 / pi)
 
@@ -38,66 +41,112 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-x))
 
 
-# name: (WGSL expression of x in the compute type C, numpy reference, dtype class, input domain, doc).
-# NaN propagates like numpy's: max_nan/min_nan/is_nan (shaders/wgsl/lib/nan.wgsl) test its bit pattern
-# on float data (WGSL's max/min/clamp may drop NaN, and x != x may fold to false).
-UNARY: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], str, str, str]] = {
-    "neg": ("-x", np.negative, "signed", "any", "-x"),
-    "abs": ("abs(x)", np.abs, "all", "any", "|x|"),
-    "exp": ("exp(x)", np.exp, "float", "any", "e**x"),
-    "log": ("log(x)", np.log, "float", "positive", "natural log"),
-    "sqrt": ("sqrt(x)", np.sqrt, "float", "positive", "square root"),
-    "rsqrt": ("inverseSqrt(x)", lambda x: 1.0 / np.sqrt(x), "float", "positive", "1 / sqrt(x)"),
-    "tanh": ("select(tanh(clamp(x, -15.0, 15.0)), x, is_nan(x))", np.tanh, "float", "any", "hyperbolic tangent"),
-    "sigmoid": ("1.0 / (1.0 + exp(-x))", _sigmoid, "float", "any", "1 / (1 + e**-x)"),
-    "relu": ("max_nan(x, C(0))", lambda x: np.maximum(x, 0).astype(x.dtype), "all", "any", "max(x, 0)"),
-    "gelu": ("gelu_erf(x)", _gelu, "float", "any", "GELU, exact: x * Phi(x) with erf (torch's default)"),
-    "gelu_tanh": (
+@dataclass(frozen=True)
+class Expression:
+    """One elementwise op: its expression of ``x`` (unary) or ``x, y`` (binary) in the compute type
+    ``C``, in WGSL and, where the text differs, in CUDA (``shaders/cuda/prelude.cuh`` gives the
+    ``bg_*`` helpers); the numpy reference; the dtype class it accepts; the inputs its tests draw
+    (``positive`` for log and friends); and the doc of its batch method."""
+
+    arity: Literal[1, 2]
+    wgsl: str
+    reference: Callable[..., np.ndarray]
+    dtypes: DtypeClass
+    doc: str
+    cuda: str = ""
+    domain: Domain = "any"
+
+    def text(self, language: Literal["wgsl", "cuda"]) -> str:
+        """The expression in ``language``."""
+        return (self.cuda or self.wgsl) if language == "cuda" else self.wgsl
+
+
+# NaN propagates like numpy's: max_nan/min_nan/is_nan (shaders/wgsl/lib/nan.wgsl; bg_max_nan... in the
+# CUDA prelude) test its bit pattern on float data (WGSL's max/min/clamp may drop NaN, and x != x may
+# fold to false). CUDA float literals carry an f: unsuffixed ones would compute in double.
+EXPRESSIONS: dict[str, Expression] = {
+    "neg": Expression(1, "-x", np.negative, "signed", "-x"),
+    "abs": Expression(1, "abs(x)", np.abs, "all", "|x|", cuda="bg_abs(x)"),
+    "exp": Expression(1, "exp(x)", np.exp, "float", "e**x", cuda="expf(x)"),
+    "log": Expression(1, "log(x)", np.log, "float", "natural log", cuda="logf(x)", domain="positive"),
+    "sqrt": Expression(1, "sqrt(x)", np.sqrt, "float", "square root", cuda="sqrtf(x)", domain="positive"),
+    "rsqrt": Expression(
+        1, "inverseSqrt(x)", lambda x: 1.0 / np.sqrt(x), "float", "1 / sqrt(x)", cuda="rsqrtf(x)", domain="positive"
+    ),
+    "tanh": Expression(
+        1,
+        "select(tanh(clamp(x, -15.0, 15.0)), x, is_nan(x))",
+        np.tanh,
+        "float",
+        "hyperbolic tangent",
+        cuda="bg_is_nan(x) ? x : tanhf(bg_clamp(x, -15.0f, 15.0f))",
+    ),
+    "sigmoid": Expression(
+        1, "1.0 / (1.0 + exp(-x))", _sigmoid, "float", "1 / (1 + e**-x)", cuda="1.0f / (1.0f + expf(-x))"
+    ),
+    "relu": Expression(
+        1,
+        "max_nan(x, C(0))",
+        lambda x: np.maximum(x, 0).astype(x.dtype),
+        "all",
+        "max(x, 0)",
+        cuda="bg_max_nan(x, (C)0)",
+    ),
+    "gelu": Expression(
+        1, "gelu_erf(x)", _gelu, "float", "GELU, exact: x * Phi(x) with erf (torch's default)", cuda="bg_gelu_erf(x)"
+    ),
+    "gelu_tanh": Expression(
+        1,
         f"0.5 * x * (1.0 + tanh(clamp({GELU_C} * (x + 0.044715 * x * x * x), -15.0, 15.0)))",
         _gelu_tanh,
         "float",
-        "any",
         "GELU, tanh approximation (torch's approximate='tanh')",
+        cuda=f"0.5f * x * (1.0f + tanhf(bg_clamp({GELU_C}f * (x + 0.044715f * x * x * x), -15.0f, 15.0f)))",
     ),
-    "silu": ("x / (1.0 + exp(-x))", lambda x: x * _sigmoid(x), "float", "any", "x * sigmoid(x)"),
-    "copy": ("x", np.copy, "all", "any", "a copy in a new buffer"),
+    "silu": Expression(
+        1, "x / (1.0 + exp(-x))", lambda x: x * _sigmoid(x), "float", "x * sigmoid(x)", cuda="x / (1.0f + expf(-x))"
+    ),
+    "copy": Expression(1, "x", np.copy, "all", "a copy in a new buffer"),
+    "add": Expression(2, "x + y", np.add, "all", "a + b"),
+    "sub": Expression(2, "x - y", np.subtract, "all", "a - b"),
+    "mul": Expression(2, "x * y", np.multiply, "all", "a * b"),
+    "div": Expression(2, "x / y", np.divide, "float", "a / b (floats only)"),
+    "maximum": Expression(
+        2, "max_nan(x, y)", np.maximum, "all", "elementwise max (NaN if either is, as numpy)", cuda="bg_max_nan(x, y)"
+    ),
+    "minimum": Expression(
+        2, "min_nan(x, y)", np.minimum, "all", "elementwise min (NaN if either is, as numpy)", cuda="bg_min_nan(x, y)"
+    ),
+    "silu_mul": Expression(
+        2,
+        "x / (1.0 + exp(-x)) * y",
+        lambda a, b: a * _sigmoid(a) * b,
+        "float",
+        "silu(a) * b (SwiGLU), fused",
+        cuda="x / (1.0f + expf(-x)) * y",
+    ),
 }
-
-# name: (WGSL expression of x and y, numpy reference, dtype class, doc)
-BINARY: dict[str, tuple[str, Callable[[np.ndarray, np.ndarray], np.ndarray], str, str]] = {
-    "add": ("x + y", np.add, "all", "a + b"),
-    "sub": ("x - y", np.subtract, "all", "a - b"),
-    "mul": ("x * y", np.multiply, "all", "a * b"),
-    "div": ("x / y", np.divide, "float", "a / b (floats only)"),
-    "maximum": ("max_nan(x, y)", np.maximum, "all", "elementwise max (NaN if either is, as numpy)"),
-    "minimum": ("min_nan(x, y)", np.minimum, "all", "elementwise min (NaN if either is, as numpy)"),
-    "silu_mul": ("x / (1.0 + exp(-x)) * y", lambda a, b: a * _sigmoid(a) * b, "float", "silu(a) * b (SwiGLU), fused"),
-}
-
-CONTIGUOUS, SCALAR, STRIDED = 0, 1, 2
+"""The op-expression table: every elementwise op by name. A new op is a row here plus its batch method;
+``elementwise.wgsl``/``.cu`` take the expression by op name (``Launch.snippets``)."""
 
 
-def _unary_launch(node: Node, expression: str, in_dtype: np.dtype) -> list[Launch]:
+def _unary_launch(node: Node, op: str, in_dtype: np.dtype) -> list[Launch]:
     x, out = node.inputs[0], node.output
-    params = pack_params((out.size, 0, 0, 0), "IIII", (), (), ())
     return [
-        Launch(
+        ELEMENTWISE.launch(
             label=node.spec.name,
-            family="elementwise",
             entry="unary",
             types=wgsl_aliases(A=in_dtype, B=in_dtype, O=out.dtype),
-            snippets=(("UNARY", expression),),
+            snippets=(("UNARY", op),),
             constants=(("IS_FLOAT", in_dtype.kind == "f"),),
             groups=groups_for(out.size),
-            bindings=(reads(0, x), writes(2, out.storage), uniform(3, params)),
-            params=params,
+            params=dict(n=out.size, ndim=0, shape=(), a_strides=(), b_strides=()),
+            buffers=dict(a=x, out=out),
         )
     ]
 
 
-def _unary_spec(name: str) -> OpSpec:
-    expression, fn, dtypes, domain, doc = UNARY[name]
-
+def _unary_infer(name: str, dtypes: DtypeClass) -> InferFn:
     def infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
         (x,) = inputs
         check_dtype(name, dtypes, x)
@@ -105,19 +154,7 @@ def _unary_spec(name: str) -> OpSpec:
             check_dtype(name, "signed", x)
         return x.shape, x.dtype
 
-    def reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
-        with np.errstate(over="ignore"):
-            return fn(arrays[0])
-
-    return OpSpec(
-        name=name,
-        infer=infer,
-        reference=reference,
-        lower=lambda node: _unary_launch(node, expression, node.inputs[0].dtype),
-        dtypes=dtypes,
-        domain=domain,
-        doc=doc,
-    )
+    return infer
 
 
 def _mode(tensor: Tensor, out_shape: tuple[int, ...]) -> int:
@@ -126,7 +163,7 @@ def _mode(tensor: Tensor, out_shape: tuple[int, ...]) -> int:
     return SCALAR if tensor.size == 1 else STRIDED
 
 
-def _binary_launch(node: Node, expression: str) -> list[Launch]:
+def _binary_launch(node: Node, op: str) -> list[Launch]:
     a, b = node.inputs
     out = node.output
     modes = (_mode(a, out.shape), _mode(b, out.shape))
@@ -136,25 +173,21 @@ def _binary_launch(node: Node, expression: str) -> list[Launch]:
         )
     else:  # every input is read at the output index or is a scalar: no index math in the kernel
         shape, a_strides, b_strides = (), (), ()
-    params = pack_params((out.size, len(shape), 0, 0), "IIII", shape, a_strides, b_strides)
     return [
-        Launch(
+        ELEMENTWISE.launch(
             label=node.spec.name,
-            family="elementwise",
             entry="binary",
             types=wgsl_aliases(A=a.dtype, B=b.dtype, O=out.dtype),
-            snippets=(("BINARY", expression),),
+            snippets=(("BINARY", op),),
             constants=(("A_MODE", modes[0]), ("B_MODE", modes[1]), ("IS_FLOAT", a.dtype.kind == "f")),
             groups=groups_for(out.size),
-            bindings=(reads(0, a), reads(1, b), writes(2, out.storage), uniform(3, params)),
-            params=params,
+            params=dict(n=out.size, ndim=len(shape), shape=shape, a_strides=a_strides, b_strides=b_strides),
+            buffers=dict(a=a, b=b, out=out),
         )
     ]
 
 
-def _binary_spec(name: str) -> OpSpec:
-    expression, fn, dtypes, doc = BINARY[name]
-
+def _binary_infer(name: str, dtypes: DtypeClass) -> InferFn:
     def infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
         a, b = inputs
         dtype = same_dtype(name, inputs, ("a", "b"))
@@ -171,17 +204,34 @@ def _binary_spec(name: str) -> OpSpec:
             ) from None
         return tuple(shape), dtype
 
-    def reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            return fn(arrays[0], arrays[1])
+    return infer
 
+
+def _spec(name: str, row: Expression) -> OpSpec:
+    """The op spec of an elementwise op from its row of the op-expression table."""
+    fn = row.reference
+    if row.arity == 1:
+
+        def reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
+            with np.errstate(over="ignore"):
+                return fn(arrays[0])
+
+        infer, lower = _unary_infer(name, row.dtypes), (lambda node: _unary_launch(node, name, node.inputs[0].dtype))
+    else:
+
+        def reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                return fn(arrays[0], arrays[1])
+
+        infer, lower = _binary_infer(name, row.dtypes), (lambda node: _binary_launch(node, name))
     return OpSpec(
         name=name,
         infer=infer,
         reference=reference,
-        lower=lambda node: _binary_launch(node, expression),
-        dtypes=dtypes,
-        doc=doc,
+        lower=lower,
+        dtypes=row.dtypes,
+        domain=row.domain,
+        doc=row.doc,
     )
 
 
@@ -193,8 +243,9 @@ CAST = OpSpec(
     name="cast",
     infer=_cast_infer,
     reference=lambda arrays, params: arrays[0].astype(np.dtype(params["dtype"])),
-    lower=lambda node: _unary_launch(node, "x", node.inputs[0].dtype),
+    # copy's expression (x): the conversion is the kernel's own, from A through C to O
+    lower=lambda node: _unary_launch(node, "copy", node.inputs[0].dtype),
     doc="convert to another dtype (float to int truncates toward zero)",
 )
 
-SPECS: list[OpSpec] = [_unary_spec(n) for n in UNARY] + [_binary_spec(n) for n in BINARY] + [CAST]
+SPECS: list[OpSpec] = [_spec(name, row) for name, row in EXPRESSIONS.items()] + [CAST]

@@ -10,10 +10,11 @@ import numpy as np
 
 from ..dtypes import INT32
 from ..errors import DTypeError, ShapeError
-from ..kernels import DEFAULT_WORKGROUP, Binding, Launch, pack_struct, wgsl_aliases
-from ..tensor import QuantTensor, Tensor
+from ..kernels import Launch, wgsl_aliases
+from ..tensor import QuantTensor, Storage, Tensor
 from . import bounds
-from .common import groups_for, reads, uniform, writes
+from .common import groups_for
+from .interface import GATHER
 from .reduce import move_axes_last
 from .spec import Node, OpSpec, normalize_axis
 
@@ -37,20 +38,18 @@ def _embedding_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np
 def _embedding_lower(node: Node) -> list[Launch]:
     ids, table = node.inputs
     out = node.output
-    params = pack_struct("IIII", ids.size, table.shape[1], table.shape[0], 0)
     if isinstance(table, QuantTensor):
-        entry, table_binding = f"embedding_{table.qtype}", reads(5, table)
+        entry, table_binding = f"embedding_{table.qtype}", "qtable"
     else:
-        entry, table_binding = "embedding", reads(1, table)
+        entry, table_binding = "embedding", "table"
     return [
-        Launch(
+        GATHER.launch(
             label="embedding",
-            family="gather",
             entry=entry,
             types=wgsl_aliases(A=table.dtype, O=out.dtype),
             groups=groups_for(out.size),
-            bindings=(reads(0, ids), table_binding, writes(2, out.storage), uniform(3, params)),
-            params=params,
+            params=dict(count=ids.size, width=table.shape[1], rows=table.shape[0], chunk=0),
+            buffers={"ids": ids, table_binding: table, "out": out},
         )
     ]
 
@@ -84,31 +83,28 @@ def _argmax_lower(node: Node) -> list[Launch]:
     out = node.output.storage
     chunk = bounds.ROW_CHUNK
     if width <= chunk:
-        return [*launches, _argmax_launch("argmax_rows", source, rows, width, width, rows, writes(4, out))]
+        return [*launches, _argmax_launch("argmax_rows", source, rows, width, width, rows, indices=out)]
     # Long rows: the best index of each piece into scratch, then one workgroup per row picks among them.
     chunks = math.ceil(width / chunk)
     candidates = node.new_scratch(rows * chunks * INT32.itemsize, INT32)
-    read_candidates = Binding(0, "read", candidates, candidates.nbytes)
     return [
         *launches,
-        _argmax_launch("argmax_rows", source, rows, width, chunk, rows * chunks, writes(4, candidates)),
-        _argmax_launch("argmax_candidates", source, rows, width, chunk, rows, writes(4, out), read_candidates),
+        _argmax_launch("argmax_rows", source, rows, width, chunk, rows * chunks, indices=candidates),
+        _argmax_launch("argmax_candidates", source, rows, width, chunk, rows, indices=out, ids=candidates),
     ]
 
 
-def _argmax_launch(entry: str, x: Tensor, rows: int, width: int, chunk: int, groups: int, *bindings: Binding) -> Launch:
+def _argmax_launch(entry: str, x: Tensor, rows: int, width: int, chunk: int, groups: int, **buffers: Storage) -> Launch:
     """A launch of an argmax entry over (rows, width) ``x`` taken in pieces of ``chunk`` elements."""
-    params = pack_struct("IIII", rows, width, 0, chunk)
-    return Launch(
+    return GATHER.launch(
         label="argmax",
-        family="gather",
         entry=entry,
         types=wgsl_aliases(A=x.dtype, O=x.dtype),
         constants=(("IS_FLOAT", x.dtype.kind == "f"),),
         groups=groups,
-        bindings=(reads(1, x), uniform(3, params), *bindings),
-        params=params,
-        workgroup_bytes=DEFAULT_WORKGROUP * 8,
+        params=dict(count=rows, width=width, rows=0, chunk=chunk),
+        buffers=dict(table=x, **buffers),
+        workgroup_bytes=GATHER.value("WG") * 8,  # a (value, index) pair per invocation
     )
 
 

@@ -9,9 +9,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShapeError
-from ..kernels import Launch, pack_params, wgsl_aliases
+from ..kernels import Launch, wgsl_aliases
 from ..tensor import Storage, Tensor, contiguous_strides
-from .common import check_rank, collapse, groups_for, reads, uniform, writes
+from .common import check_rank, collapse, groups_for
+from .interface import COPY
 from .spec import Node, OpSpec, normalize_axis, same_dtype
 
 
@@ -29,15 +30,21 @@ def strided_copy(
     """A launch copying the ``shape`` region of ``src`` into ``dst`` through element strides."""
     shape, (src_strides, dst_strides) = collapse(shape, src_strides, dst_strides)
     count = math.prod(shape)
-    params = pack_params((count, len(shape), src_base, dst_base), "IIii", shape, src_strides, dst_strides)
-    return Launch(
+    return COPY.launch(
         label=label,
-        family="copy",
         entry="strided_copy",
         types=wgsl_aliases(A=src.dtype, O=dst_dtype),
         groups=groups_for(count),
-        bindings=(reads(0, src), writes(1, dst), uniform(2, params)),
-        params=params,
+        params=dict(
+            n=count,
+            ndim=len(shape),
+            src_base=src_base,
+            dst_base=dst_base,
+            shape=shape,
+            src_strides=src_strides,
+            dst_strides=dst_strides,
+        ),
+        buffers=dict(src=src, dst=dst),
     )
 
 

@@ -20,28 +20,31 @@ import numpy as np
 
 from ..dtypes import compute_dtype
 from ..errors import ShapeError
-from ..kernels import Launch, pack_params, pack_struct, wgsl_aliases
+from ..kernels import Launch, wgsl_aliases
 from ..quant import BLOCK
 from ..tensor import QuantTensor, Tensor
 from . import bounds, reduce
-from .common import broadcast_strides, reads, uniform, writes
+from .common import broadcast_strides
+from .interface import MATMUL as FAMILY
+from .interface import QMATMUL
 from .spec import Node, OpSpec, same_dtype
 
-TILE = 64
-TILE_K = 16
-WORKGROUP = (16, 16, 1)
+# The kernels' shapes, declared with their interfaces (batchgpu/ops/interface.py).
+TILE = FAMILY.value("TILE")
+TILE_K = FAMILY.value("TK")
+WORKGROUP = (FAMILY.value("TILE_WG"), FAMILY.value("TILE_WG"), 1)
 MAX_BATCH_DIMS = 8
-SKINNY_ROWS = 8
-SKINNY_WORKGROUP = 64
-SKINNY_COLUMNS = 8  # output columns per invocation in matmul_skinny
-QUANT_WORKGROUP = 64
-QUANT_ROWS = 8  # output features per invocation in qmatmul.wgsl
-BIG_TILE = 128  # the native executors' large-matmul tile (matmul_128, matmul_mma_f16)
-BIG_TILE_K = 8  # k per shared tile step of matmul_128 (4-byte accumulators)
-MMA_ROW_HALVES = 40  # a float16 tile row of matmul_mma_f16: 32 k values + 8 halves of bank padding
+SKINNY_ROWS = FAMILY.value("SKINNY_ROWS")
+SKINNY_WORKGROUP = FAMILY.value("SKINNY_WG")
+SKINNY_COLUMNS = FAMILY.value("SKINNY_COLUMNS")  # output columns per invocation in matmul_skinny
+QUANT_WORKGROUP = QMATMUL.value("WG")
+QUANT_ROWS = QMATMUL.value("ROWS")  # output features per invocation in qmatmul.wgsl
+BIG_TILE = FAMILY.value("BIG")  # the native executors' large-matmul tile (matmul_128, matmul_mma_f16)
+BIG_TILE_K = FAMILY.value("BIG_K")  # k per shared tile step of matmul_128 (4-byte accumulators)
+MMA_ROW_HALVES = FAMILY.value("MMA_PAD")  # a float16 tile row of matmul_mma_f16: 32 k values + 8 halves of padding
 BIG_TILE_MIN_BLOCKS = 128  # 128 x 128 tiles needed before a non-float16 matmul uses them
-WARP = 32  # lanes per output in the GPU-form GEMV kernels (*_warp, matmul_gemv_t)
-WARPS_PER_BLOCK = 8
+WARP = FAMILY.value("WARP")  # lanes per output in the GPU-form GEMV kernels (*_warp, matmul_gemv_t)
+WARPS_PER_BLOCK = FAMILY.value("WARPS")
 
 
 def _operand_dims(a: Tensor, b: Tensor, params: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -153,27 +156,26 @@ def _big_tile(launch: Launch, dtype: np.dtype, m: int, n: int, batch: int, split
         launch,
         entry="matmul_mma_f16" if half else "matmul_128",
         groups=(math.ceil(n / BIG_TILE), math.ceil(m / BIG_TILE) * splits, batch),
-        workgroup_size=(256, 1, 1),
+        workgroup_size=(FAMILY.value("BIG_WG"), 1, 1),
         workgroup_bytes=2 * BIG_TILE * (MMA_ROW_HALVES * 2 if half else BIG_TILE_K * 4),
     )
 
 
 def _skinny_launch(
-    node: Node, params: bytes, m: int, n: int, bias: Tensor, b_transposed: bool, target: Tensor, splits: int
+    node: Node, params: dict[str, Any], m: int, n: int, bias: Tensor, b_transposed: bool, target: Tensor, splits: int
 ) -> Launch:
     """Few rows of a (decode): one invocation per 8 output columns of one row (and split), no tiles to
     fill. With b stored (N, K), GPUs (native executors, wgpu on GPU adapters) run a warp per output column
     over all m rows instead."""
     a, b = node.inputs[:2]
-    launch = Launch(
+    launch = FAMILY.launch(
         label="matmul",
-        family="matmul",
         entry="matmul_skinny",
         types=wgsl_aliases(A=a.dtype, O=target.dtype),
         groups=(math.ceil(n / (SKINNY_WORKGROUP * SKINNY_COLUMNS)), m, splits),
         constants=(("HAS_BIAS", len(node.inputs) == 3),),
-        bindings=(reads(0, a), reads(1, b), writes(2, target.storage), uniform(3, params), reads(4, bias)),
         params=params,
+        buffers=dict(a=a, b=b, out=target, bias=bias),
         workgroup_size=(SKINNY_WORKGROUP, 1, 1),
     )
     if b_transposed:
@@ -203,17 +205,14 @@ def _lower_quantized(node: Node) -> list[Launch]:
     m = x.size // k
     block_chunk, splits = _split_k(k // BLOCK, bounds.QUANT_BLOCK_CHUNK)
     target = _split_output(node, splits, 1)
-    params = pack_struct("IIIIII", m, rows, k, k // BLOCK, block_chunk, splits)
-    launch = Launch(
+    launch = QMATMUL.launch(
         label="matmul",
-        family="qmatmul",
         entry=f"matmul_{w.qtype}",
         types=wgsl_aliases(A=x.dtype, O=target.dtype),
         groups=(math.ceil(rows / (QUANT_WORKGROUP * QUANT_ROWS)), m, splits),
         constants=(("HAS_BIAS", len(node.inputs) == 3),),
-        bindings=(reads(0, x), reads(1, w), writes(2, target.storage), uniform(3, params), reads(4, bias)),
-        params=params,
-        workgroup_size=(QUANT_WORKGROUP, 1, 1),
+        params=dict(m=m, n=rows, k=k, blocks=k // BLOCK, block_chunk=block_chunk, splits=splits),
+        buffers=dict(x=x, w=w, out=target, bias=bias),
     )
     launch.native = launch.gpu = _warp_per_output(launch, f"matmul_{w.qtype}_warp", rows, m * splits)
     return [launch, *_sum_splits(node, target)]
@@ -248,8 +247,17 @@ def _lower(node: Node) -> list[Launch]:
     batch_count = max(math.prod(batch), 1)
     k_chunk, splits = _split_k(k, bounds.MATMUL_K_CHUNK, TILE_K)
     target = _split_output(node, splits, batch_count)
-    strides = (a_sm, a_sk, b_sk, b_sn, k_chunk, splits)  # the Params' strides and split_k vectors
-    params = pack_params((m, n, k, len(batch)), "IIII", strides, batch, a_strides, b_strides)
+    params = dict(
+        m=m,
+        n=n,
+        k=k,
+        batch_ndim=len(batch),
+        strides=(a_sm, a_sk, b_sk, b_sn),
+        split_k=(k_chunk, splits),
+        batch_shape=batch,
+        a_batch_strides=a_strides,
+        b_batch_strides=b_strides,
+    )
     if not batch and m <= SKINNY_ROWS:
         skinny = _skinny_launch(node, params, m, n, bias, b_sk == 1, target, splits)
         return [skinny, *_sum_splits(node, target)]
@@ -257,15 +265,14 @@ def _lower(node: Node) -> list[Launch]:
     # stays far below the per-dimension limit (at most 8192 with 128 MiB bindings); batch x splits in z
     # would not.
     groups = (math.ceil(n / TILE), math.ceil(m / TILE) * splits, batch_count)
-    launch = Launch(
+    launch = FAMILY.launch(
         label="matmul",
-        family="matmul",
         entry="matmul",
         types=wgsl_aliases(A=a.dtype, O=target.dtype),
         groups=groups,
         constants=(("HAS_BIAS", len(node.inputs) == 3),),
-        bindings=(reads(0, a), reads(1, b), writes(2, target.storage), uniform(3, params), reads(4, bias)),
         params=params,
+        buffers=dict(a=a, b=b, out=target, bias=bias),
         workgroup_size=WORKGROUP,
         workgroup_bytes=2 * TILE * TILE_K * 4,
     )

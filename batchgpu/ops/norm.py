@@ -10,10 +10,10 @@ import numpy as np
 
 from ..dtypes import FLOAT32
 from ..errors import ShapeError
-from ..kernels import DEFAULT_WORKGROUP, Binding, Launch, pack_struct, wgsl_aliases
-from ..tensor import Tensor
+from ..kernels import Launch, wgsl_aliases
+from ..tensor import Storage, Tensor
 from . import bounds
-from .common import reads, uniform, writes
+from .interface import NORM
 from .spec import Node, OpSpec, check_dtype, same_dtype
 
 Shape = tuple[int, ...]
@@ -56,8 +56,11 @@ def _layer(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarra
     return (x - mean) / np.sqrt(var + np.float32(eps)) * w + b
 
 
+Buffers = dict[str, Tensor | Storage]
+
+
 def _norm_passes(
-    node: Node, op: str, *, whole: list[Binding], partials: list[Binding], chunks: list[Binding], statistics: int
+    node: Node, op: str, *, whole: Buffers, partials: Buffers, chunks: Buffers, statistics: int
 ) -> list[Launch]:
     """``op`` over the rows of ``x``: ``{op}_rows`` (bindings ``whole``) while rows fit in one chunk; longer
     rows in two passes over pieces of ``bounds.ROW_CHUNK`` elements: ``{op}_partials`` (bindings
@@ -71,44 +74,41 @@ def _norm_passes(
         return [_launch(node, f"{op}_rows", whole, d, rows)]
     pieces = rows * math.ceil(d / chunk)
     scratch = node.new_scratch(pieces * statistics * FLOAT32.itemsize, FLOAT32)
-    per_piece = Binding(6, "write", scratch, scratch.nbytes)
     return [
-        _launch(node, f"{op}_partials", [*partials, per_piece], chunk, pieces),
-        _launch(node, f"{op}_chunks", [*chunks, per_piece], chunk, pieces),
+        _launch(node, f"{op}_partials", {**partials, "partials": scratch}, chunk, pieces),
+        _launch(node, f"{op}_chunks", {**chunks, "partials": scratch}, chunk, pieces),
     ]
 
 
-def _launch(node: Node, entry: str, bindings: list[Binding], chunk: int, groups: int) -> Launch:
+def _launch(node: Node, entry: str, buffers: Buffers, chunk: int, groups: int) -> Launch:
     x = node.inputs[0]
-    params = pack_struct("IIfI", x.size // x.shape[-1], x.shape[-1], float(node.params["eps"]), chunk)
-    return Launch(
+    return NORM.launch(
         label=node.spec.name,
-        family="norm",
         entry=entry,
         types=wgsl_aliases(A=x.dtype),
         groups=groups,
-        bindings=(*bindings, uniform(5, params)),
-        params=params,
-        workgroup_bytes=DEFAULT_WORKGROUP * 4,
+        params=dict(rows=x.size // x.shape[-1], d=x.shape[-1], eps=float(node.params["eps"]), chunk=chunk),
+        buffers=buffers,
+        workgroup_bytes=NORM.value("WG") * 4,
     )
 
 
 def _rms_lower(node: Node) -> list[Launch]:
     x, w = node.inputs
-    normed = [reads(0, x), reads(1, w), writes(3, node.output.storage)]
-    return _norm_passes(node, "rms_norm", whole=normed, partials=[reads(0, x)], chunks=normed, statistics=1)
+    normed: Buffers = dict(x=x, w=w, out=node.output)
+    return _norm_passes(node, "rms_norm", whole=normed, partials=dict(x=x), chunks=normed, statistics=1)
 
 
 def _add_rms_lower(node: Node) -> list[Launch]:
     x, residual, w = node.inputs
     normed, summed = node.outputs
-    h = [reads(0, x), reads(2, residual)]  # x + residual, recomputed in each pass
-    out = [*h, reads(1, w), writes(3, normed.storage)]
+    h: Buffers = dict(x=x, extra=residual)  # x + residual, recomputed in each pass
+    out: Buffers = {**h, "w": w, "out": normed}
     return _norm_passes(
         node,
         "add_rms_norm",
-        whole=[*out, writes(4, summed.storage)],
-        partials=[*h, writes(4, summed.storage)],
+        whole={**out, "summed": summed},
+        partials={**h, "summed": summed},
         chunks=out,
         statistics=1,
     )
@@ -116,8 +116,8 @@ def _add_rms_lower(node: Node) -> list[Launch]:
 
 def _layer_lower(node: Node) -> list[Launch]:
     x, w, b = node.inputs
-    normed = [reads(0, x), reads(1, w), reads(2, b), writes(3, node.output.storage)]
-    return _norm_passes(node, "layer_norm", whole=normed, partials=[reads(0, x)], chunks=normed, statistics=2)
+    normed: Buffers = dict(x=x, w=w, extra=b, out=node.output)
+    return _norm_passes(node, "layer_norm", whole=normed, partials=dict(x=x), chunks=normed, statistics=2)
 
 
 RMS_NORM = OpSpec(

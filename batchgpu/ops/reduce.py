@@ -13,14 +13,15 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import FLOAT32, compute_dtype
-from ..kernels import DEFAULT_WORKGROUP, Binding, Launch, pack_struct, wgsl_aliases
+from ..kernels import Launch, wgsl_aliases
 from ..tensor import Storage, Tensor, contiguous_strides
-from . import bounds
-from .common import check_rank, groups_for, reads, uniform, writes
+from . import bounds, interface
+from .common import check_rank, groups_for
+from .interface import FAMILIES, OP_MAX, OP_SUM
 from .layout import strided_copy
 from .spec import Node, OpSpec, check_dtype, normalize_axis
 
-REDUCE_OPS = {"sum": 0, "max": 1, "mean": 0}
+REDUCE_OPS = {"sum": OP_SUM, "max": OP_MAX, "mean": OP_SUM}
 
 
 def reduce_axes(op: str, x: Tensor, axis: int | Sequence[int] | None) -> tuple[int, ...]:
@@ -176,18 +177,17 @@ def row_or_column_launch(
     (one thread per output column). Rows of length ``r`` are cut into chunks of ``chunk``."""
     chunk = chunk or r
     chunks = math.ceil(r / chunk)
-    params = pack_struct("IIIfIIII", outer, r, inner, scale, chunk, chunks, 0, 0)
     rows = inner == 1
-    return Launch(
+    declared = FAMILIES[family]
+    return declared.launch(
         label=label,
-        family=family,
         entry=f"{family}_rows" if rows else f"{family}_cols",
         types=wgsl_aliases(A=x.dtype, O=out_dtype),
         constants=constants,
         groups=outer * chunks if rows else groups_for(outer * inner),
-        bindings=(reads(0, x), writes(1, out), uniform(2, params)),
-        params=params,
-        workgroup_bytes=DEFAULT_WORKGROUP * 4 if rows else 0,
+        params=dict(outer=outer, r=r, inner=inner, scale=scale, chunk=chunk, chunks=chunks),
+        buffers=dict(a=x, out=out),
+        workgroup_bytes=declared.value("WG") * 4 if rows else 0,
     )
 
 
@@ -246,21 +246,19 @@ def _softmax_rows(node: Node, x: Tensor, out: Storage, outer: int, r: int) -> li
     chunk = bounds.ROW_CHUNK
     chunks = math.ceil(r / chunk)
     partials = node.new_scratch(outer * chunks * 2 * FLOAT32.itemsize, FLOAT32)
-    params = pack_struct("IIIfIIII", outer, r, 1, 1.0, chunk, chunks, 0, 0)
 
-    def launch(entry: str, *bindings: Binding) -> Launch:
-        return Launch(
+    def launch(entry: str, **buffers: Storage) -> Launch:
+        return interface.SOFTMAX.launch(
             label="softmax",
-            family="softmax",
             entry=entry,
             types=wgsl_aliases(A=x.dtype, O=x.dtype),
             groups=outer * chunks,
-            bindings=(reads(0, x), uniform(2, params), writes(3, partials), *bindings),
-            params=params,
-            workgroup_bytes=DEFAULT_WORKGROUP * 4,
+            params=dict(outer=outer, r=r, inner=1, scale=1.0, chunk=chunk, chunks=chunks),
+            buffers=dict(a=x, partials=partials, **buffers),
+            workgroup_bytes=interface.SOFTMAX.value("WG") * 4,
         )
 
-    return [launch("softmax_partials"), launch("softmax_chunks", writes(1, out))]
+    return [launch("softmax_partials"), launch("softmax_chunks", out=out)]
 
 
 def _inverse_order(ndim: int, axis: int) -> tuple[int, ...]:

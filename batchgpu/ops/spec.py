@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -18,6 +18,9 @@ Shape = tuple[int, ...]
 InferFn = Callable[[Sequence[Tensor], dict[str, Any]], tuple[Shape, np.dtype]]
 ReferenceFn = Callable[[list[np.ndarray], dict[str, Any]], np.ndarray | None]
 LowerFn = Callable[["Node"], list[Launch]]
+DtypeClass = Literal["all", "float", "signed"]
+"""The dtypes an op accepts: all, floats (float32, float16), or signed (floats and int32)."""
+Domain = Literal["any", "positive"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,8 @@ class OpSpec:
     ``infer`` validates inputs and returns the output shape and dtype (None for in-place ops);
     ``reference`` computes the output with numpy (float16 inputs arrive as float32);
     ``lower`` turns a node into launches; ``view`` ops share their input's storage and launch nothing.
-    ``domain`` tells tests which random inputs are valid (``"any"`` or ``"positive"``).
+    ``dtypes`` is the dtype class the op accepts; ``domain`` tells tests which random inputs are valid
+    (``"any"`` or ``"positive"``); ``doc`` describes the op (elementwise ops: their batch method's doc).
     """
 
     name: str
@@ -35,8 +39,8 @@ class OpSpec:
     reference: ReferenceFn
     lower: LowerFn | None = None
     view: bool = False
-    dtypes: str = "all"  # "all", "float", "signed" (floats and int32)
-    domain: str = "any"
+    dtypes: DtypeClass = "all"
+    domain: Domain = "any"
     doc: str = ""
     inplace: tuple[int, ...] | str = ()  # inputs the op writes in place ("all" for custom kernels)
     quantized: tuple[int, ...] = ()  # inputs that may be quantized weights (QuantTensor): their kernels dequantize
@@ -86,7 +90,7 @@ class Node:
         return storage
 
 
-def check_dtype(op: str, spec_dtypes: str, tensor: Tensor, argument: str = "x") -> None:
+def check_dtype(op: str, spec_dtypes: DtypeClass, tensor: Tensor, argument: str = "x") -> None:
     """Raise DTypeError when ``tensor``'s dtype is outside the op's dtype class."""
     allowed = {
         "all": True,

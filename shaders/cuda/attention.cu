@@ -5,29 +5,17 @@
 // (split_rows: the cache length when one workgroup takes all its rows, else one block's rows), so one
 // module serves every cache length.
 
-#define TWO_PI 6.283185307179586f
-#define LOWEST -3.4028234e38f
-#define PARTIAL_HEADER 2u  // a partial's max and sum, then its head_dim weighted sums
-
-struct Params {
-    unsigned tokens, heads, kv_heads, head_dim, cache_len, pos_slot, pos_literal, causal;
-    float scale;
-    unsigned split_rows;  // cache rows of one attention_partial block (scores' length)
-    unsigned splits;      // partials per (token, head): written, or read by merge/combine
-    unsigned fan_in;      // partials attention_merge folds into one
-};
+//!interface
 
 struct RowStats {
     float top, total;  // the largest score and the sum of exp(score - top)
 };
 
 __device__ __forceinline__ unsigned position(const Params& p, const unsigned* scalars) {
-    return p.pos_slot == BG_NO_SLOT ? p.pos_literal : scalars[p.pos_slot];
+    return p.pos_slot == NO_SLOT ? p.pos_literal : scalars[p.pos_slot];
 }
 
-extern "C" __global__ void rope(const A* src, const float* table, const A* keys, const A* values, A* dst,
-                                const Params p, const unsigned* scalars, const float* partials_in,
-                                float* partials_out) {
+extern "C" __global__ void rope(BG_ARGS) {
     unsigned half = p.head_dim / 2u;
     unsigned i = bg_thread_index();
     if (i >= p.tokens * p.heads * half) return;
@@ -44,9 +32,7 @@ extern "C" __global__ void rope(const A* src, const float* table, const A* keys,
     dst[base + j + half] = CVT(A, x2 * c + x1 * s);
 }
 
-extern "C" __global__ void kv_write(const A* src, const float* table, const A* keys, const A* values, A* dst,
-                                    const Params p, const unsigned* scalars, const float* partials_in,
-                                    float* partials_out) {
+extern "C" __global__ void kv_write(BG_ARGS) {
     unsigned row = p.kv_heads * p.head_dim;
     unsigned i = bg_thread_index();
     if (i >= p.tokens * row) return;
@@ -105,9 +91,7 @@ __device__ float weighted_values(const A* values, const Params& p, const float* 
     return acc;
 }
 
-extern "C" __global__ void attention(const A* src, const float* table, const A* keys, const A* values, A* dst,
-                                     const Params p, const unsigned* scalars, const float* partials_in,
-                                     float* partials_out) {
+extern "C" __global__ void attention(BG_ARGS) {
     extern __shared__ float bg_dynamic[];
     __shared__ float partial[WG];
     float* scores = bg_dynamic;                 // [split_rows]
@@ -124,9 +108,7 @@ extern "C" __global__ void attention(const A* src, const float* table, const A* 
     }
 }
 
-extern "C" __global__ void attention_partial(const A* src, const float* table, const A* keys, const A* values,
-                                             A* dst, const Params p, const unsigned* scalars,
-                                             const float* partials_in, float* partials_out) {
+extern "C" __global__ void attention_partial(BG_ARGS) {
     extern __shared__ float bg_dynamic[];
     __shared__ float partial[WG];
     float* scores = bg_dynamic;                 // [split_rows]
@@ -178,9 +160,7 @@ __device__ float folded_values(const float* partials_in, const Params& p, unsign
     return acc;
 }
 
-extern "C" __global__ void attention_merge(const A* src, const float* table, const A* keys, const A* values, A* dst,
-                                           const Params p, const unsigned* scalars, const float* partials_in,
-                                           float* partials_out) {
+extern "C" __global__ void attention_merge(BG_ARGS) {
     unsigned folded = (p.splits + p.fan_in - 1u) / p.fan_in;  // partials per (token, head) after this pass
     unsigned fold = bg_block_index();  // (token * heads + head) * folded + fold of this block
     if (fold >= p.tokens * p.heads * folded) return;
@@ -198,9 +178,7 @@ extern "C" __global__ void attention_merge(const A* src, const float* table, con
     }
 }
 
-extern "C" __global__ void attention_combine(const A* src, const float* table, const A* keys, const A* values,
-                                             A* dst, const Params p, const unsigned* scalars,
-                                             const float* partials_in, float* partials_out) {
+extern "C" __global__ void attention_combine(BG_ARGS) {
     unsigned it = bg_block_index();  // token * heads + head
     if (it >= p.tokens * p.heads) return;
     unsigned first = it * p.splits;

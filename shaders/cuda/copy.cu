@@ -1,15 +1,9 @@
 // Strided copy with dtype conversion; mirrors shaders/wgsl/copy.wgsl. A (source), O (destination),
 // C (compute type of A).
 
-struct Params {
-    unsigned n, ndim;
-    int src_base, dst_base;
-    unsigned shape[8];
-    int src_strides[8];
-    int dst_strides[8];
-};
+//!interface
 
-extern "C" __global__ void strided_copy(const A* src, O* dst, const Params p) {
+extern "C" __global__ void strided_copy(BG_ARGS) {
     unsigned i = bg_thread_index();
     if (i >= p.n) return;
     unsigned rem = i;

@@ -5,15 +5,9 @@
 // of A). NaN counts for float data only (prelude.cuh's bg_is_nan, overloaded on C; the WGSL kernel's
 // IS_FLOAT is not needed here).
 
-struct Params {
-    unsigned count;  // embedding: number of ids; argmax: rows
-    unsigned width;  // embedding: row width; argmax: row length
-    unsigned rows;   // embedding: table rows
-    unsigned chunk;  // argmax: piece length (the row length for rows taken whole)
-};
+//!interface
 
-extern "C" __global__ void embedding(const int* ids, const A* table, O* out, const Params p, int* indices,
-                                     const unsigned* qtable) {
+extern "C" __global__ void embedding(BG_ARGS) {
     unsigned i = bg_thread_index();
     if (i >= p.count * p.width) return;
     int id = ids[i / p.width];
@@ -52,13 +46,11 @@ __device__ void embed_quantized(const int* ids, O* out, const Params& p, const u
     out[i] = CVT(O, value);
 }
 
-extern "C" __global__ void embedding_q4_1(const int* ids, const A* table, O* out, const Params p, int* indices,
-                                          const unsigned* qtable) {
+extern "C" __global__ void embedding_q4_1(BG_ARGS) {
     embed_quantized<false>(ids, out, p, qtable);
 }
 
-extern "C" __global__ void embedding_q8_0(const int* ids, const A* table, O* out, const Params p, int* indices,
-                                          const unsigned* qtable) {
+extern "C" __global__ void embedding_q8_0(BG_ARGS) {
     embed_quantized<true>(ids, out, p, qtable);
 }
 
@@ -91,8 +83,7 @@ __device__ __forceinline__ unsigned argmax_chunks(const Params& p) { return (p.w
 
 // Block `item` takes piece item % chunks of row item / chunks and writes the row index of the piece's best
 // element to indices[item] (rows taken whole: chunks = 1, item = row).
-extern "C" __global__ void argmax_rows(const int* ids, const A* table, O* out, const Params p, int* indices,
-                                       const unsigned* qtable) {
+extern "C" __global__ void argmax_rows(BG_ARGS) {
     __shared__ C best_value[WG];
     __shared__ unsigned best_index[WG];
     unsigned lid = threadIdx.x;
@@ -117,8 +108,7 @@ extern "C" __global__ void argmax_rows(const int* ids, const A* table, O* out, c
 
 // Long rows, second pass: one block per row reads its pieces' candidate indices (ids, as argmax_rows wrote
 // them) and writes the best one to indices[row].
-extern "C" __global__ void argmax_candidates(const int* ids, const A* table, O* out, const Params p, int* indices,
-                                             const unsigned* qtable) {
+extern "C" __global__ void argmax_candidates(BG_ARGS) {
     __shared__ C best_value[WG];
     __shared__ unsigned best_index[WG];
     unsigned lid = threadIdx.x;

@@ -1,24 +1,11 @@
-// Tiled matmul out[z] = A[z] (M x K) @ B[z] (K x N); mirrors shaders/wgsl/matmul.wgsl. A 16x16 block
-// computes a 64x64 output tile, k advancing 16 at a time through tiles in shared memory; each thread
-// keeps 4x4 accumulators. Operands are read through element strides. Split-K as in the WGSL twin: split
-// s of p.split_k[1] accumulates k in [s * k_chunk, min(k, (s + 1) * k_chunk)) into slice s of a
-// (batch, splits, m, n) output, split 0 adding the bias. A (operand type), O (output), C (accumulator type),
-// HAS_BIAS.
+// Tiled matmul out[z] = A[z] (M x K) @ B[z] (K x N); mirrors shaders/wgsl/matmul.wgsl. A TILE_WG x TILE_WG
+// (16x16) block computes a TILE x TILE (64x64) output tile, k advancing TK (16) at a time through tiles in
+// shared memory; each thread keeps 4x4 accumulators. Operands are read through element strides. Split-K as
+// in the WGSL twin: split s of p.split_k[1] accumulates k in [s * k_chunk, min(k, (s + 1) * k_chunk)) into
+// slice s of a (batch, splits, m, n) output, split 0 adding the bias. A (operand type), O (output), C
+// (accumulator type), HAS_BIAS.
 
-#ifndef HAS_BIAS
-#define HAS_BIAS 0
-#endif
-#define TILE 64u
-#define TK 16u
-
-struct Params {
-    unsigned m, n, k, batch_ndim;
-    unsigned strides[4];  // a_sm, a_sk, b_sk, b_sn
-    unsigned split_k[4];  // k_chunk (a multiple of TK when splits > 1), splits, unused, unused
-    unsigned batch_shape[8];
-    unsigned a_batch_strides[8];
-    unsigned b_batch_strides[8];
-};
+//!interface
 
 // First and end k of split `split` (an empty range for a split past the end); mirrors split_range.
 __device__ __forceinline__ unsigned split_first(const Params& p, unsigned split) { return split * p.split_k[0]; }
@@ -61,7 +48,7 @@ __device__ __forceinline__ void batch_bases(const Params& p, unsigned& a_base, u
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) matmul(const A* a, const A* b, O* out, const Params p, const A* bias) {
+extern "C" __global__ void __launch_bounds__(TILE_WG * TILE_WG) matmul(BG_ARGS) {
     __shared__ C a_tile[TK][TILE];  // 4 consecutive rows at one k per staging thread
     __shared__ C b_tile[TK][TILE];  // 4 consecutive columns at one k per staging thread
     unsigned tx = threadIdx.x, ty = threadIdx.y;
@@ -98,22 +85,23 @@ extern "C" __global__ void __launch_bounds__(256) matmul(const A* a, const A* b,
     for (unsigned i = 0; i < 4; i++) store_row(out, bias, p, out_base, row + i, col, acc[i], split == 0u);
 }
 
-// Few rows of A (decode-style GEMV); mirrors matmul_skinny of the WGSL twin. Each thread: 8 consecutive
-// output columns of one row of A (block y) and split (block z), as batchgpu/ops/matmul.py launches.
-extern "C" __global__ void matmul_skinny(const A* a, const A* b, O* out, const Params p, const A* bias) {
-    unsigned col0 = (blockIdx.x * blockDim.x + threadIdx.x) * 8u;
+// Few rows of A (decode-style GEMV); mirrors matmul_skinny of the WGSL twin. Each thread: SKINNY_COLUMNS
+// consecutive output columns of one row of A (block y) and split (block z), as batchgpu/ops/matmul.py
+// launches.
+extern "C" __global__ void matmul_skinny(BG_ARGS) {
+    unsigned col0 = (blockIdx.x * blockDim.x + threadIdx.x) * SKINNY_COLUMNS;
     if (col0 >= p.n) return;
     unsigned row = blockIdx.y, split = blockIdx.z;
-    C acc[8] = {};
+    C acc[SKINNY_COLUMNS] = {};
     for (unsigned k = split_first(p, split), k_end = split_end(p, split); k < k_end; k++) {
         C av = CVT(C, a[row * p.strides[0] + k * p.strides[1]]);
 #pragma unroll
-        for (unsigned j = 0; j < 8u; j++) {
+        for (unsigned j = 0; j < SKINNY_COLUMNS; j++) {
             if (col0 + j < p.n) acc[j] += av * CVT(C, b[k * p.strides[2] + (col0 + j) * p.strides[3]]);
         }
     }
 #pragma unroll
-    for (unsigned j = 0; j < 8u; j++) {
+    for (unsigned j = 0; j < SKINNY_COLUMNS; j++) {
         if (col0 + j >= p.n) continue;
         C value = acc[j];
         if (HAS_BIAS && split == 0u) value += CVT(C, bias[col0 + j]);
@@ -124,23 +112,23 @@ extern "C" __global__ void matmul_skinny(const A* a, const A* b, O* out, const P
 // Few rows of A times a B stored (N, K) (transpose_b: b_sk == 1), decode-style; mirrors matmul_gemv_t of
 // the WGSL twin: one 32-lane warp per output column n of one split (the linear block index runs over
 // ceil(p.n / warps per block) blocks per split, split after split), lanes striding over the split's k so a
-// warp reads a row of B coalesced; the p.m <= 8 rows of A share each B load. The native executors launch
-// it (batchgpu/ops/matmul.py).
-extern "C" __global__ void matmul_gemv_t(const A* a, const A* b, O* out, const Params p, const A* bias) {
+// warp reads a row of B coalesced; the p.m <= SKINNY_ROWS rows of A share each B load. The native executors
+// launch it (batchgpu/ops/matmul.py).
+extern "C" __global__ void matmul_gemv_t(BG_ARGS) {
     unsigned lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
     unsigned per_split = (p.n + warps - 1u) / warps, block = bg_block_index();
     unsigned split = block / per_split;
     if (split >= p.split_k[1]) return;  // spare blocks of a count spread over grid x and y
     unsigned n = (block % per_split) * warps + (threadIdx.x >> 5);
     const A* b_row = b + bg_min(n, p.n - 1u) * p.strides[3];
-    C acc[8] = {};
+    C acc[SKINNY_ROWS] = {};
     unsigned k = split_first(p, split) + lane, k_end = split_end(p, split);
     for (; k + 96u < k_end; k += 128u) {  // four loads in flight per lane
         C bv[4];
 #pragma unroll
         for (unsigned u = 0; u < 4u; u++) bv[u] = CVT(C, b_row[k + 32u * u]);
 #pragma unroll
-        for (unsigned r = 0; r < 8u; r++) {
+        for (unsigned r = 0; r < SKINNY_ROWS; r++) {
             if (r >= p.m) break;
 #pragma unroll
             for (unsigned u = 0; u < 4u; u++) acc[r] += CVT(C, a[r * p.strides[0] + (k + 32u * u) * p.strides[1]]) * bv[u];
@@ -149,12 +137,12 @@ extern "C" __global__ void matmul_gemv_t(const A* a, const A* b, O* out, const P
     for (; k < k_end; k += 32u) {
         C bv = CVT(C, b_row[k]);
 #pragma unroll
-        for (unsigned r = 0; r < 8u; r++) {
+        for (unsigned r = 0; r < SKINNY_ROWS; r++) {
             if (r < p.m) acc[r] += CVT(C, a[r * p.strides[0] + k * p.strides[1]]) * bv;
         }
     }
 #pragma unroll
-    for (unsigned r = 0; r < 8u; r++) {
+    for (unsigned r = 0; r < SKINNY_ROWS; r++) {
         if (r >= p.m) break;  // p.m is uniform: every lane takes the same sums
         C value = bg_warp_sum(acc[r]);
         if (lane != 0u || n >= p.n) continue;
@@ -163,14 +151,11 @@ extern "C" __global__ void matmul_gemv_t(const A* a, const A* b, O* out, const P
     }
 }
 
-// Large matmuls on the native executors (batchgpu/ops/matmul.py picks them): a 256-thread block
-// computes a 128 x 128 output tile. matmul_128 (any dtype): k advances 8 at a time through tiles in
-// shared memory; each thread keeps 8 x 8 accumulators, rows ty*4.. and 64+ty*4.., columns tx*4.. and
+// Large matmuls on the native executors (batchgpu/ops/matmul.py picks them): a BIG_WG (256) thread block
+// computes a BIG x BIG (128 x 128) output tile. matmul_128 (any dtype): k advances BIG_K (8) at a time
+// through tiles in shared memory; each thread keeps 8 x 8 accumulators, rows ty*4.. and 64+ty*4.., columns tx*4.. and
 // 64+tx*4... Tiles are staged so that consecutive threads read consecutive addresses of whichever
 // operand dimension has stride 1. Split-K as in matmul: grid y runs over m tiles x splits.
-#define BIG 128u
-#define BIG_K 8u
-
 struct __align__(16) C4 {  // four accumulator-type values: one 16-byte shared memory read
     C v[4];
 };
@@ -200,7 +185,7 @@ __device__ __forceinline__ void matmul_128_body(const A* a, const A* b, O* out, 
         for (int j = 0; j < 8; j++) acc[i][j] = (C)0;
     unsigned k_end = split_end(p, split);  // k_chunk is a multiple of BIG_K too
     for (unsigned k0 = split_first(p, split); k0 < k_end; k0 += BIG_K) {
-        for (unsigned e = tid; e < BIG * BIG_K; e += 256u) {
+        for (unsigned e = tid; e < BIG * BIG_K; e += BIG_WG) {
             unsigned outer, k;
             stage_k_major(e, BIG_K, p.strides[1] == 1u, outer, k);
             a_tile[k][outer] = load_a(a, p, a_base, row0 + outer, k0 + k);
@@ -232,8 +217,7 @@ __device__ __forceinline__ void matmul_128_body(const A* a, const A* b, O* out, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) matmul_128(const A* a, const A* b, O* out, const Params p,
-                                                             const A* bias) {
+extern "C" __global__ void __launch_bounds__(BIG_WG) matmul_128(BG_ARGS) {
     matmul_128_body(a, b, out, p, bias);
 }
 
@@ -244,7 +228,6 @@ extern "C" __global__ void __launch_bounds__(256) matmul_128(const A* a, const A
 // harness) run matmul_128's body instead. Not split-K aware (it always runs all of k, block y = m tile):
 // batchgpu/ops/matmul.py launches it only when K takes one split; nobody could test a split path here.
 #define MMA_K 32u
-#define MMA_PAD 40u
 
 #ifndef BG_HIP
 // float16 bits of an operand element (zero outside the matrix); only float16 operands take this kernel
@@ -280,7 +263,7 @@ __device__ __forceinline__ MmaStaging mma_staging(const MmaOperand& o, unsigned 
 // tile's mma work so they are in flight meanwhile.
 __device__ __forceinline__ void mma_load(uint4* regs, const MmaOperand& o, MmaStaging how, unsigned outer0, unsigned k0) {
     for (unsigned c = 0; c < 2u; c++) {
-        unsigned e = threadIdx.x + c * 256u;
+        unsigned e = threadIdx.x + c * BIG_WG;
         unsigned at = how == MMA_VEC_K ? (outer0 + e / 4u) * o.outer_stride + k0 + (e % 4u) * 8u
                                        : (k0 + e / 16u) * o.k_stride + outer0 + (e % 16u) * 8u;
         regs[c] = *(const uint4*)(o.op + o.base + at);
@@ -289,7 +272,7 @@ __device__ __forceinline__ void mma_load(uint4* regs, const MmaOperand& o, MmaSt
 
 __device__ __forceinline__ void mma_store(unsigned short (*tile)[MMA_PAD], const uint4* regs, MmaStaging how) {
     for (unsigned c = 0; c < 2u; c++) {
-        unsigned e = threadIdx.x + c * 256u;
+        unsigned e = threadIdx.x + c * BIG_WG;
         if (how == MMA_VEC_K) {
             *(uint4*)&tile[e / 4u][(e % 4u) * 8u] = regs[c];
         } else {
@@ -302,7 +285,7 @@ __device__ __forceinline__ void mma_store(unsigned short (*tile)[MMA_PAD], const
 
 __device__ __forceinline__ void mma_stage_scalar(unsigned short (*tile)[MMA_PAD], const MmaOperand& o, unsigned outer0,
                                                  unsigned k0, unsigned k_extent) {
-    for (unsigned e = threadIdx.x; e < BIG * MMA_K; e += 256u) {
+    for (unsigned e = threadIdx.x; e < BIG * MMA_K; e += BIG_WG) {
         unsigned outer, k;
         stage_k_major(e, MMA_K, o.outer_stride != 1u, outer, k);
         unsigned at = outer0 + outer, ka = k0 + k;
@@ -311,8 +294,7 @@ __device__ __forceinline__ void mma_stage_scalar(unsigned short (*tile)[MMA_PAD]
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(256) matmul_mma_f16(const A* a, const A* b, O* out, const Params p,
-                                                                 const A* bias) {
+extern "C" __global__ void __launch_bounds__(BIG_WG) matmul_mma_f16(BG_ARGS) {
 #ifdef BG_HIP
     matmul_128_body(a, b, out, p, bias);
 #else

@@ -3,14 +3,9 @@
 // (row, piece of p.chunk elements), in two passes: *_partials write per-piece statistics to `partials`,
 // *_chunks combine the row's partials and write their piece.
 
-struct Params {
-    unsigned rows, d;
-    float eps;
-    unsigned chunk;  // piece length of long rows
-};
+//!interface
 
-extern "C" __global__ void rms_norm_rows(const A* x, const A* w, const A* extra, A* out, A* summed,
-                                         const Params p, float* partials) {
+extern "C" __global__ void rms_norm_rows(BG_ARGS) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     unsigned row = bg_block_index();
@@ -25,8 +20,7 @@ extern "C" __global__ void rms_norm_rows(const A* x, const A* w, const A* extra,
     for (unsigned k = lid; k < p.d; k += WG) out[base + k] = CVT(A, CVT(float, x[base + k]) * scale * CVT(float, w[k]));
 }
 
-extern "C" __global__ void add_rms_norm_rows(const A* x, const A* w, const A* extra, A* out, A* summed,
-                                             const Params p, float* partials) {
+extern "C" __global__ void add_rms_norm_rows(BG_ARGS) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     unsigned row = bg_block_index();
@@ -46,8 +40,7 @@ extern "C" __global__ void add_rms_norm_rows(const A* x, const A* w, const A* ex
     }
 }
 
-extern "C" __global__ void layer_norm_rows(const A* x, const A* w, const A* extra, A* out, A* summed,
-                                           const Params p, float* partials) {
+extern "C" __global__ void layer_norm_rows(BG_ARGS) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     unsigned row = bg_block_index();
@@ -76,8 +69,7 @@ __device__ __forceinline__ BgPiece piece_of(const Params& p) {
     return bg_piece_at(bg_block_index(), p.rows, p.d, p.chunk);
 }
 
-extern "C" __global__ void rms_norm_partials(const A* x, const A* w, const A* extra, A* out, A* summed,
-                                             const Params p, float* partials) {
+extern "C" __global__ void rms_norm_partials(BG_ARGS) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     BgPiece piece = piece_of(p);
@@ -91,8 +83,7 @@ extern "C" __global__ void rms_norm_partials(const A* x, const A* w, const A* ex
     if (lid == 0 && piece.valid) partials[piece.index] = piece_squares;
 }
 
-extern "C" __global__ void add_rms_norm_partials(const A* x, const A* w, const A* extra, A* out, A* summed,
-                                                 const Params p, float* partials) {
+extern "C" __global__ void add_rms_norm_partials(BG_ARGS) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     BgPiece piece = piece_of(p);
@@ -115,8 +106,7 @@ __device__ float rms_scale(float* partial, unsigned lid, const BgPiece& piece, c
     return rsqrtf(bg_tree(partial, lid, squares, false) / (float)p.d + p.eps);
 }
 
-extern "C" __global__ void rms_norm_chunks(const A* x, const A* w, const A* extra, A* out, A* summed,
-                                           const Params p, float* partials) {
+extern "C" __global__ void rms_norm_chunks(BG_ARGS) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     BgPiece piece = piece_of(p);
@@ -128,8 +118,7 @@ extern "C" __global__ void rms_norm_chunks(const A* x, const A* w, const A* extr
     }
 }
 
-extern "C" __global__ void add_rms_norm_chunks(const A* x, const A* w, const A* extra, A* out, A* summed,
-                                               const Params p, float* partials) {
+extern "C" __global__ void add_rms_norm_chunks(BG_ARGS) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     BgPiece piece = piece_of(p);
@@ -142,8 +131,7 @@ extern "C" __global__ void add_rms_norm_chunks(const A* x, const A* w, const A* 
     }
 }
 
-extern "C" __global__ void layer_norm_partials(const A* x, const A* w, const A* extra, A* out, A* summed,
-                                               const Params p, float* partials) {
+extern "C" __global__ void layer_norm_partials(BG_ARGS) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     BgPiece piece = piece_of(p);
@@ -185,8 +173,7 @@ __device__ LayerStats layer_stats(float* partial, unsigned lid, const BgPiece& p
     return LayerStats{mean, rsqrtf(bg_tree(partial, lid, deviations, false) / (float)p.d + p.eps)};
 }
 
-extern "C" __global__ void layer_norm_chunks(const A* x, const A* w, const A* extra, A* out, A* summed,
-                                             const Params p, float* partials) {
+extern "C" __global__ void layer_norm_chunks(BG_ARGS) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     BgPiece piece = piece_of(p);

@@ -1,5 +1,5 @@
 // Matmul with GGUF block-quantized weights: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]).
-// matmul_q4_1 / matmul_q8_0 mirror shaders/wgsl/qmatmul.wgsl: each thread computes ROWS = 8
+// matmul_q4_1 / matmul_q8_0 mirror shaders/wgsl/qmatmul.wgsl: each thread computes ROWS (8)
 // consecutive output features n for one row m of x (block y), loading each block of x once for all 8.
 // The native executors launch the *_warp entries instead (batchgpu/ops/matmul.py): one 32-lane warp
 // per output feature n, lanes striding over the row's words so a warp reads W coalesced, then a warp
@@ -7,18 +7,7 @@
 // of p.splits takes blocks [s * block_chunk, min(blocks, (s + 1) * block_chunk)) into slice s of a
 // (splits, m, n) output, split 0 adding the bias. A (bias type), O (output), HAS_BIAS.
 
-#ifndef HAS_BIAS
-#define HAS_BIAS 0
-#endif
-
-#define ROWS 8u
-
-struct Params {
-    unsigned m, n, k;
-    unsigned blocks;       // blocks per row = k / 32
-    unsigned block_chunk;  // blocks per split (split-K)
-    unsigned splits, pad0, pad1;
-};
+//!interface
 
 // First and end block of split `split` (an empty range for a split past the end); mirrors split_blocks.
 __device__ __forceinline__ unsigned split_first(const Params& p, unsigned split) { return split * p.block_chunk; }
@@ -94,11 +83,11 @@ __device__ void matmul_rows(const float4* x, const unsigned* w, O* out, const Pa
     }
 }
 
-extern "C" __global__ void matmul_q4_1(const float4* x, const unsigned* w, O* out, const Params p, const A* bias) {
+extern "C" __global__ void matmul_q4_1(BG_ARGS) {
     matmul_rows<false>(x, w, out, p, bias);
 }
 
-extern "C" __global__ void matmul_q8_0(const float4* x, const unsigned* w, O* out, const Params p, const A* bias) {
+extern "C" __global__ void matmul_q8_0(BG_ARGS) {
     matmul_rows<true>(x, w, out, p, bias);
 }
 
@@ -136,10 +125,10 @@ __device__ void matmul_warp_rows(const float4* x, const unsigned* w, O* out, con
     if (lane == 0u && n < p.n) store(out, bias, p, split, n, m, acc);
 }
 
-extern "C" __global__ void matmul_q4_1_warp(const float4* x, const unsigned* w, O* out, const Params p, const A* bias) {
+extern "C" __global__ void matmul_q4_1_warp(BG_ARGS) {
     matmul_warp_rows<false>(x, w, out, p, bias);
 }
 
-extern "C" __global__ void matmul_q8_0_warp(const float4* x, const unsigned* w, O* out, const Params p, const A* bias) {
+extern "C" __global__ void matmul_q8_0_warp(BG_ARGS) {
     matmul_warp_rows<true>(x, w, out, p, bias);
 }

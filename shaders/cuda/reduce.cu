@@ -1,27 +1,16 @@
 // Reductions over the middle extent of an (outer, r, inner) view; mirrors shaders/wgsl/reduce.wgsl.
-// OP 0 sums, 1 takes the max (NaN propagating like numpy's for float data); MEAN scales the sum by p.scale.
-// A (input), O (output), C (accumulator).
+// OP_SUM sums, OP_MAX takes the max (NaN propagating like numpy's for float data); MEAN scales the sum by
+// p.scale. A (input), O (output), C (accumulator).
 
-#ifndef OP
-#define OP 0
-#endif
-#ifndef MEAN
-#define MEAN 0
-#endif
+//!interface
 
-struct Params {
-    unsigned outer, r, inner;
-    float scale;
-    unsigned chunk, chunks, pad0, pad1;
-};
-
-__device__ __forceinline__ C combine(C x, C y) { return OP == 1 ? bg_max_nan(x, y) : x + y; }
-__device__ __forceinline__ C start(const A* a, unsigned first) { return OP == 1 ? CVT(C, a[first]) : (C)0; }
+__device__ __forceinline__ C combine(C x, C y) { return OP == OP_MAX ? bg_max_nan(x, y) : x + y; }
+__device__ __forceinline__ C start(const A* a, unsigned first) { return OP == OP_MAX ? CVT(C, a[first]) : (C)0; }
 __device__ __forceinline__ O finish(C x, const Params& p) {
     return MEAN ? CVT(O, (float)x * p.scale) : CVT(O, x);
 }
 
-extern "C" __global__ void reduce_rows(const A* a, O* out, const Params p) {
+extern "C" __global__ void reduce_rows(BG_ARGS) {
     __shared__ C partial[WG];
     unsigned lid = threadIdx.x;
     unsigned item = bg_block_index();
@@ -41,7 +30,7 @@ extern "C" __global__ void reduce_rows(const A* a, O* out, const Params p) {
     if (lid == 0 && valid) out[item] = finish(partial[0], p);
 }
 
-extern "C" __global__ void reduce_cols(const A* a, O* out, const Params p) {
+extern "C" __global__ void reduce_cols(BG_ARGS) {
     unsigned i = bg_thread_index();
     if (i >= p.outer * p.inner) return;
     unsigned base = (i / p.inner) * p.r * p.inner + i % p.inner;

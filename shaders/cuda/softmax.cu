@@ -3,13 +3,9 @@
 // softmax_partials and softmax_chunks: rows longer than one chunk, one block per (row, piece), in two
 // passes over per-piece (max, sum of exp(x - max)) partials; softmax_cols: one thread per column.
 
-struct Params {
-    unsigned outer, r, inner;
-    float scale;
-    unsigned chunk, chunks, pad0, pad1;
-};
+//!interface
 
-extern "C" __global__ void softmax_rows(const A* a, O* out, const Params p, float* partials) {
+extern "C" __global__ void softmax_rows(BG_ARGS) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     unsigned row = bg_block_index();
@@ -30,7 +26,7 @@ __device__ __forceinline__ BgPiece piece_of(const Params& p) {
     return bg_piece_at(bg_block_index(), p.outer, p.r, p.chunk);
 }
 
-extern "C" __global__ void softmax_partials(const A* a, O* out, const Params p, float* partials) {
+extern "C" __global__ void softmax_partials(BG_ARGS) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     BgPiece piece = piece_of(p);
@@ -67,7 +63,7 @@ __device__ RowStats row_max_and_sum(float* partial, unsigned lid, const BgPiece&
     return RowStats{row_max, bg_tree(partial, lid, s, false)};
 }
 
-extern "C" __global__ void softmax_chunks(const A* a, O* out, const Params p, float* partials) {
+extern "C" __global__ void softmax_chunks(BG_ARGS) {
     __shared__ float partial[WG];
     unsigned lid = threadIdx.x;
     BgPiece piece = piece_of(p);
@@ -79,7 +75,7 @@ extern "C" __global__ void softmax_chunks(const A* a, O* out, const Params p, fl
     }
 }
 
-extern "C" __global__ void softmax_cols(const A* a, O* out, const Params p, float* partials) {
+extern "C" __global__ void softmax_cols(BG_ARGS) {
     unsigned i = bg_thread_index();
     if (i >= p.outer * p.inner) return;
     unsigned base = (i / p.inner) * p.r * p.inner + i % p.inner;

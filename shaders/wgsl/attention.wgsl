@@ -12,42 +12,7 @@
 // attention_combine: folds all of a (token, head)'s partials and writes its output.
 // Aliases: A (tensor storage type), C (f32).
 
-override WG: u32 = 64u;
-override SMAX: u32 = 1u;
-override HEAD_DIM: u32 = 1u;
-const NO_SLOT: u32 = 0xFFFFFFFFu;
-const TWO_PI: f32 = 6.283185307179586;
-const LOWEST: f32 = -3.4028234e38;
-const PARTIAL_HEADER: u32 = 2u;         // a partial's max and sum, then its head_dim weighted sums
-
-struct Params {
-    tokens: u32,
-    heads: u32,
-    kv_heads: u32,
-    head_dim: u32,
-    cache_len: u32,
-    pos_slot: u32,
-    pos_literal: u32,
-    causal: u32,
-    scale: f32,
-    split_rows: u32,                    // cache rows of one attention_partial block (scores' length)
-    splits: u32,                        // partials per (token, head): written, or read by merge/combine
-    fan_in: u32,                        // partials attention_merge folds into one
-}
-
-struct Scalars {
-    values: array<vec4<u32>, 16>,
-}
-
-@group(0) @binding(0) var<storage, read> src: array<A>;          // rope x, kv_write new, attention q
-@group(0) @binding(1) var<storage, read> table: array<f32>;      // rope inverse frequencies
-@group(0) @binding(2) var<storage, read> keys: array<A>;
-@group(0) @binding(3) var<storage, read> values: array<A>;
-@group(0) @binding(4) var<storage, read_write> dst: array<A>;    // rope/attention output, kv cache
-@group(0) @binding(5) var<uniform> p: Params;
-@group(0) @binding(6) var<uniform> scalars: Scalars;
-@group(0) @binding(7) var<storage, read> partials_in: array<f32>;
-@group(0) @binding(8) var<storage, read_write> partials_out: array<f32>;
+//!interface
 
 var<workgroup> scores: array<f32, SMAX>;
 var<workgroup> q_row: array<f32, HEAD_DIM>;

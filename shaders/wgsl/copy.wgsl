@@ -2,21 +2,7 @@
 // Thread i decodes its index over `shape` and copies src[src_base + idx . src_strides] to
 // dst[dst_base + idx . dst_strides]. Aliases: A (source), O (destination), C (compute type of A).
 
-override WG: u32 = 256u;
-
-struct Params {
-    n: u32,
-    ndim: u32,
-    src_base: i32,
-    dst_base: i32,
-    shape: array<vec4<u32>, 2>,
-    src_strides: array<vec4<i32>, 2>,
-    dst_strides: array<vec4<i32>, 2>,
-}
-
-@group(0) @binding(0) var<storage, read> src: array<A>;
-@group(0) @binding(1) var<storage, read_write> dst: array<O>;
-@group(0) @binding(2) var<uniform> p: Params;
+//!interface
 
 @compute @workgroup_size(WG)
 fn strided_copy(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {

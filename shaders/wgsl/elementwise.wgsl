@@ -1,26 +1,10 @@
 // Elementwise ops. Rendered with type aliases A, B (inputs), O (output), C (compute type) and the op
-// expressions ${UNARY} (of x) and ${BINARY} (of x, y). Inputs with A_MODE/B_MODE 0 are read at the
-// output index, 1 is a broadcast scalar, 2 is read through broadcast strides. IS_FLOAT (lib/nan.wgsl):
-// float data, for the NaN-propagating max_nan/min_nan/is_nan of the op expressions.
+// expressions ${UNARY} (of x) and ${BINARY} (of x, y) (batchgpu/ops/elementwise.py's EXPRESSIONS). Inputs
+// with A_MODE/B_MODE CONTIGUOUS are read at the output index, SCALAR is a broadcast scalar, STRIDED is read
+// through broadcast strides. IS_FLOAT (lib/nan.wgsl): float data, for the NaN-propagating
+// max_nan/min_nan/is_nan of the op expressions.
 
-override WG: u32 = 256u;
-override A_MODE: u32 = 0u;
-override B_MODE: u32 = 0u;
-
-struct Params {
-    n: u32,
-    ndim: u32,
-    pad0: u32,
-    pad1: u32,
-    shape: array<vec4<u32>, 2>,
-    a_strides: array<vec4<u32>, 2>,
-    b_strides: array<vec4<u32>, 2>,
-}
-
-@group(0) @binding(0) var<storage, read> a: array<A>;
-@group(0) @binding(1) var<storage, read> b: array<B>;
-@group(0) @binding(2) var<storage, read_write> out: array<O>;
-@group(0) @binding(3) var<uniform> p: Params;
+//!interface
 
 //!include nan
 
@@ -89,12 +73,12 @@ fn binary(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups
     if i >= p.n { return; }
     var ia = i;
     var ib = i;
-    if A_MODE == 2u || B_MODE == 2u {
+    if A_MODE == STRIDED || B_MODE == STRIDED {
         let offsets = broadcast_offsets(i);
-        if A_MODE == 2u { ia = offsets.x; }
-        if B_MODE == 2u { ib = offsets.y; }
+        if A_MODE == STRIDED { ia = offsets.x; }
+        if B_MODE == STRIDED { ib = offsets.y; }
     }
-    if A_MODE == 1u { ia = 0u; }
-    if B_MODE == 1u { ib = 0u; }
+    if A_MODE == SCALAR { ia = 0u; }
+    if B_MODE == SCALAR { ib = 0u; }
     out[i] = O(binary_op(C(a[ia]), C(b[ib])));
 }

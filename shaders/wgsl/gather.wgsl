@@ -4,21 +4,7 @@
 // rows, one workgroup per row picks the best of its pieces' candidates.
 // Aliases: A (table / input type), O (output type), C (compute type of A).
 
-override WG: u32 = 256u;
-
-struct Params {
-    count: u32,    // embedding: number of ids; argmax: rows
-    width: u32,    // embedding: row width; argmax: row length
-    rows: u32,     // embedding: table rows
-    chunk: u32,    // argmax: piece length (the row length for rows taken whole)
-}
-
-@group(0) @binding(0) var<storage, read> ids: array<i32>;   // embedding: ids; argmax_candidates: candidates
-@group(0) @binding(1) var<storage, read> table: array<A>;
-@group(0) @binding(2) var<storage, read_write> out: array<O>;
-@group(0) @binding(3) var<uniform> p: Params;
-@group(0) @binding(4) var<storage, read_write> indices: array<i32>;
-@group(0) @binding(5) var<storage, read> qtable: array<u32>;   // quantized table (batchgpu/quant.py layout)
+//!interface
 
 var<workgroup> best_value: array<C, WG>;
 var<workgroup> best_index: array<u32, WG>;

@@ -1,34 +1,15 @@
-// Tiled matmul: out[z] = A[z] (M x K) @ B[z] (K x N). Each 16x16 workgroup computes a 64x64 output
-// tile; k advances 16 at a time through tiles staged in workgroup memory (as vec4 rows/columns);
-// each invocation keeps 4x4 accumulators in four vec4 registers. Operands are read through element strides, so transposes are free.
+// Tiled matmul: out[z] = A[z] (M x K) @ B[z] (K x N). Each TILE_WG x TILE_WG (16x16) workgroup computes a
+// TILE x TILE (64x64) output tile; k advances TK (16) at a time through tiles staged in workgroup memory
+// (as vec4 rows/columns); each invocation keeps 4x4 accumulators in four vec4 registers. Operands are read
+// through element strides, so transposes are free.
 // Split-K (batchgpu/ops/matmul.py): split s of p.split_k.y accumulates k in [s * k_chunk, min(k, (s + 1) * k_chunk))
 // and writes its partial products to slice s of a (batch, splits, m, n) output that a sum pass reduces; only split 0
 // adds the bias. One split covers all of k. Aliases: A (operand type), O (output), C (accumulator type).
 
-override HAS_BIAS: bool = false;
-const TILE: u32 = 64u;
-const TK: u32 = 16u;
+//!interface
 
-struct Params {
-    m: u32,
-    n: u32,
-    k: u32,
-    batch_ndim: u32,
-    strides: vec4<u32>,                 // a_sm, a_sk, b_sk, b_sn
-    split_k: vec4<u32>,                 // k_chunk (a multiple of TK when splits > 1), splits, unused, unused
-    batch_shape: array<vec4<u32>, 2>,
-    a_batch_strides: array<vec4<u32>, 2>,
-    b_batch_strides: array<vec4<u32>, 2>,
-}
-
-@group(0) @binding(0) var<storage, read> a: array<A>;
-@group(0) @binding(1) var<storage, read> b: array<A>;
-@group(0) @binding(2) var<storage, read_write> out: array<O>;
-@group(0) @binding(3) var<uniform> p: Params;
-@group(0) @binding(4) var<storage, read> bias: array<A>;   // per output column, added when HAS_BIAS
-
-var<workgroup> a_tile: array<vec4<C>, 256>;   // [TK][TILE / 4]: 4 consecutive rows at one k
-var<workgroup> b_tile: array<vec4<C>, 256>;   // [TK][TILE / 4]: 4 consecutive columns at one k
+var<workgroup> a_tile: array<vec4<C>, TK * TILE_WG>;   // [TK][TILE / 4]: 4 consecutive rows at one k
+var<workgroup> b_tile: array<vec4<C>, TK * TILE_WG>;   // [TK][TILE / 4]: 4 consecutive columns at one k
 
 // [first, end) of the k values split `split` accumulates (empty for a split past the end).
 fn split_range(split: u32) -> vec2<u32> {
@@ -46,7 +27,7 @@ fn load_b(base: u32, k: u32, col: u32) -> C {
     return C(0);
 }
 
-@compute @workgroup_size(16, 16)
+@compute @workgroup_size(TILE_WG, TILE_WG)
 fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
     var rem = wid.z;
     var a_base = 0u;
@@ -77,14 +58,14 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     let range = split_range(split);   // k_chunk is a multiple of TK: no tile straddles two splits
     for (var k0 = range.x; k0 < range.y; k0 += TK) {
         let k = k0 + stage_k;
-        a_tile[stage_k * 16u + lid.x] = vec4<C>(load_a(a_base, stage_row, k), load_a(a_base, stage_row + 1u, k),
+        a_tile[stage_k * TILE_WG + lid.x] = vec4<C>(load_a(a_base, stage_row, k), load_a(a_base, stage_row + 1u, k),
                                                 load_a(a_base, stage_row + 2u, k), load_a(a_base, stage_row + 3u, k));
-        b_tile[stage_k * 16u + lid.x] = vec4<C>(load_b(b_base, k, stage_col), load_b(b_base, k, stage_col + 1u),
+        b_tile[stage_k * TILE_WG + lid.x] = vec4<C>(load_b(b_base, k, stage_col), load_b(b_base, k, stage_col + 1u),
                                                 load_b(b_base, k, stage_col + 2u), load_b(b_base, k, stage_col + 3u));
         workgroupBarrier();
         for (var kk = 0u; kk < TK; kk++) {
-            let av = a_tile[kk * 16u + lid.y];
-            let bv = b_tile[kk * 16u + lid.x];
+            let av = a_tile[kk * TILE_WG + lid.y];
+            let bv = b_tile[kk * TILE_WG + lid.x];
             acc0 += av.x * bv;
             acc1 += av.y * bv;
             acc2 += av.z * bv;
@@ -113,11 +94,11 @@ fn store_row(base: u32, row: u32, col: u32, values: vec4<C>, with_bias: bool) {
     }
 }
 
-// Skinny matmul for few rows of A (decode-style GEMV): each invocation computes 8 consecutive output
-// columns of one row of A (workgroup y) and split (workgroup z), so each loaded value of A serves 8
-// columns. No workgroup memory or private arrays: on CPU drivers (llvmpipe) every loaded scalar costs the
-// same wherever it comes from and dynamically indexed arrays spill to memory, so fewer loads is what
-// counts there.
+// Skinny matmul for few rows of A (decode-style GEMV): each invocation computes SKINNY_COLUMNS (8)
+// consecutive output columns of one row of A (workgroup y) and split (workgroup z), so each loaded value
+// of A serves 8 columns (two vec4 accumulators). No workgroup memory or private arrays: on CPU drivers
+// (llvmpipe) every loaded scalar costs the same wherever it comes from and dynamically indexed arrays spill
+// to memory, so fewer loads is what counts there.
 fn b_at(k: u32, col: u32) -> C {
     if col >= p.n { return C(0); }
     return C(b[k * p.strides.z + col * p.strides.w]);
@@ -131,9 +112,9 @@ fn store_skinny(split: u32, row: u32, col: u32, value: C) {
     out[(split * p.m + row) * p.n + col] = O(result);
 }
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(SKINNY_WG)
 fn matmul_skinny(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
-    let col = gid.x * 8u;
+    let col = gid.x * SKINNY_COLUMNS;
     if col >= p.n { return; }
     let row = wid.y;
     let split = wid.z;
@@ -156,51 +137,51 @@ fn matmul_skinny(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgro
 }
 
 // GPU-shaped twin of matmul_skinny for b stored (N, K) (transpose_b; batchgpu/ops/matmul.py attaches
-// it as the launch's GPU form): 256 invocations = 8 groups of 32, a group per output column n of one
-// split (the linear workgroup index runs over ceil(p.n / 8) workgroups per split, split after split),
-// lanes striding over the split's k so a group reads a row of B consecutively; the p.m <= 8 rows of A
-// share each B load; sums go through workgroup memory.
-var<workgroup> gemv_sums: array<C, 2048>;   // [8 rows][256 invocations]
+// it as the launch's GPU form): GEMV_WG (256) invocations = WARPS (8) groups of WARP (32), a group per
+// output column n of one split (the linear workgroup index runs over ceil(p.n / WARPS) workgroups per
+// split, split after split), lanes striding over the split's k so a group reads a row of B consecutively;
+// the p.m <= SKINNY_ROWS rows of A share each B load; sums go through workgroup memory.
+var<workgroup> gemv_sums: array<C, SKINNY_ROWS * GEMV_WG>;   // [SKINNY_ROWS rows][GEMV_WG invocations]
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(GEMV_WG)
 fn matmul_gemv_t(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
                  @builtin(num_workgroups) groups: vec3<u32>) {
-    let lane = lid % 32u;
-    let per_split = (p.n + 7u) / 8u;
+    let lane = lid % WARP;
+    let per_split = (p.n + WARPS - 1u) / WARPS;
     let block = wid.x + wid.y * groups.x;
     let split = block / per_split;
     if split >= p.split_k.y { return; }  // spare workgroups of a count spread over x and y (uniform)
-    let n = (block % per_split) * 8u + lid / 32u;
+    let n = (block % per_split) * WARPS + lid / WARP;
     let col = min(n, p.n - 1u);
     let range = split_range(split);
-    var acc: array<C, 8>;
+    var acc: array<C, SKINNY_ROWS>;
     var k = range.x + lane;
-    for (; k + 96u < range.y; k += 128u) {  // four loads of B in flight per invocation
+    for (; k + 3u * WARP < range.y; k += 4u * WARP) {  // four loads of B in flight per invocation
         let b0 = C(b[col * p.strides.w + k]);
-        let b1 = C(b[col * p.strides.w + k + 32u]);
-        let b2 = C(b[col * p.strides.w + k + 64u]);
-        let b3 = C(b[col * p.strides.w + k + 96u]);
+        let b1 = C(b[col * p.strides.w + k + WARP]);
+        let b2 = C(b[col * p.strides.w + k + 2u * WARP]);
+        let b3 = C(b[col * p.strides.w + k + 3u * WARP]);
         for (var r = 0u; r < p.m; r++) {
             let at = r * p.strides.x + k * p.strides.y;
-            acc[r] += C(a[at]) * b0 + C(a[at + 32u * p.strides.y]) * b1 + C(a[at + 64u * p.strides.y]) * b2
-                    + C(a[at + 96u * p.strides.y]) * b3;
+            acc[r] += C(a[at]) * b0 + C(a[at + WARP * p.strides.y]) * b1 + C(a[at + 2u * WARP * p.strides.y]) * b2
+                    + C(a[at + 3u * WARP * p.strides.y]) * b3;
         }
     }
-    for (; k < range.y; k += 32u) {
+    for (; k < range.y; k += WARP) {
         let bv = C(b[col * p.strides.w + k]);
         for (var r = 0u; r < p.m; r++) { acc[r] += C(a[r * p.strides.x + k * p.strides.y]) * bv; }
     }
-    for (var r = 0u; r < 8u; r++) { gemv_sums[r * 256u + lid] = acc[r]; }
+    for (var r = 0u; r < SKINNY_ROWS; r++) { gemv_sums[r * GEMV_WG + lid] = acc[r]; }
     workgroupBarrier();
-    for (var stride = 16u; stride > 0u; stride >>= 1u) {
+    for (var stride = WARP / 2u; stride > 0u; stride >>= 1u) {
         if lane < stride {
-            for (var r = 0u; r < p.m; r++) { gemv_sums[r * 256u + lid] += gemv_sums[r * 256u + lid + stride]; }
+            for (var r = 0u; r < p.m; r++) { gemv_sums[r * GEMV_WG + lid] += gemv_sums[r * GEMV_WG + lid + stride]; }
         }
         workgroupBarrier();
     }
     if lane == 0u && n < p.n {
         for (var r = 0u; r < p.m; r++) {
-            var value = gemv_sums[r * 256u + lid];
+            var value = gemv_sums[r * GEMV_WG + lid];
             if HAS_BIAS && split == 0u { value += C(bias[n]); }
             out[(split * p.m + r) * p.n + n] = O(value);
         }

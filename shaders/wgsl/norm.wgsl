@@ -8,22 +8,7 @@
 // squared deviations from the piece's mean), *_chunks combine the row's partials and write their piece.
 // Aliases: A (storage type of every tensor), C (f32).
 
-override WG: u32 = 256u;
-
-struct Params {
-    rows: u32,
-    d: u32,
-    eps: f32,
-    chunk: u32,   // piece length of long rows
-}
-
-@group(0) @binding(0) var<storage, read> x: array<A>;
-@group(0) @binding(1) var<storage, read> w: array<A>;
-@group(0) @binding(2) var<storage, read> extra: array<A>;   // layer_norm bias, or the residual
-@group(0) @binding(3) var<storage, read_write> out: array<A>;
-@group(0) @binding(4) var<storage, read_write> summed: array<A>;
-@group(0) @binding(5) var<uniform> p: Params;
-@group(0) @binding(6) var<storage, read_write> partials: array<f32>;   // long rows: statistics per piece
+//!interface
 
 //!include tree
 //!include nan

@@ -1,6 +1,6 @@
 // Matmul with GGUF block-quantized weights: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]).
 // W is (N, K) rows of 32-weight blocks (see batchgpu/quant.py for the word layout). Each invocation
-// computes ROWS = 8 consecutive output features for one row m of x (workgroup y): it walks the blocks
+// computes ROWS (8) consecutive output features for one row m of x (workgroup y): it walks the blocks
 // once, loads each block of x once and applies it to the 8 weight rows, dequantizing their words in
 // registers. Loading x once per 8 rows matters most on CPU drivers (llvmpipe), where every loaded
 // scalar costs the same whatever its address; the code uses no arrays, which such drivers spill to
@@ -8,20 +8,7 @@
 // (s + 1) * block_chunk)) and writes its partial sums to slice s of a (splits, m, n) output that a sum pass
 // reduces; only split 0 adds the bias. One split covers all blocks. Aliases: A (x type), O (output), C (f32).
 
-override WG: u32 = 64u;
-override HAS_BIAS: bool = false;
-const ROWS: u32 = 8u;
-
-struct Params {
-    m: u32,
-    n: u32,
-    k: u32,
-    blocks: u32,          // blocks per row = k / 32
-    block_chunk: u32,     // blocks per split (split-K)
-    splits: u32,
-    pad0: u32,
-    pad1: u32,
-}
+//!interface
 
 // One block (32 values) of a row of x, and its sum.
 struct XBlock {
@@ -29,12 +16,6 @@ struct XBlock {
     v4: vec4<f32>, v5: vec4<f32>, v6: vec4<f32>, v7: vec4<f32>,
     total: f32,
 }
-
-@group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> w: array<u32>;
-@group(0) @binding(2) var<storage, read_write> out: array<O>;
-@group(0) @binding(3) var<uniform> p: Params;
-@group(0) @binding(4) var<storage, read> bias: array<A>;
 
 fn load_x(m: u32, b: u32) -> XBlock {
     let at = m * (p.k / 4u) + b * 8u;
@@ -152,22 +133,22 @@ fn matmul_q8_0(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup
 }
 
 // GPU-shaped twins (matmul_q4_1_warp, matmul_q8_0_warp; batchgpu/ops/matmul.py attaches them as the
-// launch's GPU form, run on GPU adapters and by the CUDA/HIP executors): 256 invocations = 8 groups of
-// LANES, a group per output feature n of row m and split. The linear workgroup index (split over x/y) runs
-// over ceil(p.n / 8) workgroups per row, row after row, split after split. A unit is one data word of a
-// block with the vec4s of x it multiplies (Q4_1: 4 per block, low nibbles x[4i..4i+3], high x[16+4i..];
-// Q8_0: 8), so a group reads W's words consecutively; the group's sum goes through workgroup memory.
-const LANES: u32 = 32u;
-var<workgroup> lane_sums: array<f32, 256>;
+// launch's GPU form, run on GPU adapters and by the CUDA/HIP executors): GEMV_WG (256) invocations = WARPS
+// (8) groups of WARP (32), a group per output feature n of row m and split. The linear workgroup index
+// (split over x/y) runs over ceil(p.n / WARPS) workgroups per row, row after row, split after split. A unit
+// is one data word of a block with the vec4s of x it multiplies (Q4_1: 4 per block, low nibbles
+// x[4i..4i+3], high x[16+4i..]; Q8_0: 8), so a group reads W's words consecutively; the group's sum goes
+// through workgroup memory.
+var<workgroup> lane_sums: array<f32, GEMV_WG>;
 
 fn group_sum(lid: u32, value: f32) -> f32 {
     lane_sums[lid] = value;
     workgroupBarrier();
-    for (var stride = LANES / 2u; stride > 0u; stride >>= 1u) {
-        if lid % LANES < stride { lane_sums[lid] += lane_sums[lid + stride]; }
+    for (var stride = WARP / 2u; stride > 0u; stride >>= 1u) {
+        if lid % WARP < stride { lane_sums[lid] += lane_sums[lid + stride]; }
         workgroupBarrier();
     }
-    return lane_sums[lid - lid % LANES];
+    return lane_sums[lid - lid % WARP];
 }
 
 fn q4_1_unit(row: u32, m: u32, u: u32) -> f32 {
@@ -190,30 +171,30 @@ fn q8_0_unit(row: u32, m: u32, u: u32) -> f32 {
 
 // One output of a group (q8: Q8_0 units, else Q4_1); every invocation of the workgroup calls it.
 fn warp_matmul(lid: u32, wid: vec3<u32>, groups: vec3<u32>, q8: bool) {
-    let per_row = (p.n + 7u) / 8u;
+    let per_row = (p.n + WARPS - 1u) / WARPS;
     let block = wid.x + wid.y * groups.x;
     let split = block / per_row / p.m;
     if split >= p.splits { return; }  // spare workgroups of a count spread over x and y (uniform)
     let m = block / per_row % p.m;
-    let n = (block % per_row) * 8u + lid / LANES;
+    let n = (block % per_row) * WARPS + lid / WARP;
     let row = min(n, p.n - 1u);
     let units = select(4u, 8u, q8);  // per block
     let range = split_blocks(split) * units;
     var acc = 0.0;
-    for (var u = range.x + lid % LANES; u < range.y; u += LANES) {
+    for (var u = range.x + lid % WARP; u < range.y; u += WARP) {
         if q8 { acc += q8_0_unit(row, m, u); } else { acc += q4_1_unit(row, m, u); }
     }
     let total = group_sum(lid, acc);
-    if lid % LANES == 0u { store(split, n, m, total); }
+    if lid % WARP == 0u { store(split, n, m, total); }
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(GEMV_WG)
 fn matmul_q4_1_warp(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
                     @builtin(num_workgroups) groups: vec3<u32>) {
     warp_matmul(lid, wid, groups, false);
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(GEMV_WG)
 fn matmul_q8_0_warp(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
                     @builtin(num_workgroups) groups: vec3<u32>) {
     warp_matmul(lid, wid, groups, true);

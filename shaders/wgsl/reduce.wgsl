@@ -1,4 +1,4 @@
-// Reductions over the middle extent of an (outer, r, inner) view. OP 0 sums, 1 takes the max (NaN
+// Reductions over the middle extent of an (outer, r, inner) view. OP_SUM sums, OP_MAX takes the max (NaN
 // propagating like numpy's for float data, IS_FLOAT: lib/nan.wgsl); MEAN scales the sum by 1/r.
 // Aliases: A (input), O (output), C (accumulator type).
 // reduce_rows (inner == 1): one workgroup per chunk of a row (rows longer than `chunk` are cut into
@@ -6,37 +6,20 @@
 // workgroup memory. Output index = row * chunks + chunk index.
 // reduce_cols (inner > 1): one thread per output walks r with stride inner.
 
-override WG: u32 = 256u;
-override OP: u32 = 0u;
-override MEAN: bool = false;
-
-struct Params {
-    outer: u32,
-    r: u32,
-    inner: u32,
-    scale: f32,
-    chunk: u32,
-    chunks: u32,
-    pad0: u32,
-    pad1: u32,
-}
-
-@group(0) @binding(0) var<storage, read> a: array<A>;
-@group(0) @binding(1) var<storage, read_write> out: array<O>;
-@group(0) @binding(2) var<uniform> p: Params;
+//!interface
 
 var<workgroup> partial: array<C, WG>;
 
 //!include nan
 
 fn combine(x: C, y: C) -> C {
-    if OP == 1u { return max_nan(x, y); }
+    if OP == OP_MAX { return max_nan(x, y); }
     return x + y;
 }
 
 fn start(first: u32) -> C {
     // max starts from the row's first element (always present); sum from zero.
-    if OP == 1u { return C(a[first]); }
+    if OP == OP_MAX { return C(a[first]); }
     return C(0);
 }
 

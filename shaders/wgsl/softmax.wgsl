@@ -8,23 +8,7 @@
 // the row's partials as online softmax does and writes its piece.
 // softmax_cols (inner > 1): one thread per (outer, inner) column.
 
-override WG: u32 = 256u;
-
-struct Params {
-    outer: u32,
-    r: u32,
-    inner: u32,
-    scale: f32,
-    chunk: u32,
-    chunks: u32,
-    pad0: u32,
-    pad1: u32,
-}
-
-@group(0) @binding(0) var<storage, read> a: array<A>;
-@group(0) @binding(1) var<storage, read_write> out: array<O>;
-@group(0) @binding(2) var<uniform> p: Params;
-@group(0) @binding(3) var<storage, read_write> partials: array<f32>;   // long rows: (max, sum) per piece
+//!interface
 
 //!include tree
 //!include nan

@@ -1,0 +1,274 @@
+"""Example recordings of every op of the op table (``batchgpu.ops.OPS``), for the tests that enumerate it:
+every CUDA specialization compiles (tests/test_cuda_compile.py), the browser runs every built-in kernel
+(tests/test_export.py), every op has a twin on every executor (tests/test_twins.py).
+
+Elementwise ops get their examples from the op-expression table (a new row needs nothing here); every
+other op needs an entry in :data:`EXAMPLES` that records it in each form its lowering distinguishes
+(kernel entries, broadcast modes, axes, native and GPU forms), and ``tests/test_twins.py`` fails while
+one is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+import batchgpu as bg
+from batchgpu.ops import OPS, bounds
+from batchgpu.ops.elementwise import EXPRESSIONS
+from batchgpu.scalars import Scalar
+from batchgpu.tensor import QuantTensor, Tensor
+
+NOT_BUILTIN = {"launch": "custom kernels carry their own sources (tests/test_custom_kernels.py)"}
+"""Ops of the table that run no built-in kernel family."""
+
+QUANT_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+
+
+class Inputs:
+    """Input tensors of the examples recorded into ``batch`` for one ``dtype``: all ones (``rng`` None:
+    compile coverage, where only the specializations matter) or random values (``rng``: results
+    checked against the reference). ``dtypes`` are those of the whole run (cast targets)."""
+
+    def __init__(
+        self,
+        batch: bg.GpuCommandBatch,
+        dtype: type | np.dtype,
+        dtypes: tuple[type, ...],
+        rng: np.random.Generator | None = None,
+    ) -> None:
+        self.batch = batch
+        self.dtype = np.dtype(dtype)
+        self.dtypes = dtypes
+        self.rng = rng
+        self.scalars: dict[str, int] = {}  # per-execute scalars created, with the value to run them at
+
+    def data(self, *shape: int, positive: bool = False, dtype: type | np.dtype | None = None) -> np.ndarray:
+        dtype = np.dtype(dtype or self.dtype)
+        if self.rng is None:
+            return np.ones(shape, dtype)
+        if dtype.kind == "f":
+            values = self.rng.uniform(0.5, 2.0, shape) if positive else self.rng.standard_normal(shape)
+        elif dtype.kind == "u" or positive:
+            values = self.rng.integers(1, 50, shape)
+        else:
+            values = self.rng.integers(-50, 50, shape)
+        return values.astype(dtype)
+
+    def tensor(self, *shape: int, positive: bool = False, dtype: type | np.dtype | None = None) -> Tensor:
+        return self.batch.upload(self.data(*shape, positive=positive, dtype=dtype))
+
+    def ids(self, *values: int) -> Tensor:
+        return self.batch.upload(np.array(values, np.int32))
+
+    def position(self, op: str, value: int) -> Scalar:
+        """A u32 per-execute position scalar, run at ``value``."""
+        name = f"{op}_pos_{self.dtype.name}"
+        self.scalars[name] = value
+        return self.batch.scalar(name)
+
+    def quantized(self, qtype: str, rows: int, k: int) -> QuantTensor | None:
+        """Quantized (rows, k) weights: zero blocks for compile coverage; with random values, GGUF blocks
+        made by the ``gguf`` package (None without it)."""
+        device = self.batch.device
+        if self.rng is None:
+            blocks = np.zeros(rows * (k // 32) * QUANT_BLOCK_BYTES[qtype], np.uint8)
+            return device.quantized(blocks, qtype, (rows, k))
+        try:
+            from gguf import quants
+        except ImportError:
+            return None
+        kind = getattr(quants.GGMLQuantizationType, qtype.upper())
+        weights = self.rng.standard_normal((rows, k)).astype(np.float32)
+        return device.quantized(quants.quantize(weights, kind), qtype, (rows, k), name=qtype)
+
+
+Example = Callable[[Inputs], list[Tensor]]
+
+
+def _unary(op: str) -> Example:
+    positive = EXPRESSIONS[op].domain == "positive"
+
+    def record(inputs: Inputs) -> list[Tensor]:
+        return [getattr(inputs.batch, op)(inputs.tensor(4, 8, positive=positive))]
+
+    return record
+
+
+def _binary(op: str) -> Example:
+    def record(inputs: Inputs) -> list[Tensor]:
+        method = getattr(inputs.batch, op)
+        x, row = inputs.tensor(4, 8), inputs.tensor(8, positive=True)
+        one, col = inputs.tensor(1, positive=True), inputs.tensor(4, 1)
+        contiguous = method(x, inputs.tensor(4, 8, positive=True))
+        return [contiguous, method(x, row), method(one, x), method(col, row)]  # strided, scalar, both strided
+
+    return record
+
+
+def _cast(inputs: Inputs) -> list[Tensor]:
+    x = inputs.tensor(4, 8, positive=True)  # float to unsigned is undefined for negative values in numpy
+    return [inputs.batch.cast(x, target) for target in inputs.dtypes]
+
+
+def _reshape(inputs: Inputs) -> list[Tensor]:
+    return [inputs.batch.reshape(inputs.tensor(4, 8), (2, 16))]
+
+
+def _permute(inputs: Inputs) -> list[Tensor]:
+    b = inputs.batch
+    return [b.transpose(inputs.tensor(4, 8)), b.permute(inputs.tensor(2, 3, 8), (2, 0, 1))]
+
+
+def _slice(inputs: Inputs) -> list[Tensor]:
+    return [inputs.tensor(6, 8)[1:5, ::3]]
+
+
+def _concat(inputs: Inputs) -> list[Tensor]:
+    return [inputs.batch.concat([inputs.tensor(4, 8), inputs.tensor(4, 3)], axis=1)]
+
+
+def _matmul(inputs: Inputs) -> list[Tensor]:
+    b, t = inputs.batch, inputs.tensor
+    outs = [
+        b.matmul(t(4, 8), t(8, 3)),  # skinny
+        b.matmul(t(2, 16, 8), t(8, 5), bias=t(5)),  # tiled, batched, bias
+        b.matmul(t(16, 8), t(16, 8), transpose_a=True),
+        b.matmul(t(4, 8), t(3, 8), transpose_b=True),  # GPU form: a warp per column
+        b.matmul(t(32, 129, 9), t(9, 130)),  # native form: 128 x 128 tiles
+    ]
+    if inputs.dtype == np.float32:
+        for qtype in QUANT_BLOCK_BYTES:
+            w = inputs.quantized(qtype, 6, 64)
+            if w is not None:
+                outs += [b.matmul(t(3, 64), w, transpose_b=True), b.matmul(t(3, 64), w, transpose_b=True, bias=t(6))]
+    return outs
+
+
+def _reduction(op: str) -> Example:
+    def record(inputs: Inputs) -> list[Tensor]:
+        method, x = getattr(inputs.batch, op), inputs.tensor(4, 8)
+        return [method(x), method(x, axis=0), method(x, axis=1), method(inputs.tensor(2, 3, 4), axis=(0, 2))]
+
+    return record
+
+
+def _softmax(inputs: Inputs) -> list[Tensor]:
+    x = inputs.tensor(4, 8)
+    return [inputs.batch.softmax(x), inputs.batch.softmax(x, axis=0)]
+
+
+def _rms_norm(inputs: Inputs) -> list[Tensor]:
+    return [inputs.batch.rms_norm(inputs.tensor(4, 8), inputs.tensor(8))]
+
+
+def _add_rms_norm(inputs: Inputs) -> list[Tensor]:
+    return list(inputs.batch.add_rms_norm(inputs.tensor(4, 8), inputs.tensor(4, 8), inputs.tensor(8)))
+
+
+def _layer_norm(inputs: Inputs) -> list[Tensor]:
+    return [inputs.batch.layer_norm(inputs.tensor(4, 8), inputs.tensor(8), inputs.tensor(8))]
+
+
+def _rope(inputs: Inputs) -> list[Tensor]:
+    b, q = inputs.batch, inputs.tensor(2, 4, 8)
+    return [b.rope(q, inputs.position("rope", 3)), b.rope(q, 1)]
+
+
+def _kv_write(inputs: Inputs) -> list[Tensor]:
+    cache = inputs.tensor(16, 2, 8)
+    return [inputs.batch.kv_write(cache, inputs.tensor(2, 2, 8), inputs.position("kv_write", 5))]
+
+
+def _attention(inputs: Inputs) -> list[Tensor]:
+    b, q, cache = inputs.batch, inputs.tensor(2, 4, 8), inputs.tensor(16, 2, 8)
+    long_cache = inputs.tensor(200, 2, 8)  # split into blocks under shrunk bounds
+    pos = inputs.position("attention", 6)
+    return [
+        b.attention(q, cache, cache, pos=pos),
+        b.attention(q, cache, cache, pos=1, causal=False),
+        b.attention(q, long_cache, long_cache, pos=pos),
+    ]
+
+
+def _embedding(inputs: Inputs) -> list[Tensor]:
+    b = inputs.batch
+    outs = [b.embedding(inputs.ids(3, 0, 5, 9, 1), inputs.tensor(8, 16))]
+    if inputs.dtype == np.float32:
+        for qtype in QUANT_BLOCK_BYTES:
+            table = inputs.quantized(qtype, 6, 64)
+            if table is not None:
+                outs.append(b.embedding(inputs.ids(5, 0, 3), table))
+    return outs
+
+
+def _argmax(inputs: Inputs) -> list[Tensor]:
+    x = inputs.tensor(4, 8)
+    return [inputs.batch.argmax(x), inputs.batch.argmax(x, axis=0)]
+
+
+EXAMPLES: dict[str, Example] = {
+    **{op: _unary(op) if row.arity == 1 else _binary(op) for op, row in EXPRESSIONS.items()},
+    "cast": _cast,
+    "reshape": _reshape,
+    "permute": _permute,
+    "slice": _slice,
+    "concat": _concat,
+    "matmul": _matmul,
+    "sum": _reduction("sum"),
+    "max": _reduction("max"),
+    "mean": _reduction("mean"),
+    "softmax": _softmax,
+    "rms_norm": _rms_norm,
+    "add_rms_norm": _add_rms_norm,
+    "layer_norm": _layer_norm,
+    "rope": _rope,
+    "kv_write": _kv_write,
+    "attention": _attention,
+    "embedding": _embedding,
+    "argmax": _argmax,
+}
+"""How to record each built-in op (by op name)."""
+
+
+def accepts(op: str, dtype: type | np.dtype) -> bool:
+    """Whether ``op`` takes inputs of ``dtype``: its spec's dtype class (neg refuses uint32)."""
+    dtype = np.dtype(dtype)
+    spec = OPS[op]
+    if op == "neg" and dtype == np.uint32:
+        return False
+    return {"all": True, "float": dtype.kind == "f", "signed": dtype.kind in "fi"}[spec.dtypes]
+
+
+def record_all(
+    batch: bg.GpuCommandBatch, dtypes: tuple[type, ...], rng: np.random.Generator | None = None
+) -> tuple[list[Tensor], dict[str, int]]:
+    """Every built-in op over every dtype of ``dtypes`` it accepts; returns the outputs and the per-execute
+    scalars with the values to run them at. A built-in op without an example raises KeyError."""
+    outputs: list[Tensor] = []
+    scalars: dict[str, int] = {}
+    for dtype in dtypes:
+        for op in OPS:
+            if op in NOT_BUILTIN or not accepts(op, dtype):
+                continue
+            inputs = Inputs(batch, dtype, dtypes, rng)
+            outputs += EXAMPLES[op](inputs)
+            scalars.update(inputs.scalars)
+    return outputs, scalars
+
+
+@contextlib.contextmanager
+def shrunk_bounds() -> Iterator[None]:
+    """Tiny per-invocation work bounds (batchgpu/ops/bounds.py), so that the small shapes of the examples
+    take the chunked paths: row pieces, split-K, attention over blocks of rows with merge passes."""
+    tiny = {"LOOP_BUDGET": 1, "ROW_CHUNK": 3, "COLUMN_LIMIT": 2, "MATMUL_K_CHUNK": 16, "QUANT_BLOCK_CHUNK": 1}
+    saved = {name: getattr(bounds, name) for name in tiny}
+    for name, value in tiny.items():
+        setattr(bounds, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(bounds, name, value)
