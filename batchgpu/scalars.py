@@ -71,7 +71,7 @@ def resolve(scalars: Mapping[str, Scalar], current: Mapping[str, int | float], g
     return values
 
 
-def pack(scalars: Sequence[Scalar], values: Mapping[str, int | float]) -> bytes:
+def uniform_bytes(scalars: Sequence[Scalar], values: Mapping[str, int | float]) -> bytes:
     """The uniform buffer contents for ``values``."""
     data = bytearray(SCALAR_BYTES)
     for scalar in scalars:

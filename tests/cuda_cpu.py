@@ -38,8 +38,7 @@ from batchgpu.executors.native import DeviceAttributes, check_native_launch
 from batchgpu.executors.reference import ReferenceExecution, ReferenceExecutor
 from batchgpu.kernels import Launch
 from batchgpu.ops import Node
-from batchgpu.scalars import SCALAR_BYTES, Scalar
-from batchgpu.scalars import pack as pack_scalars
+from batchgpu.scalars import SCALAR_BYTES, Scalar, uniform_bytes
 from batchgpu.tensor import Storage
 
 SMALL_GRID = DeviceAttributes(
@@ -351,7 +350,7 @@ class CudaOnCpuExecutor(ReferenceExecutor):
             raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
             plan.arrays[storage][: raw.nbytes] = raw
         if plan.scalars:
-            packed = pack_scalars(plan.scalars, scalars).ljust(SCALAR_BYTES, b"\0")
+            packed = uniform_bytes(plan.scalars, scalars).ljust(SCALAR_BYTES, b"\0")
             plan.scalar_bytes[:] = np.frombuffer(packed, np.uint8)
         for label, function, (grid, block), args, _slots, barriers in plan.launches:
             if function(grid, block, args, barriers) != 0:

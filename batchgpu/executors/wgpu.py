@@ -26,8 +26,7 @@ from ..interop import KDL_WEBGPU
 from ..kernels import Launch
 from ..limits import Limits, split_groups
 from ..ops import Node
-from ..scalars import SCALAR_BYTES, Scalar
-from ..scalars import pack as pack_scalars
+from ..scalars import SCALAR_BYTES, Scalar, uniform_bytes
 from ..tensor import Storage
 from .base import POISON_BYTE, DeviceExecutor, Plan, ReadbackLayout, StagedExecution, StagingPool, Stats, padded
 from .blocking import BlockingWorker
@@ -411,7 +410,7 @@ class WgpuExecutor(DeviceExecutor):
         for storage, data in writes:
             self._write(plan.buffers[storage], data)
         if plan.scalars:
-            self.device.queue.write_buffer(plan.scalars_buffer, 0, pack_scalars(plan.scalars, scalars))
+            self.device.queue.write_buffer(plan.scalars_buffer, 0, uniform_bytes(plan.scalars, scalars))
         if timer:
             timer.uploaded()
         encoder = self.device.create_command_encoder()

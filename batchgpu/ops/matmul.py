@@ -130,15 +130,18 @@ def _sum_splits(node: Node, partials: Tensor) -> list[Launch]:
     return launches
 
 
-def _warp_per_output(launch: Launch, entry: str, outputs: int, rows: int) -> Launch:
+def _warp_per_output(launch: Launch, entry: str, outputs: int, rows: int, sums_per_invocation: int) -> Launch:
     """The GPU form of a GEMV launch (CUDA/HIP, and wgpu on GPU adapters): a 32-lane warp per output
     of each of ``rows`` rows (with split-K: rows of every split, split after split), as a linear block
-    count the executor splits over the grid."""
+    count the executor splits over the grid; its workgroup memory holds ``sums_per_invocation`` 4-byte
+    partial sums per invocation (WGSL sums lanes there; CUDA shuffles, but the checks take the larger)."""
+    invocations = WARP * WARPS_PER_BLOCK
     return replace(
         launch,
         entry=entry,
         groups=math.ceil(outputs / WARPS_PER_BLOCK) * rows,
-        workgroup_size=(WARP * WARPS_PER_BLOCK, 1, 1),
+        workgroup_size=(invocations, 1, 1),
+        workgroup_bytes=4 * sums_per_invocation * invocations,
     )
 
 
@@ -179,7 +182,7 @@ def _skinny_launch(
         workgroup_size=(SKINNY_WORKGROUP, 1, 1),
     )
     if b_transposed:
-        launch.native = launch.gpu = _warp_per_output(launch, "matmul_gemv_t", n, splits)
+        launch.native = launch.gpu = _warp_per_output(launch, "matmul_gemv_t", n, splits, SKINNY_ROWS)
     return launch
 
 
@@ -214,7 +217,7 @@ def _lower_quantized(node: Node) -> list[Launch]:
         params=dict(m=m, n=rows, k=k, blocks=k // BLOCK, block_chunk=block_chunk, splits=splits),
         buffers=dict(x=x, w=w, out=target, bias=bias),
     )
-    launch.native = launch.gpu = _warp_per_output(launch, f"matmul_{w.qtype}_warp", rows, m * splits)
+    launch.native = launch.gpu = _warp_per_output(launch, f"matmul_{w.qtype}_warp", rows, m * splits, 1)
     return [launch, *_sum_splits(node, target)]
 
 

@@ -27,8 +27,7 @@ from ...interop import KDL_CUDA, KDL_CUDA_MANAGED, KDL_ROCM, ForeignArray, devic
 from ...kernels import Launch
 from ...nvrtc import compiler
 from ...ops import Node
-from ...scalars import SCALAR_BYTES, Scalar
-from ...scalars import pack as pack_scalars
+from ...scalars import SCALAR_BYTES, Scalar, uniform_bytes
 from ...tensor import Storage
 from ..base import POISON_BYTE, DeviceExecutor, Plan, ReadbackLayout, StagedExecution, Stats
 from ..blocking import BlockingWorker
@@ -411,7 +410,7 @@ class NativeExecutor(DeviceExecutor):
         started = time.perf_counter()
         self.make_current()
         timer = EventTimer(self, plan, profile, started) if profile is not None else None
-        self._uploads(plan, writes, pack_scalars(plan.scalars, scalars) if plan.scalars else b"")
+        self._uploads(plan, writes, uniform_bytes(plan.scalars, scalars) if plan.scalars else b"")
         if timer is not None:
             timer.uploaded()
             if plan.launches:
