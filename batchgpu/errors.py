@@ -44,6 +44,11 @@ class UnsupportedError(BatchError, NotImplementedError):
     """The executor or adapter lacks a feature the op needs."""
 
 
+class RequestError(BatchError, ValueError):
+    """A generation request the LLM engine refuses (bad sampling parameters, a prompt longer than the
+    context, no room in the KV cache); other requests are not affected."""
+
+
 class ExportError(BatchError, BufferError):
     """A tensor cannot be shared through ``__dlpack__`` / ``__cuda_array_interface__`` (a BufferError,
     as DLPack consumers expect)."""

@@ -45,6 +45,7 @@ class LlamaConfig:
     vocab: int
     eps: float
     theta: float
+    context: int = 0  # the trained context length (0: not in the file)
 
     @property
     def head_dim(self) -> int:
@@ -64,6 +65,7 @@ class LlamaConfig:
             vocab=int(field("vocab_size")),
             eps=float(field("attention.layer_norm_rms_epsilon")),
             theta=float(field("rope.freq_base")),
+            context=int(field("context_length")) if "llama.context_length" in reader.fields else 0,
         )
 
 
@@ -125,6 +127,26 @@ def load_tokenizer(weights: GGUFWeights) -> Any:
 Progress = Callable[[Sequence[str]], Any]
 
 
+def upload_weights(
+    device: Device, weights: GGUFWeights, *, quantized: bool = True, progress: Progress | None = None
+) -> dict[str, Tensor]:
+    """Every tensor of ``weights`` resident on ``device``: Q4_1/Q8_0 blocks kept quantized (or dequantized
+    to float32 with ``quantized=False``), float32 tensors as they are."""
+    names = weights.names()
+    label = "loading weights" if quantized else "loading + dequantizing weights"
+    items = progress(names) if progress else show_progress(names, label, len(names))  # bar only on a TTY
+
+    def upload(name: str) -> Tensor:
+        data, qtype, shape = weights.raw(name)
+        if qtype is None:
+            return device.tensor(data, name=name)
+        if quantized:
+            return device.quantized(data, qtype, (shape[0], shape[1]), name=name)
+        return device.tensor(weights.float32(name), name=name)
+
+    return {name: upload(name) for name in items}
+
+
 @dataclass
 class StepBatch:
     """A recorded forward pass over ``tokens`` new tokens starting at scalar ``pos``."""
@@ -153,10 +175,7 @@ class Llama:
         self.config = self.weights.config
         self.quantized = quantized
         self.max_context = max_context
-        names = self.weights.names()
-        label = "loading weights" if quantized else "loading + dequantizing weights"
-        items = progress(names) if progress else show_progress(names, label, len(names))  # bar only on a TTY
-        self.params = {name: self._upload(name) for name in items}
+        self.params = upload_weights(device, self.weights, quantized=quantized, progress=progress)
         cfg = self.config
         cache_shape = (max_context, cfg.kv_heads, cfg.head_dim)
         zeros = np.zeros(cache_shape, np.float32)
@@ -166,14 +185,6 @@ class Llama:
         self._prefill: dict[int, StepBatch] = {}
         self._decode: StepBatch | None = None
         self.position = 0
-
-    def _upload(self, name: str) -> Tensor:
-        data, qtype, shape = self.weights.raw(name)
-        if qtype is None:
-            return self.device.tensor(data, name=name)
-        if self.quantized:
-            return self.device.quantized(data, qtype, (shape[0], shape[1]), name=name)
-        return self.device.tensor(self.weights.float32(name), name=name)
 
     # recording --------------------------------------------------------------------------------
 

@@ -1,0 +1,409 @@
+"""The LLM engine: many concurrent generations served through one recorded decode step.
+
+Requests wait in a queue; a request joins when a slot and the KV blocks for its prompt and output are
+free (continuous batching: between any two steps), runs its prompt through the recorded prefill step in
+fixed-size chunks, then takes part in the recorded decode step, which serves every decoding slot at once
+(up to ``max_batch``), and leaves at once when it ends (end-of-sequence, a stop string, ``max_tokens``,
+cancellation), freeing its slot and blocks. Prefill chunks and decode steps alternate, so a long prompt
+does not stall the others. Sampling happens on the device; only the sampled ids come back.
+
+The scheduler is plain Python over small arrays, run as one asyncio task per event loop; ``generate``
+may be called from many tasks of that loop, ``generate_sync``/``complete`` from synchronous code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import random
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..batch import default_device
+from ..device import Device
+from ..errors import BatchError, RequestError
+from ..models.llama import GGUFWeights, smollm2_path, upload_weights
+from .blocks import BlockPool
+from .params import SamplingParams
+from .step import KVCache, Step, record_step
+from .text import TextCodec, TextStream
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+"""A text prompt, token ids, or chat messages (``[{"role": "user", "content": "..."}]``)."""
+
+
+@dataclass
+class Piece:
+    """Part of a generation's output: new text and token ids, and on the last piece why it ended
+    (``finish_reason``: ``"stop"``, ``"length"`` or ``"cancelled"``) and the token counts."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation's state in the engine."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    stream: TextStream
+    seed: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    slot: int = -1
+    blocks: list[int] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens already run
+    output: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    done: bool = False
+    created: float = field(default_factory=time.perf_counter)
+
+    @property
+    def length(self) -> int:
+        """Tokens in the KV cache (prompt rows run so far, then every generated token but the newest)."""
+        return self.prefilled + max(len(self.output) - 1, 0)
+
+
+class Engine:
+    """Serve generations of a Llama-family GGUF model on one device.
+
+    ``max_batch`` slots decode together; ``max_context`` bounds prompt + output tokens (at most the
+    model's trained length); the paged KV cache holds ``kv_blocks`` blocks of ``block_size`` tokens
+    (default: room for every slot at a quarter of ``max_context``, at least one full context), in
+    ``kv_dtype`` (float32 or float16); prompts run in chunks of ``prefill_chunk`` tokens.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        device: Device | None = None,
+        *,
+        max_batch: int = 8,
+        max_context: int = 2048,
+        quantized: bool = True,
+        kv_dtype: Any = np.float32,
+        block_size: int = 16,
+        kv_blocks: int | None = None,
+        prefill_chunk: int = 32,
+    ) -> None:
+        self.device = device if device is not None else default_device()
+        self.path = Path(model) if model is not None else smollm2_path()
+        weights = GGUFWeights(self.path)
+        self.config = weights.config
+        self.codec = TextCodec(weights.reader)
+        trained = self.config.context or max_context
+        if not 1 <= max_context <= trained:
+            raise BatchError(f"Engine: max_context must be in [1, {trained}] (the model's trained length)")
+        if max_batch < 1 or prefill_chunk < 1:
+            raise BatchError("Engine: max_batch and prefill_chunk must be at least 1")
+        self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
+        self.max_blocks = -(-max_context // block_size)
+        blocks = kv_blocks if kv_blocks is not None else max(self.max_blocks, max_batch * self.max_blocks // 4)
+        self.pool = BlockPool(blocks, block_size)
+        self.weights = upload_weights(self.device, weights, quantized=quantized)
+        self.cache = KVCache.allocate(
+            self.device, self.config, blocks=blocks, block_size=block_size, slots=max_batch, dtype=np.dtype(kv_dtype)
+        )
+        common = dict(max_blocks=self.max_blocks)
+        self.decode_step = record_step(
+            self.device,
+            self.config,
+            self.weights,
+            self.cache,
+            rows=max_batch,
+            samples=max_batch,
+            table_rows=max_batch,
+            name="decode",
+            **common,
+        )
+        self.prefill_step = record_step(
+            self.device,
+            self.config,
+            self.weights,
+            self.cache,
+            rows=prefill_chunk,
+            samples=1,
+            table_rows=1,
+            name="prefill",
+            **common,
+        )
+        self.waiting: deque[Request] = deque()
+        self.slots: list[Request | None] = [None] * max_batch
+        self.steps = {"prefill": 0, "decode": 0}
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._prefill_turn = True
+
+    # the public API -------------------------------------------------------------------------------------
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[Piece]:
+        """Stream the generation of ``prompt`` as :class:`Piece` s. Usable from many tasks at once;
+        stopping the iteration (or cancelling the task) cancels the request and frees its slot."""
+        request = self._request(prompt, params or SamplingParams())
+        self._start()
+        self.waiting.append(request)
+        assert self._wake is not None
+        self._wake.set()
+        try:
+            while True:
+                item = await request.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not request.done:
+                request.cancelled = True
+                if self._wake is not None:
+                    self._wake.set()
+
+    def generate_sync(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[Piece]:
+        """:meth:`generate` for synchronous code (runs the engine on a private event loop meanwhile)."""
+        loop = asyncio.new_event_loop()
+        stream = self.generate(prompt, params)
+        try:
+            while True:
+                try:
+                    yield loop.run_until_complete(stream.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            loop.run_until_complete(stream.aclose())
+            self._stop(loop)
+            loop.close()
+
+    def complete(self, prompt: Prompt, params: SamplingParams | None = None) -> Piece:
+        """The whole generation as one :class:`Piece` (synchronous)."""
+        text, ids, last = [], [], Piece("", [])
+        for piece in self.generate_sync(prompt, params):
+            text.append(piece.text)
+            ids += piece.token_ids
+            last = piece
+        return Piece("".join(text), ids, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+
+    def memory(self) -> dict[str, int]:
+        """The paged KV cache: blocks in use and free, block size, and bytes of the pools."""
+        return {
+            "blocks_used": self.pool.used,
+            "blocks_free": self.pool.free,
+            "blocks": self.pool.blocks,
+            "block_size": self.pool.block_size,
+            "kv_bytes": self.cache.nbytes,
+        }
+
+    # requests ------------------------------------------------------------------------------------------
+
+    def _request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._prompt_ids(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) + params.max_tokens > self.max_context:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceed the engine's max_context "
+                f"({self.max_context})"
+            )
+        if self.pool.needed(len(ids) + params.max_tokens) > self.pool.blocks:
+            raise RequestError(
+                f"the request needs {self.pool.needed(len(ids) + params.max_tokens)} KV blocks; the cache has "
+                f"{self.pool.blocks}"
+            )
+        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        return Request(next(self._ids), ids, params, TextStream(self.codec, params.stop), seed)
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.codec.encode(prompt)
+        items = list(prompt)
+        if all(isinstance(m, Mapping) for m in items) and items:
+            return self.codec.encode(self.codec.render_chat(items))
+        if all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
+            bad = [t for t in items if not 0 <= t < self.config.vocab]
+            if bad:
+                raise RequestError(f"prompt token ids out of [0, {self.config.vocab}): {bad[:5]}")
+            return [int(t) for t in items]
+        raise RequestError("prompt must be a str, a list of token ids, or a list of chat messages")
+
+    # the scheduler -------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._run())
+
+    def _stop(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._task is not None and self._task.get_loop() is loop:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                loop.run_until_complete(self._task)
+            self._task = None
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            self._drop_cancelled()
+            self._admit()
+            step = self._next_step()
+            if step is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            kind, requests = step
+            try:
+                ids = await (self._prefill(requests[0]) if kind == "prefill" else self._decode(requests))
+            except BatchError as exc:  # the device failed: every request in the step fails, the engine goes on
+                for request in requests:
+                    self._finish(request, exc)
+                continue
+            self._deliver(kind, requests, ids)
+            await asyncio.sleep(0)  # let consumers take their pieces between steps
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+            request.done = True
+        for request in self.slots:
+            if request is not None and request.cancelled:
+                self._leave(request)
+
+    def _admit(self) -> None:
+        """Waiting requests take free slots while the KV cache can hold their whole generation."""
+        while self.waiting and None in self.slots:
+            request = self.waiting[0]
+            if not self.pool.grow(request.blocks, len(request.prompt) + request.params.max_tokens):
+                return  # the oldest request waits for blocks (it fits an empty cache: checked when made)
+            self.waiting.popleft()
+            request.slot = self.slots.index(None)
+            self.slots[request.slot] = request
+
+    def _next_step(self) -> tuple[str, list[Request]] | None:
+        active = [r for r in self.slots if r is not None]
+        prefilling = [r for r in active if r.prefilled < len(r.prompt)]
+        decoding = [r for r in active if r.prefilled == len(r.prompt)]
+        if prefilling and (self._prefill_turn or not decoding):
+            self._prefill_turn = False
+            return "prefill", [prefilling[0]]
+        self._prefill_turn = True
+        return ("decode", decoding) if decoding else None
+
+    # steps ---------------------------------------------------------------------------------------------
+
+    async def _prefill(self, request: Request) -> np.ndarray:
+        step = self.prefill_step
+        chunk = request.prompt[request.prefilled : request.prefilled + step.rows]
+        n, first = len(chunk), request.prefilled
+        last = first + n == len(request.prompt)
+        feeds = self._empty_feeds(step)
+        positions = np.arange(first, first + n, dtype=np.int32)
+        feeds["ids"][:n] = chunk
+        feeds["positions"][:n] = positions
+        feeds["kv_rows"][:n] = [self.pool.row(request.blocks, int(p)) for p in positions]
+        feeds["seq"][:n] = 0
+        feeds["lengths"][:n] = positions + 1
+        feeds["block_tables"][0, : len(request.blocks)] = request.blocks
+        feeds["count_slots"][:n] = request.slot
+        if first == 0:
+            feeds["reset"][request.slot] = 1
+        self._sampling_row(feeds, 0, request, row=n - 1)
+        feeds["sampled_slots"][0] = request.slot if last else -1
+        step.run(feeds)
+        request.prefilled += n
+        self.steps["prefill"] += 1
+        return await step.batch.read(step.next_ids)
+
+    async def _decode(self, requests: list[Request]) -> np.ndarray:
+        step = self.decode_step
+        feeds = self._empty_feeds(step)
+        for request in requests:
+            s, position = request.slot, request.length
+            feeds["ids"][s] = request.output[-1]
+            feeds["positions"][s] = position
+            feeds["kv_rows"][s] = self.pool.row(request.blocks, position)
+            feeds["seq"][s] = s
+            feeds["lengths"][s] = position + 1
+            feeds["block_tables"][s, : len(request.blocks)] = request.blocks
+            self._sampling_row(feeds, s, request, row=s)
+            feeds["sampled_slots"][s] = s
+        step.run(feeds)
+        self.steps["decode"] += 1
+        return await step.batch.read(step.next_ids)
+
+    def _empty_feeds(self, step: Step) -> dict[str, np.ndarray]:
+        """Every input of ``step`` as an idle step: no rows written, attended or counted."""
+        feeds = {name: np.zeros(t.shape, t.dtype) for name, t in step.inputs.items()}
+        for name in ("kv_rows", "count_slots", "sampled_slots"):
+            feeds[name][:] = -1
+        feeds["sampling"][:, 1] = 1.0  # top_p off
+        feeds["penalties"][:, 0] = 1.0  # repetition penalty off
+        return feeds
+
+    def _sampling_row(self, feeds: dict[str, np.ndarray], index: int, request: Request, *, row: int) -> None:
+        params = request.params
+        feeds["sample_rows"][index] = row
+        feeds["sample_slots"][index] = request.slot
+        feeds["penalties"][index] = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+        feeds["sampling"][index] = (params.temperature, params.top_p, params.min_p, 0.0)
+        feeds["top_k"][index] = params.top_k
+        feeds["keys"][index] = (request.seed, len(request.output))
+
+    # results -------------------------------------------------------------------------------------------
+
+    def _deliver(self, kind: str, requests: list[Request], ids: np.ndarray) -> None:
+        for request in requests:
+            if request.cancelled:
+                continue
+            if kind == "prefill":
+                if request.prefilled < len(request.prompt):
+                    continue  # a chunk in the middle of the prompt: nothing sampled yet
+                token = int(ids[0])
+            else:
+                token = int(ids[request.slot])
+            request.output.append(token)
+            self._emit(request, token)
+
+    def _emit(self, request: Request, token: int) -> None:
+        params = request.params
+        eos = not params.ignore_eos and token == self.codec.eos_id
+        stop_token = token in params.stop_token_ids
+        delta = request.stream.push(token) if not (eos or stop_token) else request.stream.finish()
+        reason = None
+        if eos or stop_token or delta.stopped:
+            reason = "stop"
+        elif len(request.output) >= params.max_tokens:
+            reason = "length"
+            tail = request.stream.finish()
+            delta.text += tail.text
+        piece = Piece(delta.text, [token])
+        if reason is not None:
+            piece.finish_reason = reason
+            piece.prompt_tokens, piece.completion_tokens = len(request.prompt), len(request.output)
+            self._leave(request)
+        request.queue.put_nowait(piece)
+
+    def _finish(self, request: Request, error: BaseException) -> None:
+        self._leave(request)
+        request.queue.put_nowait(error)
+
+    def _leave(self, request: Request) -> None:
+        """The request ends: its slot and blocks are free for the next step."""
+        request.done = True
+        if request.slot >= 0 and self.slots[request.slot] is request:
+            self.slots[request.slot] = None
+        self.pool.release(request.blocks)
+        request.slot = -1

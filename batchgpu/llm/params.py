@@ -1,0 +1,79 @@
+"""What a generation request asks for: ``SamplingParams`` (OpenAI's and vLLM's names and defaults),
+validated when the request is made, so a bad value fails that request alone."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    ``temperature`` 0 is greedy (the first most likely token). Otherwise tokens are drawn from
+    softmax(logits / temperature) restricted to the ``top_k`` most likely (0: all), the smallest set
+    reaching probability ``top_p`` (1: all) and those at least ``min_p`` times the most likely (0: all).
+    ``repetition_penalty`` (HF: logits of tokens in the prompt or output divided by it when positive,
+    multiplied when negative), ``presence_penalty`` and ``frequency_penalty`` (OpenAI: subtracted once
+    per generated token kind / per occurrence). ``seed`` makes draws reproducible (same seed, prompt and
+    parameters: same output); None draws a fresh seed. Generation stops at ``max_tokens``, at the model's
+    end-of-sequence token (unless ``ignore_eos``), at ``stop_token_ids`` or when the text contains one of
+    ``stop`` (which is left out of the text).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: Sequence[str] = field(default_factory=tuple)
+    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _whole("max_tokens", self.max_tokens, 1)
+        _real("temperature", self.temperature, 0.0, math.inf)
+        _whole("top_k", self.top_k, 0)
+        _real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _real("min_p", self.min_p, 0.0, 1.0)
+        _real("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
+        _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            _whole("seed", self.seed, 0, 2**32 - 1)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) for s in stop):
+            raise RequestError(f"stop must be a str or a list of str, got {self.stop!r:.80}")
+        object.__setattr__(self, "stop", stop)
+        ids = tuple(self.stop_token_ids)
+        for token in ids:
+            _whole("stop_token_ids[]", token, 0)
+        object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _whole(name: str, value: object, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise RequestError(f"{name} must be an int {bounds}, got {value!r}")
+
+
+def _real(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        interval = f"{'(' if low_open else '['}{low}, {high}]"
+        raise RequestError(f"{name} must be in {interval}, got {value!r}")

@@ -1,0 +1,168 @@
+"""One recorded forward step of a Llama-family model over ``rows`` token rows, sampling ``samples`` next
+tokens on the device. The engine records two: a decode step (one row per slot, every slot sampled) and a
+prefill step (a chunk of one prompt, its last row sampled when the prompt ends there). Everything that
+changes per step is an input: token ids, positions, the paged KV cache rows to write, block tables,
+sequence lengths, sampling parameters and keys; only the sampled ids come back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..batch import GpuCommandBatch
+from ..device import Device
+from ..models.llama import LlamaConfig
+from ..tensor import Tensor
+
+
+@dataclass
+class KVCache:
+    """The paged KV cache on the device: per layer one key and one value pool of ``blocks * block_size``
+    rows, and per slot the token counts the penalties read (``seen``: prompt and output, ``generated``:
+    output only). Resident tensors, shared by every recorded step."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    seen: Tensor
+    generated: Tensor
+    block_size: int
+    blocks: int
+
+    @classmethod
+    def allocate(
+        cls, device: Device, config: LlamaConfig, *, blocks: int, block_size: int, slots: int, dtype: np.dtype
+    ) -> KVCache:
+        rows = (blocks * block_size, config.kv_heads, config.head_dim)
+        zeros = np.zeros(rows, dtype)
+        keys = [device.tensor(zeros, name=f"kv.k{i}") for i in range(config.layers)]
+        values = [device.tensor(zeros, name=f"kv.v{i}") for i in range(config.layers)]
+        counts = np.zeros((slots, config.vocab), np.int32)
+        return cls(
+            keys,
+            values,
+            device.tensor(counts, name="seen"),
+            device.tensor(counts, name="generated"),
+            block_size,
+            blocks,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.keys, *self.values))
+
+
+@dataclass
+class Step:
+    """A recorded step and its input and output tensors (see :func:`record_step`)."""
+
+    batch: GpuCommandBatch
+    rows: int
+    samples: int
+    inputs: dict[str, Tensor]
+    next_ids: Tensor
+
+    def run(self, feeds: dict[str, np.ndarray]) -> None:
+        """Execute with the named inputs (every input each time: they are small)."""
+        self.batch.execute({self.inputs[name]: value for name, value in feeds.items()})
+
+
+def record_step(
+    device: Device,
+    config: LlamaConfig,
+    weights: dict[str, Tensor],
+    cache: KVCache,
+    *,
+    rows: int,
+    samples: int,
+    table_rows: int,
+    max_blocks: int,
+    name: str,
+) -> Step:
+    """Record the step. Inputs (feed them all each run):
+
+    - ``ids``, ``positions`` (rows,): each row's token and its position in its sequence;
+    - ``kv_rows`` (rows,): the pool row each row's key and value go to (-1: an idle row, nothing written);
+    - ``seq``, ``lengths`` (rows,): the block-table row of each row's sequence and how many positions it
+      attends over (its position + 1: causal; 0: idle);
+    - ``block_tables`` (table_rows, max_blocks): each sequence's KV blocks;
+    - ``sample_rows`` (samples,): the row whose logits each sample uses; ``sample_slots`` (samples,): its
+      slot (the counts row); ``penalties`` (samples, 3), ``sampling`` (samples, 4), ``top_k`` (samples,),
+      ``keys`` (samples, 2): see :meth:`GpuCommandBatch.sample`;
+    - ``count_slots`` (rows,), ``reset`` (slots,): prompt tokens to count into ``seen`` (slot or -1), slots
+      whose counts start over (a new sequence); ``sampled_slots`` (samples,): slot each sampled token is
+      counted for (-1: not a real token, e.g. a prompt chunk that does not end the prompt).
+    Output: ``next_ids`` (samples,) int32.
+    """
+    cfg = config
+    batch = GpuCommandBatch(device, name=name)
+    slots = cache.seen.shape[0]
+
+    def inp(label: str, shape: tuple[int, ...], dtype: type) -> Tensor:
+        return batch.upload(np.zeros(shape, dtype), name=label)
+
+    inputs = {
+        "ids": inp("ids", (rows,), np.int32),
+        "positions": inp("positions", (rows,), np.int32),
+        "kv_rows": inp("kv_rows", (rows,), np.int32),
+        "seq": inp("seq", (rows,), np.int32),
+        "lengths": inp("lengths", (rows,), np.int32),
+        "block_tables": inp("block_tables", (table_rows, max_blocks), np.int32),
+        "sample_rows": inp("sample_rows", (samples,), np.int32),
+        "sample_slots": inp("sample_slots", (samples,), np.int32),
+        "penalties": inp("penalties", (samples, 3), np.float32),
+        "sampling": inp("sampling", (samples, 4), np.float32),
+        "top_k": inp("top_k", (samples,), np.int32),
+        "keys": inp("keys", (samples, 2), np.uint32),
+        "count_slots": inp("count_slots", (rows,), np.int32),
+        "reset": inp("reset", (slots,), np.int32),
+        "sampled_slots": inp("sampled_slots", (samples,), np.int32),
+    }
+    x = inputs
+    w = weights
+    h = batch.embedding(x["ids"], w["token_embd.weight"])
+    normed = batch.rms_norm(h, w["blk.0.attn_norm.weight"], cfg.eps)
+    for layer in range(cfg.layers):
+        block = f"blk.{layer}."
+
+        def project(weight: str, heads: int, normed: Tensor = normed, block: str = block) -> Tensor:
+            return batch.reshape(batch.matmul(normed, w[block + weight], transpose_b=True), (rows, heads, cfg.head_dim))
+
+        q = batch.rope(project("attn_q.weight", cfg.heads), x["positions"], cfg.theta)
+        k = batch.rope(project("attn_k.weight", cfg.kv_heads), x["positions"], cfg.theta)
+        v = project("attn_v.weight", cfg.kv_heads)
+        key_pool, value_pool = cache.keys[layer], cache.values[layer]
+        if key_pool.dtype != k.dtype:
+            k, v = batch.cast(k, key_pool.dtype), batch.cast(v, value_pool.dtype)
+        batch.scatter_rows(key_pool, x["kv_rows"], k)
+        batch.scatter_rows(value_pool, x["kv_rows"], v)
+        attended = batch.paged_attention(
+            q, key_pool, value_pool, x["block_tables"], x["seq"], x["lengths"], block_size=cache.block_size
+        )
+        out = batch.matmul(
+            batch.reshape(attended, (rows, cfg.hidden)), w[block + "attn_output.weight"], transpose_b=True
+        )
+        normed, h = batch.add_rms_norm(out, h, w[block + "ffn_norm.weight"], cfg.eps)
+        gate = batch.matmul(normed, w[block + "ffn_gate.weight"], transpose_b=True)
+        up = batch.matmul(normed, w[block + "ffn_up.weight"], transpose_b=True)
+        ffn = batch.matmul(batch.silu_mul(gate, up), w[block + "ffn_down.weight"], transpose_b=True)
+        after = f"blk.{layer + 1}.attn_norm.weight" if layer + 1 < cfg.layers else "output_norm.weight"
+        normed, h = batch.add_rms_norm(ffn, h, w[after], cfg.eps)
+    head = w.get("output.weight", w["token_embd.weight"])  # untied head where the file has one
+    logits = batch.matmul(batch.embedding(x["sample_rows"], normed), head, transpose_b=True)
+    # prompt tokens count before this step's sampling (HF's repetition penalty covers the prompt)
+    batch.count_tokens(cache.seen, x["count_slots"], x["ids"], x["reset"])
+    no_tokens = batch.upload(np.full(1, -1, np.int32), name="no_tokens")
+    batch.count_tokens(cache.generated, no_tokens, no_tokens, x["reset"])  # resets only
+    if samples == slots:  # every slot samples: its counts row is its own
+        seen, generated = cache.seen, cache.generated
+    else:
+        seen = batch.embedding(x["sample_slots"], cache.seen)
+        generated = batch.embedding(x["sample_slots"], cache.generated)
+    penalized = batch.penalize(logits, seen, generated, x["penalties"])
+    next_ids = batch.sample(penalized, x["sampling"], x["top_k"], x["keys"])
+    no_reset = batch.upload(np.zeros(slots, np.int32), name="no_reset")
+    batch.count_tokens(cache.seen, x["sampled_slots"], next_ids, no_reset)
+    batch.count_tokens(cache.generated, x["sampled_slots"], next_ids, no_reset)
+    batch.outputs(next_ids)
+    return Step(batch, rows, samples, inputs, next_ids)
