@@ -205,6 +205,15 @@ class Engine:
             "kv_bytes": self.cache.nbytes,
         }
 
+    def status(self) -> dict[str, Any]:
+        """Requests running (holding a slot) and waiting, steps run so far, and :meth:`memory`."""
+        return {
+            "running": sum(slot is not None for slot in self.slots),
+            "waiting": len(self.waiting),
+            "steps": dict(self.steps),
+            "memory": self.memory(),
+        }
+
     # requests ------------------------------------------------------------------------------------------
 
     def _request(self, prompt: Prompt, params: SamplingParams) -> Request:

@@ -57,6 +57,9 @@ def create_app(make_engine: Callable[[], Engine], model_name: str) -> Any:
             {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "batchgpu"}]}
         )
 
+    async def engine_status(request: Request) -> Response:
+        return JSONResponse(state["engine"].status())
+
     async def completions(request: Request) -> Response:
         return await _serve(request, chat=False)
 
@@ -107,6 +110,7 @@ def create_app(make_engine: Callable[[], Engine], model_name: str) -> Any:
 
     routes = [
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/engine", engine_status, methods=["GET"]),  # not OpenAI's: running/waiting requests, KV blocks
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
