@@ -271,10 +271,13 @@ class GpuCommandBatch:
         """``(x - mean) / sqrt(var + eps) * w + b`` over the last dim."""
         return self._record("layer_norm", (x, w, b), eps=arguments.real("layer_norm", "eps", eps))
 
-    def rope(self, x: Tensor, pos: Scalar | int, theta: float = 10000.0) -> Tensor:
+    def rope(self, x: Tensor, pos: Scalar | int | Tensor, theta: float = 10000.0) -> Tensor:
         """Rotary embedding, rotate-half convention (Llama in transformers), of ``x`` shaped
-        (tokens, heads, head_dim); token t sits at position ``pos + t``."""
+        (tokens, heads, head_dim); token t sits at position ``pos + t``, or at ``pos[t]`` when ``pos`` is
+        an int32 Tensor of shape (tokens,) (any order and repeats; negative values rotate backwards)."""
         theta = arguments.real("rope", "theta", theta)
+        if isinstance(pos, Tensor):
+            return self._record("rope", (x, pos), pos=None, theta=theta)
         return self._record("rope", (x,), pos=self._own_scalar("rope", pos), theta=theta)
 
     def kv_write(self, cache: Tensor, new: Tensor, pos: Scalar | int) -> Tensor:
@@ -323,6 +326,68 @@ class GpuCommandBatch:
         """Run a custom :class:`Kernel` over ``grid`` workgroups. ``buffers`` are bound read_write at
         bindings 0..n-1 and written in place; ``scalars`` form one uniform struct at binding n."""
         self._record("launch", _sequence("launch", "buffers", buffers), kernel=kernel, grid=grid, scalars=scalars)
+
+    def penalize(self, logits: Tensor, seen: Tensor, generated: Tensor, penalties: Tensor) -> Tensor:
+        """New (S, V) logits: where ``seen > 0`` the row's repetition penalty r (``l / r`` for ``l > 0``,
+        else ``l * r``), then ``l -= presence * (generated > 0) + frequency * generated``. ``seen``,
+        ``generated``: (S, V) int32 counts (prompt + output, output only); ``penalties``: (S, 3) float32
+        rows of (repetition, presence, frequency)."""
+        return self._record("penalize", (logits, seen, generated, penalties))
+
+    def sample(self, logits: Tensor, params: Tensor, top_k: Tensor, keys: Tensor) -> Tensor:
+        """One int32 token id per row of (S, V) logits, drawn on the device. ``params``: (S, 4) float32
+        rows of (temperature, top_p, min_p, unused); ``top_k``: (S,) int32 (<= 0 or >= V: off); ``keys``:
+        (S, 2) uint32 rows of (seed, counter). Temperature <= 0 is greedy (``argmax``'s rule); otherwise a
+        draw from softmax(logits / temperature) restricted to top_k (ties included), top_p and min_p
+        (Gumbel-max with a counter-based hash: the same keys draw the same id)."""
+        return self._record("sample", (logits, params, top_k, keys))
+
+    def count_tokens(self, counts: Tensor, slots: Tensor, ids: Tensor, reset: Tensor) -> Tensor:
+        """Update (S, V) int32 ``counts`` in place: rows with ``reset != 0`` are zeroed first, then each
+        ``counts[slots[i], ids[i]]`` gains 1 (duplicates add up; a slot outside [0, S) or an id outside
+        [0, V) is skipped); returns ``counts``."""
+        self._record("count_tokens", (counts, slots, ids, reset))
+        return counts
+
+    def scatter_rows(self, table: Tensor, rows: Tensor, values: Tensor) -> Tensor:
+        """``table[rows[i]] = values[i]`` in place for each i with ``0 <= rows[i] < table.shape[0]``; other
+        entries (-1 for an idle slot) are skipped; returns ``table``. ``table`` (R, ...) and ``values`` (N, ...)
+        share the trailing shape and dtype, ``rows`` is int32 (N,). With duplicate targets it is unspecified
+        which of their values lands. A resident table keeps its rows for every batch that uses it."""
+        for name, value in (("table", table), ("rows", rows), ("values", values)):
+            if not isinstance(value, Tensor):
+                raise ArgumentError(f"scatter_rows: {name} must be a Tensor, got {type(value).__name__}")
+        self._record("scatter_rows", (table, rows, values))
+        return table
+
+    def paged_attention(
+        self,
+        q: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        block_tables: Tensor,
+        seq: Tensor,
+        lengths: Tensor,
+        *,
+        block_size: int,
+        scale: float | None = None,
+    ) -> Tensor:
+        """Attention over a paged KV cache (vLLM's PagedAttention), (N, heads, head_dim) in q's dtype. Row n
+        of ``q`` (N, heads, head_dim) attends, grouped-query like ``attention``, over positions
+        ``[0, lengths[n])`` of sequence ``seq[n]``; position p is row ``block_tables[s, p // block_size] *
+        block_size + p % block_size`` of ``k_pool``/``v_pool`` (P, kv_heads, head_dim), float32 or float16
+        (computed in f32). Causality is in the lengths (a prefill row at position t: t + 1). A row with no
+        positions (length <= 0, or ``seq[n]`` outside the table's rows) gives zeros; lengths past
+        ``max_blocks * block_size`` are clamped to it; a position whose block lies outside the pool is left
+        out (a row left with none gives zeros). ``scale`` defaults to 1/sqrt(head_dim)."""
+        if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)):
+            raise ArgumentError(f"paged_attention: block_size must be an int >= 1, got {block_size!r}")
+        scale = None if scale is None else arguments.real("paged_attention", "scale", scale)
+        inputs = (q, k_pool, v_pool, block_tables, seq, lengths)
+        for name, value in zip(("q", "k_pool", "v_pool", "block_tables", "seq", "lengths"), inputs):
+            if not isinstance(value, Tensor):
+                raise ArgumentError(f"paged_attention: {name} must be a Tensor, got {type(value).__name__}")
+        return self._record("paged_attention", inputs, block_size=int(block_size), scale=scale)
 
     # recording core --------------------------------------------------------------------------
 

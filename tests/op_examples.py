@@ -174,7 +174,7 @@ def _layer_norm(inputs: Inputs) -> list[Tensor]:
 
 def _rope(inputs: Inputs) -> list[Tensor]:
     b, q = inputs.batch, inputs.tensor(2, 4, 8)
-    return [b.rope(q, inputs.position("rope", 3)), b.rope(q, 1)]
+    return [b.rope(q, inputs.position("rope", 3)), b.rope(q, 1), b.rope(q, inputs.ids(5, 0))]
 
 
 def _kv_write(inputs: Inputs) -> list[Tensor]:
@@ -193,6 +193,31 @@ def _attention(inputs: Inputs) -> list[Tensor]:
     ]
 
 
+def _scatter_rows(inputs: Inputs) -> list[Tensor]:
+    b = inputs.batch
+    table, rows = inputs.tensor(6, 2, 4), inputs.ids(4, -1, 0, 6)  # -1 and 6: skipped
+    vector = b.scatter_rows(inputs.tensor(5), rows, inputs.tensor(4))
+    return [b.scatter_rows(table, rows, inputs.tensor(4, 2, 4)), vector]
+
+
+def _paged_attention(inputs: Inputs) -> list[Tensor]:
+    """One pass over 3 blocks of 4 positions (a block outside the pool, a sequence outside the table); 30 blocks
+    of 7 positions in a pool of 211 rows, split over blocks of positions with merge passes under shrunk bounds.
+    The float16 run has float32 queries over float16 pools (the mixed form) and float16 over float16."""
+    b = inputs.batch
+    half = inputs.dtype == np.float16
+    q = inputs.tensor(3, 4, 8, dtype=np.float32 if half else None)
+    k, v = inputs.tensor(40, 2, 8), inputs.tensor(40, 2, 8)
+    tables = b.upload(np.array([[2, 9, 0], [5, -1, 7]], np.int32))
+    outs = [b.paged_attention(q, k, v, tables, inputs.ids(0, 1, 5), inputs.ids(12, 11, 4), block_size=4)]
+    order = np.random.default_rng(5).permutation(31).astype(np.int32)
+    tables = b.upload(np.stack([order[:30], order[1:]]))
+    k, v = inputs.tensor(211, 2, 8), inputs.tensor(211, 2, 8)
+    seq, lengths = inputs.ids(0, 1, 1), inputs.ids(210, 100, 0)
+    outs.append(b.paged_attention(inputs.tensor(3, 4, 8), k, v, tables, seq, lengths, block_size=7))
+    return outs
+
+
 def _embedding(inputs: Inputs) -> list[Tensor]:
     b = inputs.batch
     outs = [b.embedding(inputs.ids(3, 0, 5, 9, 1), inputs.tensor(8, 16))]
@@ -207,6 +232,35 @@ def _embedding(inputs: Inputs) -> list[Tensor]:
 def _argmax(inputs: Inputs) -> list[Tensor]:
     x = inputs.tensor(4, 8)
     return [inputs.batch.argmax(x), inputs.batch.argmax(x, axis=0)]
+
+
+def _penalize(inputs: Inputs) -> list[Tensor]:
+    b = inputs.batch
+    seen, generated = (inputs.tensor(4, 9, dtype=np.int32) for _ in range(2))  # some > 0, some not
+    return [b.penalize(inputs.tensor(4, 9), seen, generated, inputs.tensor(4, 3, positive=True, dtype=np.float32))]
+
+
+def _sample(inputs: Inputs) -> list[Tensor]:
+    """Greedy, plain, top_k, top_p and min_p rows in one launch."""
+    b = inputs.batch
+    params = [
+        [0.0, 1.0, 0.0, 0.0],
+        [1.0, 1.0, 0.0, 0.0],
+        [0.8, 0.9, 0.0, 0.0],
+        [1.2, 1.0, 0.1, 0.0],
+        [1.0, 0.7, 0.05, 0.0],
+    ]
+    top_k, keys = inputs.ids(0, 0, 5, 0, 40), [[7, i] for i in range(5)]
+    settings, seeds = b.upload(np.array(params, np.float32)), b.upload(np.array(keys, np.uint32))
+    return [b.sample(inputs.tensor(5, 33), settings, top_k, seeds)]
+
+
+def _count_tokens(inputs: Inputs) -> list[Tensor]:
+    if inputs.dtype != np.int32:  # int32 counts only: recorded once per run
+        return []
+    counts = inputs.tensor(3, 11, positive=True)
+    slots, ids = inputs.ids(0, 2, 2, -1, 5, 1, 2), inputs.ids(4, 10, 10, 3, 1, 11, -1)  # duplicates and skips
+    return [inputs.batch.count_tokens(counts, slots, ids, inputs.ids(0, 1, 0))]
 
 
 EXAMPLES: dict[str, Example] = {
@@ -227,8 +281,13 @@ EXAMPLES: dict[str, Example] = {
     "rope": _rope,
     "kv_write": _kv_write,
     "attention": _attention,
+    "scatter_rows": _scatter_rows,
+    "paged_attention": _paged_attention,
     "embedding": _embedding,
     "argmax": _argmax,
+    "penalize": _penalize,
+    "sample": _sample,
+    "count_tokens": _count_tokens,
 }
 """How to record each built-in op (by op name)."""
 

@@ -1,17 +1,20 @@
 """Decoder attention: rope (rotate-half, Llama convention), kv_write into a cache at a position, and
 grouped-query attention over the cache with a causal mask offset by the cache position. Positions are
-per-execute scalars (``batch.scalar("pos")``) or fixed ints."""
+per-execute scalars (``batch.scalar("pos")``) or fixed ints; rope also takes an int32 tensor of one position
+per token. The paged KV cache ops (``batchgpu/ops/paged.py``) reuse this module's launches and its split
+over blocks of rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..dtypes import FLOAT32
-from ..errors import BatchError, LimitError, ShapeError
+from ..dtypes import FLOAT32, INT32
+from ..errors import BatchError, DTypeError, LimitError, ShapeError
 from ..kernels import Launch, wgsl_aliases
 from ..scalars import Scalar, operand
 from ..tensor import Storage, Tensor
@@ -31,15 +34,26 @@ def _position(op: str, pos: Any) -> None:
             raise BatchError(f"{op}: position scalar {pos.name!r} must be u32, got {pos.dtype}")
         return
     if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not 0 <= pos <= U32_MAX:
-        raise BatchError(f"{op}: pos must be a u32 Scalar (batch.scalar) or an int in [0, 2**32), got {pos!r}")
+        extra = ", or an int32 Tensor of one position per token" if op == "rope" else ""
+        raise BatchError(f"{op}: pos must be a u32 Scalar (batch.scalar) or an int in [0, 2**32){extra}, got {pos!r}")
 
 
-def _heads_layout(op: str, tensor: Tensor, argument: str) -> None:
+def heads_layout(op: str, tensor: Tensor, argument: str) -> None:
+    """ShapeError unless ``tensor`` is 3-D (tokens or cache rows, heads, head_dim)."""
     if tensor.ndim != 3:
         raise ShapeError(f"{op}: {argument} {tensor.describe()} must be 3-D (tokens or cache rows, heads, head_dim)")
 
 
-def _params(
+def index_vector(op: str, tensor: Tensor, argument: str, length: int, meaning: str) -> None:
+    """DTypeError / ShapeError unless ``tensor`` is an int32 vector of ``length`` entries (``meaning``: one
+    what per what)."""
+    if tensor.dtype != INT32:
+        raise DTypeError(f"{op}: {argument} {tensor.describe()} must be int32 ({meaning}), got {tensor.dtype.name}")
+    if tensor.shape != (length,):
+        raise ShapeError(f"{op}: {argument} {tensor.describe()} must have shape ({length},): {meaning}")
+
+
+def family_params(
     tokens: int,
     heads: int,
     kv_heads: int,
@@ -52,7 +66,11 @@ def _params(
     split_rows: int = 0,
     splits: int = 0,
     fan_in: int = 0,
+    block_size: int = 0,
+    max_blocks: int = 0,
+    sequences: int = 0,
 ) -> dict[str, Any]:
+    """The attention family's ``Params`` by name (``pos``: a Scalar or an int)."""
     pos_slot, pos_literal = operand(pos)
     return dict(
         tokens=tokens,
@@ -67,13 +85,16 @@ def _params(
         split_rows=split_rows,
         splits=splits,
         fan_in=fan_in,
+        block_size=block_size,
+        max_blocks=max_blocks,
+        sequences=sequences,
     )
 
 
 Buffers = dict[str, Tensor | Storage]
 
 
-def _launch(
+def family_launch(
     node: Node,
     entry: str,
     groups: int,
@@ -83,11 +104,15 @@ def _launch(
     position: bool = True,
     **extra: Any,
 ) -> Launch:
-    """A launch of ``entry`` with the Params uniform, and the per-execute scalars where it reads the position."""
+    """A launch of ``entry`` with the Params uniform, and the per-execute scalars where it reads the position.
+    Alias A is the dtype of the node's first input (x, q, a cache written), B that of the ``keys`` bound (the
+    cache read), else A."""
+    dtype = node.inputs[0].dtype
+    keys = buffers.get("keys")
     return FAMILY.launch(
         label=node.spec.name,
         entry=entry,
-        types=wgsl_aliases(A=node.inputs[0].dtype),
+        types=wgsl_aliases(A=dtype, B=keys.dtype if keys is not None else dtype),
         groups=groups,
         params=params,
         buffers=dict(buffers, scalars=position),
@@ -105,22 +130,29 @@ def inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:
 
 
 def _rope_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
-    (x,) = inputs
+    x = inputs[0]
     check_dtype("rope", "float", x)
-    _heads_layout("rope", x, "x")
+    heads_layout("rope", x, "x")
     if x.shape[-1] % 2:
         raise ShapeError(f"rope: head_dim of x {x.describe()} must be even")
-    _position("rope", params["pos"])
+    if len(inputs) == 2:  # a positions tensor
+        index_vector("rope", inputs[1], "pos", x.shape[0], "one position per token of x")
+    else:
+        _position("rope", params["pos"])
     if not float(params["theta"]) > 0:
         raise ShapeError(f"rope: theta must be > 0, got {params['theta']!r}")
     return x.shape, x.dtype
 
 
 def _rope_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
-    (x,) = arrays
+    x = arrays[0]
     tokens, _, head_dim = x.shape
     inv = inverse_frequencies(head_dim, params["theta"])
-    angles = (np.arange(tokens, dtype=np.float32) + np.float32(params["pos"]))[:, None] * inv[None, :]
+    if len(arrays) == 2:  # token t at positions[t] (float32 of the int32, as the kernels convert it)
+        at = arrays[1].astype(np.float32)
+    else:
+        at = np.arange(tokens, dtype=np.float32) + np.float32(params["pos"])
+    angles = at[:, None] * inv[None, :]
     cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
     half = head_dim // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -128,12 +160,17 @@ def _rope_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndar
 
 
 def _rope_lower(node: Node) -> list[Launch]:
-    (x,) = node.inputs
+    x = node.inputs[0]
     tokens, heads, head_dim = x.shape
     table = node.new_constant(inverse_frequencies(head_dim, node.params["theta"]))
-    params = _params(tokens, heads, heads, head_dim, 0, node.params["pos"], False, 0.0)
     buffers: Buffers = dict(src=x, table=table, dst=node.output)
-    return [_launch(node, "rope", groups_for(x.size // 2, ATTENTION_WORKGROUP), buffers, params)]
+    groups = groups_for(x.size // 2, ATTENTION_WORKGROUP)
+    if len(node.inputs) == 2:  # positions from a tensor
+        params = family_params(tokens, heads, heads, head_dim, 0, 0, False, 0.0)
+        buffers["indices"] = node.inputs[1]
+        return [family_launch(node, "rope_positions", groups, buffers, params, position=False)]
+    params = family_params(tokens, heads, heads, head_dim, 0, node.params["pos"], False, 0.0)
+    return [family_launch(node, "rope", groups, buffers, params)]
 
 
 ROPE = OpSpec(
@@ -142,7 +179,8 @@ ROPE = OpSpec(
     reference=_rope_reference,
     lower=_rope_lower,
     dtypes="float",
-    doc="rotary embedding (rotate-half) of x (tokens, heads, head_dim) at positions pos + t",
+    doc="rotary embedding (rotate-half) of x (tokens, heads, head_dim) at positions pos + t, or pos[t] for an "
+    "int32 tensor pos",
 )
 
 
@@ -152,8 +190,8 @@ ROPE = OpSpec(
 def _kv_write_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[None, None]:
     cache, new = inputs
     same_dtype("kv_write", inputs, ("cache", "new"))
-    _heads_layout("kv_write", cache, "cache")
-    _heads_layout("kv_write", new, "new")
+    heads_layout("kv_write", cache, "cache")
+    heads_layout("kv_write", new, "new")
     if new.shape[1:] != cache.shape[1:]:
         raise ShapeError(f"kv_write: new {new.describe()} rows must match cache {cache.describe()} rows")
     pos = params["pos"]
@@ -178,9 +216,11 @@ def _bound_position(pos: Any, tokens: int, cache: Tensor, op: str) -> None:
 def _kv_write_lower(node: Node) -> list[Launch]:
     cache, new = node.inputs
     _bound_position(node.params["pos"], new.shape[0], cache, "kv_write")
-    params = _params(new.shape[0], 0, cache.shape[1], cache.shape[2], cache.shape[0], node.params["pos"], False, 0)
+    params = family_params(
+        new.shape[0], 0, cache.shape[1], cache.shape[2], cache.shape[0], node.params["pos"], False, 0
+    )
     buffers: Buffers = dict(src=new, dst=cache)
-    return [_launch(node, "kv_write", groups_for(new.size, ATTENTION_WORKGROUP), buffers, params)]
+    return [family_launch(node, "kv_write", groups_for(new.size, ATTENTION_WORKGROUP), buffers, params)]
 
 
 KV_WRITE = OpSpec(
@@ -261,33 +301,45 @@ def largest_head_dim() -> int:
     return bounds.WORKGROUP_BYTES // 4 - 2 * ATTENTION_WORKGROUP
 
 
-def _attention_scale(params: dict[str, Any], head_dim: int) -> float:
+def attention_scale(params: dict[str, Any], head_dim: int) -> float:
+    """The ``scale`` param, 1/sqrt(head_dim) when None (0.0 stays 0.0)."""
     scale = params.get("scale")
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def check_heads(op: str, q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str]) -> None:
+    """The checks attention and paged_attention share: 3-D q and caches (pools) of one shape, one head_dim,
+    query heads a multiple of the kv heads, a head_dim whose query row fits the workgroup memory."""
+    for tensor, name in zip((q, k, v), names):
+        heads_layout(op, tensor, name)
+    if k.shape != v.shape:
+        raise ShapeError(f"{op}: {names[1]} {k.describe()} and {names[2]} {v.describe()} must have one shape")
+    if q.shape[2] != k.shape[2]:
+        raise ShapeError(f"{op}: head_dim of q {q.describe()} differs from {names[1]}'s {k.shape[2]}")
+    if q.shape[1] % k.shape[1]:
+        raise ShapeError(
+            f"{op}: {q.shape[1]} query heads of q {q.describe()} are not a multiple of {k.shape[1]} kv heads"
+        )
+    if q.shape[2] > largest_head_dim():
+        raise LimitError(
+            f"{op}: head_dim {q.shape[2]} of q {q.describe()} exceeds {largest_head_dim()}: the query row and "
+            f"a workgroup of scores must fit {bounds.WORKGROUP_BYTES} bytes of workgroup memory"
+        )
+
+
+def check_scale(op: str, params: dict[str, Any]) -> None:
+    """BatchError unless the ``scale`` param is None or a finite f32."""
+    scale = params.get("scale")
+    if scale is not None and not abs(float(scale)) <= F32_MAX:
+        raise BatchError(f"{op}: scale must be a finite f32, got {scale!r}")
 
 
 def _attention_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
     q, k, v = inputs
     dtype = same_dtype("attention", inputs, ("q", "k_cache", "v_cache"))
     check_dtype("attention", "float", q, "q")
-    for tensor, name in ((q, "q"), (k, "k_cache"), (v, "v_cache")):
-        _heads_layout("attention", tensor, name)
-    if k.shape != v.shape:
-        raise ShapeError(f"attention: k_cache {k.describe()} and v_cache {v.describe()} must have one shape")
-    if q.shape[2] != k.shape[2]:
-        raise ShapeError(f"attention: head_dim of q {q.describe()} differs from the cache's {k.shape[2]}")
-    if q.shape[1] % k.shape[1]:
-        raise ShapeError(
-            f"attention: {q.shape[1]} query heads of q {q.describe()} are not a multiple of {k.shape[1]} kv heads"
-        )
-    if q.shape[2] > largest_head_dim():
-        raise LimitError(
-            f"attention: head_dim {q.shape[2]} of q {q.describe()} exceeds {largest_head_dim()}: the query row and "
-            f"a workgroup of scores must fit {bounds.WORKGROUP_BYTES} bytes of workgroup memory"
-        )
-    scale = params.get("scale")
-    if scale is not None and not abs(float(scale)) <= F32_MAX:
-        raise BatchError(f"attention: scale must be a finite f32, got {scale!r}")
+    check_heads("attention", q, k, v, ("q", "k_cache", "v_cache"))
+    check_scale("attention", params)
     pos = params["pos"]
     _position("attention", pos)
     tokens, rows = q.shape[0], k.shape[0]
@@ -307,7 +359,7 @@ def _attention_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np
     group = heads // k_cache.shape[1]
     k = np.repeat(k_cache[:length], group, axis=1)
     v = np.repeat(v_cache[:length], group, axis=1)
-    scores = np.einsum("thd,shd->hts", q, k) * np.float32(_attention_scale(params, head_dim))
+    scores = np.einsum("thd,shd->hts", q, k) * np.float32(attention_scale(params, head_dim))
     if params.get("causal", True):
         allowed = np.arange(length)[None, :] <= (pos + np.arange(tokens))[:, None]
         scores = np.where(allowed[None], scores, -np.inf)
@@ -322,39 +374,63 @@ def _attention_lower(node: Node) -> list[Launch]:
     cache_len = k.shape[0]
     _bound_position(node.params["pos"], tokens, k, "attention")
     rows = split_rows(head_dim)
+    buffers: Buffers = dict(src=q, keys=k, values=v)
     if cache_len > rows:
-        return _attention_over_blocks(node, rows)
-    buffers: Buffers = dict(src=q, keys=k, values=v, dst=node.output)
+        return over_blocks(
+            node, "attention_partial", rows, cache_len, buffers, lambda **split: _attention_params(node, **split)
+        )
     params = _attention_params(node, split_rows=cache_len)
-    return [_rows_launch(node, "attention", tokens * heads, buffers, params, cache_len)]
+    return [rows_launch(node, "attention", tokens * heads, dict(buffers, dst=node.output), params, cache_len)]
 
 
-def _attention_over_blocks(node: Node, rows: int) -> list[Launch]:
-    """attention_partial over blocks of ``rows`` cache rows, attention_merge passes while an item has more
-    partials than fold_fan_in, then attention_combine."""
-    q, k, v = node.inputs
+def over_blocks(
+    node: Node,
+    entry: str,
+    rows: int,
+    positions: int,
+    buffers: Buffers,
+    params_for: Callable[..., dict[str, Any]],
+    *,
+    position: bool = True,
+    native_shared: bool = False,
+) -> list[Launch]:
+    """Flash-decoding over ``positions`` rows of keys and values per query item (token or row, head) of the
+    node's first input: ``entry`` (attention_partial or paged_attention_partial, reading ``buffers``) over
+    blocks of ``rows``, attention_merge passes while an item has more partials than fold_fan_in, then
+    attention_combine into the node's output. ``params_for(**split)`` gives the Params of each pass."""
+    q = node.inputs[0]
     tokens, heads, head_dim = q.shape
     items = tokens * heads
 
     def scratch(splits: int) -> Storage:
         return node.new_scratch(items * splits * (head_dim + PARTIAL_HEADER) * FLOAT32.itemsize, FLOAT32)
 
-    splits = _ceil_div(k.shape[0], rows)
+    splits = _ceil_div(positions, rows)
     partials = scratch(splits)
-    buffers: Buffers = dict(src=q, keys=k, values=v, partials_out=partials)
-    params = _attention_params(node, split_rows=rows, splits=splits)
-    launches = [_rows_launch(node, "attention_partial", items * splits, buffers, params, rows)]
+    params = params_for(split_rows=rows, splits=splits)
+    launches = [
+        rows_launch(
+            node,
+            entry,
+            items * splits,
+            dict(buffers, partials_out=partials),
+            params,
+            rows,
+            position=position,
+            native_shared=native_shared,
+        )
+    ]
     fan_in = fold_fan_in(head_dim)
     while splits > fan_in:
         folded = _ceil_div(splits, fan_in)
         merged = scratch(folded)
-        params = _attention_params(node, split_rows=rows, splits=splits, fan_in=fan_in)
-        buffers = dict(partials_in=partials, partials_out=merged)
-        launches.append(_launch(node, "attention_merge", items * folded, buffers, params, position=False))
+        params = params_for(split_rows=rows, splits=splits, fan_in=fan_in)
+        fold: Buffers = dict(partials_in=partials, partials_out=merged)
+        launches.append(family_launch(node, "attention_merge", items * folded, fold, params, position=False))
         partials, splits = merged, folded
-    params = _attention_params(node, split_rows=rows, splits=splits, fan_in=splits)
-    buffers = dict(partials_in=partials, dst=node.output)
-    launches.append(_launch(node, "attention_combine", items, buffers, params, position=False))
+    params = params_for(split_rows=rows, splits=splits, fan_in=splits)
+    combine: Buffers = dict(partials_in=partials, dst=node.output)
+    launches.append(family_launch(node, "attention_combine", items, combine, params, position=False))
     return launches
 
 
@@ -362,22 +438,47 @@ def _attention_params(node: Node, **split: int) -> dict[str, Any]:
     q, k, _ = node.inputs
     tokens, heads, head_dim = q.shape
     cache_len, kv_heads, _ = k.shape
-    pos, causal, scale = node.params["pos"], node.params["causal"], _attention_scale(node.params, head_dim)
-    return _params(tokens, heads, kv_heads, head_dim, cache_len, pos, causal, scale, **split)
+    pos, causal, scale = node.params["pos"], node.params["causal"], attention_scale(node.params, head_dim)
+    return family_params(tokens, heads, kv_heads, head_dim, cache_len, pos, causal, scale, **split)
 
 
-def _rows_launch(node: Node, entry: str, groups: int, buffers: Buffers, params: dict[str, Any], rows: int) -> Launch:
-    """attention or attention_partial over blocks of at most ``rows`` cache rows (SMAX)."""
+ROWS_SHARED = FAMILY.value("ROWS_SHARED")
+"""Floats of the static shared memory the CUDA paged kernels hold their scores and query row in."""
+
+
+def rows_launch(
+    node: Node,
+    entry: str,
+    groups: int,
+    buffers: Buffers,
+    params: dict[str, Any],
+    rows: int,
+    *,
+    position: bool = True,
+    native_shared: bool = False,
+) -> Launch:
+    """attention, attention_partial or their paged twins over blocks of at most ``rows`` cache rows (SMAX).
+    ``native_shared``: the CUDA kernel keeps scores and query row in a static array of ROWS_SHARED floats
+    (the paged ones), declared by its native form's workgroup bytes."""
     head_dim = node.inputs[0].shape[2]
-    return _launch(
+    launch = family_launch(
         node,
         entry,
         groups,
         buffers,
         params,
+        position=position,
         constants=(("SMAX", rows), ("HEAD_DIM", head_dim)),
         workgroup_bytes=_rows_workgroup_bytes(rows, head_dim),
     )
+    if native_shared:
+        if rows + head_dim > ROWS_SHARED:  # split_rows keeps them within bounds.WORKGROUP_BYTES, which sized it
+            raise LimitError(
+                f"{node.spec.name}: {rows} scores and a {head_dim}-long query row exceed the {ROWS_SHARED} floats "
+                f"of the CUDA kernel's static shared memory (bounds.WORKGROUP_BYTES grew after import?)"
+            )
+        launch.native = dataclasses.replace(launch, workgroup_bytes=4 * (ROWS_SHARED + ATTENTION_WORKGROUP))
+    return launch
 
 
 ATTENTION = OpSpec(

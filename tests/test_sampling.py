@@ -1,0 +1,434 @@
+"""On-device token sampling (batchgpu/ops/sampling.py): penalize against a float64 formula, count_tokens
+(duplicates, skips, resets, state across executes), sample (greedy = argmax with its NaN rule, reproducible
+draws, top_k / top_p / min_p sets checked against an independent float64 definition by sorting, chi-square
+tests of the drawn distribution) on wgpu and the reference; tests taking ``gpu`` also run on the CUDA kernels
+(tests/test_cuda_kernels_cpu.py) and native GPUs through conftest.DEVICE_SUITES."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import batchgpu as bg
+from batchgpu.errors import ArgumentError, DTypeError, LimitError, ShapeError
+from batchgpu.ops import sampling
+
+from .conftest import TOLERANCES
+
+VOCABS = [1, 7, 1000, 1009, 49152]  # 1009: prime; 49152: SmolLM2
+
+
+def run_sample(device, logits, params, top_k, keys) -> np.ndarray:
+    batch = bg.GpuCommandBatch(device)
+    arrays = (logits, np.asarray(params, np.float32), np.asarray(top_k, np.int32), np.asarray(keys, np.uint32))
+    out = batch.sample(*(batch.upload(a) for a in arrays))
+    batch.execute()
+    return batch.read_sync(out)
+
+
+def settings(rows: int, temperature=1.0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    return np.tile(np.array([temperature, top_p, min_p, 0.0], np.float32), (rows, 1))
+
+
+def counters(rows: int, seed: int = 1, first: int = 0) -> np.ndarray:
+    return np.stack([np.full(rows, seed), np.arange(first, first + rows)], axis=1).astype(np.uint32)
+
+
+def allowed_set(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The allowed set of one row of z by the definition, with sorting and float64 masses (independent of
+    the kernels' search), and softmax(z) in float64."""
+    z64 = z.astype(np.float64)
+    p = np.exp(z64 - z64.max())
+    p /= p.sum()
+    allowed = np.ones(z.size, bool)
+    if 0 < top_k < z.size:
+        allowed &= z >= np.sort(z)[::-1][top_k - 1]
+    if top_p < 1:
+        order = np.argsort(-z64, kind="stable")
+        last = min(int(np.searchsorted(np.cumsum(p[order]), top_p)), z.size - 1)
+        allowed &= z >= z[order[last]]
+    if min_p > 0:
+        allowed &= p >= min_p * p.max()
+    allowed |= z == z.max()
+    return allowed, p
+
+
+def top_p_margin(z: np.ndarray, top_p: float) -> float:
+    """How far top_p is from the cumulative masses of the sorted row (a draw set is only well defined
+    across float32 executors when top_p is not at one of them)."""
+    p = np.exp(z.astype(np.float64) - z.max())
+    return float(np.min(np.abs(np.cumsum(np.sort(p / p.sum())[::-1]) - top_p)))
+
+
+# penalize --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_sampling_penalize_matches_float64_formula(gpu, ref, vocab, dtype):
+    rng = np.random.default_rng(vocab)
+    rows = 3
+    logits = (rng.standard_normal((rows, vocab)) * 4).astype(dtype)
+    seen = rng.integers(0, 3, (rows, vocab)).astype(np.int32)
+    generated = np.minimum(seen, rng.integers(0, 3, (rows, vocab))).astype(np.int32)
+    penalties = np.stack(
+        [rng.uniform(0.5, 2.0, rows), rng.uniform(-1, 1, rows), rng.uniform(-0.5, 0.5, rows)], axis=1
+    ).astype(np.float32)
+    penalties[0] = (1.0, 0.0, 0.0)  # no penalty: unchanged logits
+    x = logits.astype(np.float64)
+    r, presence, frequency = (penalties[:, j : j + 1].astype(np.float64) for j in range(3))
+    expected = np.where(seen > 0, np.where(x > 0, x / r, x * r), x)
+    expected -= presence * (generated > 0) + frequency * generated
+    arrays = (logits, seen, generated, penalties)
+    for device in (gpu, ref):
+        batch = bg.GpuCommandBatch(device)
+        out = batch.penalize(*(batch.upload(a) for a in arrays))
+        batch.execute()
+        result = batch.read_sync(out)
+        assert result.dtype == dtype and result.shape == (rows, vocab)
+        np.testing.assert_allclose(result.astype(np.float64), expected, **TOLERANCES[np.dtype(dtype)])
+        np.testing.assert_array_equal(result[0], logits[0])
+
+
+# count_tokens ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 1000])
+def test_sampling_count_tokens_duplicates_skips_resets_and_state(gpu, vocab):
+    """A resident counts tensor shared by two batches (a prompt batch with resets, a decode batch):
+    duplicates add up, out-of-range slots and ids are skipped, resets zero their rows first, and the
+    counts carry from one execute to the next."""
+    rng = np.random.default_rng(vocab + 5)
+    rows, n = 5, 23
+    expected = rng.integers(0, 4, (rows, vocab)).astype(np.int32)
+    counts = gpu.tensor(expected.copy())
+    prompt, decode = bg.GpuCommandBatch(gpu, name="prompt"), bg.GpuCommandBatch(gpu, name="decode")
+    feeds = {}
+    for batch, size in ((prompt, n), (decode, rows)):
+        slots, ids = batch.upload(np.zeros(size, np.int32)), batch.upload(np.zeros(size, np.int32))
+        reset = batch.upload(np.zeros(rows, np.int32))
+        assert batch.count_tokens(counts, slots, ids, reset) is counts
+        feeds[batch] = (slots, ids, reset)
+    for step in range(4):
+        batch = prompt if step % 2 == 0 else decode
+        slots_t, ids_t, reset_t = feeds[batch]
+        size = slots_t.shape[0]
+        slots = rng.integers(-1, rows + 1, size).astype(np.int32)
+        ids = rng.integers(-1, vocab + 1, size).astype(np.int32)
+        ids[: size // 2] = ids[0]  # duplicates
+        slots[: size // 2] = slots[1] if slots[1] >= 0 else 0
+        reset = (rng.random(rows) < 0.4).astype(np.int32) * (step + 1) if batch is prompt else np.zeros(rows, np.int32)
+        batch.execute({slots_t: slots, ids_t: ids, reset_t: reset})
+        expected[reset != 0] = 0
+        valid = (slots >= 0) & (slots < rows) & (ids >= 0) & (ids < vocab)
+        np.add.at(expected, (slots[valid], ids[valid]), 1)
+        np.testing.assert_array_equal(gpu.read(counts), expected)
+
+
+def test_sampling_count_tokens_on_a_batch_tensor(gpu, ref):
+    rng = np.random.default_rng(6)
+    start = rng.integers(0, 9, (4, 1009)).astype(np.int32)
+    slots, ids = rng.integers(-2, 6, 300).astype(np.int32), rng.integers(-5, 1015, 300).astype(np.int32)
+    reset = np.array([1, 0, 0, 1], np.int32)
+    results = []
+    for device in (gpu, ref):
+        batch = bg.GpuCommandBatch(device)
+        counts = batch.upload(start)
+        batch.count_tokens(counts, *(batch.upload(a) for a in (slots, ids, reset)))
+        batch.execute()
+        batch.execute()  # the batch tensor keeps its device value: counted twice, rows 0 and 3 reset each time
+        results.append(batch.read_sync(counts))
+    expected = start.copy()
+    valid = (slots >= 0) & (slots < 4) & (ids >= 0) & (ids < 1009)
+    for _ in range(2):
+        expected[reset != 0] = 0
+        np.add.at(expected, (slots[valid], ids[valid]), 1)
+    np.testing.assert_array_equal(results[0], expected)
+    np.testing.assert_array_equal(results[1], expected)
+
+
+# sample: greedy and the reference --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_sample_greedy_is_argmax_nan_first(gpu, ref, vocab, dtype):
+    """Temperature <= 0 (and NaN) is argmax's rule: the first maximum, the first NaN where there is one;
+    sampling rows whose maximum is not finite (NaN, +inf, all -inf) take the greedy id too."""
+    rng = np.random.default_rng(vocab + 11)
+    rows = 8
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(dtype)
+    logits[1, vocab // 2 :] = logits[1].max()  # ties: the first maximum
+    logits[2, vocab // 3] = np.nan
+    logits[2, -1] = np.nan
+    logits[3, vocab // 2] = np.inf
+    logits[4] = -np.inf
+    logits[5, -1] = np.nan
+    params = settings(rows, temperature=0.0)
+    params[1, 0], params[6, 0], params[7, 0] = -1.0, np.nan, 0.0
+    params[2:6, 0] = 1.0  # sampling rows whose maximum is not finite
+    top_k = rng.integers(-1, 3, rows)
+    expected = np.argmax(logits.astype(np.float32), axis=1)
+    for device in (gpu, ref):
+        ids = run_sample(device, logits, params, top_k, counters(rows))
+        assert ids.dtype == np.int32
+        np.testing.assert_array_equal(ids, expected)
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_sample_matches_the_reference(gpu, ref, vocab):
+    """Mixed rows (temperatures, top_k, top_p, min_p, greedy) draw the same ids as the numpy reference
+    (random logits: float32 near-ties between executors have a negligible chance), and the drawn ids lie
+    in the allowed sets."""
+    rng = np.random.default_rng(vocab + 17)
+    rows = 12
+    logits = (rng.standard_normal((rows, vocab)) * 2.5).astype(np.float32)
+    params = np.stack(
+        [rng.uniform(0.3, 1.8, rows), rng.choice([1.0, 0.95, 0.8, 0.5], rows), rng.choice([0.0, 0.02, 0.2], rows)],
+        axis=1,
+    )
+    params = np.concatenate([params, np.zeros((rows, 1))], axis=1).astype(np.float32)
+    params[0, 0] = 0.0
+    top_k = rng.choice([0, 1, 3, 40, vocab, vocab + 5, -1], rows).astype(np.int32)
+    keys = counters(rows, seed=vocab)
+    expected = sampling.sample_reference(logits, params, top_k, keys)
+    for device in (gpu, ref):
+        np.testing.assert_array_equal(run_sample(device, logits, params, top_k, keys), expected)
+    for row in range(1, rows):
+        z = logits[row] / params[row, 0]
+        allowed, _ = allowed_set(z, int(top_k[row]), float(params[row, 1]), float(params[row, 2]))
+        assert allowed[expected[row]], row
+
+
+def test_sample_float16_logits(gpu, ref):
+    rng = np.random.default_rng(19)
+    logits = (rng.standard_normal((6, 333)) * 3).astype(np.float16)
+    params, top_k, keys = settings(6, 0.9, 0.9, 0.01), np.array([0, 5, 0, 50, 0, 2], np.int32), counters(6)
+    expected = sampling.sample_reference(logits.astype(np.float32), params, top_k, keys)
+    for device in (gpu, ref):
+        np.testing.assert_array_equal(run_sample(device, logits, params, top_k, keys), expected)
+
+
+def test_sample_largest_vocab(gpu, ref):
+    """Rows of MAX_VOCAB tokens, one workgroup each: every pass stays within the loop budget."""
+    rng = np.random.default_rng(23)
+    logits = (rng.standard_normal((2, sampling.MAX_VOCAB)) * 2).astype(np.float32)
+    params = np.array([[0.0, 1.0, 0.0, 0.0], [1.0, 0.9, 0.01, 0.0]], np.float32)
+    top_k, keys = np.array([0, 100], np.int32), counters(2)
+    expected = sampling.sample_reference(logits, params, top_k, keys)
+    assert expected[0] == np.argmax(logits[0])
+    for device in (gpu, ref):
+        np.testing.assert_array_equal(run_sample(device, logits, params, top_k, keys), expected)
+
+
+# sample: reproducibility and the filters -------------------------------------------------------
+
+
+def test_sample_draws_are_reproducible_and_keyed(gpu):
+    """The same (seed, counter) draws the same id, in this batch, a re-execute and another batch; other
+    counters or seeds draw independently (flat logits: 1000 equally likely ids)."""
+    rows = 64
+    logits = np.zeros((rows, 1000), np.float32)
+    keys = np.tile(np.array([[5, 9]], np.uint32), (rows, 1))
+    same = run_sample(gpu, logits, settings(rows), np.zeros(rows, np.int32), keys)
+    assert (same == same[0]).all()
+    first = run_sample(gpu, logits, settings(rows), np.zeros(rows, np.int32), counters(rows, seed=5))
+    again = run_sample(gpu, logits, settings(rows), np.zeros(rows, np.int32), counters(rows, seed=5))
+    other_seed = run_sample(gpu, logits, settings(rows), np.zeros(rows, np.int32), counters(rows, seed=6))
+    np.testing.assert_array_equal(first, again)
+    assert first[9] == same[0]
+    assert len(set(first.tolist())) > 50 and (first != other_seed).mean() > 0.9
+    batch = bg.GpuCommandBatch(gpu)
+    key_t = batch.upload(counters(rows, seed=5))
+    out = batch.sample(
+        batch.upload(logits), batch.upload(settings(rows)), batch.upload(np.zeros(rows, np.int32)), key_t
+    )
+    draws = []
+    for first_counter in (0, rows, 0):
+        batch.execute({key_t: counters(rows, seed=5, first=first_counter)})
+        draws.append(batch.read_sync(out))
+    np.testing.assert_array_equal(draws[0], first)
+    np.testing.assert_array_equal(draws[2], first)
+    assert (draws[1] != draws[0]).mean() > 0.9
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 49152])
+def test_sample_filters_that_keep_only_the_maximum(gpu, vocab):
+    """top_k = 1, a tiny top_p (and top_p <= 0) and min_p = 1 leave only the maximum: greedy draws."""
+    rng = np.random.default_rng(vocab + 29)
+    rows = 16
+    logits = rng.permutation(np.linspace(-6, 6, vocab)).astype(np.float32)[None, :].repeat(rows, 0)
+    logits += rng.standard_normal((rows, 1)).astype(np.float32)
+    greedy = np.argmax(logits, axis=1)
+    cases = [
+        (settings(rows, 1.5), np.ones(rows)),
+        (settings(rows, 1.0, top_p=1e-6), np.zeros(rows)),
+        (settings(rows, 2.0, top_p=0.0), np.zeros(rows)),
+        (settings(rows, 0.8, min_p=1.0), np.zeros(rows)),
+    ]
+    for params, top_k in cases:
+        ids = run_sample(gpu, logits, params, top_k, counters(rows, seed=vocab))
+        np.testing.assert_array_equal(ids, greedy)
+
+
+def test_sample_top_k_includes_ties_with_the_kth(gpu, ref):
+    """Logits 5, 4, 4, 4, then lower: top_k = 2 allows the maximum and every 4 (ties with the 2nd)."""
+    rows = 400
+    logits = np.array([[1.0, 4.0, 0.0, 5.0, 4.0, 2.0, 4.0, -1.0, 3.0]] * rows, np.float32)
+    for device in (gpu, ref):
+        ids = run_sample(device, logits, settings(rows), np.full(rows, 2, np.int32), counters(rows, seed=3))
+        assert set(ids.tolist()) == {1, 3, 4, 6}
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 1009])
+def test_sample_draws_stay_in_the_allowed_set(gpu, vocab):
+    """Many draws (rows x executes, other counters each time) under top_k, top_p and min_p never leave
+    the allowed set of the definition (sorting, float64), and reach more than one element of it (where
+    it has more)."""
+    rng = np.random.default_rng(vocab + 31)
+    z = rng.permutation(np.linspace(-4, 4, vocab)).astype(np.float32)  # well apart: no near-ties
+    configs = [(0, 0.7, 0.0), (5, 1.0, 0.0), (0, 1.0, 0.3), (12, 0.9, 0.05)]
+    rows = 100
+    draws = 1000 if gpu.kind != "cuda-cpu" else 300
+    for top_k, top_p, min_p in configs:
+        assert top_p == 1 or top_p_margin(z, top_p) > 1e-4
+        allowed, _ = allowed_set(z, top_k, top_p, min_p)
+        batch = bg.GpuCommandBatch(gpu)
+        keys = batch.upload(counters(rows, seed=vocab))
+        params = batch.upload(settings(rows, 1.0, top_p, min_p))
+        out = batch.sample(
+            batch.upload(np.tile(z, (rows, 1))), params, batch.upload(np.full(rows, top_k, np.int32)), keys
+        )
+        seen = np.zeros(vocab, np.int64)
+        for first in range(0, draws, rows):
+            batch.execute({keys: counters(rows, seed=vocab, first=first)})
+            np.add.at(seen, batch.read_sync(out), 1)
+        assert seen[~allowed].sum() == 0, (top_k, top_p, min_p, np.flatnonzero(seen * ~allowed))
+        assert (seen > 0).sum() >= min(2, allowed.sum())
+
+
+# sample: the drawn distribution ----------------------------------------------------------------
+
+DISTRIBUTION_LOGITS = np.log(np.random.default_rng(37).permutation(np.linspace(1.0, 8.0, 20))).astype(np.float32)
+DISTRIBUTIONS = {  # (temperature, top_k, top_p, min_p)
+    "plain": (1.0, 0, 1.0, 0.0),
+    "temperature": (0.7, 0, 1.0, 0.0),
+    "top_k": (1.0, 6, 1.0, 0.0),
+    "top_p": (1.0, 0, 0.6, 0.0),
+    "min_p": (1.0, 0, 1.0, 0.4),
+    "combined": (1.3, 12, 0.8, 0.2),
+}
+
+
+def chi_square_p_value(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Upper tail of Pearson's statistic (Wilson-Hilferty's normal approximation of chi-square)."""
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    df = observed.size - 1
+    if df == 0:
+        return 1.0
+    z = ((statistic / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def check_distribution(device: bg.Device, name: str, draws: int) -> None:
+    """``draws`` draws (counters 0 .. draws - 1: rows x executes) from one logit row pass a chi-square
+    test against softmax(z) restricted to the allowed set and renormalized; nothing outside the set."""
+    temperature, top_k, top_p, min_p = DISTRIBUTIONS[name]
+    z = DISTRIBUTION_LOGITS / np.float32(temperature)
+    assert top_p == 1 or top_p_margin(z, top_p) > 1e-3
+    allowed, p = allowed_set(z, top_k, top_p, min_p)
+    rows = min(draws, 1000)
+    batch = bg.GpuCommandBatch(device)
+    keys = batch.upload(counters(rows, seed=2024))
+    logits = batch.upload(np.tile(DISTRIBUTION_LOGITS, (rows, 1)))
+    params = batch.upload(settings(rows, temperature, top_p, min_p))
+    out = batch.sample(logits, params, batch.upload(np.full(rows, top_k, np.int32)), keys)
+    observed = np.zeros(z.size, np.int64)
+    for first in range(0, draws, rows):
+        batch.execute({keys: counters(rows, seed=2024, first=first)})
+        np.add.at(observed, batch.read_sync(out), 1)
+    assert observed[~allowed].sum() == 0
+    expected = p[allowed] / p[allowed].sum() * draws
+    assert expected.min() > 20  # the chi-square approximation holds
+    p_value = chi_square_p_value(observed[allowed], expected)
+    assert p_value > 1e-4, (name, p_value, observed[allowed], expected.round(1))
+
+
+@pytest.mark.parametrize("name", sorted(DISTRIBUTIONS))
+def test_sample_distribution_chi_square(gpu, name):
+    check_distribution(gpu, name, 20000 if gpu.kind != "cuda-cpu" else 6000)  # coroutine threads there
+
+
+@pytest.mark.parametrize("name", sorted(DISTRIBUTIONS))
+def test_sample_distribution_chi_square_on_the_reference(ref, name):
+    check_distribution(ref, name, 20000)
+
+
+def test_sample_reference_search_finds_the_sorted_thresholds():
+    """The kernels' many-ary search (its numpy twin) gives the k-th largest key and the top_p key that
+    sorting gives, on rows with ties, negative values, -0.0 and -inf."""
+    rng = np.random.default_rng(41)
+    for _ in range(20):
+        z = np.round(rng.standard_normal(300) * 3, 1).astype(np.float32)
+        z[:5] = (-0.0, 0.0, -np.inf, -np.inf, z[10])
+        keys = sampling.order_keys(z)
+        assert (np.argsort(keys, kind="stable") == np.argsort(np.where(z == 0, 0, z), kind="stable")).all()
+        k = int(rng.integers(1, 300))
+        (found,) = sampling.kth_largest_keys(keys[None], np.array([k]))
+        assert found == np.sort(keys)[::-1][k - 1]
+        e = np.exp(z - z.max()).astype(np.float32)
+        top_p = np.float32(rng.uniform(0.05, 0.99))
+        (found,) = sampling.top_p_keys(keys[None], e[None], np.array([top_p]))
+        order = np.argsort(-keys.astype(np.int64), kind="stable")
+        tails = np.cumsum(e[order].astype(np.float64))
+        assert found == keys[order[np.searchsorted(tails, top_p * tails[-1])]]
+
+
+def test_sample_gumbel_noise_is_standard_gumbel():
+    """The hash's uniforms and the noise: moments of a standard Gumbel (mean: Euler's gamma, variance
+    pi^2 / 6), u never 0 or 1, and the series branch continuous with -log(u)."""
+    noise = sampling.gumbel(3, 4, np.arange(1 << 20, dtype=np.uint32)).astype(np.float64)
+    assert abs(noise.mean() - 0.5772157) < 0.005 and abs(noise.var() - math.pi**2 / 6) < 0.01
+    u = sampling.hash_uniform(np.array([0, 0xFFFFFFFF], np.uint32))
+    assert 0 < u[0] < 1e-6 and 1 - 1e-6 < u[1] < 1
+    w = np.float32(0.0625) - np.float32(2**-23)  # the series just below the switch, log just above
+    series = w * (1 + w * (0.5 + w * (1 / 3 + w * (0.25 + w * (0.2 + w / 6)))))
+    assert abs(series / -math.log1p(-float(w)) - 1) < 3e-7  # float32: 2 ulp
+
+
+# validation ------------------------------------------------------------------------------------
+
+
+def test_sampling_ops_refuse_bad_operands(ref):
+    batch = bg.GpuCommandBatch(ref)
+    logits, params = batch.upload(np.ones((2, 5), np.float32)), batch.upload(settings(2))
+    top_k, keys = batch.upload(np.zeros(2, np.int32)), batch.upload(counters(2))
+    counts, slots = batch.upload(np.zeros((2, 5), np.int32)), batch.upload(np.zeros(3, np.int32))
+    with pytest.raises(DTypeError, match=r"sample: keys .* has dtype int32; expected uint32"):
+        batch.sample(logits, params, top_k, batch.upload(np.zeros((2, 2), np.int32)))
+    with pytest.raises(ShapeError, match=r"sample: params .* must have shape \(2, 4\), got \(2, 3\)"):
+        batch.sample(logits, batch.upload(np.ones((2, 3), np.float32)), top_k, keys)
+    with pytest.raises(DTypeError, match=r"sample: logits .* expected float32 or float16"):
+        batch.sample(counts, params, top_k, keys)
+    with pytest.raises(ShapeError, match=r"sample: logits .* must be 2-D"):
+        batch.sample(batch.upload(np.ones(5, np.float32)), params, top_k, keys)
+    with pytest.raises(LimitError, match=rf"at most {sampling.MAX_VOCAB}"):
+        wide = batch.upload(np.ones((2, sampling.MAX_VOCAB + 1), np.float32))
+        batch.sample(wide, params, top_k, keys)
+    with pytest.raises(ShapeError, match=r"penalize: seen .* must have shape \(2, 5\), got \(2, 4\)"):
+        batch.penalize(
+            logits, batch.upload(np.zeros((2, 4), np.int32)), counts, batch.upload(np.ones((2, 3), np.float32))
+        )
+    with pytest.raises(DTypeError, match=r"penalize: penalties .* expected float32"):
+        batch.penalize(logits, counts, counts, batch.upload(np.ones((2, 3), np.float16)))
+    with pytest.raises(ShapeError, match=r"count_tokens: ids .* must have shape \(3,\), got \(2,\)"):
+        batch.count_tokens(counts, slots, top_k, top_k)
+    with pytest.raises(ShapeError, match=r"count_tokens: reset .* must have shape \(2,\), got \(3,\)"):
+        batch.count_tokens(counts, slots, slots, slots)
+    with pytest.raises(DTypeError, match=r"count_tokens: counts .* expected int32"):
+        batch.count_tokens(logits, slots, slots, top_k)
+    with pytest.raises(ArgumentError, match=r"count_tokens: .* must be a Tensor"):
+        batch.count_tokens(counts, slots, slots, 0)
+    assert len(batch) == 0  # nothing recorded by the refused calls
