@@ -342,11 +342,11 @@ class GpuCommandBatch:
         (Gumbel-max with a counter-based hash: the same keys draw the same id)."""
         return self._record("sample", (logits, params, top_k, keys))
 
-    def count_tokens(self, counts: Tensor, slots: Tensor, ids: Tensor, reset: Tensor) -> Tensor:
-        """Update (S, V) int32 ``counts`` in place: rows with ``reset != 0`` are zeroed first, then each
-        ``counts[slots[i], ids[i]]`` gains 1 (duplicates add up; a slot outside [0, S) or an id outside
-        [0, V) is skipped); returns ``counts``."""
-        self._record("count_tokens", (counts, slots, ids, reset))
+    def count_tokens(self, counts: Tensor, slots: Tensor, ids: Tensor, reset: Tensor | None = None) -> Tensor:
+        """Update (S, V) int32 ``counts`` in place: rows with ``reset != 0`` are zeroed first (without
+        ``reset``, none is), then each ``counts[slots[i], ids[i]]`` gains 1 (duplicates add up; a slot outside
+        [0, S) or an id outside [0, V) is skipped); returns ``counts``."""
+        self._record("count_tokens", (counts, slots, ids) if reset is None else (counts, slots, ids, reset))
         return counts
 
     def scatter_rows(self, table: Tensor, rows: Tensor, values: Tensor) -> Tensor:

@@ -90,6 +90,29 @@ def test_seeded_sampling_is_reproducible(eng: Engine) -> None:
     assert len(draws) == 2
 
 
+def test_penalized_seeded_request_alone_equals_among_others(eng: Engine) -> None:
+    """Penalty counts and seeded draws follow a request through decode steps of every recorded size: it
+    joins last (slot 7) and stays while the others leave (8 -> 4 -> 2 -> 1 rows), and draws what it
+    draws alone (1 row)."""
+    params = SamplingParams(
+        max_tokens=16, temperature=0.8, seed=5, repetition_penalty=1.3, presence_penalty=0.5,
+        frequency_penalty=0.2, ignore_eos=True,
+    )  # fmt: skip
+    before = dict(eng.decode_sizes)
+    alone = eng.complete("Water is", params).token_ids
+    assert eng.decode_sizes[1] > before[1]
+
+    async def among_others() -> list[int]:
+        others = [collect(eng, p, greedy(n)) for p, n in zip(OTHERS, [20, 3, 18, 5, 16, 7, 9])]
+        results = await asyncio.gather(*others, collect(eng, "Water is", params))
+        return results[-1]
+
+    sizes = dict(eng.decode_sizes)
+    assert asyncio.run(among_others()) == alone
+    assert all(eng.decode_sizes[size] > sizes[size] for size in (8, 4, 2, 1)), (sizes, eng.decode_sizes)
+    assert eng.status()["decode_sizes"] == eng.decode_sizes
+
+
 def test_stops(eng: Engine) -> None:
     text = eng.complete(PROMPT, greedy(12))
     assert text.text.startswith(" Paris.")

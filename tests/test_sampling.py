@@ -127,6 +127,21 @@ def test_sampling_count_tokens_duplicates_skips_resets_and_state(gpu, vocab):
         np.testing.assert_array_equal(gpu.read(counts), expected)
 
 
+def test_sampling_count_tokens_without_reset_only_adds(gpu, ref):
+    rng = np.random.default_rng(8)
+    start = rng.integers(1, 9, (3, 517)).astype(np.int32)
+    slots, ids = rng.integers(-1, 4, 41).astype(np.int32), rng.integers(-3, 520, 41).astype(np.int32)
+    expected = start.copy()
+    valid = (slots >= 0) & (slots < 3) & (ids >= 0) & (ids < 517)
+    np.add.at(expected, (slots[valid], ids[valid]), 1)
+    for device in (gpu, ref):
+        batch = bg.GpuCommandBatch(device)
+        counts = device.tensor(start)
+        batch.count_tokens(counts, batch.upload(slots), batch.upload(ids))
+        batch.execute()
+        np.testing.assert_array_equal(device.read(counts), expected)
+
+
 def test_sampling_count_tokens_on_a_batch_tensor(gpu, ref):
     rng = np.random.default_rng(6)
     start = rng.integers(0, 9, (4, 1009)).astype(np.int32)

@@ -130,11 +130,14 @@ class ReferenceExecutor(Executor):
             plan.arrays[out.storage][: out.size] = np.asarray(result).astype(out.dtype).reshape(-1)
 
     def _dequantized(self, tensor: QuantTensor) -> np.ndarray:
-        """Quantized weights as float32, computed once per tensor."""
+        """Quantized weights as float32, computed once per tensor. Stored column-major: the quantized
+        matmuls read them transposed (``x @ w.T``), and BLAS multiplies a few rows by a contiguous
+        ``w.T`` fastest."""
         cached = self._dequant_cache.get(tensor.storage.id)
         if cached is None:
             words = self._resident[tensor.storage]
-            cached = self._dequant_cache[tensor.storage.id] = dequantize_words(words, tensor.qtype, tensor.shape)
+            rows = dequantize_words(words, tensor.qtype, tensor.shape)
+            cached = self._dequant_cache[tensor.storage.id] = np.asfortranarray(rows)
         return cached
 
     async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:

@@ -75,6 +75,13 @@ class Request:
         return self.prefilled + max(len(self.output) - 1, 0)
 
 
+def decode_sizes(max_batch: int) -> list[int]:
+    """The decode steps recorded for ``max_batch`` slots: powers of two below it, and itself. A step runs
+    the smallest that holds the decoding requests, so one request costs a one-row step (vLLM captures its
+    CUDA graphs at a like ladder of batch sizes)."""
+    return sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch})
+
+
 class Engine:
     """Serve generations of a Llama-family GGUF model on one device.
 
@@ -117,35 +124,32 @@ class Engine:
         self.cache = KVCache.allocate(
             self.device, self.config, blocks=blocks, block_size=block_size, slots=max_batch, dtype=np.dtype(kv_dtype)
         )
-        common = dict(max_blocks=self.max_blocks)
-        self.decode_step = record_step(
-            self.device,
-            self.config,
-            self.weights,
-            self.cache,
-            rows=max_batch,
-            samples=max_batch,
-            table_rows=max_batch,
-            name="decode",
-            **common,
-        )
-        self.prefill_step = record_step(
-            self.device,
-            self.config,
-            self.weights,
-            self.cache,
-            rows=prefill_chunk,
-            samples=1,
-            table_rows=1,
-            name="prefill",
-            **common,
-        )
+        self.batch_sizes = decode_sizes(max_batch)
+        self.decode_steps = {
+            size: self._record(rows=size, samples=size, name=f"decode{size}") for size in self.batch_sizes
+        }
+        self.prefill_step = self._record(rows=prefill_chunk, samples=1, name="prefill", prompt=True)
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_batch
         self.steps = {"prefill": 0, "decode": 0}
+        self.decode_sizes = dict.fromkeys(self.batch_sizes, 0)  # decode steps run per recorded batch size
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._prefill_turn = True
+
+    def _record(self, *, rows: int, samples: int, name: str, prompt: bool = False) -> Step:
+        return record_step(
+            self.device,
+            self.config,
+            self.weights,
+            self.cache,
+            rows=rows,
+            samples=samples,
+            table_rows=samples,
+            max_blocks=self.max_blocks,
+            name=name,
+            prompt=prompt,
+        )
 
     # the public API -------------------------------------------------------------------------------------
 
@@ -206,11 +210,13 @@ class Engine:
         }
 
     def status(self) -> dict[str, Any]:
-        """Requests running (holding a slot) and waiting, steps run so far, and :meth:`memory`."""
+        """Requests running (holding a slot) and waiting, steps run so far (decode steps also per recorded
+        batch size), and :meth:`memory`."""
         return {
             "running": sum(slot is not None for slot in self.slots),
             "waiting": len(self.waiting),
             "steps": dict(self.steps),
+            "decode_sizes": dict(self.decode_sizes),
             "memory": self.memory(),
         }
 
@@ -337,27 +343,33 @@ class Engine:
         return await step.batch.read(step.next_ids)
 
     async def _decode(self, requests: list[Request]) -> np.ndarray:
-        step = self.decode_step
+        """One decode step over the smallest recorded batch size that holds ``requests``: row ``i`` serves
+        ``requests[i]`` (in the ``max_batch`` step, row ``r.slot`` serves ``r``, as its counts rows do)."""
+        size = next(size for size in self.batch_sizes if size >= len(requests))
+        step = self.decode_steps[size]
+        rows = [r.slot for r in requests] if size == self.max_batch else list(range(len(requests)))
         feeds = self._empty_feeds(step)
-        for request in requests:
-            s, position = request.slot, request.length
-            feeds["ids"][s] = request.output[-1]
-            feeds["positions"][s] = position
-            feeds["kv_rows"][s] = self.pool.row(request.blocks, position)
-            feeds["seq"][s] = s
-            feeds["lengths"][s] = position + 1
-            feeds["block_tables"][s, : len(request.blocks)] = request.blocks
-            self._sampling_row(feeds, s, request, row=s)
-            feeds["sampled_slots"][s] = s
+        for row, request in zip(rows, requests):
+            position = request.length
+            feeds["ids"][row] = request.output[-1]
+            feeds["positions"][row] = position
+            feeds["kv_rows"][row] = self.pool.row(request.blocks, position)
+            feeds["seq"][row] = row
+            feeds["lengths"][row] = position + 1
+            feeds["block_tables"][row, : len(request.blocks)] = request.blocks
+            self._sampling_row(feeds, row, request, row=row)
+            feeds["sampled_slots"][row] = request.slot
         step.run(feeds)
         self.steps["decode"] += 1
-        return await step.batch.read(step.next_ids)
+        self.decode_sizes[size] += 1
+        return (await step.batch.read(step.next_ids))[rows]
 
     def _empty_feeds(self, step: Step) -> dict[str, np.ndarray]:
         """Every input of ``step`` as an idle step: no rows written, attended or counted."""
         feeds = {name: np.zeros(t.shape, t.dtype) for name, t in step.inputs.items()}
         for name in ("kv_rows", "count_slots", "sampled_slots"):
-            feeds[name][:] = -1
+            if name in feeds:
+                feeds[name][:] = -1
         feeds["sampling"][:, 1] = 1.0  # top_p off
         feeds["penalties"][:, 0] = 1.0  # repetition penalty off
         return feeds
@@ -374,7 +386,7 @@ class Engine:
     # results -------------------------------------------------------------------------------------------
 
     def _deliver(self, kind: str, requests: list[Request], ids: np.ndarray) -> None:
-        for request in requests:
+        for index, request in enumerate(requests):
             if request.cancelled:
                 continue
             if kind == "prefill":
@@ -382,7 +394,7 @@ class Engine:
                     continue  # a chunk in the middle of the prompt: nothing sampled yet
                 token = int(ids[0])
             else:
-                token = int(ids[request.slot])
+                token = int(ids[index])
             request.output.append(token)
             self._emit(request, token)
 

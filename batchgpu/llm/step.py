@@ -1,6 +1,7 @@
 """One recorded forward step of a Llama-family model over ``rows`` token rows, sampling ``samples`` next
-tokens on the device. The engine records two: a decode step (one row per slot, every slot sampled) and a
-prefill step (a chunk of one prompt, its last row sampled when the prompt ends there). Everything that
+tokens on the device. The engine records decode steps (one row per decoding sequence, every row sampled) at
+a ladder of batch sizes and a prefill step (a chunk of one prompt, its last row sampled when the prompt
+ends there). Everything that
 changes per step is an input: token ids, positions, the paged KV cache rows to write, block tables,
 sequence lengths, sampling parameters and keys; only the sampled ids come back."""
 
@@ -78,6 +79,7 @@ def record_step(
     table_rows: int,
     max_blocks: int,
     name: str,
+    prompt: bool,
 ) -> Step:
     """Record the step. Inputs (feed them all each run):
 
@@ -89,9 +91,11 @@ def record_step(
     - ``sample_rows`` (samples,): the row whose logits each sample uses; ``sample_slots`` (samples,): its
       slot (the counts row); ``penalties`` (samples, 3), ``sampling`` (samples, 4), ``top_k`` (samples,),
       ``keys`` (samples, 2): see :meth:`GpuCommandBatch.sample`;
-    - ``count_slots`` (rows,), ``reset`` (slots,): prompt tokens to count into ``seen`` (slot or -1), slots
-      whose counts start over (a new sequence); ``sampled_slots`` (samples,): slot each sampled token is
-      counted for (-1: not a real token, e.g. a prompt chunk that does not end the prompt).
+    - ``sampled_slots`` (samples,): slot each sampled token is counted for (-1: not a real token, e.g. a
+      prompt chunk that does not end the prompt);
+    - with ``prompt`` (a prefill step) also ``count_slots`` (rows,), ``reset`` (slots,): prompt tokens to count
+      into ``seen`` (slot or -1), slots whose counts start over (a new sequence). Decode steps count only
+      the tokens they sample.
     Output: ``next_ids`` (samples,) int32.
     """
     cfg = config
@@ -114,10 +118,11 @@ def record_step(
         "sampling": inp("sampling", (samples, 4), np.float32),
         "top_k": inp("top_k", (samples,), np.int32),
         "keys": inp("keys", (samples, 2), np.uint32),
-        "count_slots": inp("count_slots", (rows,), np.int32),
-        "reset": inp("reset", (slots,), np.int32),
         "sampled_slots": inp("sampled_slots", (samples,), np.int32),
     }
+    if prompt:
+        inputs["count_slots"] = inp("count_slots", (rows,), np.int32)
+        inputs["reset"] = inp("reset", (slots,), np.int32)
     x = inputs
     w = weights
     h = batch.embedding(x["ids"], w["token_embd.weight"])
@@ -150,10 +155,10 @@ def record_step(
         normed, h = batch.add_rms_norm(ffn, h, w[after], cfg.eps)
     head = w.get("output.weight", w["token_embd.weight"])  # untied head where the file has one
     logits = batch.matmul(batch.embedding(x["sample_rows"], normed), head, transpose_b=True)
-    # prompt tokens count before this step's sampling (HF's repetition penalty covers the prompt)
-    batch.count_tokens(cache.seen, x["count_slots"], x["ids"], x["reset"])
-    no_tokens = batch.upload(np.full(1, -1, np.int32), name="no_tokens")
-    batch.count_tokens(cache.generated, no_tokens, no_tokens, x["reset"])  # resets only
+    if prompt:  # prompt tokens count before this step's sampling (HF's repetition penalty covers the prompt)
+        batch.count_tokens(cache.seen, x["count_slots"], x["ids"], x["reset"])
+        no_tokens = batch.upload(np.full(1, -1, np.int32), name="no_tokens")
+        batch.count_tokens(cache.generated, no_tokens, no_tokens, x["reset"])  # resets only
     if samples == slots:  # every slot samples: its counts row is its own
         seen, generated = cache.seen, cache.generated
     else:
@@ -161,8 +166,7 @@ def record_step(
         generated = batch.embedding(x["sample_slots"], cache.generated)
     penalized = batch.penalize(logits, seen, generated, x["penalties"])
     next_ids = batch.sample(penalized, x["sampling"], x["top_k"], x["keys"])
-    no_reset = batch.upload(np.zeros(slots, np.int32), name="no_reset")
-    batch.count_tokens(cache.seen, x["sampled_slots"], next_ids, no_reset)
-    batch.count_tokens(cache.generated, x["sampled_slots"], next_ids, no_reset)
+    batch.count_tokens(cache.seen, x["sampled_slots"], next_ids)
+    batch.count_tokens(cache.generated, x["sampled_slots"], next_ids)
     batch.outputs(next_ids)
     return Step(batch, rows, samples, inputs, next_ids)

@@ -132,25 +132,45 @@ def pool_rows(table: np.ndarray, length: int, block_size: int, pool: int) -> np.
 
 def _paged_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
     """float64 per query row over its valid positions; a row with none (idle, sequence out of the table, all
-    blocks out of the pool) gives zeros."""
+    blocks out of the pool) gives zeros. Rows go together, their positions padded to the longest and masked
+    (in groups that bound the padded keys' memory)."""
     q, k_pool, v_pool, tables, seq, lengths = arrays
     tokens, heads, head_dim = q.shape
     pool, kv_heads, _ = k_pool.shape
-    group = heads // kv_heads
     scale = float(np.float32(attention_scale(params, head_dim)))  # the kernels scale in f32
+    valid = (seq >= 0) & (seq < tables.shape[0])
+    rows = [
+        pool_rows(tables[seq[n]], lengths[n], params["block_size"], pool) if valid[n] else _NO_ROWS
+        for n in range(tokens)
+    ]
     out = np.zeros(q.shape, np.float64)
-    for n in range(tokens):
-        if not 0 <= seq[n] < tables.shape[0]:
+    group = max(1, _PADDED_POSITIONS // max(1, max(r.size for r in rows)))
+    for start in range(0, tokens, group):
+        chunk = range(start, min(start + group, tokens))
+        width = max(rows[n].size for n in chunk)
+        if width == 0:
             continue
-        rows = pool_rows(tables[seq[n]], lengths[n], params["block_size"], pool)
-        if not rows.size:
-            continue
-        keys = np.repeat(k_pool[rows].astype(np.float64), group, axis=1)  # (positions, heads, head_dim)
-        values = np.repeat(v_pool[rows].astype(np.float64), group, axis=1)
-        scores = np.einsum("hd,phd->hp", q[n].astype(np.float64), keys) * scale
-        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        out[n] = np.einsum("hp,phd->hd", weights / weights.sum(axis=-1, keepdims=True), values)
+        gathered = np.zeros((len(chunk), width), np.int64)
+        mask = np.zeros((len(chunk), width), bool)
+        for i, n in enumerate(chunk):
+            gathered[i, : rows[n].size], mask[i, : rows[n].size] = rows[n], True
+        # (rows, kv_heads, group, head_dim) x (rows, kv_heads, head_dim, positions)
+        queries = (
+            q[chunk.start : chunk.stop].astype(np.float64).reshape(len(chunk), kv_heads, heads // kv_heads, head_dim)
+        )
+        keys = k_pool[gathered].astype(np.float64).transpose(0, 2, 3, 1)
+        values = v_pool[gathered].astype(np.float64).transpose(0, 2, 1, 3)
+        scores = np.where(mask[:, None, None, :], (queries @ keys) * scale, -np.inf)
+        top = scores.max(axis=-1, keepdims=True)
+        weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+        total = weights.sum(axis=-1, keepdims=True)
+        attended = (weights / np.where(total > 0, total, 1.0)) @ values  # (rows, kv_heads, group, head_dim)
+        out[chunk.start : chunk.stop] = attended.reshape(len(chunk), heads, head_dim)
     return out
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+_PADDED_POSITIONS = 1 << 16  # rows x padded positions gathered at once by the reference
 
 
 def _paged_lower(node: Node) -> list[Launch]:

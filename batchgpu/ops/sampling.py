@@ -331,30 +331,32 @@ SAMPLE = OpSpec(
 
 
 def _count_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[None, None]:
-    counts, slots, ids, reset = inputs
+    counts, slots, ids = inputs[:3]
     rows, _ = _rows_by_vocab("count_tokens", "counts", counts, (INT32,))
     if slots.ndim != 1:
         raise ShapeError(f"count_tokens: slots {slots.describe()} must be 1-D (N,), got shape {slots.shape}")
     _check("count_tokens", "slots", slots, slots.shape, (INT32,))
     _check("count_tokens", "ids", ids, slots.shape, (INT32,))
-    _check("count_tokens", "reset", reset, (rows,), (INT32,))
+    if len(inputs) == 4:
+        _check("count_tokens", "reset", inputs[3], (rows,), (INT32,))
     return None, None
 
 
 def _count_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> None:
-    counts, slots, ids, reset = arrays
+    counts, slots, ids = arrays[:3]
     rows, width = counts.shape
-    counts[reset != 0] = 0
+    if len(arrays) == 4:
+        counts[arrays[3] != 0] = 0
     valid = (slots >= 0) & (slots < rows) & (ids >= 0) & (ids < width)
     np.add.at(counts, (slots[valid], ids[valid]), 1)
 
 
 def _count_lower(node: Node) -> list[Launch]:
-    counts, slots, ids, reset = node.inputs
+    counts, slots, ids = node.inputs[:3]
     rows, width = counts.shape
     params = dict(rows=rows, width=width, count=slots.size)
     types = wgsl_aliases(A=FLOAT32, O=INT32)  # unused by these entries; the module compiles with float logits
-    return [
+    resets = [
         SAMPLING.launch(
             label="count_tokens",
             entry="count_reset",
@@ -362,7 +364,11 @@ def _count_lower(node: Node) -> list[Launch]:
             groups=groups_for(counts.size, WORKGROUP),
             params=params,
             buffers=dict(counts=counts, reset=reset),
-        ),
+        )
+        for reset in node.inputs[3:]
+    ]
+    return [
+        *resets,
         SAMPLING.launch(
             label="count_tokens",
             entry="count_add",
@@ -381,7 +387,8 @@ COUNT_TOKENS = OpSpec(
     lower=_count_lower,
     inplace=(0,),
     literal_operands=False,  # counts is written in place: a number would silently become a constant
-    doc="in place: zero the rows of (S, V) int32 counts where reset != 0, then add 1 at each valid (slots, ids)",
+    doc="in place: zero the rows of (S, V) int32 counts where reset != 0 (if given), then add 1 at each valid "
+    "(slots, ids)",
 )
 
 SPECS: list[OpSpec] = [PENALIZE, SAMPLE, COUNT_TOKENS]

