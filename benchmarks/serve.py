@@ -7,7 +7,8 @@ requests, beside sequential ``Llama.generate`` on the same device in the same ru
 Each request generates ``--tokens`` tokens greedily (end-of-sequence ignored) from its own short prompt;
 all of a level's requests are submitted at once. Timed: from submitting the requests to the last token;
 the engine is built (weights uploaded, steps recorded) and warmed up by one untimed request first, and
-the ``Llama`` baseline times its decode steps after the first two (recording, first runs). The 1-minute
+the ``Llama`` baseline times its decode steps after the first two (recording, first runs). The KV cache
+holds every request of the largest level at once (none waits for blocks). The 1-minute
 load average is printed beside each table (the host is shared: compare figures of one run).
 """
 
@@ -87,7 +88,8 @@ def sequential_llama(device: bg.Device, tokens: int) -> float:
 def run_device(kind: str, levels: list[int], tokens: int) -> dict[str, object]:
     device = bg.Device(kind)
     baseline = sequential_llama(device, min(tokens, 24))
-    engine = Engine(device=device, max_batch=max(levels), max_context=256, prefill_chunk=16)
+    blocks = max(levels) * -(-(16 + tokens) // 16)  # every request's prompt (<= 16 tokens) and output at once
+    engine = Engine(device=device, max_batch=max(levels), max_context=256, prefill_chunk=16, kv_blocks=blocks)
     asyncio.run(one_request(engine, "warm up", 4))
     rows = [asyncio.run(level(engine, c, tokens)) for c in levels]
     return {"device": device.name, "kind": kind, "llama_tokens_per_s": baseline, "levels": rows}

@@ -113,6 +113,25 @@ def test_penalized_seeded_request_alone_equals_among_others(eng: Engine) -> None
     assert eng.status()["decode_sizes"] == eng.decode_sizes
 
 
+def test_prompts_packed_into_prefill_steps(eng: Engine) -> None:
+    """Prompts starting together share prefill steps (a long one split over several, ending mid-step, the
+    short ones packed beside it); each one's greedy ids and penalized seeded draws equal its ids alone."""
+    long_prompt = "Count with me: " + ", ".join(str(i) for i in range(1, 20))
+    penalized = SamplingParams(max_tokens=6, temperature=0.7, seed=3, repetition_penalty=1.5, ignore_eos=True)
+    jobs = [(long_prompt, greedy(5)), ("Water is", penalized), *((p, greedy(4)) for p in OTHERS[:4])]
+    alone = [eng.complete(p, params).token_ids for p, params in jobs]
+    chunks = sum(-(-len(eng.codec.encode(p)) // eng.prefill_chunk) for p, _ in jobs)
+    assert len(eng.codec.encode(long_prompt)) > 2 * eng.prefill_chunk
+
+    async def together() -> list[list[int]]:
+        return list(await asyncio.gather(*(collect(eng, p, params) for p, params in jobs)))
+
+    before = eng.steps["prefill"]
+    assert asyncio.run(together()) == alone
+    assert eng.steps["prefill"] - before < chunks  # packed: fewer steps than one per prompt chunk
+    assert eng.memory()["blocks_used"] == 0
+
+
 def test_stops(eng: Engine) -> None:
     text = eng.complete(PROMPT, greedy(12))
     assert text.text.startswith(" Paris.")

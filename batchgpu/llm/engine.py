@@ -128,7 +128,9 @@ class Engine:
         self.decode_steps = {
             size: self._record(rows=size, samples=size, name=f"decode{size}") for size in self.batch_sizes
         }
-        self.prefill_step = self._record(rows=prefill_chunk, samples=1, name="prefill", prompt=True)
+        self.prefill_step = self._record(
+            rows=prefill_chunk, samples=min(max_batch, prefill_chunk), name="prefill", prompt=True
+        )
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_batch
         self.steps = {"prefill": 0, "decode": 0}
@@ -138,6 +140,7 @@ class Engine:
         self._prefill_turn = True
 
     def _record(self, *, rows: int, samples: int, name: str, prompt: bool = False) -> Step:
+        """Record a step; in the ``max_batch`` decode step sample ``i`` is slot ``i``'s."""
         return record_step(
             self.device,
             self.config,
@@ -149,6 +152,7 @@ class Engine:
             max_blocks=self.max_blocks,
             name=name,
             prompt=prompt,
+            by_slot=not prompt and samples == self.max_batch,
         )
 
     # the public API -------------------------------------------------------------------------------------
@@ -281,7 +285,7 @@ class Engine:
                 continue
             kind, requests = step
             try:
-                ids = await (self._prefill(requests[0]) if kind == "prefill" else self._decode(requests))
+                ids = await (self._prefill(requests) if kind == "prefill" else self._decode(requests))
             except BatchError as exc:  # the device failed: every request in the step fails, the engine goes on
                 for request in requests:
                     self._finish(request, exc)
@@ -313,34 +317,51 @@ class Engine:
         decoding = [r for r in active if r.prefilled == len(r.prompt)]
         if prefilling and (self._prefill_turn or not decoding):
             self._prefill_turn = False
-            return "prefill", [prefilling[0]]
+            return "prefill", self._prefill_group(prefilling)
         self._prefill_turn = True
         return ("decode", decoding) if decoding else None
 
+    def _prefill_group(self, prefilling: list[Request]) -> list[Request]:
+        """The prompts the next prefill step serves: in order, while rows are left (the last one may get
+        only part of what is left of its prompt), at most the step's samples."""
+        group, rows = [], self.prefill_step.rows
+        for request in prefilling[: self.prefill_step.samples]:
+            if rows <= 0:
+                break
+            group.append(request)
+            rows -= len(request.prompt) - request.prefilled
+        return group
+
     # steps ---------------------------------------------------------------------------------------------
 
-    async def _prefill(self, request: Request) -> np.ndarray:
+    async def _prefill(self, requests: list[Request]) -> np.ndarray:
+        """One prefill step: the next pieces of ``requests``' prompts packed into its ``prefill_chunk`` rows
+        (see :meth:`_prefill_group`), each a contiguous run of rows, request ``i`` sampling from its last
+        row (kept only where its piece ends its prompt)."""
         step = self.prefill_step
-        chunk = request.prompt[request.prefilled : request.prefilled + step.rows]
-        n, first = len(chunk), request.prefilled
-        last = first + n == len(request.prompt)
         feeds = self._empty_feeds(step)
-        positions = np.arange(first, first + n, dtype=np.int32)
-        feeds["ids"][:n] = chunk
-        feeds["positions"][:n] = positions
-        feeds["kv_rows"][:n] = [self.pool.row(request.blocks, int(p)) for p in positions]
-        feeds["seq"][:n] = 0
-        feeds["lengths"][:n] = positions + 1
-        feeds["block_tables"][0, : len(request.blocks)] = request.blocks
-        feeds["count_slots"][:n] = request.slot
-        if first == 0:
-            feeds["reset"][request.slot] = 1
-        self._sampling_row(feeds, 0, request, row=n - 1)
-        feeds["sampled_slots"][0] = request.slot if last else -1
+        start = 0
+        for index, request in enumerate(requests):
+            first = request.prefilled
+            n = min(len(request.prompt) - first, step.rows - start)
+            rows = slice(start, start + n)
+            positions = np.arange(first, first + n, dtype=np.int32)
+            feeds["ids"][rows] = request.prompt[first : first + n]
+            feeds["positions"][rows] = positions
+            feeds["kv_rows"][rows] = [self.pool.row(request.blocks, int(q)) for q in positions]
+            feeds["seq"][rows] = index
+            feeds["lengths"][rows] = positions + 1
+            feeds["block_tables"][index, : len(request.blocks)] = request.blocks
+            feeds["count_slots"][rows] = request.slot
+            if first == 0:
+                feeds["reset"][request.slot] = 1
+            self._sampling_row(feeds, index, request, row=start + n - 1)
+            feeds["sampled_slots"][index] = request.slot if first + n == len(request.prompt) else -1
+            request.prefilled += n
+            start += n
         step.run(feeds)
-        request.prefilled += n
         self.steps["prefill"] += 1
-        return await step.batch.read(step.next_ids)
+        return (await step.batch.read(step.next_ids))[: len(requests)]
 
     async def _decode(self, requests: list[Request]) -> np.ndarray:
         """One decode step over the smallest recorded batch size that holds ``requests``: row ``i`` serves
@@ -392,7 +413,7 @@ class Engine:
             if kind == "prefill":
                 if request.prefilled < len(request.prompt):
                     continue  # a chunk in the middle of the prompt: nothing sampled yet
-                token = int(ids[0])
+                token = int(ids[index])
             else:
                 token = int(ids[index])
             request.output.append(token)

@@ -16,7 +16,9 @@ class SamplingParams:
 
     ``temperature`` 0 is greedy (the first most likely token). Otherwise tokens are drawn from
     softmax(logits / temperature) restricted to the ``top_k`` most likely (0: all), the smallest set
-    reaching probability ``top_p`` (1: all) and those at least ``min_p`` times the most likely (0: all).
+    reaching probability ``top_p`` (1: all) and those at least ``min_p`` times the most likely (0: all):
+    the three sets are intersected, each measured on the whole distribution (vLLM and transformers
+    instead measure ``top_p`` after ``top_k``; the two agree unless both are set).
     ``repetition_penalty`` (HF: logits of tokens in the prompt or output divided by it when positive,
     multiplied when negative), ``presence_penalty`` and ``frequency_penalty`` (OpenAI: subtracted once
     per generated token kind / per occurrence). ``seed`` makes draws reproducible (same seed, prompt and

@@ -80,6 +80,7 @@ def record_step(
     max_blocks: int,
     name: str,
     prompt: bool,
+    by_slot: bool,
 ) -> Step:
     """Record the step. Inputs (feed them all each run):
 
@@ -89,8 +90,9 @@ def record_step(
       attends over (its position + 1: causal; 0: idle);
     - ``block_tables`` (table_rows, max_blocks): each sequence's KV blocks;
     - ``sample_rows`` (samples,): the row whose logits each sample uses; ``sample_slots`` (samples,): its
-      slot (the counts row); ``penalties`` (samples, 3), ``sampling`` (samples, 4), ``top_k`` (samples,),
-      ``keys`` (samples, 2): see :meth:`GpuCommandBatch.sample`;
+      slot (the counts row; with ``by_slot``, sample i is slot i's and the counts are read directly);
+      ``penalties`` (samples, 3), ``sampling`` (samples, 4), ``top_k`` (samples,), ``keys`` (samples, 2):
+      see :meth:`GpuCommandBatch.sample`;
     - ``sampled_slots`` (samples,): slot each sampled token is counted for (-1: not a real token, e.g. a
       prompt chunk that does not end the prompt);
     - with ``prompt`` (a prefill step) also ``count_slots`` (rows,), ``reset`` (slots,): prompt tokens to count
@@ -159,7 +161,9 @@ def record_step(
         batch.count_tokens(cache.seen, x["count_slots"], x["ids"], x["reset"])
         no_tokens = batch.upload(np.full(1, -1, np.int32), name="no_tokens")
         batch.count_tokens(cache.generated, no_tokens, no_tokens, x["reset"])  # resets only
-    if samples == slots:  # every slot samples: its counts row is its own
+    if by_slot:  # sample i is slot i's: its counts row is its own
+        if samples != slots:
+            raise ValueError(f"record_step: by_slot needs one sample per slot ({slots}), got {samples}")
         seen, generated = cache.seen, cache.generated
     else:
         seen = batch.embedding(x["sample_slots"], cache.seen)
