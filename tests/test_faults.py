@@ -102,7 +102,8 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) { if id.x < arrayLength(&x
 """
 
 
-def test_gpu_validation_error_in_submit_names_the_op() -> None:
+@pytest.mark.parametrize("encode", ["direct", "plain"])
+def test_gpu_validation_error_in_submit_names_the_op(monkeypatch: pytest.MonkeyPatch, encode: str) -> None:
     """Fault injection: the device's Limits are swapped for a copy claiming more workgroups per
     dimension than the adapter has, so record-time checks pass a dispatch that wgpu's own validation
     rejects when the command encoder is finished. wgpu-py 0.32 raises that (GPUValidationError at
@@ -110,7 +111,9 @@ def test_gpu_validation_error_in_submit_names_the_op() -> None:
     ``queue.submit`` itself, e.g. a destroyed buffer, abort the process in wgpu-native 0.32;
     batchgpu never destroys a buffer a plan uses.)"""
     rng = np.random.default_rng(74)
+    monkeypatch.setenv("BATCHGPU_WGPU_ENCODE", encode)  # both encode paths (batchgpu/executors/wgpu_encode.py)
     dev = bg.Device("wgpu")
+    assert (dev.executor.direct is not None) == (encode == "direct")
     real = dev.executor.limits
     too_many = real.max_compute_workgroups_per_dimension + 1
     kernel = bg.Kernel(wgsl=ADD_ONE, entry="main", name="add_one")

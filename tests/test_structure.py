@@ -34,6 +34,9 @@ THIRD_PARTY_PRIVATES: dict[str, set[str]] = {
     },
     # wgpu-py: the queue's native handle, for its timestamp period
     "executors/wgpu_timing.py": {"_ffi", "_internal"},
+    # wgpu-py: its native backend module and the C handles of passes, pipelines and bind groups, for the
+    # direct encode path (the plain path stays one environment variable away and is tested against it)
+    "executors/wgpu_encode.py": {"_api", "_internal"},
     # ctypes: the file name a CDLL was loaded from (``python -m batchgpu info``)
     "executors/native/driver.py": {"_name"},
 }

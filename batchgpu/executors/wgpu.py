@@ -30,6 +30,7 @@ from ..scalars import SCALAR_BYTES, Scalar, uniform_bytes
 from ..tensor import Storage
 from .base import POISON_BYTE, DeviceExecutor, Plan, ReadbackLayout, StagedExecution, StagingPool, Stats, padded
 from .blocking import BlockingWorker
+from .wgpu_encode import DirectEncoder, direct_encoder, encode_plain
 from .wgpu_plan import LaunchLayout, PipelineSpec, pipeline_key, pipeline_spec, plan_launches
 from .wgpu_timing import GpuTimer
 
@@ -177,6 +178,7 @@ class WgpuPlan(Plan):
         self.scalars_buffer = scalars_buffer
         self.scalars = scalars
         self.labels: list[str] = []  # per dispatch: the op and kernel, for errors
+        self.direct_calls: list[tuple] | None = None  # the dispatches' C handles (wgpu_encode.DirectEncoder)
 
 
 class WgpuExecution(StagedExecution):
@@ -239,6 +241,7 @@ class WgpuExecutor(DeviceExecutor):
         self._group_layouts: dict[Any, Any] = {}  # pipeline -> its bind group layout 0
         self._usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self.gpu_kernels = gpu_kernels(chosen)
+        self.direct = direct_encoder(self.device)  # the hot encode loop through wgpu-native's C functions
 
     def form(self, launch: Launch) -> Launch:
         return launch.for_gpu() if self.gpu_kernels else launch
@@ -357,6 +360,7 @@ class WgpuExecutor(DeviceExecutor):
             dispatches.append((pipeline, bind_group, *grid))
         self.pipelines.disk.dispatched([d[0] for d in dispatches])
         plan = WgpuPlan(buffers, dispatches, params_buffer, scalars_buffer, tuple(scalars))
+        plan.direct_calls = DirectEncoder.handles(dispatches) if self.direct is not None else None
         plan.labels = [f"op {launch.label!r} ({launch.describe()})" for launch in launches]
         return plan
 
@@ -418,10 +422,10 @@ class WgpuExecutor(DeviceExecutor):
             compute = encoder.begin_compute_pass(**timer.pass_descriptor()) if timer else encoder.begin_compute_pass()
             if timer:
                 compute = timer.wrap(compute)  # writes a timestamp before and after each dispatch
-            for pipeline, bind_group, x, y, z in plan.dispatches:
-                compute.set_pipeline(pipeline)
-                compute.set_bind_group(0, bind_group)
-                compute.dispatch_workgroups(x, y, z)
+            if timer is None and self.direct is not None and plan.direct_calls is not None:
+                self.direct.encode(compute, plan.direct_calls)
+            else:  # the profiler times each dispatch through wgpu-py's pass object
+                encode_plain(compute, plan.dispatches)
             compute.end()
         layout = plan.readback_layout(readback)
         if timer:
@@ -462,17 +466,15 @@ class WgpuExecutor(DeviceExecutor):
     def _failing_dispatch(self, plan: WgpuPlan) -> str | None:
         """After a failed submit (error path only): encode each dispatch alone and finish it without
         submitting; the first one wgpu's validation rejects names the op."""
-        for (pipeline, bind_group, x, y, z), label in zip(plan.dispatches, plan.labels):
+        for dispatch, label in zip(plan.dispatches, plan.labels):
             encoder = self.device.create_command_encoder()
             compute = encoder.begin_compute_pass()
-            compute.set_pipeline(pipeline)
-            compute.set_bind_group(0, bind_group)
-            compute.dispatch_workgroups(x, y, z)
+            encode_plain(compute, [dispatch])
             compute.end()
             try:
                 encoder.finish()
             except self.wgpu.GPUError:
-                return f"{label}, dispatch {x}x{y}x{z}"
+                return f"{label}, dispatch {'x'.join(map(str, dispatch[2:]))}"
         return None
 
     # reading (the read path is DeviceExecutor's) -----------------------------------------------
