@@ -286,6 +286,18 @@ class GpuCommandBatch:
         self._record("kv_write", (cache, new), pos=self._own_scalar("kv_write", pos))
         return cache
 
+    def rope_kv_write(
+        self, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Scalar | int, theta: float = 10000.0
+    ) -> Tensor:
+        """``rope`` and ``kv_write`` of a fused q/k/v projection in one kernel: ``qkv`` is (tokens, heads +
+        2 * kv_heads, head_dim), the q heads, then the k heads, then the v heads (kv_heads: the caches').
+        Writes rope(k) and v into the caches' rows ``pos .. pos + tokens`` in place and returns rope(q),
+        (tokens, heads, head_dim): the same numbers as ``rope``, ``rope`` + ``kv_write`` and ``kv_write``
+        of the three parts."""
+        theta = arguments.real("rope_kv_write", "theta", theta)
+        position = self._own_scalar("rope_kv_write", pos)
+        return self._record("rope_kv_write", (qkv, k_cache, v_cache), pos=position, theta=theta)
+
     def attention(
         self,
         q: Tensor,

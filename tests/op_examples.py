@@ -182,6 +182,13 @@ def _kv_write(inputs: Inputs) -> list[Tensor]:
     return [inputs.batch.kv_write(cache, inputs.tensor(2, 2, 8), inputs.position("kv_write", 5))]
 
 
+def _rope_kv_write(inputs: Inputs) -> list[Tensor]:
+    b, qkv = inputs.batch, inputs.tensor(3, 8, 6)  # 4 q heads, then 2 k and 2 v heads
+    k_cache, v_cache = inputs.tensor(9, 2, 6), inputs.tensor(9, 2, 6)
+    q = b.rope_kv_write(qkv, k_cache, v_cache, inputs.position("rope_kv_write", 4))
+    return [q, k_cache, v_cache]
+
+
 def _attention(inputs: Inputs) -> list[Tensor]:
     b, q, cache = inputs.batch, inputs.tensor(2, 4, 8), inputs.tensor(16, 2, 8)
     long_cache = inputs.tensor(200, 2, 8)  # split into blocks under shrunk bounds
@@ -280,6 +287,7 @@ EXAMPLES: dict[str, Example] = {
     "layer_norm": _layer_norm,
     "rope": _rope,
     "kv_write": _kv_write,
+    "rope_kv_write": _rope_kv_write,
     "attention": _attention,
     "scatter_rows": _scatter_rows,
     "paged_attention": _paged_attention,

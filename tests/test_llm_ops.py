@@ -54,6 +54,59 @@ def test_rope_is_rotate_half_llama(ref):
     np.testing.assert_allclose(batch.read_sync(y), x * np.cos(emb) + rotated * np.sin(emb), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,head_dim,cache_len,pos",
+    [(1, 9, 3, 64, 37, 36), (5, 9, 3, 64, 37, 0), (3, 2, 1, 2, 11, 7), (7, 6, 2, 10, 8, 1), (2, 13, 13, 6, 5, 3)],
+)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_rope_kv_write_equals_rope_and_kv_write(gpu, ref, tokens, heads, kv_heads, head_dim, cache_len, pos, dtype):
+    """The fused op against the three unfused ones on each executor (bit for bit on one device: the same
+    f32 rotation) and against the reference executor; cache rows outside pos .. pos + tokens untouched."""
+    rng = np.random.default_rng(tokens * 100 + heads)
+    qkv = random_array(rng, (tokens, heads + 2 * kv_heads, head_dim), dtype)
+    start_k = random_array(rng, (cache_len, kv_heads, head_dim), dtype)
+    start_v = random_array(rng, (cache_len, kv_heads, head_dim), dtype)
+    results = {}
+    for device in (gpu, ref):
+        for fused in (True, False):
+            k_cache, v_cache = device.tensor(start_k), device.tensor(start_v)
+            batch = bg.GpuCommandBatch(device)
+            position = batch.scalar("pos")
+            x = batch.upload(qkv)
+            if fused:
+                q = batch.rope_kv_write(x, k_cache, v_cache, position, 5000.0)
+            else:
+                q = batch.rope(batch.slice(x, (slice(None), slice(0, heads))), position, 5000.0)
+                k = batch.rope(batch.slice(x, (slice(None), slice(heads, heads + kv_heads))), position, 5000.0)
+                batch.kv_write(k_cache, k, position)
+                batch.kv_write(v_cache, batch.slice(x, (slice(None), slice(heads + kv_heads, None))), position)
+            batch.execute(scalars={"pos": pos})
+            results[device, fused] = [batch.read_sync(q), device.read(k_cache), device.read(v_cache)]
+    for device in (gpu, ref):
+        for fused, unfused in zip(results[device, True], results[device, False]):
+            np.testing.assert_array_equal(fused, unfused)
+    for got, expected in zip(results[gpu, True], results[ref, True]):
+        assert_close(got, expected, dtype, scale=20)
+    outside = np.r_[0:pos, pos + tokens : cache_len]
+    np.testing.assert_array_equal(results[gpu, True][1][outside], start_k[outside])
+    np.testing.assert_array_equal(results[gpu, True][2][outside], start_v[outside])
+
+
+def test_rope_kv_write_refusals(ref):
+    batch = bg.GpuCommandBatch(ref)
+    cache = ref.tensor(np.zeros((8, 2, 4), np.float32))
+    qkv = batch.upload(np.ones((2, 7, 4), np.float32))
+    with pytest.raises(bg.ShapeError, match=r"rope_kv_write: qkv .* must hold q heads \(a multiple of the caches' 2"):
+        batch.rope_kv_write(qkv, cache, cache, 0)  # 3 q heads over 2 kv heads
+    with pytest.raises(bg.LimitError, match=r"rope_kv_write: pos 7 \+ 2 tokens exceeds cache"):
+        batch.rope_kv_write(batch.upload(np.ones((2, 6, 4), np.float32)), cache, cache, 7)
+    with pytest.raises(bg.DTypeError, match=r"rope_kv_write"):
+        batch.rope_kv_write(batch.upload(np.ones((2, 6, 4), np.float16)), cache, cache, 0)
+    with pytest.raises(bg.ShapeError, match=r"v_cache .* must match k_cache"):
+        longer = ref.tensor(np.zeros((9, 2, 4), np.float32))
+        batch.rope_kv_write(batch.upload(np.ones((2, 6, 4), np.float32)), cache, longer, 0)
+
+
 def test_kv_cache_decode_with_position_scalar(gpu, ref):
     """Prefill of 5 tokens, then single-token steps through the same recorded batch shape."""
     rng = np.random.default_rng(45)

@@ -98,6 +98,22 @@ def test_prefill_logits_match_float64(kind, quantized):
     assert np.abs(logits - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
+@pytest.mark.parametrize("kind", ["reference", "wgpu"])
+def test_decode_step_dispatches(kind):
+    """Dispatches per decode step (``dev.stats``): q, k and v are one GEMV and rope + both cache writes one
+    kernel, 10 per layer (issue 16's target is 8 per layer and 250 in all: not reached yet)."""
+    m = model(kind, True)
+    stats = m.device.stats
+    step = m.prefill(PROMPT)
+    token = int(step.batch.read_sync(step.next_token)[0])
+    step = m.decode(token)
+    token = int(step.batch.read_sync(step.next_token)[0])
+    before = stats.dispatches
+    m.decode(token)
+    per_layer = 10  # qkv, rope_kv_write, attention, output, add_rms_norm, gate, up, silu_mul, down, add_rms_norm
+    assert stats.dispatches - before == m.config.layers * per_layer + 4  # embedding, rms_norm, head, argmax
+
+
 def test_decode_step_is_one_submit_and_compiles_nothing():
     m = model("wgpu", True)
     stats = m.device.stats

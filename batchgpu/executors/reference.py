@@ -122,7 +122,8 @@ class ReferenceExecutor(Executor):
         if not node.outputs:  # in-place ops (custom kernels, cache writes) update writable views
             node.spec.reference(views, params)
             return
-        upcast = [v.astype(FLOAT32) if v.dtype == FLOAT16 else v for v in views]
+        written = () if node.spec.inplace == "all" else node.spec.inplace  # "all": no outputs, handled above
+        upcast = [v.astype(FLOAT32) if v.dtype == FLOAT16 and i not in written else v for i, v in enumerate(views)]
         results = node.spec.reference(upcast, params)
         if len(node.outputs) == 1:
             results = (results,)

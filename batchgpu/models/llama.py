@@ -127,24 +127,67 @@ def load_tokenizer(weights: GGUFWeights) -> Any:
 Progress = Callable[[Sequence[str]], Any]
 
 
+FUSED_PROJECTIONS = {"attn_qkv.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight")}
+"""Weights ``upload_weights(fuse=True)`` concatenates by rows per layer (name -> its parts, in order): one
+GEMV instead of three; quantized blocks concatenate as they are (each row is whole blocks)."""
+
+
 def upload_weights(
-    device: Device, weights: GGUFWeights, *, quantized: bool = True, progress: Progress | None = None
+    device: Device,
+    weights: GGUFWeights,
+    *,
+    quantized: bool = True,
+    fuse: bool = False,
+    progress: Progress | None = None,
 ) -> dict[str, Tensor]:
     """Every tensor of ``weights`` resident on ``device``: Q4_1/Q8_0 blocks kept quantized (or dequantized
-    to float32 with ``quantized=False``), float32 tensors as they are."""
+    to float32 with ``quantized=False``), float32 tensors as they are. With ``fuse``, each layer's
+    :data:`FUSED_PROJECTIONS` parts are uploaded concatenated under the fused name instead (where the parts
+    share a block format and row length)."""
+    groups = _fused_groups(weights) if fuse else {}
+    parts = {part: fused for fused, names in groups.items() for part in names}
     names = weights.names()
     label = "loading weights" if quantized else "loading + dequantizing weights"
     items = progress(names) if progress else show_progress(names, label, len(names))  # bar only on a TTY
 
-    def upload(name: str) -> Tensor:
+    def rows(name: str) -> tuple[np.ndarray, str | None, tuple[int, ...]]:
         data, qtype, shape = weights.raw(name)
+        if qtype is not None and not quantized:
+            return weights.float32(name), None, shape
+        return data, qtype, shape
+
+    def upload(name: str, data: np.ndarray, qtype: str | None, shape: tuple[int, ...]) -> Tensor:
         if qtype is None:
             return device.tensor(data, name=name)
-        if quantized:
-            return device.quantized(data, qtype, (shape[0], shape[1]), name=name)
-        return device.tensor(weights.float32(name), name=name)
+        return device.quantized(data, qtype, (shape[0], shape[1]), name=name)
 
-    return {name: upload(name) for name in items}
+    uploaded = {}
+    for name in items:
+        fused = parts.get(name)
+        if fused is None:
+            uploaded[name] = upload(name, *rows(name))
+        elif name == groups[fused][0]:  # the group goes up with its first part
+            pieces = [rows(part) for part in groups[fused]]
+            data = np.concatenate([piece[0].reshape(piece[2][0], -1) for piece in pieces])
+            shape = (sum(piece[2][0] for piece in pieces), pieces[0][2][1])
+            uploaded[fused] = upload(fused, data, pieces[0][1], shape)
+    return uploaded
+
+
+def _fused_groups(weights: GGUFWeights) -> dict[str, tuple[str, ...]]:
+    """Per layer, the fused names whose parts all exist with one block format and row length."""
+    present = set(weights.names())
+    groups = {}
+    for layer in range(weights.config.layers):
+        block = f"blk.{layer}."
+        for fused, names in FUSED_PROJECTIONS.items():
+            members = tuple(block + name for name in names)
+            if not all(m in present for m in members):
+                continue
+            kinds = {(qtype, shape[1]) for _, qtype, shape in map(weights.raw, members)}
+            if len(kinds) == 1:
+                groups[block + fused] = members
+    return groups
 
 
 @dataclass
@@ -175,7 +218,7 @@ class Llama:
         self.config = self.weights.config
         self.quantized = quantized
         self.max_context = max_context
-        self.params = upload_weights(device, self.weights, quantized=quantized, progress=progress)
+        self.params = upload_weights(device, self.weights, quantized=quantized, fuse=True, progress=progress)
         cfg = self.config
         cache_shape = (max_context, cfg.kv_heads, cfg.head_dim)
         zeros = np.zeros(cache_shape, np.float32)
@@ -220,9 +263,13 @@ class Llama:
         def project(name: str, heads: int) -> Tensor:
             return batch.reshape(batch.matmul(x, w[block + name], transpose_b=True), (tokens, heads, cfg.head_dim))
 
-        q = batch.rope(project("attn_q.weight", cfg.heads), pos, cfg.theta)
-        batch.kv_write(k_cache, batch.rope(project("attn_k.weight", cfg.kv_heads), pos, cfg.theta), pos)
-        batch.kv_write(v_cache, project("attn_v.weight", cfg.kv_heads), pos)
+        if block + "attn_qkv.weight" in w:  # one GEMV, then rope + both cache writes in one kernel
+            qkv = project("attn_qkv.weight", cfg.heads + 2 * cfg.kv_heads)
+            q = batch.rope_kv_write(qkv, k_cache, v_cache, pos, cfg.theta)
+        else:
+            q = batch.rope(project("attn_q.weight", cfg.heads), pos, cfg.theta)
+            batch.kv_write(k_cache, batch.rope(project("attn_k.weight", cfg.kv_heads), pos, cfg.theta), pos)
+            batch.kv_write(v_cache, project("attn_v.weight", cfg.kv_heads), pos)
         out = batch.attention(q, k_cache, v_cache, pos)
         return batch.matmul(batch.reshape(out, (tokens, cfg.hidden)), w[block + "attn_output.weight"], transpose_b=True)
 

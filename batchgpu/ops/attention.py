@@ -233,6 +233,79 @@ KV_WRITE = OpSpec(
 )
 
 
+# rope_kv_write: rope + kv_write of a fused q/k/v projection -----------------------------------------
+
+
+def _rope_kv_split(qkv: Tensor, k_cache: Tensor) -> tuple[int, int, int]:
+    """(tokens, q heads, kv heads) of a fused projection whose kv heads are the cache's."""
+    tokens, width, _ = qkv.shape
+    kv_heads = k_cache.shape[1]
+    return tokens, width - 2 * kv_heads, kv_heads
+
+
+def _rope_kv_write_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
+    qkv, k_cache, v_cache = inputs
+    check_dtype("rope_kv_write", "float", qkv, "qkv")
+    same_dtype("rope_kv_write", inputs, ("qkv", "k_cache", "v_cache"))
+    for tensor, argument in zip(inputs, ("qkv", "k_cache", "v_cache")):
+        heads_layout("rope_kv_write", tensor, argument)
+    if k_cache.shape != v_cache.shape:
+        raise ShapeError(f"rope_kv_write: v_cache {v_cache.describe()} must match k_cache {k_cache.describe()}")
+    tokens, heads, kv_heads = _rope_kv_split(qkv, k_cache)
+    head_dim = qkv.shape[2]
+    if k_cache.shape[2] != head_dim or head_dim % 2:
+        raise ShapeError(
+            f"rope_kv_write: qkv {qkv.describe()} and the caches {k_cache.describe()} need one even head_dim"
+        )
+    if heads < 1 or heads % kv_heads:
+        raise ShapeError(
+            f"rope_kv_write: qkv {qkv.describe()} must hold q heads (a multiple of the caches' {kv_heads} kv "
+            f"heads), then {kv_heads} k and {kv_heads} v heads"
+        )
+    pos = params["pos"]
+    _position("rope_kv_write", pos)
+    if not isinstance(pos, Scalar) and pos > k_cache.shape[0] - tokens:
+        raise LimitError(f"rope_kv_write: pos {pos!r} + {tokens} tokens exceeds cache {k_cache.describe()}")
+    if not float(params["theta"]) > 0:
+        raise ShapeError(f"rope_kv_write: theta must be > 0, got {params['theta']!r}")
+    return (tokens, heads, head_dim), qkv.dtype
+
+
+def _rope_kv_write_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
+    qkv, k_cache, v_cache = arrays
+    kv_heads = k_cache.shape[1]
+    heads = qkv.shape[1] - 2 * kv_heads
+    rotated = _rope_reference([qkv[:, : heads + kv_heads]], params)
+    pos, tokens = int(params["pos"]), qkv.shape[0]
+    k_cache[pos : pos + tokens] = rotated[:, heads:]
+    v_cache[pos : pos + tokens] = qkv[:, heads + kv_heads :]
+    return rotated[:, :heads]
+
+
+def _rope_kv_write_lower(node: Node) -> list[Launch]:
+    qkv, k_cache, v_cache = node.inputs
+    tokens, heads, kv_heads = _rope_kv_split(qkv, k_cache)
+    head_dim = qkv.shape[2]
+    _bound_position(node.params["pos"], tokens, k_cache, "rope_kv_write")
+    table = node.new_constant(inverse_frequencies(head_dim, node.params["theta"]))
+    params = family_params(tokens, heads, kv_heads, head_dim, k_cache.shape[0], node.params["pos"], False, 0.0)
+    buffers: Buffers = dict(src=qkv, table=table, dst=node.output, keys_out=k_cache, values_out=v_cache)
+    return [family_launch(node, "rope_kv_write", groups_for(qkv.size // 2, ATTENTION_WORKGROUP), buffers, params)]
+
+
+ROPE_KV_WRITE = OpSpec(
+    name="rope_kv_write",
+    infer=_rope_kv_write_infer,
+    reference=_rope_kv_write_reference,
+    lower=_rope_kv_write_lower,
+    dtypes="float",
+    inplace=(1, 2),
+    literal_operands=False,  # the caches are written in place
+    doc="q of rope(qkv[:, :H]) at pos + t; rope(k heads) and the v heads of (T, H + 2 KV, D) qkv written into "
+    "the caches' rows pos .. pos + T, in place",
+)
+
+
 # attention -------------------------------------------------------------------------------------
 #
 # Caches of at most split_rows(head_dim) rows: one pass, one workgroup per (token, head) with its scores
@@ -490,4 +563,4 @@ ATTENTION = OpSpec(
     doc="softmax(q k^T / sqrt(d) + causal mask at pos) v over cache rows [0, pos + T); grouped-query heads",
 )
 
-SPECS: list[OpSpec] = [ROPE, KV_WRITE, ATTENTION]
+SPECS: list[OpSpec] = [ROPE, KV_WRITE, ROPE_KV_WRITE, ATTENTION]

@@ -517,6 +517,8 @@ ATTENTION = Family(
         read("indices", "i32", "rope_positions: positions; scatter_rows: target rows; paged attention: seq"),
         read("lengths", "i32", "paged attention: positions each query row attends over"),
         read("block_tables", "i32", "paged attention: (sequences, max_blocks) pool blocks"),
+        write("keys_out", "A", "rope_kv_write: the k cache written"),
+        write("values_out", "A", "rope_kv_write: the v cache written"),
     ),
     params=(
         Field("tokens"),

@@ -17,13 +17,23 @@ __device__ __forceinline__ unsigned position(const Params& p, const unsigned* sc
     return p.pos_slot == NO_SLOT ? p.pos_literal : scalars[p.pos_slot];
 }
 
+struct Rotation {
+    float c, s;
+};
+
+// cos and sin of the rotation of pair j at position `at`.
+__device__ __forceinline__ Rotation rotation(const float* table, unsigned j, float at) {
+    float turns = at * table[j] / TWO_PI;
+    float angle = (turns - rintf(turns)) * TWO_PI;  // reduced to [-pi, pi] where cos/sin are accurate
+    return Rotation{cosf(angle), sinf(angle)};
+}
+
 // Rotates the pair (j, j + half) of row `row` (token * heads + head) of x by position `at`.
 __device__ __forceinline__ void rotate(const A* src, const float* table, A* dst, const Params& p, unsigned row,
                                        unsigned j, float at) {
     unsigned half = p.head_dim / 2u;
-    float turns = at * table[j] / TWO_PI;
-    float angle = (turns - rintf(turns)) * TWO_PI;  // reduced to [-pi, pi] where cos/sin are accurate
-    float c = cosf(angle), s = sinf(angle);
+    Rotation r = rotation(table, j, at);
+    float c = r.c, s = r.s;
     unsigned base = row * p.head_dim;
     float x1 = CVT(float, src[base + j]);
     float x2 = CVT(float, src[base + j + half]);
@@ -45,6 +55,37 @@ extern "C" __global__ void rope_positions(BG_ARGS) {
     if (i >= p.tokens * p.heads * half) return;
     unsigned row = i / half;  // token * heads + head
     rotate(src, table, dst, p, row, i % half, (float)indices[row / p.heads]);
+}
+
+// rope_kv_write (see the WGSL twin): q heads of the fused projection rotated into dst, k heads rotated and
+// v heads copied into the caches keys_out / values_out at row pos + token.
+extern "C" __global__ void rope_kv_write(BG_ARGS) {
+    unsigned half = p.head_dim / 2u, width = p.heads + 2u * p.kv_heads;
+    unsigned i = bg_thread_index();
+    if (i >= p.tokens * width * half) return;
+    unsigned j = i % half, row = i / half, token = row / width, head = row % width;
+    unsigned base = row * p.head_dim;
+    float x1 = CVT(float, src[base + j]);
+    float x2 = CVT(float, src[base + j + half]);
+    unsigned at = position(p, scalars) + token;
+    if (head >= p.heads + p.kv_heads) {  // v: copied
+        if (at >= p.cache_len) return;
+        unsigned out = (at * p.kv_heads + head - p.heads - p.kv_heads) * p.head_dim;
+        values_out[out + j] = CVT(A, x1);
+        values_out[out + j + half] = CVT(A, x2);
+        return;
+    }
+    Rotation r = rotation(table, j, (float)at);
+    float r1 = x1 * r.c - x2 * r.s, r2 = x2 * r.c + x1 * r.s;
+    if (head < p.heads) {  // q
+        unsigned out = (token * p.heads + head) * p.head_dim;
+        dst[out + j] = CVT(A, r1);
+        dst[out + j + half] = CVT(A, r2);
+    } else if (at < p.cache_len) {  // k
+        unsigned out = (at * p.kv_heads + head - p.heads) * p.head_dim;
+        keys_out[out + j] = CVT(A, r1);
+        keys_out[out + j + half] = CVT(A, r2);
+    }
 }
 
 // Element i of src's rows (kv_heads * head_dim each) into row `target_row` of dst; skipped past cache_len.

@@ -2,6 +2,8 @@
 // rope:      rotate-half rotary embedding of x (tokens, heads, head_dim) at positions pos + t;
 // rope_positions: the same at positions indices[t] (an int32 tensor).
 // kv_write:  cache[pos + t] = new[t] for a (cache_len, kv_heads, head_dim) cache, in place;
+// rope_kv_write: rope of the q and k heads of a fused (tokens, heads + 2 kv_heads, head_dim) projection,
+//            q into dst, k and v into the caches keys_out / values_out at rows pos + t, in place;
 // scatter_rows: dst[indices[i]] = src[i] for rows of kv_heads * head_dim elements, rows outside
 //            [0, cache_len) skipped, in place.
 // attention: softmax(q . k^T * scale + causal mask) . v over cache rows [0, pos + t], grouped-query
@@ -41,10 +43,9 @@ fn rope_pair(gid: vec3<u32>, groups: vec3<u32>) -> vec3<u32> {
 // Rotates the pair (j, j + half) of row `row` (token * heads + head) of x by position `at`.
 fn rotate(row: u32, j: u32, at: f32) {
     let half = p.head_dim / 2u;
-    let turns = at * table[j] / TWO_PI;
-    let angle = (turns - round(turns)) * TWO_PI;   // reduced to [-pi, pi] where cos/sin are accurate
-    let c = cos(angle);
-    let s = sin(angle);
+    let cs = rotation(j, at);
+    let c = cs.x;
+    let s = cs.y;
     let base = row * p.head_dim;
     let x1 = f32(src[base + j]);
     let x2 = f32(src[base + j + half]);
@@ -64,6 +65,52 @@ fn rope_positions(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_wo
     let pair = rope_pair(gid, groups);
     if pair.z == 0u { return; }
     rotate(pair.x, pair.y, f32(indices[pair.x / p.heads]));
+}
+
+// cos and sin of the rotation of pair j at position `at`.
+fn rotation(j: u32, at: f32) -> vec2<f32> {
+    let turns = at * table[j] / TWO_PI;
+    let angle = (turns - round(turns)) * TWO_PI;   // reduced to [-pi, pi] where cos/sin are accurate
+    return vec2<f32>(cos(angle), sin(angle));
+}
+
+// rope_kv_write: src is a fused projection (tokens, heads + 2 kv_heads, head_dim): q heads, then k, then v.
+// One invocation per (token, head of src, pair j): a q head's pair is rotated into dst (tokens, heads,
+// head_dim); a k head's pair is rotated into keys_out row pos + token, a v head's copied into values_out
+// row pos + token (rows past cache_len skipped, as kv_write).
+@compute @workgroup_size(WG)
+fn rope_kv_write(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    let half = p.head_dim / 2u;
+    let width = p.heads + 2u * p.kv_heads;
+    let i = gid.x + gid.y * groups.x * WG;
+    if i >= p.tokens * width * half { return; }
+    let j = i % half;
+    let row = i / half;                         // token * width + head of src
+    let token = row / width;
+    let head = row % width;
+    let base = row * p.head_dim;
+    let x1 = f32(src[base + j]);
+    let x2 = f32(src[base + j + half]);
+    let at = position() + token;
+    if head >= p.heads + p.kv_heads {           // v: copied
+        if at >= p.cache_len { return; }
+        let out = (at * p.kv_heads + head - p.heads - p.kv_heads) * p.head_dim;
+        values_out[out + j] = A(x1);
+        values_out[out + j + half] = A(x2);
+        return;
+    }
+    let cs = rotation(j, f32(at));
+    let r1 = x1 * cs.x - x2 * cs.y;
+    let r2 = x2 * cs.x + x1 * cs.y;
+    if head < p.heads {                          // q
+        let out = (token * p.heads + head) * p.head_dim;
+        dst[out + j] = A(r1);
+        dst[out + j + half] = A(r2);
+    } else if at < p.cache_len {                 // k
+        let out = (at * p.kv_heads + head - p.heads) * p.head_dim;
+        keys_out[out + j] = A(r1);
+        keys_out[out + j + half] = A(r2);
+    }
 }
 
 // Element i of src's rows (kv_heads * head_dim each) into row `target_row` of dst; skipped past cache_len.
