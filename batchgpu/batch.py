@@ -259,6 +259,11 @@ class GpuCommandBatch:
         """Convert to ``dtype`` (float to int truncates toward zero; out-of-range values saturate on GPU)."""
         return self._record("cast", (x,), dtype=as_dtype(dtype, what="cast"))
 
+    def swiglu(self, x: Tensor) -> Tensor:
+        """``silu(x[..., :n]) * x[..., n:]`` for ``x`` (..., 2n): ``silu_mul`` of a fused gate/up projection
+        (its halves read in place, no copies)."""
+        return self._record("swiglu", (x,))
+
     def rms_norm(self, x: Tensor, w: Tensor, eps: float = 1e-5) -> Tensor:
         """``x / sqrt(mean(x**2, -1) + eps) * w`` per row, one workgroup reduction per row."""
         return self._record("rms_norm", (x, w), eps=arguments.real("rms_norm", "eps", eps))
@@ -287,14 +292,29 @@ class GpuCommandBatch:
         return cache
 
     def rope_kv_write(
-        self, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Scalar | int, theta: float = 10000.0
+        self,
+        qkv: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        pos: Scalar | int | Tensor,
+        theta: float = 10000.0,
+        *,
+        rows: Tensor | None = None,
     ) -> Tensor:
         """``rope`` and ``kv_write`` of a fused q/k/v projection in one kernel: ``qkv`` is (tokens, heads +
         2 * kv_heads, head_dim), the q heads, then the k heads, then the v heads (kv_heads: the caches').
-        Writes rope(k) and v into the caches' rows ``pos .. pos + tokens`` in place and returns rope(q),
-        (tokens, heads, head_dim): the same numbers as ``rope``, ``rope`` + ``kv_write`` and ``kv_write``
-        of the three parts."""
+        Token t sits at position ``pos + t`` and its rope(k) and v go to the caches' row ``pos + t``; with
+        ``pos`` an int32 Tensor (tokens,) of positions, ``rows`` (int32, (tokens,)) gives each token's cache
+        row instead (negative: skipped, as ``scatter_rows``: a paged pool). Returns rope(q), (tokens,
+        heads, head_dim) in qkv's dtype; the caches may be float32 or float16 whatever qkv's dtype. The
+        numbers equal ``rope``, ``rope`` + ``kv_write`` / ``scatter_rows`` and ``kv_write`` of the parts."""
         theta = arguments.real("rope_kv_write", "theta", theta)
+        if isinstance(pos, Tensor):
+            if not isinstance(rows, Tensor):
+                raise ArgumentError("rope_kv_write: with a positions Tensor, rows (each token's cache row) is needed")
+            return self._record("rope_kv_write", (qkv, k_cache, v_cache, pos, rows), pos=None, theta=theta)
+        if rows is not None:
+            raise ArgumentError("rope_kv_write: rows goes with a positions Tensor, not a scalar or int position")
         position = self._own_scalar("rope_kv_write", pos)
         return self._record("rope_kv_write", (qkv, k_cache, v_cache), pos=position, theta=theta)
 

@@ -164,6 +164,10 @@ def _rms_norm(inputs: Inputs) -> list[Tensor]:
     return [inputs.batch.rms_norm(inputs.tensor(4, 8), inputs.tensor(8))]
 
 
+def _swiglu(inputs: Inputs) -> list[Tensor]:
+    return [inputs.batch.swiglu(inputs.tensor(3, 10))]
+
+
 def _add_rms_norm(inputs: Inputs) -> list[Tensor]:
     return list(inputs.batch.add_rms_norm(inputs.tensor(4, 8), inputs.tensor(4, 8), inputs.tensor(8)))
 
@@ -186,7 +190,9 @@ def _rope_kv_write(inputs: Inputs) -> list[Tensor]:
     b, qkv = inputs.batch, inputs.tensor(3, 8, 6)  # 4 q heads, then 2 k and 2 v heads
     k_cache, v_cache = inputs.tensor(9, 2, 6), inputs.tensor(9, 2, 6)
     q = b.rope_kv_write(qkv, k_cache, v_cache, inputs.position("rope_kv_write", 4))
-    return [q, k_cache, v_cache]
+    pool_k, pool_v = inputs.tensor(7, 2, 6), inputs.tensor(7, 2, 6)  # a paged pool: rows per token, -1 skipped
+    paged = b.rope_kv_write(qkv, pool_k, pool_v, inputs.ids(9, 0, 3), 500.0, rows=inputs.ids(6, -1, 2))
+    return [q, k_cache, v_cache, paged, pool_k, pool_v]
 
 
 def _attention(inputs: Inputs) -> list[Tensor]:
@@ -283,6 +289,7 @@ EXAMPLES: dict[str, Example] = {
     "mean": _reduction("mean"),
     "softmax": _softmax,
     "rms_norm": _rms_norm,
+    "swiglu": _swiglu,
     "add_rms_norm": _add_rms_norm,
     "layer_norm": _layer_norm,
     "rope": _rope,

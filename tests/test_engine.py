@@ -191,6 +191,22 @@ def test_requests_wait_for_kv_blocks() -> None:
         small.complete(PROMPT, greedy(20))  # 25 rows: 4 blocks of 8
 
 
+def test_unfused_projections_give_the_same_ids() -> None:
+    """``fuse=False`` (separate q/k/v GEMVs, rope, cast and scatter_rows into a float16 pool) against the
+    fused step: the same greedy ids, and more dispatches per decode step."""
+    ids = {}
+    dispatches = {}
+    for fuse in (True, False):
+        eng = Engine(device=bg.Device("reference"), max_batch=2, max_context=64, kv_dtype=np.float16, fuse=fuse)
+        ids[fuse] = eng.complete(PROMPT, greedy(8)).token_ids
+        before = eng.device.stats.dispatches
+        eng.complete(PROMPT, greedy(2))
+        dispatches[fuse] = eng.device.stats.dispatches - before
+    assert ids[True] == ids[False] == GREEDY[:8]
+    # a prefill and a decode step, each 3 GEMVs, a rope, 2 casts and 2 scatters more per layer
+    assert dispatches[False] - dispatches[True] == 2 * 30 * (5 + 3)
+
+
 def test_float16_kv_cache() -> None:
     half = Engine(device=bg.Device("reference"), max_batch=2, max_context=64, kv_dtype=np.float16)
     assert half.complete(PROMPT, greedy(6)).token_ids == GREEDY[:6]

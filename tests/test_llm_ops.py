@@ -9,7 +9,7 @@ import pytest
 import batchgpu as bg
 
 from .conftest import assert_close, random_array
-from .test_ops import check
+from .test_ops import check, run_on
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 576), (2, 5, 7), (4, 1000)])
@@ -92,6 +92,48 @@ def test_rope_kv_write_equals_rope_and_kv_write(gpu, ref, tokens, heads, kv_head
     np.testing.assert_array_equal(results[gpu, True][2][outside], start_v[outside])
 
 
+@pytest.mark.parametrize("tokens", [1, 4, 11])
+@pytest.mark.parametrize("qkv_dtype,pool_dtype", [(np.float32, np.float32), (np.float32, np.float16)])
+def test_rope_kv_scatter_equals_rope_and_scatter_rows(gpu, ref, tokens, qkv_dtype, pool_dtype):
+    """Positions and pool rows from tensors (the engine's paged step): equal to rope at positions + cast +
+    scatter_rows on each executor, rows -1 and past the pool skipped, other rows untouched."""
+    rng = np.random.default_rng(tokens + 70)
+    heads, kv_heads, head_dim, pool = 9, 3, 64, 23
+    qkv = random_array(rng, (tokens, heads + 2 * kv_heads, head_dim), qkv_dtype)
+    positions = rng.integers(0, 100, tokens).astype(np.int32)  # the f32 angles of far positions drift apart
+    rows = rng.permutation(pool)[:tokens].astype(np.int32)
+    rows[::3] = -1
+    if tokens > 2:
+        rows[1] = pool + 5
+    start_k = random_array(rng, (pool, kv_heads, head_dim), pool_dtype)
+    start_v = random_array(rng, (pool, kv_heads, head_dim), pool_dtype)
+    results = {}
+    for device in (gpu, ref):
+        for fused in (True, False):
+            k_pool, v_pool = device.tensor(start_k), device.tensor(start_v)
+            batch = bg.GpuCommandBatch(device)
+            x, at, where = batch.upload(qkv), batch.upload(positions), batch.upload(rows)
+            if fused:
+                q = batch.rope_kv_write(x, k_pool, v_pool, at, 10000.0, rows=where)
+            else:
+                q = batch.rope(batch.slice(x, (slice(None), slice(0, heads))), at, 10000.0)
+                k = batch.rope(batch.slice(x, (slice(None), slice(heads, heads + kv_heads))), at, 10000.0)
+                v = batch.slice(x, (slice(None), slice(heads + kv_heads, None)))
+                if pool_dtype != qkv_dtype:
+                    k, v = batch.cast(k, pool_dtype), batch.cast(v, pool_dtype)
+                batch.scatter_rows(k_pool, where, k)
+                batch.scatter_rows(v_pool, where, v)
+            batch.execute()
+            results[device, fused] = [batch.read_sync(q), device.read(k_pool), device.read(v_pool)]
+    for device in (gpu, ref):
+        for fused, unfused in zip(results[device, True], results[device, False]):
+            np.testing.assert_array_equal(fused, unfused)
+    for got, expected, dtype in zip(results[gpu, True], results[ref, True], (qkv_dtype, pool_dtype, pool_dtype)):
+        assert_close(got, expected, dtype, scale=20)
+    untouched = np.setdiff1d(np.arange(pool), rows)
+    np.testing.assert_array_equal(results[gpu, True][1][untouched], start_k[untouched])
+
+
 def test_rope_kv_write_refusals(ref):
     batch = bg.GpuCommandBatch(ref)
     cache = ref.tensor(np.zeros((8, 2, 4), np.float32))
@@ -101,7 +143,12 @@ def test_rope_kv_write_refusals(ref):
     with pytest.raises(bg.LimitError, match=r"rope_kv_write: pos 7 \+ 2 tokens exceeds cache"):
         batch.rope_kv_write(batch.upload(np.ones((2, 6, 4), np.float32)), cache, cache, 7)
     with pytest.raises(bg.DTypeError, match=r"rope_kv_write"):
-        batch.rope_kv_write(batch.upload(np.ones((2, 6, 4), np.float16)), cache, cache, 0)
+        batch.rope_kv_write(batch.upload(np.ones((2, 6, 4), np.int32)), cache, cache, 0)
+    with pytest.raises(bg.ArgumentError, match=r"rope_kv_write: with a positions Tensor, rows"):
+        batch.rope_kv_write(batch.upload(np.ones((2, 6, 4), np.float32)), cache, cache, batch.upload([1, 2]))
+    with pytest.raises(bg.ShapeError, match=r"rope_kv_write: rows .* must have shape \(2,\)"):
+        x = batch.upload(np.ones((2, 6, 4), np.float32))
+        batch.rope_kv_write(x, cache, cache, batch.upload([1, 2]), rows=batch.upload([1, 2, 3]))
     with pytest.raises(bg.ShapeError, match=r"v_cache .* must match k_cache"):
         longer = ref.tensor(np.zeros((9, 2, 4), np.float32))
         batch.rope_kv_write(batch.upload(np.ones((2, 6, 4), np.float32)), cache, longer, 0)
@@ -233,6 +280,29 @@ def test_matmul_bias_and_silu_mul(gpu, ref):
     g, u = random_array(rng, (3, 17), np.float32), random_array(rng, (3, 17), np.float32)
     out = check(gpu, ref, [g, u], lambda b, tg, tu: b.silu_mul(tg, tu), np.float32)
     np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(2,), (1, 2), (3, 34), (2, 5, 14), (1, 3072), (70001, 4)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_swiglu_equals_silu_mul_of_the_halves(gpu, ref, shape, dtype):
+    """The fused gate/up activation against silu_mul of the two halves (bit for bit on one device) and
+    against the reference executor; the last case has more rows than one dispatch dimension's groups."""
+    x = random_array(np.random.default_rng(sum(shape)), shape, dtype)
+    half = shape[-1] // 2
+    fused = check(gpu, ref, [x], lambda b, t: b.swiglu(t), dtype)
+    halves = run_on(gpu, [x[..., :half].copy(), x[..., half:].copy()], lambda b, g, u: b.silu_mul(g, u))
+    np.testing.assert_array_equal(fused, halves)
+    x64 = x.astype(np.float64)
+    gate, up = x64[..., :half], x64[..., half:]
+    assert_close(fused, (gate / (1 + np.exp(-gate)) * up).astype(dtype), dtype)
+
+
+def test_swiglu_refuses_an_odd_last_axis(ref):
+    batch = bg.GpuCommandBatch(ref)
+    with pytest.raises(bg.ShapeError, match=r"swiglu: the last axis of x .* must have an even length"):
+        batch.swiglu(batch.upload(np.ones((2, 5), np.float32)))
+    with pytest.raises(bg.DTypeError, match=r"swiglu"):
+        batch.swiglu(batch.upload(np.ones((2, 4), np.int32)))
 
 
 def quantized_pair(device_list, qtype: str, rows: int, k: int, seed: int):

@@ -195,22 +195,22 @@ def test_cuda_params_have_the_wgsl_offsets(tmp_path):
 
 
 def test_pack_by_field_name():
-    packed = ELEMENTWISE.pack(n=5, ndim=2, shape=(3, 4), a_strides=(4, -1), b_strides=())
-    expected = struct.pack("<4I", 5, 2, 0, 0) + struct.pack("<8I", 3, 4, *[0] * 6)
+    packed = ELEMENTWISE.pack(n=5, ndim=2, b_base=7, shape=(3, 4), a_strides=(4, -1), b_strides=())
+    expected = struct.pack("<4I", 5, 2, 7, 0) + struct.pack("<8I", 3, 4, *[0] * 6)
     expected += struct.pack("<8I", 4, 0xFFFFFFFF, *[0] * 6) + bytes(32)
     assert packed == expected and len(packed) == ELEMENTWISE.params_bytes
     with pytest.raises(TypeError, match=r"missing Params fields \['b_strides'\], unknown \['c'\]"):
-        ELEMENTWISE.pack(n=5, ndim=2, shape=(), a_strides=(), c=1)
+        ELEMENTWISE.pack(n=5, ndim=2, b_base=0, shape=(), a_strides=(), c=1)
     with pytest.raises(ValueError, match="shape holds at most 8 values"):
-        ELEMENTWISE.pack(n=5, ndim=9, shape=range(9), a_strides=(), b_strides=())
+        ELEMENTWISE.pack(n=5, ndim=9, b_base=0, shape=range(9), a_strides=(), b_strides=())
     with pytest.raises(struct.error):
-        ELEMENTWISE.pack(n=-1, ndim=0, shape=(), a_strides=(), b_strides=())
+        ELEMENTWISE.pack(n=-1, ndim=0, b_base=0, shape=(), a_strides=(), b_strides=())
 
 
 def test_bind_by_name():
     batch = bg.GpuCommandBatch(bg.Device("reference"))
     x = batch.upload(np.ones(4, np.float32))
-    params = ELEMENTWISE.pack(n=4, ndim=0, shape=(), a_strides=(), b_strides=())
+    params = ELEMENTWISE.pack(n=4, ndim=0, b_base=0, shape=(), a_strides=(), b_strides=())
     bindings = ELEMENTWISE.bind(params, out=x, a=x)
     assert [(b.slot, b.kind, b.nbytes) for b in bindings] == [(0, "read", 16), (2, "write", 16), (3, "uniform", 112)]
     with pytest.raises(TypeError, match=r"no bindings \['nope'\]"):

@@ -88,7 +88,9 @@ class Engine:
     ``max_batch`` slots decode together; ``max_context`` bounds prompt + output tokens (at most the
     model's trained length); the paged KV cache holds ``kv_blocks`` blocks of ``block_size`` tokens
     (default: room for every slot at a quarter of ``max_context``, at least one full context), in
-    ``kv_dtype`` (float32 or float16); prompts run in chunks of ``prefill_chunk`` tokens.
+    ``kv_dtype`` (float32 or float16); prompts run in chunks of ``prefill_chunk`` tokens. ``fuse``
+    concatenates each layer's q/k/v weights: one GEMV, then rope and both KV pool writes in one kernel
+    (False: the separate ops, the same numbers).
     """
 
     _ids = itertools.count()
@@ -105,6 +107,7 @@ class Engine:
         block_size: int = 16,
         kv_blocks: int | None = None,
         prefill_chunk: int = 32,
+        fuse: bool = True,
     ) -> None:
         self.device = device if device is not None else default_device()
         self.path = Path(model) if model is not None else smollm2_path()
@@ -120,7 +123,7 @@ class Engine:
         self.max_blocks = -(-max_context // block_size)
         blocks = kv_blocks if kv_blocks is not None else max(self.max_blocks, max_batch * self.max_blocks // 4)
         self.pool = BlockPool(blocks, block_size)
-        self.weights = upload_weights(self.device, weights, quantized=quantized)
+        self.weights = upload_weights(self.device, weights, quantized=quantized, fuse=fuse)
         self.cache = KVCache.allocate(
             self.device, self.config, blocks=blocks, block_size=block_size, slots=max_batch, dtype=np.dtype(kv_dtype)
         )

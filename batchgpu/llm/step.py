@@ -13,7 +13,7 @@ import numpy as np
 
 from ..batch import GpuCommandBatch
 from ..device import Device
-from ..models.llama import LlamaConfig
+from ..models.llama import LlamaConfig, feed_forward
 from ..tensor import Tensor
 
 
@@ -135,14 +135,18 @@ def record_step(
         def project(weight: str, heads: int, normed: Tensor = normed, block: str = block) -> Tensor:
             return batch.reshape(batch.matmul(normed, w[block + weight], transpose_b=True), (rows, heads, cfg.head_dim))
 
-        q = batch.rope(project("attn_q.weight", cfg.heads), x["positions"], cfg.theta)
-        k = batch.rope(project("attn_k.weight", cfg.kv_heads), x["positions"], cfg.theta)
-        v = project("attn_v.weight", cfg.kv_heads)
         key_pool, value_pool = cache.keys[layer], cache.values[layer]
-        if key_pool.dtype != k.dtype:
-            k, v = batch.cast(k, key_pool.dtype), batch.cast(v, value_pool.dtype)
-        batch.scatter_rows(key_pool, x["kv_rows"], k)
-        batch.scatter_rows(value_pool, x["kv_rows"], v)
+        if block + "attn_qkv.weight" in w:  # one GEMV, then rope + both pool writes in one kernel
+            qkv = project("attn_qkv.weight", cfg.heads + 2 * cfg.kv_heads)
+            q = batch.rope_kv_write(qkv, key_pool, value_pool, x["positions"], cfg.theta, rows=x["kv_rows"])
+        else:
+            q = batch.rope(project("attn_q.weight", cfg.heads), x["positions"], cfg.theta)
+            k = batch.rope(project("attn_k.weight", cfg.kv_heads), x["positions"], cfg.theta)
+            v = project("attn_v.weight", cfg.kv_heads)
+            if key_pool.dtype != k.dtype:
+                k, v = batch.cast(k, key_pool.dtype), batch.cast(v, value_pool.dtype)
+            batch.scatter_rows(key_pool, x["kv_rows"], k)
+            batch.scatter_rows(value_pool, x["kv_rows"], v)
         attended = batch.paged_attention(
             q, key_pool, value_pool, x["block_tables"], x["seq"], x["lengths"], block_size=cache.block_size
         )
@@ -150,9 +154,7 @@ def record_step(
             batch.reshape(attended, (rows, cfg.hidden)), w[block + "attn_output.weight"], transpose_b=True
         )
         normed, h = batch.add_rms_norm(out, h, w[block + "ffn_norm.weight"], cfg.eps)
-        gate = batch.matmul(normed, w[block + "ffn_gate.weight"], transpose_b=True)
-        up = batch.matmul(normed, w[block + "ffn_up.weight"], transpose_b=True)
-        ffn = batch.matmul(batch.silu_mul(gate, up), w[block + "ffn_down.weight"], transpose_b=True)
+        ffn = feed_forward(batch, normed, w, block)
         after = f"blk.{layer + 1}.attn_norm.weight" if layer + 1 < cfg.layers else "output_norm.weight"
         normed, h = batch.add_rms_norm(ffn, h, w[after], cfg.eps)
     head = w.get("output.weight", w["token_embd.weight"])  # untied head where the file has one

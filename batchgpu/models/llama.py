@@ -127,9 +127,12 @@ def load_tokenizer(weights: GGUFWeights) -> Any:
 Progress = Callable[[Sequence[str]], Any]
 
 
-FUSED_PROJECTIONS = {"attn_qkv.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight")}
+FUSED_PROJECTIONS = {
+    "attn_qkv.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+    "ffn_gate_up.weight": ("ffn_gate.weight", "ffn_up.weight"),
+}
 """Weights ``upload_weights(fuse=True)`` concatenates by rows per layer (name -> its parts, in order): one
-GEMV instead of three; quantized blocks concatenate as they are (each row is whole blocks)."""
+GEMV instead of three (two); quantized blocks concatenate as they are (each row is whole blocks)."""
 
 
 def upload_weights(
@@ -190,6 +193,18 @@ def _fused_groups(weights: GGUFWeights) -> dict[str, tuple[str, ...]]:
     return groups
 
 
+def feed_forward(batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], block: str) -> Tensor:
+    """The layer's MLP, (silu(x @ gate.T) * (x @ up.T)) @ down.T: gate and up one GEMV and ``swiglu``
+    where the weights are fused, else two GEMVs and ``silu_mul``."""
+    if block + "ffn_gate_up.weight" in w:
+        hidden = batch.swiglu(batch.matmul(x, w[block + "ffn_gate_up.weight"], transpose_b=True))
+    else:
+        gate = batch.matmul(x, w[block + "ffn_gate.weight"], transpose_b=True)
+        up = batch.matmul(x, w[block + "ffn_up.weight"], transpose_b=True)
+        hidden = batch.silu_mul(gate, up)
+    return batch.matmul(hidden, w[block + "ffn_down.weight"], transpose_b=True)
+
+
 @dataclass
 class StepBatch:
     """A recorded forward pass over ``tokens`` new tokens starting at scalar ``pos``."""
@@ -244,9 +259,7 @@ class Llama:
             block = f"blk.{i}."
             attn = self._attention(batch, normed, i, pos, tokens)
             normed, h = batch.add_rms_norm(attn, h, w[block + "ffn_norm.weight"], cfg.eps)
-            gate = batch.matmul(normed, w[block + "ffn_gate.weight"], transpose_b=True)
-            up = batch.matmul(normed, w[block + "ffn_up.weight"], transpose_b=True)
-            ffn_out = batch.matmul(batch.silu_mul(gate, up), w[block + "ffn_down.weight"], transpose_b=True)
+            ffn_out = feed_forward(batch, normed, w, block)
             next_norm = f"blk.{i + 1}.attn_norm.weight" if i + 1 < cfg.layers else "output_norm.weight"
             normed, h = batch.add_rms_norm(ffn_out, h, w[next_norm], cfg.eps)  # residual add fused in
         last = batch.slice(normed, (slice(tokens - 1, tokens),)) if tokens > 1 else normed

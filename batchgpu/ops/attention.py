@@ -106,9 +106,9 @@ def family_launch(
 ) -> Launch:
     """A launch of ``entry`` with the Params uniform, and the per-execute scalars where it reads the position.
     Alias A is the dtype of the node's first input (x, q, a cache written), B that of the ``keys`` bound (the
-    cache read), else A."""
+    cache read) or of ``keys_out`` (the cache rope_kv_write writes), else A."""
     dtype = node.inputs[0].dtype
-    keys = buffers.get("keys")
+    keys = buffers.get("keys", buffers.get("keys_out"))
     return FAMILY.launch(
         label=node.spec.name,
         entry=entry,
@@ -244,9 +244,10 @@ def _rope_kv_split(qkv: Tensor, k_cache: Tensor) -> tuple[int, int, int]:
 
 
 def _rope_kv_write_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
-    qkv, k_cache, v_cache = inputs
+    qkv, k_cache, v_cache = inputs[:3]
     check_dtype("rope_kv_write", "float", qkv, "qkv")
-    same_dtype("rope_kv_write", inputs, ("qkv", "k_cache", "v_cache"))
+    check_dtype("rope_kv_write", "float", k_cache, "k_cache")
+    same_dtype("rope_kv_write", (k_cache, v_cache), ("k_cache", "v_cache"))
     for tensor, argument in zip(inputs, ("qkv", "k_cache", "v_cache")):
         heads_layout("rope_kv_write", tensor, argument)
     if k_cache.shape != v_cache.shape:
@@ -262,35 +263,49 @@ def _rope_kv_write_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tu
             f"rope_kv_write: qkv {qkv.describe()} must hold q heads (a multiple of the caches' {kv_heads} kv "
             f"heads), then {kv_heads} k and {kv_heads} v heads"
         )
-    pos = params["pos"]
-    _position("rope_kv_write", pos)
-    if not isinstance(pos, Scalar) and pos > k_cache.shape[0] - tokens:
-        raise LimitError(f"rope_kv_write: pos {pos!r} + {tokens} tokens exceeds cache {k_cache.describe()}")
+    if len(inputs) == 5:  # positions and cache rows from tensors
+        index_vector("rope_kv_write", inputs[3], "pos", tokens, "one position per token of qkv")
+        index_vector("rope_kv_write", inputs[4], "rows", tokens, "one cache row per token of qkv")
+    else:
+        pos = params["pos"]
+        _position("rope_kv_write", pos)
+        if not isinstance(pos, Scalar) and pos > k_cache.shape[0] - tokens:
+            raise LimitError(f"rope_kv_write: pos {pos!r} + {tokens} tokens exceeds cache {k_cache.describe()}")
     if not float(params["theta"]) > 0:
         raise ShapeError(f"rope_kv_write: theta must be > 0, got {params['theta']!r}")
     return (tokens, heads, head_dim), qkv.dtype
 
 
 def _rope_kv_write_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
-    qkv, k_cache, v_cache = arrays
-    kv_heads = k_cache.shape[1]
+    qkv, k_cache, v_cache = arrays[:3]
+    kv_heads, tokens = k_cache.shape[1], qkv.shape[0]
     heads = qkv.shape[1] - 2 * kv_heads
-    rotated = _rope_reference([qkv[:, : heads + kv_heads]], params)
-    pos, tokens = int(params["pos"]), qkv.shape[0]
-    k_cache[pos : pos + tokens] = rotated[:, heads:]
-    v_cache[pos : pos + tokens] = qkv[:, heads + kv_heads :]
+    if len(arrays) == 5:
+        rotated = _rope_reference([qkv[:, : heads + kv_heads], arrays[3]], params)
+        rows = arrays[4]
+        keep = (rows >= 0) & (rows < k_cache.shape[0])
+    else:
+        rotated = _rope_reference([qkv[:, : heads + kv_heads]], params)
+        rows, keep = np.arange(tokens) + int(params["pos"]), np.ones(tokens, bool)
+    k_cache[rows[keep]] = rotated[keep, heads:]
+    v_cache[rows[keep]] = qkv[keep, heads + kv_heads :]
     return rotated[:, :heads]
 
 
 def _rope_kv_write_lower(node: Node) -> list[Launch]:
-    qkv, k_cache, v_cache = node.inputs
+    qkv, k_cache, v_cache = node.inputs[:3]
     tokens, heads, kv_heads = _rope_kv_split(qkv, k_cache)
-    head_dim = qkv.shape[2]
-    _bound_position(node.params["pos"], tokens, k_cache, "rope_kv_write")
+    head_dim, cache_len = qkv.shape[2], k_cache.shape[0]
     table = node.new_constant(inverse_frequencies(head_dim, node.params["theta"]))
-    params = family_params(tokens, heads, kv_heads, head_dim, k_cache.shape[0], node.params["pos"], False, 0.0)
     buffers: Buffers = dict(src=qkv, table=table, dst=node.output, keys_out=k_cache, values_out=v_cache)
-    return [family_launch(node, "rope_kv_write", groups_for(qkv.size // 2, ATTENTION_WORKGROUP), buffers, params)]
+    groups = groups_for(qkv.size // 2, ATTENTION_WORKGROUP)
+    if len(node.inputs) == 5:
+        buffers.update(indices=node.inputs[3], rows=node.inputs[4])
+        params = family_params(tokens, heads, kv_heads, head_dim, cache_len, 0, False, 0.0)
+        return [family_launch(node, "rope_kv_scatter", groups, buffers, params, position=False)]
+    _bound_position(node.params["pos"], tokens, k_cache, "rope_kv_write")
+    params = family_params(tokens, heads, kv_heads, head_dim, cache_len, node.params["pos"], False, 0.0)
+    return [family_launch(node, "rope_kv_write", groups, buffers, params)]
 
 
 ROPE_KV_WRITE = OpSpec(
@@ -301,8 +316,8 @@ ROPE_KV_WRITE = OpSpec(
     dtypes="float",
     inplace=(1, 2),
     literal_operands=False,  # the caches are written in place
-    doc="q of rope(qkv[:, :H]) at pos + t; rope(k heads) and the v heads of (T, H + 2 KV, D) qkv written into "
-    "the caches' rows pos .. pos + T, in place",
+    doc="q of rope(qkv[:, :H]) at pos + t (or pos[t]); rope(k heads) and the v heads of (T, H + 2 KV, D) qkv "
+    "written into the caches' rows pos + t (or rows[t], negative skipped), in place",
 )
 
 

@@ -140,7 +140,7 @@ def _unary_launch(node: Node, op: str, in_dtype: np.dtype) -> list[Launch]:
             snippets=(("UNARY", op),),
             constants=(("IS_FLOAT", in_dtype.kind == "f"),),
             groups=groups_for(out.size),
-            params=dict(n=out.size, ndim=0, shape=(), a_strides=(), b_strides=()),
+            params=dict(n=out.size, ndim=0, shape=(), a_strides=(), b_strides=(), b_base=0),
             buffers=dict(a=x, out=out),
         )
     ]
@@ -181,7 +181,7 @@ def _binary_launch(node: Node, op: str) -> list[Launch]:
             snippets=(("BINARY", op),),
             constants=(("A_MODE", modes[0]), ("B_MODE", modes[1]), ("IS_FLOAT", a.dtype.kind == "f")),
             groups=groups_for(out.size),
-            params=dict(n=out.size, ndim=len(shape), shape=shape, a_strides=a_strides, b_strides=b_strides),
+            params=dict(n=out.size, ndim=len(shape), shape=shape, a_strides=a_strides, b_strides=b_strides, b_base=0),
             buffers=dict(a=a, b=b, out=out),
         )
     ]
@@ -248,4 +248,50 @@ CAST = OpSpec(
     doc="convert to another dtype (float to int truncates toward zero)",
 )
 
-SPECS: list[OpSpec] = [_spec(name, row) for name, row in EXPRESSIONS.items()] + [CAST]
+
+def _swiglu_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
+    (x,) = inputs
+    check_dtype("swiglu", "float", x)
+    if x.ndim == 0 or x.shape[-1] % 2:
+        raise ShapeError(f"swiglu: the last axis of x {x.describe()} must have an even length (gate, then up)")
+    return (*x.shape[:-1], x.shape[-1] // 2), x.dtype
+
+
+def _swiglu_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
+    x = arrays[0]
+    half = x.shape[-1] // 2
+    with np.errstate(over="ignore"):
+        return EXPRESSIONS["silu_mul"].reference(x[..., :half], x[..., half:])
+
+
+def _swiglu_lower(node: Node) -> list[Launch]:
+    """silu_mul's binary kernel with both operands read through strides from the one input: a at
+    [row, j], b at [row, half + j] (b_base = half)."""
+    (x,) = node.inputs
+    out = node.output
+    rows, half = out.size // out.shape[-1], out.shape[-1]
+    strides = (2 * half, 1)
+    return [
+        ELEMENTWISE.launch(
+            label="swiglu",
+            entry="binary",
+            types=wgsl_aliases(A=x.dtype, B=x.dtype, O=out.dtype),
+            snippets=(("BINARY", "silu_mul"),),
+            constants=(("A_MODE", STRIDED), ("B_MODE", STRIDED), ("IS_FLOAT", True)),
+            groups=groups_for(out.size),
+            params=dict(n=out.size, ndim=2, shape=(rows, half), a_strides=strides, b_strides=strides, b_base=half),
+            buffers=dict(a=x, b=x, out=out),
+        )
+    ]
+
+
+SWIGLU = OpSpec(
+    name="swiglu",
+    infer=_swiglu_infer,
+    reference=_swiglu_reference,
+    lower=_swiglu_lower,
+    dtypes="float",
+    doc="silu(x[..., :n]) * x[..., n:] for x (..., 2n): silu_mul of a fused gate/up projection",
+)
+
+SPECS: list[OpSpec] = [_spec(name, row) for name, row in EXPRESSIONS.items()] + [CAST, SWIGLU]

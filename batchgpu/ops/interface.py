@@ -347,6 +347,7 @@ ELEMENTWISE = Family(
     params=(
         Field("n"),
         Field("ndim"),
+        Field("b_base", note="STRIDED b: the element of b at index 0 (swiglu: the second half of a row)"),
         Field("shape", DIMS_U32),
         Field("a_strides", DIMS_U32),
         Field("b_strides", DIMS_U32),
@@ -517,8 +518,9 @@ ATTENTION = Family(
         read("indices", "i32", "rope_positions: positions; scatter_rows: target rows; paged attention: seq"),
         read("lengths", "i32", "paged attention: positions each query row attends over"),
         read("block_tables", "i32", "paged attention: (sequences, max_blocks) pool blocks"),
-        write("keys_out", "A", "rope_kv_write: the k cache written"),
-        write("values_out", "A", "rope_kv_write: the v cache written"),
+        write("keys_out", "B", "rope_kv_write: the k cache written (B: the caches' dtype)"),
+        write("values_out", "B", "rope_kv_write: the v cache written"),
+        read("rows", "i32", "rope_kv_scatter: the cache row of each token (negative: skipped)"),
     ),
     params=(
         Field("tokens"),

@@ -57,35 +57,54 @@ extern "C" __global__ void rope_positions(BG_ARGS) {
     rotate(src, table, dst, p, row, i % half, (float)indices[row / p.heads]);
 }
 
-// rope_kv_write (see the WGSL twin): q heads of the fused projection rotated into dst, k heads rotated and
-// v heads copied into the caches keys_out / values_out at row pos + token.
-extern "C" __global__ void rope_kv_write(BG_ARGS) {
+// rope_kv_write / rope_kv_scatter (see the WGSL twin): q heads of the fused projection rotated into dst, k
+// heads rotated and v heads copied into the caches keys_out / values_out at row pos + token, or at
+// position indices[token] into row rows[token] (negative: skipped).
+__device__ __forceinline__ void rope_kv(const A* src, const float* table, A* dst, B* keys_out, B* values_out,
+                                        const int* indices, const int* rows, const Params& p,
+                                        const unsigned* scalars, bool scatter) {
     unsigned half = p.head_dim / 2u, width = p.heads + 2u * p.kv_heads;
     unsigned i = bg_thread_index();
     if (i >= p.tokens * width * half) return;
     unsigned j = i % half, row = i / half, token = row / width, head = row % width;
+    unsigned target;
+    float at;
+    if (scatter) {
+        at = (float)indices[token];
+        target = (unsigned)rows[token];  // a negative row converts to at least 2^31: skipped
+    } else {
+        target = position(p, scalars) + token;
+        at = (float)target;
+    }
     unsigned base = row * p.head_dim;
     float x1 = CVT(float, src[base + j]);
     float x2 = CVT(float, src[base + j + half]);
-    unsigned at = position(p, scalars) + token;
     if (head >= p.heads + p.kv_heads) {  // v: copied
-        if (at >= p.cache_len) return;
-        unsigned out = (at * p.kv_heads + head - p.heads - p.kv_heads) * p.head_dim;
-        values_out[out + j] = CVT(A, x1);
-        values_out[out + j + half] = CVT(A, x2);
+        if (target >= p.cache_len) return;
+        unsigned out = (target * p.kv_heads + head - p.heads - p.kv_heads) * p.head_dim;
+        values_out[out + j] = CVT(B, x1);
+        values_out[out + j + half] = CVT(B, x2);
         return;
     }
-    Rotation r = rotation(table, j, (float)at);
+    Rotation r = rotation(table, j, at);
     float r1 = x1 * r.c - x2 * r.s, r2 = x2 * r.c + x1 * r.s;
     if (head < p.heads) {  // q
         unsigned out = (token * p.heads + head) * p.head_dim;
         dst[out + j] = CVT(A, r1);
         dst[out + j + half] = CVT(A, r2);
-    } else if (at < p.cache_len) {  // k
-        unsigned out = (at * p.kv_heads + head - p.heads) * p.head_dim;
-        keys_out[out + j] = CVT(A, r1);
-        keys_out[out + j + half] = CVT(A, r2);
+    } else if (target < p.cache_len) {  // k
+        unsigned out = (target * p.kv_heads + head - p.heads) * p.head_dim;
+        keys_out[out + j] = CVT(B, r1);
+        keys_out[out + j + half] = CVT(B, r2);
     }
+}
+
+extern "C" __global__ void rope_kv_write(BG_ARGS) {
+    rope_kv(src, table, dst, keys_out, values_out, indices, rows, p, scalars, false);
+}
+
+extern "C" __global__ void rope_kv_scatter(BG_ARGS) {
+    rope_kv(src, table, dst, keys_out, values_out, indices, rows, p, scalars, true);
 }
 
 // Element i of src's rows (kv_heads * head_dim each) into row `target_row` of dst; skipped past cache_len.

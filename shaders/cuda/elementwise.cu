@@ -35,7 +35,7 @@ extern "C" __global__ void binary(BG_ARGS) {
             ob += index * p.b_strides[d];
         }
         if (A_MODE == STRIDED) ia = oa;
-        if (B_MODE == STRIDED) ib = ob;
+        if (B_MODE == STRIDED) ib = p.b_base + ob;
     }
     if (A_MODE == SCALAR) ia = 0;
     if (B_MODE == SCALAR) ib = 0;

@@ -4,6 +4,7 @@
 // kv_write:  cache[pos + t] = new[t] for a (cache_len, kv_heads, head_dim) cache, in place;
 // rope_kv_write: rope of the q and k heads of a fused (tokens, heads + 2 kv_heads, head_dim) projection,
 //            q into dst, k and v into the caches keys_out / values_out at rows pos + t, in place;
+// rope_kv_scatter: the same at positions indices[t], into rows rows[t] (a paged pool);
 // scatter_rows: dst[indices[i]] = src[i] for rows of kv_heads * head_dim elements, rows outside
 //            [0, cache_len) skipped, in place.
 // attention: softmax(q . k^T * scale + causal mask) . v over cache rows [0, pos + t], grouped-query
@@ -74,43 +75,65 @@ fn rotation(j: u32, at: f32) -> vec2<f32> {
     return vec2<f32>(cos(angle), sin(angle));
 }
 
-// rope_kv_write: src is a fused projection (tokens, heads + 2 kv_heads, head_dim): q heads, then k, then v.
-// One invocation per (token, head of src, pair j): a q head's pair is rotated into dst (tokens, heads,
-// head_dim); a k head's pair is rotated into keys_out row pos + token, a v head's copied into values_out
-// row pos + token (rows past cache_len skipped, as kv_write).
-@compute @workgroup_size(WG)
-fn rope_kv_write(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+// rope_kv_write / rope_kv_scatter: src is a fused projection (tokens, heads + 2 kv_heads, head_dim): q heads,
+// then k, then v. One invocation per (token, head of src, pair j): a q head's pair is rotated into dst
+// (tokens, heads, head_dim); a k head's pair is rotated into row `cache_row` of keys_out, a v head's copied
+// into that row of values_out (rows past cache_len skipped). rope_kv_write: token t at position pos + t,
+// written at row pos + t; rope_kv_scatter: at position indices[t], written at row rows[t] (negative:
+// skipped).
+// The rotation / copy of src element pair j of `row` (token * width + head of src) at position `at`,
+// into cache row `cache_row` for k and v heads.
+fn rope_kv(row: u32, j: u32, at: f32, cache_row: u32) {
     let half = p.head_dim / 2u;
-    let width = p.heads + 2u * p.kv_heads;
-    let i = gid.x + gid.y * groups.x * WG;
-    if i >= p.tokens * width * half { return; }
-    let j = i % half;
-    let row = i / half;                         // token * width + head of src
-    let token = row / width;
-    let head = row % width;
+    let token = row / (p.heads + 2u * p.kv_heads);
+    let head = row % (p.heads + 2u * p.kv_heads);
     let base = row * p.head_dim;
     let x1 = f32(src[base + j]);
     let x2 = f32(src[base + j + half]);
-    let at = position() + token;
     if head >= p.heads + p.kv_heads {           // v: copied
-        if at >= p.cache_len { return; }
-        let out = (at * p.kv_heads + head - p.heads - p.kv_heads) * p.head_dim;
-        values_out[out + j] = A(x1);
-        values_out[out + j + half] = A(x2);
+        if cache_row >= p.cache_len { return; }
+        let out = (cache_row * p.kv_heads + head - p.heads - p.kv_heads) * p.head_dim;
+        values_out[out + j] = B(x1);
+        values_out[out + j + half] = B(x2);
         return;
     }
-    let cs = rotation(j, f32(at));
+    let cs = rotation(j, at);
     let r1 = x1 * cs.x - x2 * cs.y;
     let r2 = x2 * cs.x + x1 * cs.y;
     if head < p.heads {                          // q
         let out = (token * p.heads + head) * p.head_dim;
         dst[out + j] = A(r1);
         dst[out + j + half] = A(r2);
-    } else if at < p.cache_len {                 // k
-        let out = (at * p.kv_heads + head - p.heads) * p.head_dim;
-        keys_out[out + j] = A(r1);
-        keys_out[out + j + half] = A(r2);
+    } else if cache_row < p.cache_len {          // k
+        let out = (cache_row * p.kv_heads + head - p.heads) * p.head_dim;
+        keys_out[out + j] = B(r1);
+        keys_out[out + j + half] = B(r2);
     }
+}
+
+// (row of src, pair j, 1) of invocation gid, or (0, 0, 0) past the last pair.
+fn rope_kv_pair(gid: vec3<u32>, groups: vec3<u32>) -> vec3<u32> {
+    let half = p.head_dim / 2u;
+    let i = gid.x + gid.y * groups.x * WG;
+    if i >= p.tokens * (p.heads + 2u * p.kv_heads) * half { return vec3<u32>(0u, 0u, 0u); }
+    return vec3<u32>(i / half, i % half, 1u);
+}
+
+@compute @workgroup_size(WG)
+fn rope_kv_write(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    let pair = rope_kv_pair(gid, groups);
+    if pair.z == 0u { return; }
+    let cache_row = position() + pair.x / (p.heads + 2u * p.kv_heads);
+    rope_kv(pair.x, pair.y, f32(cache_row), cache_row);
+}
+
+@compute @workgroup_size(WG)
+fn rope_kv_scatter(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    let pair = rope_kv_pair(gid, groups);
+    if pair.z == 0u { return; }
+    let token = pair.x / (p.heads + 2u * p.kv_heads);
+    // a negative row converts to at least 2^31, past any cache (cache_len < 2^31): skipped
+    rope_kv(pair.x, pair.y, f32(indices[token]), u32(rows[token]));
 }
 
 // Element i of src's rows (kv_heads * head_dim each) into row `target_row` of dst; skipped past cache_len.

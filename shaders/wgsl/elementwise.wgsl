@@ -1,7 +1,7 @@
 // Elementwise ops. Rendered with type aliases A, B (inputs), O (output), C (compute type) and the op
 // expressions ${UNARY} (of x) and ${BINARY} (of x, y) (batchgpu/ops/elementwise.py's EXPRESSIONS). Inputs
 // with A_MODE/B_MODE CONTIGUOUS are read at the output index, SCALAR is a broadcast scalar, STRIDED is read
-// through broadcast strides. IS_FLOAT (lib/nan.wgsl): float data, for the NaN-propagating
+// through broadcast strides (b from element p.b_base on). IS_FLOAT (lib/nan.wgsl): float data, for the NaN-propagating
 // max_nan/min_nan/is_nan of the op expressions.
 
 //!interface
@@ -76,7 +76,7 @@ fn binary(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups
     if A_MODE == STRIDED || B_MODE == STRIDED {
         let offsets = broadcast_offsets(i);
         if A_MODE == STRIDED { ia = offsets.x; }
-        if B_MODE == STRIDED { ib = offsets.y; }
+        if B_MODE == STRIDED { ib = p.b_base + offsets.y; }
     }
     if A_MODE == SCALAR { ia = 0u; }
     if B_MODE == SCALAR { ib = 0u; }
