@@ -98,9 +98,10 @@ def test_penalized_seeded_request_alone_equals_among_others(eng: Engine) -> None
         max_tokens=16, temperature=0.8, seed=5, repetition_penalty=1.3, presence_penalty=0.5,
         frequency_penalty=0.2, ignore_eos=True,
     )  # fmt: skip
-    before = dict(eng.decode_sizes)
+    before, prefills = dict(eng.decode_sizes), dict(eng.prefill_sizes)
     alone = eng.complete("Water is", params).token_ids
     assert eng.decode_sizes[1] > before[1]
+    assert eng.prefill_sizes[2] == prefills[2] + 1  # 2 prompt tokens: the 2-row prefill step
 
     async def among_others() -> list[int]:
         others = [collect(eng, p, greedy(n)) for p, n in zip(OTHERS, [20, 3, 18, 5, 16, 7, 9])]

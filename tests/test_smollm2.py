@@ -114,6 +114,15 @@ def test_decode_step_dispatches(kind):
     assert stats.dispatches - before == m.config.layers * per_layer + 4  # embedding, rms_norm, head, argmax
 
 
+def test_unfused_model_gives_the_same_logits():
+    """``fuse=False`` (separate q/k/v and gate/up GEMVs, rope, kv_write, silu_mul): the same logits."""
+    logits = []
+    for m in (model("reference", True), llama.Llama(bg.Device("reference"), max_context=64, fuse=False)):
+        step = m.prefill(PROMPT)
+        logits.append(step.batch.read_sync(step.logits))
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-6, atol=1e-5 * np.abs(logits[1]).max())
+
+
 def test_decode_step_is_one_submit_and_compiles_nothing():
     m = model("wgpu", True)
     stats = m.device.stats

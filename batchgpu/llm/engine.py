@@ -75,11 +75,11 @@ class Request:
         return self.prefilled + max(len(self.output) - 1, 0)
 
 
-def decode_sizes(max_batch: int) -> list[int]:
-    """The decode steps recorded for ``max_batch`` slots: powers of two below it, and itself. A step runs
-    the smallest that holds the decoding requests, so one request costs a one-row step (vLLM captures its
-    CUDA graphs at a like ladder of batch sizes)."""
-    return sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch})
+def step_sizes(largest: int) -> list[int]:
+    """The row counts a step is recorded at: powers of two below ``largest``, and ``largest``. A step
+    runs the smallest that holds its rows, so one request decodes in a one-row step and a short prompt
+    runs in a short prefill step (vLLM captures its CUDA graphs at a like ladder of batch sizes)."""
+    return sorted({1 << i for i in range(largest.bit_length()) if 1 << i < largest} | {largest})
 
 
 class Engine:
@@ -127,17 +127,19 @@ class Engine:
         self.cache = KVCache.allocate(
             self.device, self.config, blocks=blocks, block_size=block_size, slots=max_batch, dtype=np.dtype(kv_dtype)
         )
-        self.batch_sizes = decode_sizes(max_batch)
+        self.batch_sizes = step_sizes(max_batch)
         self.decode_steps = {
             size: self._record(rows=size, samples=size, name=f"decode{size}") for size in self.batch_sizes
         }
-        self.prefill_step = self._record(
-            rows=prefill_chunk, samples=min(max_batch, prefill_chunk), name="prefill", prompt=True
-        )
+        self.prefill_steps = {
+            size: self._record(rows=size, samples=min(max_batch, size), name=f"prefill{size}", prompt=True)
+            for size in step_sizes(prefill_chunk)
+        }
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_batch
         self.steps = {"prefill": 0, "decode": 0}
         self.decode_sizes = dict.fromkeys(self.batch_sizes, 0)  # decode steps run per recorded batch size
+        self.prefill_sizes = dict.fromkeys(self.prefill_steps, 0)  # prefill steps run per recorded row count
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._prefill_turn = True
@@ -217,13 +219,14 @@ class Engine:
         }
 
     def status(self) -> dict[str, Any]:
-        """Requests running (holding a slot) and waiting, steps run so far (decode steps also per recorded
-        batch size), and :meth:`memory`."""
+        """Requests running (holding a slot) and waiting, steps run so far (also per recorded row count),
+        and :meth:`memory`."""
         return {
             "running": sum(slot is not None for slot in self.slots),
             "waiting": len(self.waiting),
             "steps": dict(self.steps),
             "decode_sizes": dict(self.decode_sizes),
+            "prefill_sizes": dict(self.prefill_sizes),
             "memory": self.memory(),
         }
 
@@ -327,8 +330,8 @@ class Engine:
     def _prefill_group(self, prefilling: list[Request]) -> list[Request]:
         """The prompts the next prefill step serves: in order, while rows are left (the last one may get
         only part of what is left of its prompt), at most the step's samples."""
-        group, rows = [], self.prefill_step.rows
-        for request in prefilling[: self.prefill_step.samples]:
+        group, rows = [], self.prefill_chunk
+        for request in prefilling[: min(self.max_batch, self.prefill_chunk)]:
             if rows <= 0:
                 break
             group.append(request)
@@ -338,15 +341,20 @@ class Engine:
     # steps ---------------------------------------------------------------------------------------------
 
     async def _prefill(self, requests: list[Request]) -> np.ndarray:
-        """One prefill step: the next pieces of ``requests``' prompts packed into its ``prefill_chunk`` rows
-        (see :meth:`_prefill_group`), each a contiguous run of rows, request ``i`` sampling from its last
-        row (kept only where its piece ends its prompt)."""
-        step = self.prefill_step
+        """One prefill step: the next pieces of ``requests``' prompts packed into at most ``prefill_chunk``
+        rows (see :meth:`_prefill_group`), each a contiguous run of rows, in the smallest recorded step that
+        holds them; request ``i`` samples from its last row (kept only where its piece ends its prompt)."""
+        pieces, start = [], 0
+        for request in requests:
+            n = min(len(request.prompt) - request.prefilled, self.prefill_chunk - start)
+            pieces.append(n)
+            start += n
+        size = next(size for size in self.prefill_steps if size >= start)
+        step = self.prefill_steps[size]
         feeds = self._empty_feeds(step)
         start = 0
-        for index, request in enumerate(requests):
+        for index, (request, n) in enumerate(zip(requests, pieces)):
             first = request.prefilled
-            n = min(len(request.prompt) - first, step.rows - start)
             rows = slice(start, start + n)
             positions = np.arange(first, first + n, dtype=np.int32)
             feeds["ids"][rows] = request.prompt[first : first + n]
@@ -364,6 +372,7 @@ class Engine:
             start += n
         step.run(feeds)
         self.steps["prefill"] += 1
+        self.prefill_sizes[size] += 1
         return (await step.batch.read(step.next_ids))[: len(requests)]
 
     async def _decode(self, requests: list[Request]) -> np.ndarray:

@@ -1,9 +1,9 @@
 """One recorded forward step of a Llama-family model over ``rows`` token rows, sampling ``samples`` next
-tokens on the device. The engine records decode steps (one row per decoding sequence, every row sampled) at
-a ladder of batch sizes and a prefill step (a chunk of one prompt, its last row sampled when the prompt
-ends there). Everything that
-changes per step is an input: token ids, positions, the paged KV cache rows to write, block tables,
-sequence lengths, sampling parameters and keys; only the sampled ids come back."""
+tokens on the device. The engine records decode steps (one row per decoding sequence, every row sampled)
+and prefill steps (pieces of several prompts, each one's last row sampled, kept where its prompt ends
+there), each at a ladder of row counts. Everything that changes per step is an input: token ids,
+positions, the paged KV cache rows to write, block tables, sequence lengths, sampling parameters and
+keys; only the sampled ids come back."""
 
 from __future__ import annotations
 

@@ -217,7 +217,9 @@ class StepBatch:
 
 
 class Llama:
-    """SmolLM2-style decoder on one device; greedy generation through recorded batches."""
+    """SmolLM2-style decoder on one device; greedy generation through recorded batches. ``fuse``: q/k/v
+    and gate/up each one GEMV with ``rope_kv_write`` and ``swiglu`` (False: the separate ops, the same
+    numbers)."""
 
     def __init__(
         self,
@@ -227,13 +229,14 @@ class Llama:
         quantized: bool = True,
         max_context: int = 256,
         progress: Progress | None = None,
+        fuse: bool = True,
     ) -> None:
         self.device = device
         self.weights = GGUFWeights(path or smollm2_path())
         self.config = self.weights.config
         self.quantized = quantized
         self.max_context = max_context
-        self.params = upload_weights(device, self.weights, quantized=quantized, fuse=True, progress=progress)
+        self.params = upload_weights(device, self.weights, quantized=quantized, fuse=fuse, progress=progress)
         cfg = self.config
         cache_shape = (max_context, cfg.kv_heads, cfg.head_dim)
         zeros = np.zeros(cache_shape, np.float32)
