@@ -204,8 +204,8 @@ def test_unfused_projections_give_the_same_ids() -> None:
         eng.complete(PROMPT, greedy(2))
         dispatches[fuse] = eng.device.stats.dispatches - before
     assert ids[True] == ids[False] == GREEDY[:8]
-    # a prefill and a decode step, each 3 GEMVs, a rope, 2 casts and 2 scatters more per layer
-    assert dispatches[False] - dispatches[True] == 2 * 30 * (5 + 3)
+    # a prefill and a decode step, each 3 GEMVs, a rope, 2 casts, 2 scatters and silu_mul more per layer
+    assert dispatches[False] - dispatches[True] == 2 * 30 * (5 + 4)
 
 
 def test_float16_kv_cache() -> None:

@@ -316,6 +316,66 @@ def quantized_pair(device_list, qtype: str, rows: int, k: int, seed: int):
     return [d.quantized(raw, qtype, (rows, k)) for d in device_list], truth
 
 
+def swiglu_of_pairs(y: np.ndarray) -> np.ndarray:
+    gate, up = y[..., 0::2], y[..., 1::2]
+    return gate / (1 + np.exp(-gate)) * up
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m,rows,k", [(1, 2, 32), (1, 3072, 576), (5, 70, 96), (3, 18, 64), (2, 34, 1536)])
+def test_quantized_matmul_swiglu_epilogue(gpu, ref, qtype, m, rows, k):
+    """silu(gate) * up of interleaved (gate, up) weight rows in the GEMV's store, against float64 of gguf's
+    dequantization and the reference executor (pairs counts 1, odd, past one invocation's 8 rows)."""
+    (wg, wr), truth = quantized_pair([gpu, ref], qtype, rows, k, seed=m * 100 + rows)
+    x = random_array(np.random.default_rng(53), (m, k), np.float32)
+    expected = swiglu_of_pairs(x.astype(np.float64) @ truth.T.astype(np.float64))
+    results = []
+    for device, w in ((gpu, wg), (ref, wr)):
+        batch = bg.GpuCommandBatch(device)
+        y = batch.matmul(batch.upload(x), w, transpose_b=True, epilogue="swiglu")
+        assert y.shape == (m, rows // 2)
+        batch.execute()
+        results.append(batch.read_sync(y))
+    scale = np.abs(expected).max()
+    for got in results:
+        np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+def test_quantized_matmul_swiglu_epilogue_split_k(gpu, ref, small_bounds, qtype):
+    """Past the split-K chunk the epilogue is a second pass over the summed product."""
+    (wg, wr), truth = quantized_pair([gpu, ref], qtype, 22, 96 * 32, seed=7)
+    x = random_array(np.random.default_rng(54), (3, 96 * 32), np.float32)
+    expected = swiglu_of_pairs(x.astype(np.float64) @ truth.T.astype(np.float64))
+    for device, w in ((gpu, wg), (ref, wr)):
+        batch = bg.GpuCommandBatch(device)
+        y = batch.matmul(batch.upload(x), w, transpose_b=True, epilogue="swiglu")
+        entries = [launch.entry for node in batch.view().nodes for launch in node.launches]
+        assert entries[-1] == "binary" and len(entries) >= 3  # partials, their sum, the epilogue pass
+        batch.execute()
+        np.testing.assert_allclose(batch.read_sync(y), expected, rtol=2e-4, atol=2e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_float_matmul_swiglu_epilogue(gpu, ref, dtype):
+    rng = np.random.default_rng(55)
+    x, w = random_array(rng, (4, 40), dtype), random_array(rng, (26, 40), dtype)
+    out = check(gpu, ref, [x, w], lambda b, tx, tw: b.matmul(tx, tw, transpose_b=True, epilogue="swiglu"), dtype, 40)
+    product = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert_close(out, swiglu_of_pairs(product).astype(dtype), dtype, scale=40)
+
+
+def test_matmul_epilogue_refusals(ref):
+    batch = bg.GpuCommandBatch(ref)
+    x, w = batch.upload(np.ones((2, 4), np.float32)), batch.upload(np.ones((5, 4), np.float32))
+    with pytest.raises(bg.ShapeError, match=r"matmul: epilogue='swiglu' needs a float product with an even"):
+        batch.matmul(x, w, transpose_b=True, epilogue="swiglu")
+    with pytest.raises(bg.ArgumentError, match=r"matmul: epilogue must be one of \('swiglu',\)"):
+        batch.matmul(x, w, transpose_b=True, epilogue="gelu")
+    with pytest.raises(bg.ArgumentError, match=r"matmul: epilogue='swiglu' takes no bias"):
+        batch.matmul(x, w, transpose_b=True, bias=batch.upload(np.ones(5, np.float32)), epilogue="swiglu")
+
+
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("m,rows,k", [(1, 1, 32), (1, 1536, 576), (5, 67, 96), (9, 33, 64)])
 def test_quantized_matmul_against_gguf_dequantize(gpu, ref, qtype, m, rows, k):

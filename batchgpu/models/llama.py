@@ -131,8 +131,11 @@ FUSED_PROJECTIONS = {
     "attn_qkv.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
     "ffn_gate_up.weight": ("ffn_gate.weight", "ffn_up.weight"),
 }
-"""Weights ``upload_weights(fuse=True)`` concatenates by rows per layer (name -> its parts, in order): one
-GEMV instead of three (two); quantized blocks concatenate as they are (each row is whole blocks)."""
+"""Weights ``upload_weights(fuse=True)`` joins by rows per layer (name -> its parts): one GEMV instead of
+three (two); quantized blocks join as they are (each row is whole blocks). q/k/v are concatenated;
+gate/up are interleaved (row 2i gate i, row 2i + 1 up i) for ``matmul(..., epilogue="swiglu")``."""
+
+INTERLEAVED = frozenset({"ffn_gate_up.weight"})
 
 
 def upload_weights(
@@ -171,7 +174,10 @@ def upload_weights(
             uploaded[name] = upload(name, *rows(name))
         elif name == groups[fused][0]:  # the group goes up with its first part
             pieces = [rows(part) for part in groups[fused]]
-            data = np.concatenate([piece[0].reshape(piece[2][0], -1) for piece in pieces])
+            matrices = [piece[0].reshape(piece[2][0], -1) for piece in pieces]
+            interleave = fused.split(".", 2)[2] in INTERLEAVED  # "blk.3.ffn_gate_up.weight" -> "ffn_gate_up.weight"
+            joined = np.stack(matrices, axis=1) if interleave else np.concatenate(matrices)
+            data = joined.reshape(-1, matrices[0].shape[1])
             shape = (sum(piece[2][0] for piece in pieces), pieces[0][2][1])
             uploaded[fused] = upload(fused, data, pieces[0][1], shape)
     return uploaded
@@ -194,10 +200,10 @@ def _fused_groups(weights: GGUFWeights) -> dict[str, tuple[str, ...]]:
 
 
 def feed_forward(batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], block: str) -> Tensor:
-    """The layer's MLP, (silu(x @ gate.T) * (x @ up.T)) @ down.T: gate and up one GEMV and ``swiglu``
-    where the weights are fused, else two GEMVs and ``silu_mul``."""
+    """The layer's MLP, (silu(x @ gate.T) * (x @ up.T)) @ down.T: gate and up one GEMV with the swiglu
+    epilogue where the weights are fused (interleaved rows), else two GEMVs and ``silu_mul``."""
     if block + "ffn_gate_up.weight" in w:
-        hidden = batch.swiglu(batch.matmul(x, w[block + "ffn_gate_up.weight"], transpose_b=True))
+        hidden = batch.matmul(x, w[block + "ffn_gate_up.weight"], transpose_b=True, epilogue="swiglu")
     else:
         gate = batch.matmul(x, w[block + "ffn_gate.weight"], transpose_b=True)
         up = batch.matmul(x, w[block + "ffn_up.weight"], transpose_b=True)

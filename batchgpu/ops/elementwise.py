@@ -264,25 +264,33 @@ def _swiglu_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.nd
         return EXPRESSIONS["silu_mul"].reference(x[..., :half], x[..., half:])
 
 
-def _swiglu_lower(node: Node) -> list[Launch]:
-    """silu_mul's binary kernel with both operands read through strides from the one input: a at
-    [row, j], b at [row, half + j] (b_base = half)."""
-    (x,) = node.inputs
-    out = node.output
+def swiglu_launch(x: Tensor, out: Tensor, *, interleaved: bool = False) -> Launch:
+    """silu_mul's binary kernel with both operands read through strides from ``x`` (..., 2n) into ``out``
+    (..., n): gate [row, j] and up [row, n + j] (b_base = n), or with ``interleaved`` gate [row, 2j] and
+    up [row, 2j + 1] (b_base = 1)."""
     rows, half = out.size // out.shape[-1], out.shape[-1]
-    strides = (2 * half, 1)
-    return [
-        ELEMENTWISE.launch(
-            label="swiglu",
-            entry="binary",
-            types=wgsl_aliases(A=x.dtype, B=x.dtype, O=out.dtype),
-            snippets=(("BINARY", "silu_mul"),),
-            constants=(("A_MODE", STRIDED), ("B_MODE", STRIDED), ("IS_FLOAT", True)),
-            groups=groups_for(out.size),
-            params=dict(n=out.size, ndim=2, shape=(rows, half), a_strides=strides, b_strides=strides, b_base=half),
-            buffers=dict(a=x, b=x, out=out),
-        )
-    ]
+    strides = (2 * half, 2) if interleaved else (2 * half, 1)
+    return ELEMENTWISE.launch(
+        label="swiglu",
+        entry="binary",
+        types=wgsl_aliases(A=x.dtype, B=x.dtype, O=out.dtype),
+        snippets=(("BINARY", "silu_mul"),),
+        constants=(("A_MODE", STRIDED), ("B_MODE", STRIDED), ("IS_FLOAT", True)),
+        groups=groups_for(out.size),
+        params=dict(
+            n=out.size,
+            ndim=2,
+            shape=(rows, half),
+            a_strides=strides,
+            b_strides=strides,
+            b_base=1 if interleaved else half,
+        ),
+        buffers=dict(a=x, b=x, out=out),
+    )
+
+
+def _swiglu_lower(node: Node) -> list[Launch]:
+    return [swiglu_launch(node.inputs[0], node.output)]
 
 
 SWIGLU = OpSpec(

@@ -19,12 +19,13 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import compute_dtype
-from ..errors import ShapeError
+from ..errors import ArgumentError, ShapeError
 from ..kernels import Launch, wgsl_aliases
 from ..quant import BLOCK
 from ..tensor import QuantTensor, Tensor
 from . import bounds, reduce
 from .common import broadcast_strides
+from .elementwise import EXPRESSIONS, swiglu_launch
 from .interface import MATMUL as FAMILY
 from .interface import QMATMUL
 from .spec import Node, OpSpec, same_dtype
@@ -62,7 +63,30 @@ def _batch_shapes(a: Tensor, b: Tensor) -> tuple[tuple[int, ...], tuple[int, ...
     return (a.shape[:-2] if a.ndim > 2 else ()), (b.shape[:-2] if b.ndim > 2 else ())
 
 
+EPILOGUES = ("swiglu",)
+"""``matmul(..., epilogue=)``: "swiglu" turns each output row's (gate, up) column pairs (2i, 2i + 1) into
+silu(gate) * up, halving the last dim; fused into the store of unsplit quantized GEMVs, a second
+elementwise pass otherwise."""
+
+
 def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
+    shape, dtype = _infer_product(inputs, params)
+    epilogue = params.get("epilogue")
+    if epilogue is None:
+        return shape, dtype
+    if epilogue not in EPILOGUES:
+        raise ArgumentError(f"matmul: epilogue must be one of {EPILOGUES} or None, got {epilogue!r}")
+    if len(inputs) == 3:
+        raise ArgumentError("matmul: epilogue='swiglu' takes no bias")
+    if not shape or shape[-1] % 2 or dtype.kind != "f":
+        raise ShapeError(
+            f"matmul: epilogue='swiglu' needs a float product with an even last dim (gate, up pairs), got "
+            f"shape {shape} {dtype.name}"
+        )
+    return (*shape[:-1], shape[-1] // 2), dtype
+
+
+def _infer_product(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
     a, b = inputs[:2]
     dtype = same_dtype("matmul", inputs, ("a", "b", "bias"))
     if isinstance(b, QuantTensor):
@@ -186,6 +210,28 @@ def _skinny_launch(
     return launch
 
 
+def _lower_with_epilogue(node: Node) -> list[Launch]:
+    """The swiglu epilogue in the GEMV's store (quantized weights, one split), else the product into a
+    scratch tensor and silu_mul's kernel over its interleaved (gate, up) pairs."""
+    w = node.inputs[1]
+    plain = dict(node.params, epilogue=None)
+    if isinstance(w, QuantTensor) and _split_k(w.shape[1] // BLOCK, bounds.QUANT_BLOCK_CHUNK)[1] == 1:
+        (launch,) = _lower_quantized(Node(node.spec, node.inputs, plain, node.outputs))  # one split: no sum
+        fused = replace(launch, constants=(*launch.constants, ("SWIGLU", True)))
+        if launch.gpu is not None:
+            fused.gpu = fused.native = replace(launch.gpu, constants=fused.constants)
+        return [fused]
+    out = node.output
+    shape = (*out.shape[:-1], 2 * out.shape[-1])
+    storage = node.new_scratch(math.prod(shape) * out.dtype.itemsize, out.dtype)
+    product = Tensor(shape, out.dtype, storage, device=out.device, batch=out.batch, name=f"{node.spec.name}.product")
+    inner = Node(node.spec, node.inputs, plain, (product,))
+    launches = _lower(inner)
+    node.scratch += inner.scratch
+    node.constants += inner.constants
+    return [*launches, swiglu_launch(product, out, interleaved=True)]
+
+
 def _infer_quantized(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
     a, w = inputs[:2]
     rows, k = w.shape
@@ -222,6 +268,14 @@ def _lower_quantized(node: Node) -> list[Launch]:
 
 
 def _reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
+    product = _reference_product(arrays, params)
+    if params.get("epilogue") is None:
+        return product
+    with np.errstate(over="ignore"):
+        return EXPRESSIONS["silu_mul"].reference(product[..., 0::2], product[..., 1::2])
+
+
+def _reference_product(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
     a, b = arrays[:2]
     if params.get("transpose_a") and a.ndim > 1:
         a = np.swapaxes(a, -1, -2)
@@ -232,6 +286,8 @@ def _reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
 
 
 def _lower(node: Node) -> list[Launch]:
+    if node.params.get("epilogue") is not None:
+        return _lower_with_epilogue(node)
     if isinstance(node.inputs[1], QuantTensor):
         return _lower_quantized(node)
     a, b = node.inputs[:2]

@@ -22,6 +22,12 @@ __device__ __forceinline__ void store(O* out, const A* bias, const Params& p, un
     out[(split * p.m + m) * p.n + n] = CVT(O, value + extra);
 }
 
+// The SWIGLU epilogue (one split only): output (m, n / 2) of the pair of rows n (gate), n + 1 (up).
+__device__ __forceinline__ void store_pair(O* out, const Params& p, unsigned n, unsigned m, float gate, float up) {
+    if (n >= p.n) return;
+    out[m * (p.n / 2u) + n / 2u] = CVT(O, gate / (1.0f + expf(-gate)) * up);
+}
+
 __device__ __forceinline__ float dot4(float a0, float a1, float a2, float a3, float4 b) {
     return a0 * b.x + a1 * b.y + a2 * b.z + a3 * b.w;
 }
@@ -77,6 +83,11 @@ __device__ void matmul_rows(const float4* x, const unsigned* w, O* out, const Pa
             if (n0 + r < p.n) acc[r] += block_dot<Q8>(w, p, n0 + r, b, xb, xsum);
         }
     }
+    if (SWIGLU) {
+#pragma unroll
+        for (unsigned r = 0; r < ROWS; r += 2u) store_pair(out, p, n0 + r, m, acc[r], acc[r + 1u]);
+        return;
+    }
 #pragma unroll
     for (unsigned r = 0; r < ROWS; r++) {
         if (n0 + r < p.n) store(out, bias, p, split, n0 + r, m, acc[r]);
@@ -122,6 +133,13 @@ __device__ void matmul_warp_rows(const float4* x, const unsigned* w, O* out, con
         }
     }
     acc = bg_warp_sum(acc);
+    if (SWIGLU) {  // warps 2j and 2j + 1 hold the gate and up rows of a pair
+        __shared__ float totals[32];
+        if (lane == 0u) totals[threadIdx.x >> 5] = acc;
+        __syncthreads();
+        if (lane == 0u && ((threadIdx.x >> 5) & 1u) == 0u) store_pair(out, p, n, m, acc, totals[(threadIdx.x >> 5) + 1u]);
+        return;
+    }
     if (lane == 0u && n < p.n) store(out, bias, p, split, n, m, acc);
 }
 

@@ -6,7 +6,8 @@
 // scalar costs the same whatever its address; the code uses no arrays, which such drivers spill to
 // memory. Split-K (batchgpu/ops/matmul.py): split s of p.splits takes blocks [s * block_chunk, min(blocks,
 // (s + 1) * block_chunk)) and writes its partial sums to slice s of a (splits, m, n) output that a sum pass
-// reduces; only split 0 adds the bias. One split covers all blocks. Aliases: A (x type), O (output), C (f32).
+// reduces; only split 0 adds the bias. One split covers all blocks. SWIGLU (one split, no bias): rows come in
+// (gate, up) pairs and the output is (m, n / 2) of silu(gate) * up. Aliases: A (x type), O (output), C (f32).
 
 //!interface
 
@@ -75,7 +76,20 @@ fn store(split: u32, n: u32, m: u32, value: f32) {
     out[(split * p.m + m) * p.n + n] = O(value + extra);
 }
 
+// The SWIGLU epilogue (one split only): output (m, n / 2) of the pair of rows n (gate), n + 1 (up).
+fn store_pair(n: u32, m: u32, gate: f32, up: f32) {
+    if n >= p.n { return; }
+    out[m * (p.n / 2u) + n / 2u] = O(gate / (1.0 + exp(-gate)) * up);
+}
+
 fn store_rows(split: u32, n0: u32, m: u32, a0: f32, a1: f32, a2: f32, a3: f32, a4: f32, a5: f32, a6: f32, a7: f32) {
+    if SWIGLU {
+        store_pair(n0, m, a0, a1);
+        store_pair(n0 + 2u, m, a2, a3);
+        store_pair(n0 + 4u, m, a4, a5);
+        store_pair(n0 + 6u, m, a6, a7);
+        return;
+    }
     store(split, n0, m, a0);
     store(split, n0 + 1u, m, a1);
     store(split, n0 + 2u, m, a2);
@@ -185,6 +199,11 @@ fn warp_matmul(lid: u32, wid: vec3<u32>, groups: vec3<u32>, q8: bool) {
         if q8 { acc += q8_0_unit(row, m, u); } else { acc += q4_1_unit(row, m, u); }
     }
     let total = group_sum(lid, acc);
+    if SWIGLU {  // warps 2j and 2j + 1 hold the gate and up rows of a pair
+        let partner = lane_sums[(lid - lid % WARP) ^ WARP];
+        if lid % (2u * WARP) == 0u { store_pair(n, m, total, partner); }
+        return;
+    }
     if lid % WARP == 0u { store(split, n, m, total); }
 }
 
