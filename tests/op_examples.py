@@ -144,6 +144,9 @@ def _matmul(inputs: Inputs) -> list[Tensor]:
             w = inputs.quantized(qtype, 6, 64)
             if w is not None:
                 outs += [b.matmul(t(3, 64), w, transpose_b=True), b.matmul(t(3, 64), w, transpose_b=True, bias=t(6))]
+                outs.append(b.matmul(t(3, 64), w, transpose_b=True, epilogue="swiglu"))  # in the store
+    if inputs.dtype in (np.float32, np.float16):
+        outs.append(b.matmul(t(4, 8), t(6, 8), transpose_b=True, epilogue="swiglu"))  # a second pass
     return outs
 
 
