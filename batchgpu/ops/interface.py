@@ -546,6 +546,8 @@ ATTENTION = Family(
         const("NO_SLOT", NO_SLOT, note="pos_slot of a literal position"),
         const("NO_ROW", 0xFFFFFFFF, note="paged attention: a position whose block is not in the pool"),
         const("TWO_PI", 6.283185307179586, "f32"),
+        const("TWO_PI_HI", 6.28125, "f32", note="2 pi in two parts (Cody-Waite): k * TWO_PI_HI is exact in f32"),
+        const("TWO_PI_LO", 0.0019353071795864769, "f32"),
         const("LOWEST", -3.4028234e38, "f32"),
         const("PARTIAL_HEADER", 2, note="a partial's max and sum, then its head_dim weighted sums"),
         const(

@@ -21,11 +21,13 @@ struct Rotation {
     float c, s;
 };
 
-// cos and sin of the rotation of pair j at position `at`.
+// cos and sin of the rotation of pair j at position `at` (see the WGSL twin: the f32 angle, reduced by
+// whole turns with 2 pi in two parts).
 __device__ __forceinline__ Rotation rotation(const float* table, unsigned j, float at) {
-    float turns = at * table[j] / TWO_PI;
-    float angle = (turns - rintf(turns)) * TWO_PI;  // reduced to [-pi, pi] where cos/sin are accurate
-    return Rotation{cosf(angle), sinf(angle)};
+    float angle = at * table[j];
+    float turns = rintf(angle / TWO_PI);
+    float reduced = (angle - turns * TWO_PI_HI) - turns * TWO_PI_LO;
+    return Rotation{cosf(reduced), sinf(reduced)};
 }
 
 // Rotates the pair (j, j + half) of row `row` (token * heads + head) of x by position `at`.

@@ -68,11 +68,14 @@ fn rope_positions(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_wo
     rotate(pair.x, pair.y, f32(indices[pair.x / p.heads]));
 }
 
-// cos and sin of the rotation of pair j at position `at`.
+// cos and sin of the rotation of pair j at position `at`: the f32 angle at * inv_freq (as transformers
+// computes it), reduced to [-pi, pi] by whole turns with 2 pi in two parts (Cody-Waite), where the
+// drivers' cos/sin are accurate.
 fn rotation(j: u32, at: f32) -> vec2<f32> {
-    let turns = at * table[j] / TWO_PI;
-    let angle = (turns - round(turns)) * TWO_PI;   // reduced to [-pi, pi] where cos/sin are accurate
-    return vec2<f32>(cos(angle), sin(angle));
+    let angle = at * table[j];
+    let turns = round(angle / TWO_PI);
+    let reduced = (angle - turns * TWO_PI_HI) - turns * TWO_PI_LO;
+    return vec2<f32>(cos(reduced), sin(reduced));
 }
 
 // rope_kv_write / rope_kv_scatter: src is a fused projection (tokens, heads + 2 kv_heads, head_dim): q heads,
