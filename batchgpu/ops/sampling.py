@@ -308,6 +308,7 @@ def _sample_lower(node: Node) -> list[Launch]:
             label="sample",
             entry="sample",
             types=wgsl_aliases(A=logits.dtype, O=INT32),
+            constants=(("IS_FLOAT", True),),  # NaN comes first in the greedy argmax (lib/best.wgsl)
             groups=rows,
             params=dict(rows=rows, width=width, count=0),
             buffers=dict(logits=logits, settings=settings, top_k=top_k, keys=keys, out=node.output),

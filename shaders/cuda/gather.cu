@@ -54,31 +54,6 @@ extern "C" __global__ void embedding_q8_0(BG_ARGS) {
     embed_quantized<true>(ids, out, p, qtable);
 }
 
-// Whether (v, k) comes before (best, at) in argmax order: NaN first, then the larger value, then the lower index.
-__device__ __forceinline__ bool better(C v, unsigned k, C best, unsigned at) {
-    bool v_nan = bg_is_nan(v), best_nan = bg_is_nan(best);
-    if (v_nan || best_nan) return v_nan && (!best_nan || k < at);
-    return v > best || (v == best && k < at);
-}
-
-// The index of the best (value, index) pair of the block; every thread must call it (barriers).
-__device__ unsigned tree_best(C* best_value, unsigned* best_index, unsigned lid, C value, unsigned index) {
-    best_value[lid] = value;
-    best_index[lid] = index;
-    __syncthreads();
-    for (unsigned stride = WG / 2; stride > 0; stride >>= 1) {
-        unsigned other = lid + stride;
-        if (lid < stride && better(best_value[other], best_index[other], best_value[lid], best_index[lid])) {
-            best_value[lid] = best_value[other];
-            best_index[lid] = best_index[other];
-        }
-        __syncthreads();
-    }
-    unsigned result = best_index[0];
-    __syncthreads();
-    return result;
-}
-
 __device__ __forceinline__ unsigned argmax_chunks(const Params& p) { return (p.width - 1u) / p.chunk + 1u; }
 
 // Block `item` takes piece item % chunks of row item / chunks and writes the row index of the piece's best
@@ -97,12 +72,12 @@ extern "C" __global__ void argmax_rows(BG_ARGS) {
     unsigned index = 0;
     for (unsigned k = lid; k < count; k += WG) {
         C v = CVT(C, table[base + k]);
-        if (better(v, k, value, index)) {
+        if (bg_better(v, k, value, index)) {
             value = v;
             index = k;
         }
     }
-    unsigned best = tree_best(best_value, best_index, lid, value, index);
+    unsigned best = bg_tree_best(best_value, best_index, lid, value, index);
     if (lid == 0 && item < p.count * chunks) indices[item] = (int)(first + best);
 }
 
@@ -122,11 +97,11 @@ extern "C" __global__ void argmax_candidates(BG_ARGS) {
     for (unsigned j = lid; j < chunks; j += WG) {
         unsigned k = (unsigned)ids[first + j];
         C v = CVT(C, table[base + k]);
-        if (better(v, k, value, index)) {
+        if (bg_better(v, k, value, index)) {
             value = v;
             index = k;
         }
     }
-    unsigned best = tree_best(best_value, best_index, lid, value, index);
+    unsigned best = bg_tree_best(best_value, best_index, lid, value, index);
     if (lid == 0 && row < p.count) indices[row] = (int)best;
 }

@@ -64,6 +64,31 @@ __device__ __forceinline__ float bg_clamp(float x, float lo, float hi) { return 
 __device__ __forceinline__ bool bg_is_nan(float v) { return (__float_as_uint(v) & 0x7fffffffu) > 0x7f800000u; }
 __device__ __forceinline__ bool bg_is_nan(int) { return false; }
 __device__ __forceinline__ bool bg_is_nan(unsigned) { return false; }
+// argmax's order: whether (v, k) comes before (best, at): NaN first, then the larger value, then the lower index.
+template <typename T> __device__ __forceinline__ bool bg_better(T v, unsigned k, T best, unsigned at) {
+    bool v_nan = bg_is_nan(v), best_nan = bg_is_nan(best);
+    if (v_nan || best_nan) return v_nan && (!best_nan || k < at);
+    return v > best || (v == best && k < at);
+}
+// The index of the best (value, index) pair of the block in argmax's order, over shared arrays of
+// blockDim.x (a power of two) entries; every thread must call it (barriers).
+template <typename T>
+__device__ unsigned bg_tree_best(T* best_value, unsigned* best_index, unsigned lid, T value, unsigned index) {
+    best_value[lid] = value;
+    best_index[lid] = index;
+    __syncthreads();
+    for (unsigned stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        unsigned other = lid + stride;
+        if (lid < stride && bg_better(best_value[other], best_index[other], best_value[lid], best_index[lid])) {
+            best_value[lid] = best_value[other];
+            best_index[lid] = best_index[other];
+        }
+        __syncthreads();
+    }
+    unsigned result = best_index[0];
+    __syncthreads();
+    return result;
+}
 // numpy's np.maximum/np.minimum: NaN if either operand is (fmaxf/fminf, like WGSL's max/min, return the
 // other operand).
 template <typename T> __device__ __forceinline__ T bg_max_nan(T x, T y) {

@@ -65,31 +65,6 @@ __device__ __forceinline__ float gumbel(unsigned seed, unsigned counter, unsigne
     return -logf(e);
 }
 
-// Whether (v, k) comes before (best, at) in argmax order: NaN first, then the larger value, then the lower index.
-__device__ __forceinline__ bool better(float v, unsigned k, float best, unsigned at) {
-    bool v_nan = bg_is_nan(v), best_nan = bg_is_nan(best);
-    if (v_nan || best_nan) return v_nan && (!best_nan || k < at);
-    return v > best || (v == best && k < at);
-}
-
-// The index of the best (value, index) pair of the block; every thread must call it (barriers).
-__device__ unsigned tree_best(float* best_value, unsigned* best_index, unsigned lid, float value, unsigned index) {
-    best_value[lid] = value;
-    best_index[lid] = index;
-    __syncthreads();
-    for (unsigned stride = WG / 2; stride > 0; stride >>= 1) {
-        unsigned other = lid + stride;
-        if (lid < stride && better(best_value[other], best_index[other], best_value[lid], best_index[lid])) {
-            best_value[lid] = best_value[other];
-            best_index[lid] = best_index[other];
-        }
-        __syncthreads();
-    }
-    unsigned result = best_index[0];
-    __syncthreads();
-    return result;
-}
-
 // Adds the 32.32 fixed-point mass (high, low) to bucket b of the block.
 __device__ __forceinline__ void add_mass(unsigned* mass_low, unsigned* mass_high, unsigned b, unsigned high,
                                          unsigned low) {
@@ -124,13 +99,13 @@ extern "C" __global__ void sample(BG_ARGS) {
     unsigned index = 0u;
     for (unsigned i = lid; i < p.width; i += WG) {
         float v = scaled(row_logits, i, t, sampling);
-        if (better(v, i, value, index)) {
+        if (bg_better(v, i, value, index)) {
             value = v;
             index = i;
         }
     }
     if (lid == 0u) k_low = p_low = 0u;
-    const unsigned greedy = tree_best(best_value, best_index, lid, value, index);
+    const unsigned greedy = bg_tree_best(best_value, best_index, lid, value, index);
     const float z_max = scaled(row_logits, greedy, t, sampling);
     const bool random = sampling && is_finite(z_max);
     const unsigned key_max = order_key(z_max);
@@ -226,6 +201,6 @@ extern "C" __global__ void sample(BG_ARGS) {
             }
         }
     }
-    const unsigned picked = tree_best(best_value, best_index, lid, score, chosen);
+    const unsigned picked = bg_tree_best(best_value, best_index, lid, score, chosen);
     if (lid == 0u && item < p.rows) out[item] = CVT(O, (int)picked);
 }

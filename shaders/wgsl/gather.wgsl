@@ -6,9 +6,6 @@
 
 //!interface
 
-var<workgroup> best_value: array<C, WG>;
-var<workgroup> best_index: array<u32, WG>;
-
 @compute @workgroup_size(WG)
 fn embedding(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
     let i = gid.x + gid.y * groups.x * WG;
@@ -62,34 +59,10 @@ fn embedding_q8_0(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_wo
     embed_quantized(gid, groups, true);
 }
 
-// is_nan: NaN by bit pattern, for float data only (IS_FLOAT, set for argmax of float data).
+// is_nan: NaN by bit pattern, for float data only (IS_FLOAT, set for argmax of float data); argmax's
+// order and its (value, index) tree.
 //!include nan
-
-// Whether (v, k) comes before (best, at) in argmax order: NaN first, then the larger value, then the lower index.
-fn better(v: C, k: u32, best: C, at: u32) -> bool {
-    let v_nan = is_nan(v);
-    let best_nan = is_nan(best);
-    if v_nan || best_nan { return v_nan && (!best_nan || k < at); }
-    return v > best || (v == best && k < at);
-}
-
-// The index of the best (value, index) pair of the workgroup. Every invocation must call it (barriers).
-fn tree_best(lid: u32, value: C, index: u32) -> u32 {
-    best_value[lid] = value;
-    best_index[lid] = index;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        let other = lid + stride;
-        if lid < stride && better(best_value[other], best_index[other], best_value[lid], best_index[lid]) {
-            best_value[lid] = best_value[other];
-            best_index[lid] = best_index[other];
-        }
-        workgroupBarrier();
-    }
-    let result = best_index[0];
-    workgroupBarrier();
-    return result;
-}
+//!include best
 
 fn argmax_chunks() -> u32 {
     return (p.width - 1u) / p.chunk + 1u;

@@ -16,14 +16,14 @@
 
 //!interface
 
-// is_nan_f32 (bit pattern) and the counter-based hash.
+// is_nan_f32 (bit pattern), argmax's order and its (value, index) tree over C = f32 (the sample launch
+// sets IS_FLOAT), and the counter-based hash.
 //!include nan
+//!include best
 //!include random
 
 alias Counter = atomic<i32>;
 
-var<workgroup> best_value: array<f32, WG>;
-var<workgroup> best_index: array<u32, WG>;
 var<workgroup> mass_low: array<atomic<u32>, BINS>;   // the buckets' masses in 32.32 fixed point
 var<workgroup> mass_high: array<atomic<u32>, BINS>;
 var<workgroup> key_counts: array<atomic<u32>, BINS>;
@@ -92,32 +92,6 @@ fn gumbel(seed: u32, counter: u32, index: u32) -> f32 {
         e = w * (1.0 + w * (0.5 + w * (0.33333334 + w * (0.25 + w * (0.2 + w * 0.16666667)))));
     }
     return -log(e);
-}
-
-// Whether (v, k) comes before (best, at) in argmax order: NaN first, then the larger value, then the lower index.
-fn better(v: f32, k: u32, best: f32, at: u32) -> bool {
-    let v_nan = is_nan_f32(v);
-    let best_nan = is_nan_f32(best);
-    if v_nan || best_nan { return v_nan && (!best_nan || k < at); }
-    return v > best || (v == best && k < at);
-}
-
-// The index of the best (value, index) pair of the workgroup. Every invocation must call it (barriers).
-fn tree_best(lid: u32, value: f32, index: u32) -> u32 {
-    best_value[lid] = value;
-    best_index[lid] = index;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        let other = lid + stride;
-        if lid < stride && better(best_value[other], best_index[other], best_value[lid], best_index[lid]) {
-            best_value[lid] = best_value[other];
-            best_index[lid] = best_index[other];
-        }
-        workgroupBarrier();
-    }
-    let result = best_index[0];
-    workgroupBarrier();
-    return result;
 }
 
 // Adds the 32.32 fixed-point mass (high, low) to bucket b of the workgroup.
