@@ -357,28 +357,15 @@ def _count_lower(node: Node) -> list[Launch]:
     rows, width = counts.shape
     params = dict(rows=rows, width=width, count=slots.size)
     types = wgsl_aliases(A=FLOAT32, O=INT32)  # unused by these entries; the module compiles with float logits
-    resets = [
-        SAMPLING.launch(
-            label="count_tokens",
-            entry="count_reset",
-            types=types,
-            groups=groups_for(counts.size, WORKGROUP),
-            params=params,
-            buffers=dict(counts=counts, reset=reset),
+
+    def launch(entry: str, threads: int, **buffers: Tensor) -> Launch:
+        groups = groups_for(threads, WORKGROUP)
+        return SAMPLING.launch(
+            label="count_tokens", entry=entry, types=types, groups=groups, params=params, buffers=buffers
         )
-        for reset in node.inputs[3:]
-    ]
-    return [
-        *resets,
-        SAMPLING.launch(
-            label="count_tokens",
-            entry="count_add",
-            types=types,
-            groups=groups_for(slots.size, WORKGROUP),
-            params=params,
-            buffers=dict(counts=counts, slots=slots, ids=ids),
-        ),
-    ]
+
+    resets = [launch("count_reset", counts.size, counts=counts, reset=reset) for reset in node.inputs[3:]]
+    return [*resets, launch("count_add", slots.size, counts=counts, slots=slots, ids=ids)]
 
 
 COUNT_TOKENS = OpSpec(
