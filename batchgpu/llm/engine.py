@@ -330,8 +330,9 @@ class Engine:
     def _prefill_group(self, prefilling: list[Request]) -> list[Request]:
         """The prompts the next prefill step serves: in order, while rows are left (the last one may get
         only part of what is left of its prompt), at most the step's samples."""
-        group, rows = [], self.prefill_chunk
-        for request in prefilling[: min(self.max_batch, self.prefill_chunk)]:
+        largest = self.prefill_steps[self.prefill_chunk]
+        group, rows = [], largest.rows
+        for request in prefilling[: largest.samples]:
             if rows <= 0:
                 break
             group.append(request)

@@ -89,20 +89,27 @@ class GGUFWeights:
     def names(self) -> list[str]:
         return list(self._tensors)
 
-    def raw(self, name: str) -> tuple[np.ndarray, str | None, tuple[int, ...]]:
-        """(data, qtype or None, logical shape): block bytes per row for quantized tensors."""
+    def layout(self, name: str) -> tuple[str | None, tuple[int, ...]]:
+        """(qtype or None for float32, logical shape) from the file's metadata, without reading the data."""
         tensor = self._tensors[name]
         kind = tensor.tensor_type.name
         shape = tuple(int(e) for e in reversed(tensor.shape))  # GGUF lists dims innermost first
-        data = np.asarray(tensor.data)
+        if kind == "F32":
+            return None, shape
+        if kind not in QUANT_TYPES:
+            raise BatchError(f"GGUF tensor {name}: block format {kind} is not supported (Q4_1, Q8_0, F32)")
+        return QUANT_TYPES[kind], shape
+
+    def raw(self, name: str) -> tuple[np.ndarray, str | None, tuple[int, ...]]:
+        """(data, qtype or None, logical shape): block bytes per row for quantized tensors."""
+        qtype, shape = self.layout(name)
+        data = np.asarray(self._tensors[name].data)
         if name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = self.config.heads if "attn_q" in name else self.config.kv_heads
             data = unpermute_rows(data.reshape(shape[0], -1), heads)
-        if kind == "F32":
+        if qtype is None:
             return data.reshape(shape).astype(np.float32), None, shape
-        if kind not in QUANT_TYPES:
-            raise BatchError(f"GGUF tensor {name}: block format {kind} is not supported (Q4_1, Q8_0, F32)")
-        return data, QUANT_TYPES[kind], shape
+        return data, qtype, shape
 
     def float32(self, name: str) -> np.ndarray:
         data, qtype, shape = self.raw(name)
@@ -128,14 +135,27 @@ Progress = Callable[[Sequence[str]], Any]
 
 
 FUSED_PROJECTIONS = {
-    "attn_qkv.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
-    "ffn_gate_up.weight": ("ffn_gate.weight", "ffn_up.weight"),
+    "attn_qkv.weight": (("attn_q.weight", "attn_k.weight", "attn_v.weight"), False),
+    "ffn_gate_up.weight": (("ffn_gate.weight", "ffn_up.weight"), True),
 }
-"""Weights ``upload_weights(fuse=True)`` joins by rows per layer (name -> its parts): one GEMV instead of
-three (two); quantized blocks join as they are (each row is whole blocks). q/k/v are concatenated;
-gate/up are interleaved (row 2i gate i, row 2i + 1 up i) for ``matmul(..., epilogue="swiglu")``."""
+"""Weights ``upload_weights(fuse=True)`` joins by rows per layer: name -> (its parts, interleaved). One GEMV
+instead of three (two); quantized blocks join as they are (each row is whole blocks). q/k/v are
+concatenated; gate/up are interleaved (row 2i gate i, row 2i + 1 up i) for
+``matmul(..., epilogue="swiglu")``."""
 
-INTERLEAVED = frozenset({"ffn_gate_up.weight"})
+
+@dataclass(frozen=True)
+class FusedGroup:
+    """One layer's joined weight: its name, its parts in order, and whether their rows interleave."""
+
+    name: str
+    parts: tuple[str, ...]
+    interleaved: bool
+
+    def join(self, matrices: list[np.ndarray]) -> np.ndarray:
+        """The parts' (rows, row bytes or K) matrices as one."""
+        joined = np.stack(matrices, axis=1) if self.interleaved else np.concatenate(matrices)
+        return joined.reshape(-1, matrices[0].shape[1])
 
 
 def upload_weights(
@@ -148,10 +168,10 @@ def upload_weights(
 ) -> dict[str, Tensor]:
     """Every tensor of ``weights`` resident on ``device``: Q4_1/Q8_0 blocks kept quantized (or dequantized
     to float32 with ``quantized=False``), float32 tensors as they are. With ``fuse``, each layer's
-    :data:`FUSED_PROJECTIONS` parts are uploaded concatenated under the fused name instead (where the parts
+    :data:`FUSED_PROJECTIONS` parts are uploaded joined under the fused name instead (where the parts
     share a block format and row length)."""
-    groups = _fused_groups(weights) if fuse else {}
-    parts = {part: fused for fused, names in groups.items() for part in names}
+    groups = _fused_groups(weights) if fuse else []
+    group_of = {part: group for group in groups for part in group.parts}
     names = weights.names()
     label = "loading weights" if quantized else "loading + dequantizing weights"
     items = progress(names) if progress else show_progress(names, label, len(names))  # bar only on a TTY
@@ -169,33 +189,29 @@ def upload_weights(
 
     uploaded = {}
     for name in items:
-        fused = parts.get(name)
-        if fused is None:
+        group = group_of.get(name)
+        if group is None:
             uploaded[name] = upload(name, *rows(name))
-        elif name == groups[fused][0]:  # the group goes up with its first part
-            pieces = [rows(part) for part in groups[fused]]
-            matrices = [piece[0].reshape(piece[2][0], -1) for piece in pieces]
-            interleave = fused.split(".", 2)[2] in INTERLEAVED  # "blk.3.ffn_gate_up.weight" -> "ffn_gate_up.weight"
-            joined = np.stack(matrices, axis=1) if interleave else np.concatenate(matrices)
-            data = joined.reshape(-1, matrices[0].shape[1])
+        elif name == group.parts[0]:  # the group goes up with its first part
+            pieces = [rows(part) for part in group.parts]
+            data = group.join([piece[0].reshape(piece[2][0], -1) for piece in pieces])
             shape = (sum(piece[2][0] for piece in pieces), pieces[0][2][1])
-            uploaded[fused] = upload(fused, data, pieces[0][1], shape)
+            uploaded[group.name] = upload(group.name, data, pieces[0][1], shape)
     return uploaded
 
 
-def _fused_groups(weights: GGUFWeights) -> dict[str, tuple[str, ...]]:
-    """Per layer, the fused names whose parts all exist with one block format and row length."""
+def _fused_groups(weights: GGUFWeights) -> list[FusedGroup]:
+    """Per layer, the joined weights whose parts all exist with one block format and row length."""
     present = set(weights.names())
-    groups = {}
+    groups = []
     for layer in range(weights.config.layers):
         block = f"blk.{layer}."
-        for fused, names in FUSED_PROJECTIONS.items():
-            members = tuple(block + name for name in names)
-            if not all(m in present for m in members):
+        for fused, (names, interleaved) in FUSED_PROJECTIONS.items():
+            parts = tuple(block + name for name in names)
+            if not all(part in present for part in parts):
                 continue
-            kinds = {(qtype, shape[1]) for _, qtype, shape in map(weights.raw, members)}
-            if len(kinds) == 1:
-                groups[block + fused] = members
+            if len({(qtype, shape[1]) for qtype, shape in map(weights.layout, parts)}) == 1:
+                groups.append(FusedGroup(block + fused, parts, interleaved))
     return groups
 
 

@@ -215,7 +215,7 @@ def _lower_with_epilogue(node: Node) -> list[Launch]:
     scratch tensor and silu_mul's kernel over its interleaved (gate, up) pairs."""
     w = node.inputs[1]
     plain = dict(node.params, epilogue=None)
-    if isinstance(w, QuantTensor) and _split_k(w.shape[1] // BLOCK, bounds.QUANT_BLOCK_CHUNK)[1] == 1:
+    if isinstance(w, QuantTensor) and _quant_split_k(w)[1] == 1:
         (launch,) = _lower_quantized(Node(node.spec, node.inputs, plain, node.outputs))  # one split: no sum
         fused = replace(launch, constants=(*launch.constants, ("SWIGLU", True)))
         if launch.gpu is not None:
@@ -230,6 +230,11 @@ def _lower_with_epilogue(node: Node) -> list[Launch]:
     node.scratch += inner.scratch
     node.constants += inner.constants
     return [*launches, swiglu_launch(product, out, interleaved=True)]
+
+
+def _quant_split_k(w: QuantTensor) -> tuple[int, int]:
+    """(blocks per split, splits) of a quantized GEMV over ``w``'s rows of blocks."""
+    return _split_k(w.shape[1] // BLOCK, bounds.QUANT_BLOCK_CHUNK)
 
 
 def _infer_quantized(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
@@ -252,7 +257,7 @@ def _lower_quantized(node: Node) -> list[Launch]:
     bias = node.inputs[2] if len(node.inputs) == 3 else x
     rows, k = w.shape
     m = x.size // k
-    block_chunk, splits = _split_k(k // BLOCK, bounds.QUANT_BLOCK_CHUNK)
+    block_chunk, splits = _quant_split_k(w)
     target = _split_output(node, splits, 1)
     launch = QMATMUL.launch(
         label="matmul",
