@@ -82,6 +82,11 @@ def step_sizes(largest: int) -> list[int]:
     return sorted({1 << i for i in range(largest.bit_length()) if 1 << i < largest} | {largest})
 
 
+def smallest_fitting(steps: Mapping[int, Step], rows: int) -> int:
+    """The smallest recorded row count of ``steps`` (ascending keys) that holds ``rows`` rows."""
+    return next(size for size in steps if size >= rows)
+
+
 class Engine:
     """Serve generations of a Llama-family GGUF model on one device.
 
@@ -127,9 +132,8 @@ class Engine:
         self.cache = KVCache.allocate(
             self.device, self.config, blocks=blocks, block_size=block_size, slots=max_batch, dtype=np.dtype(kv_dtype)
         )
-        self.batch_sizes = step_sizes(max_batch)
         self.decode_steps = {
-            size: self._record(rows=size, samples=size, name=f"decode{size}") for size in self.batch_sizes
+            size: self._record(rows=size, samples=size, name=f"decode{size}") for size in step_sizes(max_batch)
         }
         self.prefill_steps = {
             size: self._record(rows=size, samples=min(max_batch, size), name=f"prefill{size}", prompt=True)
@@ -138,7 +142,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_batch
         self.steps = {"prefill": 0, "decode": 0}
-        self.decode_sizes = dict.fromkeys(self.batch_sizes, 0)  # decode steps run per recorded batch size
+        self.decode_sizes = dict.fromkeys(self.decode_steps, 0)  # decode steps run per recorded batch size
         self.prefill_sizes = dict.fromkeys(self.prefill_steps, 0)  # prefill steps run per recorded row count
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -350,7 +354,7 @@ class Engine:
             n = min(len(request.prompt) - request.prefilled, self.prefill_chunk - start)
             pieces.append(n)
             start += n
-        size = next(size for size in self.prefill_steps if size >= start)
+        size = smallest_fitting(self.prefill_steps, start)
         step = self.prefill_steps[size]
         feeds = self._empty_feeds(step)
         start = 0
@@ -379,7 +383,7 @@ class Engine:
     async def _decode(self, requests: list[Request]) -> np.ndarray:
         """One decode step over the smallest recorded batch size that holds ``requests``: row ``i`` serves
         ``requests[i]`` (in the ``max_batch`` step, row ``r.slot`` serves ``r``, as its counts rows do)."""
-        size = next(size for size in self.batch_sizes if size >= len(requests))
+        size = smallest_fitting(self.decode_steps, len(requests))
         step = self.decode_steps[size]
         rows = [r.slot for r in requests] if size == self.max_batch else list(range(len(requests)))
         feeds = self._empty_feeds(step)
