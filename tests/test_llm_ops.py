@@ -3,6 +3,8 @@ attention with per-execute position scalars, embedding, argmax, fused silu*up an
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -64,6 +66,30 @@ def test_rope_is_rotate_half_llama(ref):
     np.testing.assert_allclose(batch.read_sync(y), x * np.cos(emb) + rotated * np.sin(emb), rtol=1e-5, atol=1e-6)
 
 
+def split_qkv(batch: bg.GpuCommandBatch, x: bg.Tensor, heads: int, kv_heads: int) -> list[bg.Tensor]:
+    """The q, k and v heads of a fused projection as three sliced tensors (the unfused ops' inputs)."""
+    bounds = [0, heads, heads + kv_heads, heads + 2 * kv_heads]
+    return [batch.slice(x, (slice(None), slice(lo, hi))) for lo, hi in itertools.pairwise(bounds)]
+
+
+def fused_and_unfused(gpu, ref, caches, record, scalars=None) -> dict:
+    """``record(batch, k_cache, v_cache, fused)`` -> q, run fused and unfused on both devices from the same
+    starting ``caches``; {(device, fused): [q, k cache, v cache]}, after checking that fused equals unfused
+    bit for bit on each device."""
+    results = {}
+    for device in (gpu, ref):
+        for fused in (True, False):
+            k_cache, v_cache = (device.tensor(c) for c in caches)
+            batch = bg.GpuCommandBatch(device)
+            q = record(batch, k_cache, v_cache, fused)
+            batch.execute(scalars=scalars)
+            results[device, fused] = [batch.read_sync(q), device.read(k_cache), device.read(v_cache)]
+    for device in (gpu, ref):
+        for fused, unfused in zip(results[device, True], results[device, False]):
+            np.testing.assert_array_equal(fused, unfused)
+    return results
+
+
 @pytest.mark.parametrize(
     "tokens,heads,kv_heads,head_dim,cache_len,pos",
     [(1, 9, 3, 64, 37, 36), (5, 9, 3, 64, 37, 0), (3, 2, 1, 2, 11, 7), (7, 6, 2, 10, 8, 1), (2, 13, 13, 6, 5, 3)],
@@ -76,25 +102,17 @@ def test_rope_kv_write_equals_rope_and_kv_write(gpu, ref, tokens, heads, kv_head
     qkv = random_array(rng, (tokens, heads + 2 * kv_heads, head_dim), dtype)
     start_k = random_array(rng, (cache_len, kv_heads, head_dim), dtype)
     start_v = random_array(rng, (cache_len, kv_heads, head_dim), dtype)
-    results = {}
-    for device in (gpu, ref):
-        for fused in (True, False):
-            k_cache, v_cache = device.tensor(start_k), device.tensor(start_v)
-            batch = bg.GpuCommandBatch(device)
-            position = batch.scalar("pos")
-            x = batch.upload(qkv)
-            if fused:
-                q = batch.rope_kv_write(x, k_cache, v_cache, position, 5000.0)
-            else:
-                q = batch.rope(batch.slice(x, (slice(None), slice(0, heads))), position, 5000.0)
-                k = batch.rope(batch.slice(x, (slice(None), slice(heads, heads + kv_heads))), position, 5000.0)
-                batch.kv_write(k_cache, k, position)
-                batch.kv_write(v_cache, batch.slice(x, (slice(None), slice(heads + kv_heads, None))), position)
-            batch.execute(scalars={"pos": pos})
-            results[device, fused] = [batch.read_sync(q), device.read(k_cache), device.read(v_cache)]
-    for device in (gpu, ref):
-        for fused, unfused in zip(results[device, True], results[device, False]):
-            np.testing.assert_array_equal(fused, unfused)
+
+    def record(batch, k_cache, v_cache, fused):
+        position, x = batch.scalar("pos"), batch.upload(qkv)
+        if fused:
+            return batch.rope_kv_write(x, k_cache, v_cache, position, 5000.0)
+        q, k, v = split_qkv(batch, x, heads, kv_heads)
+        batch.kv_write(k_cache, batch.rope(k, position, 5000.0), position)
+        batch.kv_write(v_cache, v, position)
+        return batch.rope(q, position, 5000.0)
+
+    results = fused_and_unfused(gpu, ref, (start_k, start_v), record, scalars={"pos": pos})
     for got, expected in zip(results[gpu, True], results[ref, True]):
         assert_close(got, expected, dtype, scale=20)
     outside = np.r_[0:pos, pos + tokens : cache_len]
@@ -117,27 +135,20 @@ def test_rope_kv_scatter_equals_rope_and_scatter_rows(gpu, ref, tokens, qkv_dtyp
         rows[1] = pool + 5
     start_k = random_array(rng, (pool, kv_heads, head_dim), pool_dtype)
     start_v = random_array(rng, (pool, kv_heads, head_dim), pool_dtype)
-    results = {}
-    for device in (gpu, ref):
-        for fused in (True, False):
-            k_pool, v_pool = device.tensor(start_k), device.tensor(start_v)
-            batch = bg.GpuCommandBatch(device)
-            x, at, where = batch.upload(qkv), batch.upload(positions), batch.upload(rows)
-            if fused:
-                q = batch.rope_kv_write(x, k_pool, v_pool, at, 10000.0, rows=where)
-            else:
-                q = batch.rope(batch.slice(x, (slice(None), slice(0, heads))), at, 10000.0)
-                k = batch.rope(batch.slice(x, (slice(None), slice(heads, heads + kv_heads))), at, 10000.0)
-                v = batch.slice(x, (slice(None), slice(heads + kv_heads, None)))
-                if pool_dtype != qkv_dtype:
-                    k, v = batch.cast(k, pool_dtype), batch.cast(v, pool_dtype)
-                batch.scatter_rows(k_pool, where, k)
-                batch.scatter_rows(v_pool, where, v)
-            batch.execute()
-            results[device, fused] = [batch.read_sync(q), device.read(k_pool), device.read(v_pool)]
-    for device in (gpu, ref):
-        for fused, unfused in zip(results[device, True], results[device, False]):
-            np.testing.assert_array_equal(fused, unfused)
+
+    def record(batch, k_pool, v_pool, fused):
+        x, at, where = batch.upload(qkv), batch.upload(positions), batch.upload(rows)
+        if fused:
+            return batch.rope_kv_write(x, k_pool, v_pool, at, 10000.0, rows=where)
+        q, k, v = split_qkv(batch, x, heads, kv_heads)
+        k = batch.rope(k, at, 10000.0)
+        if pool_dtype != qkv_dtype:
+            k, v = batch.cast(k, pool_dtype), batch.cast(v, pool_dtype)
+        batch.scatter_rows(k_pool, where, k)
+        batch.scatter_rows(v_pool, where, v)
+        return batch.rope(q, at, 10000.0)
+
+    results = fused_and_unfused(gpu, ref, (start_k, start_v), record)
     for got, expected, dtype in zip(results[gpu, True], results[ref, True], (qkv_dtype, pool_dtype, pool_dtype)):
         assert_close(got, expected, dtype, scale=20)
     untouched = np.setdiff1d(np.arange(pool), rows)
