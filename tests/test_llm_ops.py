@@ -307,7 +307,8 @@ def test_matmul_bias_and_silu_mul(gpu, ref):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_swiglu_equals_silu_mul_of_the_halves(gpu, ref, shape, dtype):
     """The fused gate/up activation against silu_mul of the two halves (bit for bit on one device) and
-    against the reference executor; the last case has more rows than one dispatch dimension's groups."""
+    against the reference executor; the last case has more than 65,535 rows (the grid runs over elements:
+    test_ops' slow test goes past one dispatch dimension's groups)."""
     x = random_array(np.random.default_rng(sum(shape)), shape, dtype)
     half = shape[-1] // 2
     fused = check(gpu, ref, [x], lambda b, t: b.swiglu(t), dtype)

@@ -326,6 +326,32 @@ def test_op_above_one_dispatch_limit(gpu):
     np.testing.assert_allclose(batch.read_sync(s), (np.maximum(x, 0) + 1.5).astype(np.float64).sum(), rtol=1e-4)
 
 
+@pytest.mark.slow
+def test_fused_llm_ops_above_one_dispatch_limit(gpu):
+    """swiglu and rope_kv_write at sizes needing more workgroups than one grid dimension allows."""
+    limit = gpu.limits.max_compute_workgroups_per_dimension
+    rng = np.random.default_rng(18)
+    rows = limit * 256 + 999  # swiglu: one invocation per output, 256 per workgroup
+    x = rng.standard_normal((rows, 2), dtype=np.float32).astype(np.float16)
+    batch = bg.GpuCommandBatch(gpu)
+    y = batch.swiglu(batch.upload(x))
+    batch.execute()
+    gate, up = x[:, 0].astype(np.float64), x[:, 1].astype(np.float64)
+    np.testing.assert_allclose(batch.read_sync(y)[:, 0], gate / (1 + np.exp(-gate)) * up, rtol=2e-3, atol=1e-3)
+    tokens = limit * 64 // (15 * 32) + 3  # rope_kv_write: one invocation per pair of 15 heads of 64, 64 per group
+    assert tokens * 15 * 32 > limit * 64
+    qkv = rng.standard_normal((tokens, 15, 64), dtype=np.float32)
+    caches = [gpu.tensor(np.zeros((tokens, 3, 64), np.float32)) for _ in range(2)]
+    batch = bg.GpuCommandBatch(gpu)
+    q = batch.rope_kv_write(batch.upload(qkv), *caches, 0)
+    batch.execute()
+    ref = bg.Device("reference")
+    expected = run_on(ref, [qkv], lambda b, t: b.rope(b.slice(t, (slice(None), slice(0, 12))), 0, 10000.0))
+    np.testing.assert_allclose(batch.read_sync(q), expected[:, :9], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gpu.read(caches[0]), expected[:, 9:], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(gpu.read(caches[1]), qkv[:, 12:])
+
+
 def test_many_rows_split_over_two_dims(gpu, ref):
     """Row reductions use one workgroup per row: more rows than one grid dimension allows."""
     rows = gpu.limits.max_compute_workgroups_per_dimension + 17
