@@ -27,12 +27,13 @@ from .errors import (
     ShapeError,
 )
 from .executors.base import Execution, Plan
+from .fusion import enabled_by_environment
 from .kernels import Kernel
 from .limits import check_launch
 from .ops import OPS, Node, OpSpec
 from .profiling import Profile, Session
 from .recording import Recording
-from .runner import Readback, Runner
+from .runner import Readback, Runner, Ticket
 from .scalars import MAX_SCALARS, SCALAR_FORMATS, Scalar, check_value
 from .scalars import resolve as resolve_scalars
 from .tensor import QuantTensor, Storage, StorageKind, Tensor, as_shape
@@ -76,11 +77,15 @@ class GpuCommandBatch:
     queue submit (readback copies included), returning once submitted. ``read``/``read_sync`` return
     numpy arrays. Re-execute with new inputs via ``execute({x: array})``: nothing is re-recorded and
     no pipeline is recompiled.
+
+    A batch that declares its outputs (:meth:`outputs`) runs each chain of elementwise ops as one
+    generated kernel (:mod:`batchgpu.fusion`); ``fusion=False`` (or ``BATCHGPU_FUSION=off``) runs every op
+    as recorded, for debugging.
     """
 
     _names = itertools.count()
 
-    def __init__(self, device: Device | None = None, *, name: str = "") -> None:
+    def __init__(self, device: Device | None = None, *, name: str = "", fusion: bool = True) -> None:
         if device is not None and not isinstance(device, Device):
             raise ArgumentError(
                 f"GpuCommandBatch: device must be a batchgpu.Device (e.g. bg.Device({device!r})) or None for "
@@ -88,6 +93,7 @@ class GpuCommandBatch:
             )
         self.device = device if device is not None else default_device()
         self.name = arguments.text("GpuCommandBatch", "name", name) or f"batch{next(self._names)}"
+        self.fusion = arguments.flag("GpuCommandBatch", "fusion", fusion) and enabled_by_environment()
         self._recording = Recording()
         self._readback = Readback()
         self._runner: Runner | None = None  # the plan of the latest execute (or of a failed one after it)
@@ -522,10 +528,12 @@ class GpuCommandBatch:
         *,
         scalars: Mapping[str, int | float] | Iterable[tuple[str, int | float]] | None = None,
         profile: bool = False,
-    ) -> None:
+    ) -> Submission:
         """Upload new inputs and scalar values, encode every op and the readback copies, submit once;
         returns without waiting for the GPU. Inputs and scalars keep their values until changed.
-        ``profile=True`` also times every dispatch (see :meth:`profile`)."""
+        ``profile=True`` also times every dispatch (see :meth:`profile`). The returned
+        :class:`Submission` reads this execute's outputs even after later executes (submit ahead, read
+        behind)."""
         self._check_open("execute")
         session = profiling.start(self, arguments.flag("execute", "profile", profile))
         fed = self._validate_feeds(feeds)
@@ -534,7 +542,7 @@ class GpuCommandBatch:
         runner = self._runner
         if runner is None or self._stale:  # a new plan: inputs and constants are uploaded, state carried over
             planning = time.perf_counter()
-            fresh = Runner(self.device.executor, recording, self._readback.declared)
+            fresh = Runner(self.device.executor, recording, self._readback.declared, fusion=self.fusion)
             carried = fresh.carry_from(runner, recording) if runner is not None else frozenset()
             if runner is not None:
                 runner.drop_execution()
@@ -544,6 +552,8 @@ class GpuCommandBatch:
                 session.span("plan", planning)
         else:
             writes = {**recording.pending, **fed}
+        if session is not None:
+            session.nodes = list(runner.nodes)
         readback = self._readback.storages(recording)
         runner.run(writes, readback, scalar_values, profiling.run_kwargs(self.device.executor, session))
         recording.scalar_values = scalar_values
@@ -552,6 +562,7 @@ class GpuCommandBatch:
         if session is not None:
             session.finish()
             runner.profiled = session
+        return Submission(self, runner.ticket())
 
     async def execute_async(
         self,
@@ -559,9 +570,9 @@ class GpuCommandBatch:
         *,
         scalars: Mapping[str, int | float] | Iterable[tuple[str, int | float]] | None = None,
         profile: bool = False,
-    ) -> None:
+    ) -> Submission:
         """``execute()`` for asyncio code: submits and returns; await ``read`` for results."""
-        self.execute(feeds, scalars=scalars, profile=profile)
+        return self.execute(feeds, scalars=scalars, profile=profile)
 
     def profile(self) -> Profile:
         """Timing of the latest ``execute(profile=True)``: per dispatch the op, kernel, shapes, workgroups,
@@ -686,9 +697,9 @@ class GpuCommandBatch:
             )
         if tensor.storage in runner.buffers.shareable:  # by the executed plan, whatever outputs() says since
             raise BatchError(
-                f"read: {tensor.describe()} is an intermediate of batch {self.name!r}, whose buffer other "
-                f"intermediates reuse since batch.outputs(...) was declared; add it to batch.outputs (and "
-                f"execute) to read it"
+                f"read: {tensor.describe()} is an intermediate of batch {self.name!r}, not kept since "
+                f"batch.outputs(...) was declared (other intermediates reuse its buffer, or its op runs fused "
+                f"into the next); add it to batch.outputs (and execute) to read it"
             )
         if not self._recording.recorded_before(tensor.storage, runner.count):
             raise NotExecutedError(
@@ -737,6 +748,51 @@ class GpuCommandBatch:
         self._runner = None
         self._recording = Recording()
         self._released = True
+
+
+class Submission:
+    """One ``execute`` of a batch: the tensors it copied back (declared outputs, or the tensors read so
+    far) stay readable from here after later executes, so a loop can submit step n + 1 before reading
+    step n (a decode loop whose next input is written on the device). Holding a submission keeps its
+    readback buffers; reading it or :meth:`release` lets them go."""
+
+    def __init__(self, batch: GpuCommandBatch, ticket: Ticket) -> None:
+        self.batch = batch
+        self._ticket = ticket
+
+    def read_sync(self, tensor: Tensor) -> np.ndarray:
+        """The tensor's value after this execute (blocks until the device is done with it)."""
+        storage = self._check(tensor)
+        try:
+            flat = self._ticket.read_sync(storage)
+        except DeviceError as exc:
+            raise DeviceError(f"read {tensor.describe()} of batch {self.batch.name!r}: {exc}") from None
+        return flat[: tensor.size].reshape(tensor.shape).copy()
+
+    async def read(self, tensor: Tensor) -> np.ndarray:
+        """:meth:`read_sync` without blocking the event loop."""
+        storage = self._check(tensor)
+        try:
+            flat = await self._ticket.read(storage)
+        except DeviceError as exc:
+            raise DeviceError(f"read {tensor.describe()} of batch {self.batch.name!r}: {exc}") from None
+        return flat[: tensor.size].reshape(tensor.shape).copy()
+
+    def release(self) -> None:
+        """Give this execute's readback buffers back without reading them."""
+        self._ticket.release()
+
+    def _check(self, tensor: Tensor) -> Storage:
+        self.batch._check_open("read")
+        if not isinstance(tensor, Tensor):
+            raise ArgumentError(f"read: expected a Tensor, got {type(tensor).__name__}")
+        self.batch._check_member("read", "tensor", tensor)
+        if not self._ticket.holds(tensor.storage):
+            raise BatchError(
+                f"read: {tensor.describe()} was not copied back by this execute of batch {self.batch.name!r} "
+                f"(released, resident, or not among its outputs: declare it with batch.outputs before executing)"
+            )
+        return tensor.storage
 
 
 class BatchView:

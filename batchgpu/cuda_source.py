@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import functools
 
+from .dtypes import CUDA_TYPE
 from .errors import UnsupportedError
 from .kernels import Launch
 from .ops.interface import FAMILIES as _FAMILIES
 from .ops.interface import cuda_literal
-from .shaders import expression, shader_root
+from .shaders import STATEMENT_SNIPPETS, shader_root, snippet
 from .shaders import family_source as _family_source
-
-CUDA_TYPE = {"f32": "float", "f16": "bg_half", "i32": "int", "u32": "unsigned"}
-"""CUDA type of each WGSL scalar type used in type aliases (float16 is a 2-byte storage struct)."""
 
 FAMILIES = tuple(_FAMILIES)
 """The built-in kernel families (``shaders/cuda/<family>.cu``)."""
@@ -57,8 +55,11 @@ def defines(launch: Launch) -> list[str]:
     for alias in ("A", "B", "O", "C"):
         if alias not in types:  # families declare every alias; fill unused ones with float
             lines.append(f"typedef float {alias};")
-    for name, op in launch.snippets:
-        lines.append(f"#define {name}_EXPR ({expression(op, 'cuda')})")
+    for name, value in launch.snippets:
+        if name in STATEMENT_SNIPPETS.get(launch.family, ()):
+            lines.append(f"#define {launch.family.upper()}_{name} {snippet(name, value, 'cuda')}")
+        else:
+            lines.append(f"#define {name}_EXPR ({snippet(name, value, 'cuda')})")
     skip = RUNTIME_CONSTANTS.get(launch.family, frozenset())
     lines += [f"#define {name} {cuda_literal(value)}" for name, value in launch.constants if name not in skip]
     return lines

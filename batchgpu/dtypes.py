@@ -22,6 +22,9 @@ WGSL_TYPE: dict[np.dtype, str] = {FLOAT32: "f32", FLOAT16: "f16", INT32: "i32", 
 WGSL_COMPUTE_TYPE: dict[np.dtype, str] = {FLOAT32: "f32", FLOAT16: "f32", INT32: "i32", UINT32: "u32"}
 """Type arithmetic is done in: float16 computes in float32 and rounds once when stored."""
 
+CUDA_TYPE: dict[str, str] = {"f32": "float", "f16": "bg_half", "i32": "int", "u32": "unsigned"}
+"""CUDA type of each WGSL scalar type (float16 is a 2-byte storage struct, shaders/cuda/prelude.cuh)."""
+
 
 DTYPE_NAMES: dict[str, np.dtype] = {"f32": FLOAT32, "f16": FLOAT16, "i32": INT32, "u32": UINT32}
 """Short names (the WGSL ones, as ``batch.scalar`` takes them) accepted wherever a dtype is."""

@@ -88,7 +88,8 @@ class Session:
         self.device = batch.device.name
         self.executor = batch.device.kind
         view = batch.view()
-        self.nodes: list[Node] = list(view.nodes)
+        self.recorded: list[Node] = list(view.nodes)
+        self.nodes: list[Node] = self.recorded  # the nodes the plan runs (fused chains), set by execute
         self.record_spans: list[tuple[float, float]] = list(view.record_spans)
         self.host: list[tuple[str, float, float]] = []  # (name, start s, end s) inside the execute
         self.finished: float | None = None
@@ -217,7 +218,7 @@ class Profile:
         if total > 0:
             for row, t in zip(rows, timed):
                 row.share = None if t is None else t / total
-        record_spans = [(node.spec.name, start, end) for node, (start, end) in zip(session.nodes, session.record_spans)]
+        record_spans = [(n.spec.name, start, end) for n, (start, end) in zip(session.recorded, session.record_spans)]
         finished = session.finished or time.perf_counter()
         return cls(
             batch=session.batch_name,

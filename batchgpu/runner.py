@@ -11,7 +11,9 @@ import numpy as np
 
 from .executors import Executor
 from .executors.base import Execution, Plan
+from .fusion import Fused, fuse
 from .memory import BufferPlan, share_buffers
+from .ops import Node
 from .recording import Recording
 from .tensor import Storage
 
@@ -51,16 +53,23 @@ class Readback:
 
 
 class Runner:
-    """One plan of a recording on an executor (buffers, shared per ``declared`` outputs) and the latest
-    execution of it. ``count`` is the recording's count the plan covers."""
+    """One plan of a recording on an executor (elementwise chains fused and buffers shared per ``declared``
+    outputs) and the latest execution of it. ``count`` is the recording's count the plan covers; ``nodes``
+    are the ops the plan runs (fused chains as one node each)."""
 
-    def __init__(self, executor: Executor, recording: Recording, declared: Collection[Storage] | None) -> None:
+    def __init__(
+        self, executor: Executor, recording: Recording, declared: Collection[Storage] | None, *, fusion: bool = True
+    ) -> None:
         self.executor = executor
         self.count = recording.count
         keep = recording.storages if declared is None else declared
-        self.buffers: BufferPlan = share_buffers(recording.nodes, recording.storages, keep)
+        fused = fuse(recording.nodes, keep, executor.limits, executor.name) if fusion else Fused(recording.nodes)
+        self.nodes: list[Node] = fused.nodes
+        storages = [s for s in recording.storages if s not in fused.eliminated]
+        self.buffers: BufferPlan = share_buffers(fused.nodes, storages, keep)
+        self.buffers.shareable |= fused.eliminated
         self.plan: Plan = executor.plan(
-            recording.nodes, self.buffers.storages, tuple(recording.scalars.values()), aliases=self.buffers.aliases
+            fused.nodes, self.buffers.storages, tuple(recording.scalars.values()), aliases=self.buffers.aliases
         )
         self.execution: Execution | None = None
         self.ran = False  # an execute of this runner, or of one it replaced, succeeded
@@ -93,8 +102,15 @@ class Runner:
         if self.execution is not None:
             if self.profiled is not None:
                 self.profiled.settle()  # read its timestamps before its readback buffer is recycled
-            self.execution.abandon()
+            self.execution.superseded = True
+            if not self.execution.holders:
+                self.execution.abandon()
             self.execution = None
+
+    def ticket(self) -> Ticket:
+        """A handle on the latest execution that keeps what it copied back readable after newer ones."""
+        assert self.execution is not None
+        return Ticket(self, self.execution)
 
     async def read(self, storage: Storage) -> np.ndarray:
         assert self.execution is not None
@@ -103,3 +119,35 @@ class Runner:
     def read_sync(self, storage: Storage) -> np.ndarray:
         assert self.execution is not None
         return self.executor.read_sync(self.plan, self.execution, storage)
+
+
+class Ticket:
+    """One execution of a runner's plan, held: the storages it copied back stay readable (its staging
+    buffers are not recycled) until read or released, whatever ran since."""
+
+    def __init__(self, runner: Runner, execution: Execution) -> None:
+        self.runner = runner
+        self.execution: Execution | None = execution
+        execution.holders += 1
+
+    def holds(self, storage: Storage) -> bool:
+        return self.execution is not None and self.execution.holds(storage)
+
+    def read_sync(self, storage: Storage) -> np.ndarray:
+        assert self.execution is not None and self.execution.holds(storage)
+        return self.runner.executor.read_sync(self.runner.plan, self.execution, storage)
+
+    async def read(self, storage: Storage) -> np.ndarray:
+        assert self.execution is not None and self.execution.holds(storage)
+        return await self.runner.executor.read(self.runner.plan, self.execution, storage)
+
+    def release(self) -> None:
+        """Let the execution go (abandoned if a newer execute superseded it and nothing else holds it)."""
+        execution, self.execution = self.execution, None
+        if execution is not None:
+            execution.holders -= 1
+            if execution.superseded and not execution.holders:
+                execution.abandon()
+
+    def __del__(self) -> None:
+        self.release()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from .errors import UnsupportedError
+from .ops import fused
 from .ops.elementwise import EXPRESSIONS
 from .ops.interface import FAMILIES
 
@@ -24,6 +25,10 @@ Language = Literal["wgsl", "cuda"]
 
 DEFAULT_SNIPPETS = {"UNARY": "x", "BINARY": "x"}
 """What a placeholder no snippet names stands for (the other op kind's function of elementwise.wgsl)."""
+
+STATEMENT_SNIPPETS: dict[str, tuple[str, ...]] = {"fused": fused.PLACEHOLDERS}
+"""Placeholders filled with generated code (functions, statements) rather than one op's expression, by
+family: their snippet value is a fused program (:mod:`batchgpu.ops.fused`)."""
 
 _SUFFIX = {"wgsl": ".wgsl", "cuda": ".cu"}
 _INTERFACE = "//!interface"
@@ -64,6 +69,14 @@ def expression(op: str, language: Language) -> str:
     return row.text(language)
 
 
+def snippet(placeholder: str, value: str, language: Language) -> str:
+    """What ``placeholder`` of a launch's snippets stands for in ``language``: the fused family's generated
+    code for its program ``value``, else the expression of elementwise op ``value``."""
+    if placeholder in fused.PLACEHOLDERS:
+        return fused.render(placeholder, value, language)
+    return expression(value, language)
+
+
 @functools.cache
 def _template(family: str) -> string.Template:
     return string.Template(family_source("wgsl", family))
@@ -75,5 +88,5 @@ def render_wgsl(family: str, types: tuple[tuple[str, str], ...], snippets: tuple
     ``snippets`` (NAME, op name) filled with the op's WGSL expression."""
     header = "enable f16;\n" if any(t == "f16" for _, t in types) else ""
     header += "".join(f"alias {name} = {wgsl_type};\n" for name, wgsl_type in types)
-    filled = {**DEFAULT_SNIPPETS, **{name: expression(op, "wgsl") for name, op in snippets}}
+    filled = {**DEFAULT_SNIPPETS, **{name: snippet(name, value, "wgsl") for name, value in snippets}}
     return header + _template(family).substitute(filled)

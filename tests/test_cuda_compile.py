@@ -18,10 +18,13 @@ import pytest
 import batchgpu as bg
 from batchgpu import cuda_source
 from batchgpu.errors import CompileError, UnsupportedError
+from batchgpu.fusion import fuse
+from batchgpu.limits import Limits
 from batchgpu.nvrtc import Hiprtc, ModuleCache, Nvrtc
 from batchgpu.ops.interface import FAMILIES
 
-from .op_examples import record_all, shrunk_bounds
+from .conftest import random_array
+from .op_examples import record_all, record_fusable_chains, shrunk_bounds
 
 ARCHS = ("sm_80", "sm_90")
 HIP_ARCHS = ("gfx90a", "gfx1030")
@@ -52,6 +55,19 @@ def _record_everything() -> list[bg.kernels.Launch]:
     return [launch for node in b.nodes for launch in node.launches]
 
 
+def _fused_launches() -> list[bg.kernels.Launch]:
+    """The fused kernels of chains holding every elementwise op and casts, over every dtype."""
+    launches = []
+    rng = np.random.default_rng(0)
+    for dtype in DTYPES:
+        b = bg.GpuCommandBatch(bg.Device("reference"))
+        x, y = b.upload(random_array(rng, (3, 37), dtype)), b.upload(random_array(rng, (37,), dtype))
+        outputs = record_fusable_chains(b, x, y)
+        fused = fuse(b.nodes, {t.storage for t in outputs}, Limits(), "reference")
+        launches += [launch for node in fused.nodes for launch in node.launches if launch.family == "fused"]
+    return launches
+
+
 def _sources() -> dict[str, tuple[str, set[str]]]:
     """Each module source with the entries launched from it (WGSL-shaped and native forms), recorded
     with the real bounds and with shrunk ones."""
@@ -59,6 +75,7 @@ def _sources() -> dict[str, tuple[str, set[str]]]:
     launches = _record_everything()
     with shrunk_bounds():
         launches += _record_everything()
+    launches += _fused_launches()
     for recorded in launches:
         for launch in {id(recorded): recorded, id(recorded.for_native()): recorded.for_native()}.values():
             source, name = cuda_source.render(launch)

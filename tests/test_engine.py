@@ -29,8 +29,9 @@ OTHERS = ["Once upon a time", "The best way to learn", "import numpy as np\n", "
 
 @functools.cache
 def engine(kind: str) -> Engine:
-    """One engine per executor for the module (weights upload and step recording are the slow part)."""
-    return Engine(device=bg.Device(kind), max_batch=8, max_context=256, prefill_chunk=16, block_size=16)
+    """One engine per executor for the module (weights upload and step recording are the slow part), one
+    step submitted ahead of the reads (the default on a GPU; on these CPU devices 0)."""
+    return Engine(device=bg.Device(kind), max_batch=8, max_context=256, prefill_chunk=16, block_size=16, ahead=1)
 
 
 @pytest.fixture(params=["reference", "wgpu"])
@@ -211,3 +212,36 @@ def test_unfused_projections_give_the_same_ids() -> None:
 def test_float16_kv_cache() -> None:
     half = Engine(device=bg.Device("reference"), max_batch=2, max_context=64, kv_dtype=np.float16)
     assert half.complete(PROMPT, greedy(6)).token_ids == GREEDY[:6]
+
+
+def test_steps_submitted_ahead_give_the_ids_of_steps_that_wait(eng: Engine) -> None:
+    """Decode steps read their tokens where the step before left them on the device; run up to 3 steps
+    ahead of the reads, requests that stop early (a stop token, max_tokens) drop what ran past them and
+    every request gets the ids of an engine that reads each step before the next."""
+    params = [
+        SamplingParams(max_tokens=9, temperature=0.8, top_k=40, repetition_penalty=1.3, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[198], ignore_eos=True),  # stops at 3
+        greedy(4),
+        SamplingParams(max_tokens=6, temperature=1.1, frequency_penalty=0.5, seed=99, ignore_eos=True),
+    ]
+    prompts = [OTHERS[0], PROMPT, OTHERS[3], OTHERS[5]]
+
+    async def together() -> list[list[int]]:
+        return list(
+            await asyncio.gather(*(collect(eng, p, s, delay_steps=i) for i, (p, s) in enumerate(zip(prompts, params))))
+        )
+
+    results, decode_steps = {}, {}
+    for ahead in (0, 3):
+        eng.ahead = ahead
+        try:
+            results[ahead] = asyncio.run(together())
+            before = eng.steps["decode"]
+            assert eng.complete(PROMPT, params[1]).token_ids == GREEDY[:3]
+            decode_steps[ahead] = eng.steps["decode"] - before
+        finally:
+            eng.ahead = 1
+    assert results[3] == results[0]
+    assert results[0][1] == GREEDY[:3] and [len(ids) for ids in results[0]] == [9, 3, 4, 6]
+    assert decode_steps == {0: 2, 3: 5}  # alone: 3 more decode steps ran ahead of the stop and were dropped
+    assert eng.memory()["blocks_used"] == 0

@@ -101,8 +101,8 @@ def test_prefill_logits_match_float64(kind, quantized):
 @pytest.mark.parametrize("kind", ["reference", "wgpu"])
 def test_decode_step_dispatches(kind):
     """Dispatches per decode step (``dev.stats``): q, k and v are one GEMV and rope + both cache writes one
-    kernel, gate and up one GEMV with silu(gate) * up in its store: 8 per layer, 244 in all (issue 16's
-    target: at most 250)."""
+    kernel, gate and up one GEMV with silu(gate) * up in its store: 8 per layer, 245 in all with the write
+    of the greedy token into the next step's input (issue 16's target: at most 250)."""
     m = model(kind, True)
     stats = m.device.stats
     step = m.prefill(PROMPT)
@@ -112,7 +112,7 @@ def test_decode_step_dispatches(kind):
     before = stats.dispatches
     m.decode(token)
     per_layer = 8  # qkv, rope_kv_write, attention, output, add_rms_norm, gate_up + swiglu, down, add_rms_norm
-    assert stats.dispatches - before == m.config.layers * per_layer + 4  # embedding, rms_norm, head, argmax
+    assert stats.dispatches - before == m.config.layers * per_layer + 5  # embedding, rms_norm, head, argmax, token
 
 
 def test_unfused_model_gives_the_same_logits():
@@ -147,3 +147,28 @@ async def test_async_generation_lets_other_tasks_run():
         ids = [token async for token in m.generate_async(PROMPT, 3)]
     assert ids == GREEDY[:3]
     assert other_task.ticks > 3
+
+
+@pytest.mark.parametrize("kind", ["reference", "wgpu"])
+def test_decode_steps_submitted_ahead_give_the_round_trip_ids(kind):
+    """Each decode step reads its token where the previous step wrote it on the device: submitted up to
+    3 steps ahead of the reads, the ids equal a host loop that feeds every token back (decode(token))."""
+    m = model(kind, True)
+    host = []
+    step = m.prefill(PROMPT)
+    for _ in range(6):
+        host.append(int(step.batch.read_sync(step.next_token)[0]))
+        step = m.decode(host[-1])
+    assert host == GREEDY[:6]
+    for ahead in (0, 1, 3):
+        assert list(m.generate(PROMPT, 6, ahead=ahead)) == host, ahead
+
+
+def test_a_stop_token_drops_the_steps_that_ran_past_it():
+    m = model("wgpu", True)
+    stats = m.device.stats
+    submits = stats.submits
+    assert list(m.generate(PROMPT, 10, ahead=3, stop={GREEDY[2]})) == GREEDY[:3]
+    assert stats.submits - submits == 6  # prefill, the 2 decodes read and 3 submitted ahead
+    assert m.position == len(PROMPT) + 2  # the KV of the tokens consumed so far, as without steps ahead
+    assert list(m.generate(PROMPT, 4, ahead=2)) == GREEDY[:4]  # the dropped steps leave nothing behind

@@ -138,6 +138,7 @@ _WGSL_SIZE_ALIGN = {
     "vec4<u32>": (16, 16),
     "array<vec4<u32>, 2>": (32, 16),
     "array<vec4<i32>, 2>": (32, 16),
+    "array<vec4<u32>, 12>": (192, 16),
 }
 
 
@@ -149,7 +150,7 @@ def wgsl_params_layout(family: Family) -> tuple[dict[str, int], int]:
     assert body is not None
     offsets, offset, largest = {}, 0, 4
     for line in body.group(1).splitlines():
-        name, kind = re.match(r"\s*(\w+): ([^,]+(?:, 2>)?),", line).groups()
+        name, kind = re.match(r"\s*(\w+): ([^,]+(?:, \d+>)?),", line).groups()
         size, align = _WGSL_SIZE_ALIGN[kind]
         offset = -(-offset // align) * align
         offsets[name] = offset

@@ -149,10 +149,20 @@ def plan_buffers(
 
 
 class Execution:
-    """One submitted execute: where its readback results will come from."""
+    """One submitted execute: where its readback results will come from. ``holders``: handles that keep
+    it readable after a newer execute (:class:`batchgpu.runner.Ticket`); ``superseded``: a newer execute
+    replaced it (it is abandoned once no handle holds it)."""
+
+    holders = 0
+    superseded = False
 
     def abandon(self) -> None:
-        """Called when a newer execute supersedes this one; frees what is no longer needed."""
+        """Called when a newer execute supersedes this one and nothing holds it; frees what is no longer
+        needed."""
+
+    def holds(self, storage: Storage) -> bool:
+        """Whether this execute copied ``storage`` back (its value stays readable after later executes)."""
+        return False
 
 
 class StagedExecution(Execution):
@@ -183,6 +193,10 @@ class Executor(ABC):
     features: frozenset[str]
     stats: Stats
     poison: bool = False
+    concurrent: bool = False
+    """The device runs submitted work while the host goes on (a GPU): work submitted ahead of the reads
+    overlaps the host's encoding with the device's computing. False where the host does the computing
+    (numpy, a CPU Vulkan driver such as lavapipe, whose submit blocks while earlier work runs)."""
     """Whether new output and scratch buffers are filled with :data:`POISON_BYTE` (``Device(poison=True)``)."""
 
     @abstractmethod

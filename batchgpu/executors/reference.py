@@ -33,6 +33,9 @@ class ReferenceExecution(Execution):
     def __init__(self, results: dict[Storage, np.ndarray]) -> None:
         self.results = results
 
+    def holds(self, storage: Storage) -> bool:
+        return storage in self.results
+
 
 class ReferenceExecutor(Executor):
     kind = "reference"

@@ -241,6 +241,7 @@ class WgpuExecutor(DeviceExecutor):
         self._group_layouts: dict[Any, Any] = {}  # pipeline -> its bind group layout 0
         self._usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self.gpu_kernels = gpu_kernels(chosen)
+        self.concurrent = dict(chosen.info).get("adapter_type") != "CPU"
         self.direct = direct_encoder(self.device)  # the hot encode loop through wgpu-native's C functions
 
     def form(self, launch: Launch) -> Launch:

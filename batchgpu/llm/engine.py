@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from ..batch import default_device
+from ..batch import Submission, default_device
 from ..device import Device
 from ..errors import BatchError, RequestError
-from ..models.llama import GGUFWeights, smollm2_path, upload_weights
+from ..models.llama import GGUFWeights, default_ahead, smollm2_path, upload_weights
+from ..tensor import Tensor
 from .blocks import BlockPool
 from .params import SamplingParams
 from .step import KVCache, Step, record_step
@@ -63,7 +64,8 @@ class Request:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     slot: int = -1
     blocks: list[int] = field(default_factory=list)
-    prefilled: int = 0  # prompt tokens already run
+    prefilled: int = 0  # prompt tokens submitted to run
+    sampled: int = 0  # tokens a submitted step samples for it (read back or not yet)
     output: list[int] = field(default_factory=list)
     cancelled: bool = False
     done: bool = False
@@ -71,8 +73,27 @@ class Request:
 
     @property
     def length(self) -> int:
-        """Tokens in the KV cache (prompt rows run so far, then every generated token but the newest)."""
-        return self.prefilled + max(len(self.output) - 1, 0)
+        """Tokens in the KV cache once the submitted steps ran (the prompt rows, then every sampled token
+        but the newest): the position of the next decode step's row."""
+        return self.prefilled + max(self.sampled - 1, 0)
+
+    @property
+    def decoding(self) -> bool:
+        """Its prompt ran and it needs more tokens than the submitted steps sample."""
+        return self.prefilled == len(self.prompt) and self.sampled < self.params.max_tokens
+
+
+@dataclass
+class Pending:
+    """A submitted step whose sampled ids are not read yet: ``requests[i]``'s token is ``next_ids[rows[i]]``,
+    a real one where ``sampled[i]`` (not a prompt chunk that leaves more of its prompt to run)."""
+
+    kind: str
+    requests: list[Request]
+    submission: Submission
+    next_ids: Tensor
+    rows: list[int]
+    sampled: list[bool]
 
 
 def step_sizes(largest: int) -> list[int]:
@@ -95,7 +116,10 @@ class Engine:
     (default: room for every slot at a quarter of ``max_context``, at least one full context), in
     ``kv_dtype`` (float32 or float16); prompts run in chunks of ``prefill_chunk`` tokens. ``fuse``
     concatenates each layer's q/k/v weights: one GEMV, then rope and both KV pool writes in one kernel
-    (False: the separate ops, the same numbers).
+    (False: the separate ops, the same numbers). Each step's sampled tokens stay on the device as the next
+    decode step's input, so up to ``ahead`` steps are submitted before the oldest one's tokens are read
+    (0: every step waits for the previous one's read; default: :func:`~batchgpu.models.llama.default_ahead`);
+    a request that stops early drops what ran past it.
     """
 
     _ids = itertools.count()
@@ -113,6 +137,7 @@ class Engine:
         kv_blocks: int | None = None,
         prefill_chunk: int = 32,
         fuse: bool = True,
+        ahead: int | None = None,
     ) -> None:
         self.device = device if device is not None else default_device()
         self.path = Path(model) if model is not None else smollm2_path()
@@ -124,6 +149,10 @@ class Engine:
             raise BatchError(f"Engine: max_context must be in [1, {trained}] (the model's trained length)")
         if max_batch < 1 or prefill_chunk < 1:
             raise BatchError("Engine: max_batch and prefill_chunk must be at least 1")
+        ahead = default_ahead(self.device) if ahead is None else ahead
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise BatchError(f"Engine: ahead must be an int >= 0, got {ahead!r}")
+        self.ahead = ahead
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
         self.max_blocks = -(-max_context // block_size)
         blocks = kv_blocks if kv_blocks is not None else max(self.max_blocks, max_batch * self.max_blocks // 4)
@@ -284,24 +313,47 @@ class Engine:
             self._task = None
 
     async def _run(self) -> None:
+        """Submit steps while fewer than ``ahead + 1`` are in flight, then read the oldest and deliver its
+        tokens; wait when there is nothing to run."""
         assert self._wake is not None
+        in_flight: deque[Pending] = deque()
         while True:
             self._drop_cancelled()
             self._admit()
-            step = self._next_step()
-            if step is None:
+            if len(in_flight) <= self.ahead:
+                step = self._next_step()
+                if step is not None:
+                    pending = self._submit(*step)
+                    if pending is not None:
+                        in_flight.append(pending)
+                    continue
+            if not in_flight:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            kind, requests = step
-            try:
-                ids = await (self._prefill(requests) if kind == "prefill" else self._decode(requests))
-            except BatchError as exc:  # the device failed: every request in the step fails, the engine goes on
-                for request in requests:
-                    self._finish(request, exc)
-                continue
-            self._deliver(kind, requests, ids)
+            await self._complete(in_flight.popleft())
             await asyncio.sleep(0)  # let consumers take their pieces between steps
+
+    def _submit(self, kind: str, requests: list[Request]) -> Pending | None:
+        try:
+            return self._prefill(requests) if kind == "prefill" else self._decode(requests)
+        except BatchError as exc:  # the device failed: every request in the step fails, the engine goes on
+            for request in requests:
+                self._finish(request, exc)
+            return None
+
+    async def _complete(self, pending: Pending) -> None:
+        try:
+            ids = await pending.submission.read(pending.next_ids)
+        except BatchError as exc:
+            for request in pending.requests:
+                if not request.done:
+                    self._finish(request, exc)
+            return
+        for request, row, sampled in zip(pending.requests, pending.rows, pending.sampled):
+            if sampled and not (request.cancelled or request.done):  # done: stopped at an earlier step
+                request.output.append(int(ids[row]))
+                self._emit(request, int(ids[row]))
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self.waiting if r.cancelled]:
@@ -324,7 +376,7 @@ class Engine:
     def _next_step(self) -> tuple[str, list[Request]] | None:
         active = [r for r in self.slots if r is not None]
         prefilling = [r for r in active if r.prefilled < len(r.prompt)]
-        decoding = [r for r in active if r.prefilled == len(r.prompt)]
+        decoding = [r for r in active if r.decoding]
         if prefilling and (self._prefill_turn or not decoding):
             self._prefill_turn = False
             return "prefill", self._prefill_group(prefilling)
@@ -345,7 +397,7 @@ class Engine:
 
     # steps ---------------------------------------------------------------------------------------------
 
-    async def _prefill(self, requests: list[Request]) -> np.ndarray:
+    def _prefill(self, requests: list[Request]) -> Pending:
         """One prefill step: the next pieces of ``requests``' prompts packed into at most ``prefill_chunk``
         rows (see :meth:`_prefill_group`), each a contiguous run of rows, in the smallest recorded step that
         holds them; request ``i`` samples from its last row (kept only where its piece ends its prompt)."""
@@ -373,14 +425,17 @@ class Engine:
                 feeds["reset"][request.slot] = 1
             self._sampling_row(feeds, index, request, row=start + n - 1)
             feeds["sampled_slots"][index] = request.slot if first + n == len(request.prompt) else -1
-            request.prefilled += n
             start += n
-        step.run(feeds)
+        submission = step.run(feeds)
+        ends = [r.prefilled + n == len(r.prompt) for r, n in zip(requests, pieces)]
+        for request, n, end in zip(requests, pieces, ends):
+            request.prefilled += n
+            request.sampled += end
         self.steps["prefill"] += 1
         self.prefill_sizes[size] += 1
-        return (await step.batch.read(step.next_ids))[: len(requests)]
+        return Pending("prefill", requests, submission, step.next_ids, list(range(len(requests))), ends)
 
-    async def _decode(self, requests: list[Request]) -> np.ndarray:
+    def _decode(self, requests: list[Request]) -> Pending:
         """One decode step over the smallest recorded batch size that holds ``requests``: row ``i`` serves
         ``requests[i]`` (in the ``max_batch`` step, row ``r.slot`` serves ``r``, as its counts rows do)."""
         size = smallest_fitting(self.decode_steps, len(requests))
@@ -389,7 +444,7 @@ class Engine:
         feeds = self._empty_feeds(step)
         for row, request in zip(rows, requests):
             position = request.length
-            feeds["ids"][row] = request.output[-1]
+            feeds["token_slots"][row] = request.slot  # its latest token, where the step before left it
             feeds["positions"][row] = position
             feeds["kv_rows"][row] = self.pool.row(request.blocks, position)
             feeds["seq"][row] = row
@@ -397,10 +452,12 @@ class Engine:
             feeds["block_tables"][row, : len(request.blocks)] = request.blocks
             self._sampling_row(feeds, row, request, row=row)
             feeds["sampled_slots"][row] = request.slot
-        step.run(feeds)
+        submission = step.run(feeds)
+        for request in requests:
+            request.sampled += 1
         self.steps["decode"] += 1
         self.decode_sizes[size] += 1
-        return (await step.batch.read(step.next_ids))[rows]
+        return Pending("decode", requests, submission, step.next_ids, rows, [True] * len(requests))
 
     def _empty_feeds(self, step: Step) -> dict[str, np.ndarray]:
         """Every input of ``step`` as an idle step: no rows written, attended or counted."""
@@ -419,22 +476,9 @@ class Engine:
         feeds["penalties"][index] = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
         feeds["sampling"][index] = (params.temperature, params.top_p, params.min_p, 0.0)
         feeds["top_k"][index] = params.top_k
-        feeds["keys"][index] = (request.seed, len(request.output))
+        feeds["keys"][index] = (request.seed, request.sampled)
 
     # results -------------------------------------------------------------------------------------------
-
-    def _deliver(self, kind: str, requests: list[Request], ids: np.ndarray) -> None:
-        for index, request in enumerate(requests):
-            if request.cancelled:
-                continue
-            if kind == "prefill":
-                if request.prefilled < len(request.prompt):
-                    continue  # a chunk in the middle of the prompt: nothing sampled yet
-                token = int(ids[index])
-            else:
-                token = int(ids[index])
-            request.output.append(token)
-            self._emit(request, token)
 
     def _emit(self, request: Request, token: int) -> None:
         params = request.params

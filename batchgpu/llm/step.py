@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..batch import GpuCommandBatch
+from ..batch import GpuCommandBatch, Submission
 from ..device import Device
 from ..models.llama import LlamaConfig, feed_forward
 from ..tensor import Tensor
@@ -20,13 +20,15 @@ from ..tensor import Tensor
 @dataclass
 class KVCache:
     """The paged KV cache on the device: per layer one key and one value pool of ``blocks * block_size``
-    rows, and per slot the token counts the penalties read (``seen``: prompt and output, ``generated``:
-    output only). Resident tensors, shared by every recorded step."""
+    rows, per slot the token counts the penalties read (``seen``: prompt and output, ``generated``:
+    output only) and the slot's latest sampled token (``tokens``, (slots, 1): a decode step's input,
+    written by the step before). Resident tensors, shared by every recorded step."""
 
     keys: list[Tensor]
     values: list[Tensor]
     seen: Tensor
     generated: Tensor
+    tokens: Tensor
     block_size: int
     blocks: int
 
@@ -44,6 +46,7 @@ class KVCache:
             values,
             device.tensor(counts, name="seen"),
             device.tensor(counts, name="generated"),
+            device.tensor(np.zeros((slots, 1), np.int32), name="tokens"),
             block_size,
             blocks,
         )
@@ -63,9 +66,10 @@ class Step:
     inputs: dict[str, Tensor]
     next_ids: Tensor
 
-    def run(self, feeds: dict[str, np.ndarray]) -> None:
-        """Execute with the named inputs (every input each time: they are small)."""
-        self.batch.execute({self.inputs[name]: value for name, value in feeds.items()})
+    def run(self, feeds: dict[str, np.ndarray]) -> Submission:
+        """Execute with the named inputs (every input each time: they are small); the submission reads
+        ``next_ids`` later."""
+        return self.batch.execute({self.inputs[name]: value for name, value in feeds.items()})
 
 
 def record_step(
@@ -84,7 +88,9 @@ def record_step(
 ) -> Step:
     """Record the step. Inputs (feed them all each run):
 
-    - ``ids``, ``positions`` (rows,): each row's token and its position in its sequence;
+    - a prefill step's ``ids`` (rows,): each row's prompt token; a decode step's ``token_slots`` (rows,):
+      the slot whose latest sampled token (``cache.tokens``, on the device) each row decodes;
+    - ``positions`` (rows,): each row's position in its sequence;
     - ``kv_rows`` (rows,): the pool row each row's key and value go to (-1: an idle row, nothing written);
     - ``seq``, ``lengths`` (rows,): the block-table row of each row's sequence and how many positions it
       attends over (its position + 1: causal; 0: idle);
@@ -93,8 +99,8 @@ def record_step(
       slot (the counts row; with ``by_slot``, sample i is slot i's and the counts are read directly);
       ``penalties`` (samples, 3), ``sampling`` (samples, 4), ``top_k`` (samples,), ``keys`` (samples, 2):
       see :meth:`GpuCommandBatch.sample`;
-    - ``sampled_slots`` (samples,): slot each sampled token is counted for (-1: not a real token, e.g. a
-      prompt chunk that does not end the prompt);
+    - ``sampled_slots`` (samples,): slot each sampled token is counted for and stored in ``cache.tokens``
+      for (-1: not a real token, e.g. a prompt chunk that does not end the prompt);
     - with ``prompt`` (a prefill step) also ``count_slots`` (rows,), ``reset`` (slots,): prompt tokens to count
       into ``seen`` (slot or -1), slots whose counts start over (a new sequence). Decode steps count only
       the tokens they sample.
@@ -108,7 +114,7 @@ def record_step(
         return batch.upload(np.zeros(shape, dtype), name=label)
 
     inputs = {
-        "ids": inp("ids", (rows,), np.int32),
+        ("ids" if prompt else "token_slots"): inp("ids" if prompt else "token_slots", (rows,), np.int32),
         "positions": inp("positions", (rows,), np.int32),
         "kv_rows": inp("kv_rows", (rows,), np.int32),
         "seq": inp("seq", (rows,), np.int32),
@@ -127,7 +133,8 @@ def record_step(
         inputs["reset"] = inp("reset", (slots,), np.int32)
     x = inputs
     w = weights
-    h = batch.embedding(x["ids"], w["token_embd.weight"])
+    ids = x["ids"] if prompt else batch.reshape(batch.embedding(x["token_slots"], cache.tokens), (rows,))
+    h = batch.embedding(ids, w["token_embd.weight"])
     normed = batch.rms_norm(h, w["blk.0.attn_norm.weight"], cfg.eps)
     for layer in range(cfg.layers):
         block = f"blk.{layer}."
@@ -174,5 +181,6 @@ def record_step(
     next_ids = batch.sample(penalized, x["sampling"], x["top_k"], x["keys"])
     batch.count_tokens(cache.seen, x["sampled_slots"], next_ids)
     batch.count_tokens(cache.generated, x["sampled_slots"], next_ids)
+    batch.scatter_rows(cache.tokens, x["sampled_slots"], batch.reshape(next_ids, (samples, 1)))
     batch.outputs(next_ids)
     return Step(batch, rows, samples, inputs, next_ids)

@@ -8,16 +8,17 @@ re-executes the decode batch with ``scalars={"pos": n}`` and reads back only the
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..batch import GpuCommandBatch
+from ..batch import GpuCommandBatch, Submission
 from ..device import Device
-from ..errors import BatchError
+from ..errors import ArgumentError, BatchError
 from ..progress import progress as show_progress
 from ..quant import dequantize_words, to_device_words
 from ..scalars import Scalar
@@ -227,12 +228,21 @@ def feed_forward(batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], block:
     return batch.matmul(hidden, w[block + "ffn_down.weight"], transpose_b=True)
 
 
+def default_ahead(device: Device) -> int:
+    """Decode steps to submit ahead of the reads: 2 on a device that computes while the host goes on (a
+    GPU), else 0 (numpy, lavapipe: there the host does the work, and on lavapipe steps queued ahead
+    measured ~20% slower per token, benchmarks/RESULTS.md)."""
+    return 2 if device.executor.concurrent else 0
+
+
 @dataclass
 class StepBatch:
-    """A recorded forward pass over ``tokens`` new tokens starting at scalar ``pos``."""
+    """A recorded forward pass over ``tokens`` new tokens starting at scalar ``pos``. ``ids`` is the
+    prompt input of a prefill step; a decode step reads its token from the device, where every step
+    writes its ``next_token``."""
 
     batch: GpuCommandBatch
-    ids: Tensor
+    ids: Tensor | None
     pos: Scalar
     next_token: Tensor
     logits: Tensor
@@ -265,20 +275,24 @@ class Llama:
         self.caches = [
             (device.tensor(zeros, name=f"k{i}"), device.tensor(zeros, name=f"v{i}")) for i in range(cfg.layers)
         ]
+        self.token = device.tensor(np.zeros((1, 1), np.int32), name="token")
+        """The latest step's greedy token, on the device: the next decode step's input."""
         self._prefill: dict[int, StepBatch] = {}
         self._decode: StepBatch | None = None
         self.position = 0
 
     # recording --------------------------------------------------------------------------------
 
-    def record(self, tokens: int) -> StepBatch:
+    def record(self, tokens: int, *, from_device: bool = False) -> StepBatch:
         """Record one forward pass of ``tokens`` tokens at position scalar ``pos``; it writes the KV
-        caches and yields the greedy next token (argmax of the last token's logits)."""
+        caches and yields the greedy next token (argmax of the last token's logits), which it also writes
+        into :attr:`token`. ``from_device``: the one token is read from :attr:`token` (a decode step)
+        instead of an ``ids`` input."""
         cfg, w = self.config, self.params
         batch = GpuCommandBatch(self.device, name=f"llama_{tokens}")
         pos = batch.scalar("pos")
-        ids = batch.upload(np.zeros(tokens, np.int32), name="ids")
-        h = batch.embedding(ids, w["token_embd.weight"])
+        ids = None if from_device else batch.upload(np.zeros(tokens, np.int32), name="ids")
+        h = batch.embedding(batch.reshape(self.token, (1,)) if ids is None else ids, w["token_embd.weight"])
         normed = batch.rms_norm(h, w["blk.0.attn_norm.weight"], cfg.eps)
         for i in range(cfg.layers):
             block = f"blk.{i}."
@@ -290,6 +304,8 @@ class Llama:
         last = batch.slice(normed, (slice(tokens - 1, tokens),)) if tokens > 1 else normed
         logits = batch.matmul(last, w["token_embd.weight"], transpose_b=True)  # output head tied to embeddings
         next_token = batch.argmax(logits)
+        row = batch.upload(np.zeros(1, np.int32), name="token_row")
+        batch.scatter_rows(self.token, row, batch.reshape(next_token, (1, 1)))  # the next decode's input
         batch.outputs(next_token, logits)  # every other activation shares buffers (batchgpu.memory)
         return StepBatch(batch, ids, pos, next_token, logits)
 
@@ -313,40 +329,89 @@ class Llama:
 
     # running ----------------------------------------------------------------------------------
 
-    def _run(self, step: StepBatch, ids: Sequence[int]) -> StepBatch:
-        if self.position + len(ids) > self.max_context:
-            raise BatchError(f"Llama: {self.position} + {len(ids)} tokens exceed max_context {self.max_context}")
-        step.batch.execute({step.ids: np.asarray(ids, np.int32)}, scalars={"pos": self.position})
-        self.position += len(ids)
-        return step
+    def _run(self, step: StepBatch, ids: Sequence[int] | None) -> Submission:
+        tokens = 1 if ids is None else len(ids)
+        if self.position + tokens > self.max_context:
+            raise BatchError(f"Llama: {self.position} + {tokens} tokens exceed max_context {self.max_context}")
+        feeds = {} if ids is None or step.ids is None else {step.ids: np.asarray(ids, np.int32)}
+        submission = step.batch.execute(feeds, scalars={"pos": self.position})
+        self.position += tokens
+        return submission
 
     def prefill(self, ids: Sequence[int]) -> StepBatch:
         """Run the prompt (recorded once per prompt length) from position 0; submitted, not awaited."""
         self.position = 0
+        self._submit_prefill(ids)
+        return self._prefill[len(ids)]
+
+    def decode(self, token: int | None = None) -> StepBatch:
+        """One decode step through the single recorded decode batch, on ``token`` (written to the device
+        first) or, with None, on the token the previous step left on the device."""
+        self._submit_decode(token)
+        assert self._decode is not None
+        return self._decode
+
+    def _submit_prefill(self, ids: Sequence[int]) -> tuple[Submission, Tensor]:
         if len(ids) not in self._prefill:
             self._prefill[len(ids)] = self.record(len(ids))
-        return self._run(self._prefill[len(ids)], ids)
+        step = self._prefill[len(ids)]
+        return self._run(step, ids), step.next_token
 
-    def decode(self, token: int) -> StepBatch:
-        """One decode step through the single recorded decode batch."""
+    def _submit_decode(self, token: int | None = None) -> tuple[Submission, Tensor]:
         if self._decode is None:
-            self._decode = self.record(1)
-        return self._run(self._decode, [token])
+            self._decode = self.record(1, from_device=True)
+        if token is not None:
+            self.device.write(self.token, np.full((1, 1), token, np.int32))
+        return self._run(self._decode, None), self._decode.next_token
 
-    def generate(self, prompt: Sequence[int], max_new_tokens: int) -> Iterator[int]:
-        """Greedy decoding: yields each new token id as soon as it is read back."""
-        step = self.prefill(prompt)
-        for i in range(max_new_tokens):
-            token = int(step.batch.read_sync(step.next_token)[0])
+    def _pipeline(
+        self, prompt: Sequence[int], max_new_tokens: int, ahead: int | None
+    ) -> Iterator[tuple[Submission, Tensor]]:
+        """The steps of a greedy generation as submitted, each decode step ``ahead`` steps before its
+        token is needed (its input is the previous step's token, on the device)."""
+        ahead = default_ahead(self.device) if ahead is None else ahead
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ArgumentError(f"Llama.generate: ahead must be an int >= 0, got {ahead!r}")
+        self.position = 0
+        in_flight = deque([self._submit_prefill(prompt)])
+        submitted = 1
+        try:
+            while in_flight:
+                while submitted < max_new_tokens and len(in_flight) <= ahead:
+                    in_flight.append(self._submit_decode())
+                    submitted += 1
+                yield in_flight.popleft()
+                if submitted < max_new_tokens and not in_flight:
+                    in_flight.append(self._submit_decode())
+                    submitted += 1
+        finally:  # stopped early: steps that ran past the end are dropped, their KV rows overwritten later
+            for submission, _ in in_flight:
+                submission.release()
+            self.position -= len(in_flight)
+
+    def generate(
+        self, prompt: Sequence[int], max_new_tokens: int, *, ahead: int | None = None, stop: Collection[int] = ()
+    ) -> Iterator[int]:
+        """Greedy decoding: yields each new token id as soon as it is read back, up to ``max_new_tokens``
+        or a token of ``stop`` (yielded). Decode steps take their input token on the device and run up to
+        ``ahead`` steps ahead of the reads (0: each step waits for the previous token's read; default
+        :func:`default_ahead`)."""
+        steps = self._pipeline(prompt, max_new_tokens, ahead)
+        for submission, next_token in steps:
+            token = int(submission.read_sync(next_token)[0])
             yield token
-            if i + 1 < max_new_tokens:
-                step = self.decode(token)
+            if token in stop:
+                steps.close()
+                return
 
-    async def generate_async(self, prompt: Sequence[int], max_new_tokens: int) -> Any:
+    async def generate_async(
+        self, prompt: Sequence[int], max_new_tokens: int, *, ahead: int | None = None, stop: Collection[int] = ()
+    ) -> Any:
         """Async greedy decoding: awaits each read so other tasks run while the device works."""
-        step = self.prefill(prompt)
-        for i in range(max_new_tokens):
-            token = int((await step.batch.read(step.next_token))[0])
+        steps = self._pipeline(prompt, max_new_tokens, ahead)
+        for submission, next_token in steps:
+            token = int((await submission.read(next_token))[0])
             yield token
-            if i + 1 < max_new_tokens:
-                step = self.decode(token)
+            if token in stop:
+                steps.close()
+                return

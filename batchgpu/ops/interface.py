@@ -30,10 +30,20 @@ from ..scalars import MAX_SCALARS, NO_SLOT, SCALAR_BYTES
 from ..tensor import Storage, Tensor
 from . import bounds
 
-FieldType = Literal["u32", "i32", "f32", "vec4<u32>", "array<vec4<u32>, 2>", "array<vec4<i32>, 2>"]
-"""Types of ``Params`` fields: 4-byte scalars, a vec4 of u32, and the ``MAX_DIMS``-long dim blocks."""
+FieldType = Literal[
+    "u32", "i32", "f32", "vec4<u32>", "array<vec4<u32>, 2>", "array<vec4<i32>, 2>", "array<vec4<u32>, 12>"
+]
+"""Types of ``Params`` fields: 4-byte scalars, a vec4 of u32, the ``MAX_DIMS``-long dim blocks, and
+``MAX_FUSED_INPUTS`` of them in a row (the fused kernel's strides)."""
+
+MAX_FUSED_INPUTS = 6
+"""Inputs a fused elementwise kernel reads at most (with its output, 7 storage bindings: within WebGPU's
+default of 8 per shader stage; :mod:`batchgpu.fusion` lowers it further on devices that allow fewer)."""
 
 ConstantType = Literal["u32", "f32", "bool"]
+
+_FUSED_DIMS = MAX_FUSED_INPUTS * MAX_DIMS
+assert _FUSED_DIMS == 4 * 12, "the fused strides' FieldType names 12 vec4s"
 
 _FIELD_LAYOUT: dict[str, tuple[int, int, str, str]] = {
     # WGSL type: (size, uniform alignment, struct format (masked to 32 bits for vectors), CUDA declaration)
@@ -43,6 +53,7 @@ _FIELD_LAYOUT: dict[str, tuple[int, int, str, str]] = {
     "vec4<u32>": (16, 16, "4I", "unsigned {name}[4]"),
     "array<vec4<u32>, 2>": (32, 16, f"{MAX_DIMS}I", f"unsigned {{name}}[{MAX_DIMS}]"),
     "array<vec4<i32>, 2>": (32, 16, f"{MAX_DIMS}I", f"int {{name}}[{MAX_DIMS}]"),
+    "array<vec4<u32>, 12>": (192, 16, f"{_FUSED_DIMS}I", f"unsigned {{name}}[{_FUSED_DIMS}]"),
 }
 
 _CUDA_ELEMENT = {"f32": "float", "i32": "int", "u32": "unsigned", "vec4<f32>": "float4"}
@@ -243,7 +254,7 @@ class Family:
             if member.type in ("u32", "i32", "f32"):
                 flat.append(value)
                 continue
-            count = 4 if member.type == "vec4<u32>" else MAX_DIMS
+            count = _FIELD_LAYOUT[member.type][0] // 4
             if len(value) > count:
                 raise ValueError(f"{self.name}.pack: {member.name} holds at most {count} values, got {len(value)}")
             flat += [int(v) & 0xFFFFFFFF for v in value] + [0] * (count - len(value))
@@ -605,8 +616,28 @@ SAMPLING = Family(
     workgroup=DEFAULT_WORKGROUP,
 )
 
+FUSED = Family(
+    "fused",
+    bindings=(
+        *(read(f"in{k}", f"I{k}") for k in range(MAX_FUSED_INPUTS)),
+        write("out", "O"),
+        PARAMS,
+    ),
+    params=(
+        Field("n"),
+        Field("ndim"),
+        Field("shape", DIMS_U32),
+        Field("strides", "array<vec4<u32>, 12>", "MAX_DIMS strides per input (read by STRIDED inputs)"),
+    ),
+    constants=(const("MAX_DIMS", MAX_DIMS),),
+    workgroup=DEFAULT_WORKGROUP,
+)
+"""Fused elementwise chains (:mod:`batchgpu.fusion`): a program of op expressions over up to
+``MAX_FUSED_INPUTS`` inputs of their own dtypes (aliases I0..I5), rendered per launch by
+:mod:`batchgpu.ops.fused`."""
+
 FAMILIES: dict[str, Family] = {
     family.name: family
-    for family in (ELEMENTWISE, COPY, REDUCE, SOFTMAX, MATMUL, NORM, ATTENTION, GATHER, QMATMUL, SAMPLING)
+    for family in (ELEMENTWISE, COPY, REDUCE, SOFTMAX, MATMUL, NORM, ATTENTION, GATHER, QMATMUL, SAMPLING, FUSED)
 }
 """Every built-in shader family by name (``Launch.family``)."""

@@ -142,6 +142,8 @@ class NativeExecution(StagedExecution):
 class NativeExecutor(DeviceExecutor):
     """The executor protocol over :class:`~.driver.Driver`; subclasses name the vendor (``kind``)."""
 
+    concurrent = True
+
     dlpack_type: ClassVar[int]  # DLPack device type of this executor's memory
     importable: ClassVar[tuple[int, ...]]  # DLPack device types copied directly (device to device)
 

@@ -1,0 +1,124 @@
+"""Elementwise fusion: the graph pass between a recording and an executor's plan.
+
+Chains of elementwise ops (the op-expression table's ops and casts, with broadcast operands and scalars)
+become one generated kernel each (:func:`batchgpu.ops.fused.fuse_nodes`), on every executor. An op joins
+the op that reads its output when that output
+
+- is read by that op only (no other op, no view, no in-place writer) and is not kept: only batches that
+  declare their outputs (``batch.outputs``) fuse, since any tensor of the others may be read;
+- has the reader's output shape (it is read at the output index, not broadcast);
+- is computed in the chain's compute type (a cast may convert between two);
+
+and nothing between the chain's first op and its reader writes the chain's inputs in place. A chain reads
+at most ``MAX_FUSED_INPUTS`` inputs (fewer where the device allows fewer storage buffers per stage).
+Results match the unfused graph: every intermediate is rounded through its own dtype.
+
+``BATCHGPU_FUSION=off`` (or ``GpuCommandBatch(fusion=False)``) turns the pass off for debugging.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from .limits import Limits, check_launch
+from .ops import Node
+from .ops.fused import compute_type, fuse_nodes, input_key, is_fusible
+from .ops.interface import MAX_FUSED_INPUTS
+from .tensor import Storage, Tensor
+
+ENV_SWITCH = "BATCHGPU_FUSION"
+
+
+def enabled_by_environment() -> bool:
+    """False when ``BATCHGPU_FUSION`` is ``off``/``0``/``false``/``no``."""
+    return os.environ.get(ENV_SWITCH, "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+@dataclass
+class Fused:
+    """The nodes an executor plans, and the intermediates no kernel writes any more (unreadable)."""
+
+    nodes: list[Node]
+    eliminated: frozenset[Storage] = frozenset()
+
+
+@dataclass
+class _Chain:
+    """Node indices of a chain (recording order, its root last) and its inputs by key."""
+
+    members: list[int]
+    inputs: dict[tuple, Tensor] = field(default_factory=dict)
+    ctype: str | None = None
+
+
+def fuse(nodes: Sequence[Node], keep: Collection[Storage], limits: Limits, device_name: str) -> Fused:
+    """Replace every chain of two or more fusible ops of ``nodes`` by one fused node; ``keep`` are the
+    storages that stay readable (declared outputs)."""
+    readers: dict[Storage, set[int]] = defaultdict(set)
+    writers: dict[Storage, list[int]] = defaultdict(list)
+    for index, node in enumerate(nodes):
+        for tensor in node.inputs:
+            readers[tensor.storage].add(index)
+        for storage in node.written():
+            writers[storage].append(index)
+    cap = min(MAX_FUSED_INPUTS, limits.max_storage_buffers_per_shader_stage - 1)
+    chains: dict[int, _Chain] = {}  # by root index
+    kept = set(keep)
+    for index, node in enumerate(nodes):
+        if not is_fusible(node):
+            continue
+        chain = _Chain([index], {input_key(t): t for t in node.inputs}, compute_type(node))
+        for tensor in node.inputs:
+            producer = writers[tensor.storage][0] if len(writers[tensor.storage]) == 1 else None
+            if producer is None or producer not in chains or tensor.storage in kept:
+                continue
+            if _joins(chains[producer], chain, tensor, index, nodes, readers, writers, cap):
+                _absorb(chain, chains.pop(producer), tensor)
+        chains[index] = chain
+    fused_at = {chain.members[-1]: chain for chain in chains.values() if len(chain.members) > 1}
+    absorbed = {i for chain in fused_at.values() for i in chain.members[:-1]}
+    planned: list[Node] = []
+    for index, node in enumerate(nodes):
+        if index in fused_at:
+            fused = fuse_nodes([nodes[i] for i in fused_at[index].members])
+            for launch in fused.launches:
+                check_launch(launch, limits, device_name)
+            planned.append(fused)
+        elif index not in absorbed:
+            planned.append(node)
+    eliminated = frozenset(nodes[i].output.storage for i in absorbed)
+    return Fused(planned, eliminated)
+
+
+def _joins(
+    producer: _Chain,
+    consumer: _Chain,
+    tensor: Tensor,
+    at: int,
+    nodes: Sequence[Node],
+    readers: dict[Storage, set[int]],
+    writers: dict[Storage, list[int]],
+    cap: int,
+) -> bool:
+    """Whether ``producer``'s chain (whose root writes ``tensor``) may run inside ``consumer``'s, at node
+    ``at``."""
+    root = nodes[producer.members[-1]]
+    if readers[tensor.storage] != {at} or tensor.shape != nodes[at].output.shape or root.output.shape != tensor.shape:
+        return False
+    if None not in (producer.ctype, consumer.ctype) and producer.ctype != consumer.ctype:
+        return False
+    merged = (consumer.inputs.keys() - {input_key(tensor)}) | producer.inputs.keys()
+    if len(merged) > cap:
+        return False
+    first = producer.members[0]
+    return not any(first < w < at for t in producer.inputs.values() for w in writers[t.storage])
+
+
+def _absorb(consumer: _Chain, producer: _Chain, tensor: Tensor) -> None:
+    consumer.members = sorted(consumer.members + producer.members)
+    consumer.inputs.pop(input_key(tensor), None)
+    consumer.inputs.update(producer.inputs)
+    consumer.ctype = consumer.ctype or producer.ctype

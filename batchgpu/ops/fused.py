@@ -1,0 +1,252 @@
+"""The fused elementwise op: a chain of recorded elementwise ops (and casts) run as one generated kernel.
+
+:mod:`batchgpu.fusion` picks the chains; this module turns one chain into a :class:`Node` that stands for
+all of them: a :class:`Program` (loads of the chain's external inputs, then each op in recording order),
+its numpy reference (the members' own references, intermediates rounded to their dtypes as the unfused
+graph stores them), and one launch of the ``fused`` family whose ``FUNCTIONS`` / ``BODY`` snippets
+:func:`render` writes in WGSL or CUDA from the op-expression table. A program's text is the snippet value,
+so equal chains share one pipeline.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from ..dtypes import CUDA_TYPE, FLOAT16, FLOAT32, WGSL_COMPUTE_TYPE, WGSL_TYPE
+from ..kernels import MAX_DIMS, Launch
+from ..tensor import Storage, Tensor
+from .common import broadcast_strides, collapse, groups_for
+from .elementwise import EXPRESSIONS
+from .interface import CONTIGUOUS, FUSED, MAX_FUSED_INPUTS, SCALAR, STRIDED
+from .spec import Node, OpSpec
+
+PLACEHOLDERS = ("FUNCTIONS", "BODY")
+"""The fused family's snippets: each filled with :func:`render` of the launch's program text."""
+
+CAST = "cast"
+"""The program's name of a conversion (the ``cast`` op): no expression, the target type's conversion."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """Input ``slot`` read in compute type ``ctype``, at the output index, as a scalar or strided (``mode``)."""
+
+    slot: int
+    ctype: str
+    mode: int
+
+    def text(self) -> str:
+        return f"in{self.slot}:{self.ctype}:{self.mode}"
+
+
+@dataclass(frozen=True)
+class Apply:
+    """Op ``op`` (an op-expression table row, or :data:`CAST`) of earlier values ``args``; the result in
+    compute type ``ctype``, rounded through storage type ``stype`` where that differs (float16)."""
+
+    op: str
+    args: tuple[int, ...]
+    ctype: str
+    stype: str
+
+    def text(self) -> str:
+        return f"{self.op}({','.join(map(str, self.args))}):{self.ctype}:{self.stype}"
+
+
+Instruction = Load | Apply
+_LOAD = re.compile(r"in(\d+):(\w+):(\d)")
+_APPLY = re.compile(r"(\w+)\(([\d,]*)\):(\w+):(\w+)")
+
+
+def program_text(program: Sequence[Instruction]) -> str:
+    """The program as one line (the launch's snippet value): instructions separated by ``;``."""
+    return ";".join(instruction.text() for instruction in program)
+
+
+@functools.cache
+def parse(text: str) -> tuple[Instruction, ...]:
+    """The program of :func:`program_text`'s line."""
+    program: list[Instruction] = []
+    for part in text.split(";"):
+        if load := _LOAD.fullmatch(part):
+            program.append(Load(int(load[1]), load[2], int(load[3])))
+        elif apply := _APPLY.fullmatch(part):
+            args = tuple(int(a) for a in apply[2].split(",") if a)
+            program.append(Apply(apply[1], args, apply[3], apply[4]))
+        else:
+            raise ValueError(f"fused program: cannot read instruction {part!r} of {text!r}")
+    return tuple(program)
+
+
+# rendering ----------------------------------------------------------------------------------------
+
+Language = Literal["wgsl", "cuda"]
+
+
+@functools.cache
+def render(placeholder: str, text: str, language: Language) -> str:
+    """Placeholder ``FUNCTIONS`` or ``BODY`` of the fused family for program ``text`` in ``language``
+    (CUDA: one line, the body of a ``#define``)."""
+    program = parse(text)
+    if placeholder == "FUNCTIONS":
+        ops = sorted({i.op for i in program if isinstance(i, Apply) and i.op != CAST})
+        return (" " if language == "cuda" else "\n").join(_function(op, language) for op in ops)
+    if placeholder == "BODY":
+        lines = [_statement(j, instruction, language) for j, instruction in enumerate(program)]
+        last = len(program) - 1
+        lines.append(f"let result = v{last};" if language == "wgsl" else f"auto result = v{last};")
+        return (" " if language == "cuda" else "\n    ").join(lines)
+    raise KeyError(f"fused family: no placeholder {placeholder!r}")
+
+
+def _function(op: str, language: Language) -> str:
+    row = EXPRESSIONS[op]
+    expression = row.text(language)
+    if language == "wgsl":
+        parameters = "x: C" if row.arity == 1 else "x: C, y: C"
+        return f"fn op_{op}({parameters}) -> C {{ return {expression}; }}"
+    parameters = "C x" if row.arity == 1 else "C x, C y"
+    return f"__device__ __forceinline__ C op_{op}({parameters}) {{ return ({expression}); }}"
+
+
+def _statement(index: int, instruction: Instruction, language: Language) -> str:
+    wgsl = language == "wgsl"
+    if isinstance(instruction, Load):
+        k, mode = instruction.slot, instruction.mode
+        at = {CONTIGUOUS: "i", SCALAR: "0u" if wgsl else "0", STRIDED: f"input_offset({'' if wgsl else 'p, '}i, {k})"}
+        value = _convert(f"in{k}[{at[mode]}]", instruction.ctype, language)
+        return _let(index, instruction.ctype, value, language)
+    args = ", ".join(f"v{a}" for a in instruction.args)
+    value = _convert(args, instruction.ctype, language) if instruction.op == CAST else f"op_{instruction.op}({args})"
+    if instruction.stype != instruction.ctype:  # float16: round as the unfused op stores it
+        value = _convert(_convert(value, instruction.stype, language), instruction.ctype, language)
+    return _let(index, instruction.ctype, value, language)
+
+
+def _convert(value: str, wgsl_type: str, language: Language) -> str:
+    return f"{wgsl_type}({value})" if language == "wgsl" else f"CVT({CUDA_TYPE[wgsl_type]}, {value})"
+
+
+def _let(index: int, wgsl_type: str, value: str, language: Language) -> str:
+    if language == "wgsl":
+        return f"let v{index}: {wgsl_type} = {value};"
+    return f"{CUDA_TYPE[wgsl_type]} v{index} = {value};"
+
+
+# the fused node -------------------------------------------------------------------------------------
+
+
+def is_fusible(node: Node) -> bool:
+    """Whether ``node`` may join a fused chain: an op of the op-expression table or a cast, on plain
+    tensors (quantized weights stay with their kernels)."""
+    return (node.spec.name in EXPRESSIONS or node.spec.name == CAST) and all(
+        type(t) is Tensor for t in (*node.inputs, *node.outputs)
+    )
+
+
+def compute_type(node: Node) -> str | None:
+    """The compute type an op of a chain works in (None for a cast, which converts between two)."""
+    return None if node.spec.name == CAST else WGSL_COMPUTE_TYPE[node.inputs[0].dtype]
+
+
+def input_key(tensor: Tensor) -> tuple[Storage, tuple[int, ...]]:
+    """Two operands with this key are one input of a fused kernel."""
+    return tensor.storage, tensor.shape
+
+
+@dataclass
+class _Builder:
+    """A program under construction: the chain's values by storage, its inputs by :func:`input_key`."""
+
+    shape: tuple[int, ...]
+    program: list[Instruction]
+    inputs: list[Tensor]
+    values: dict[Any, int]
+
+    def operand(self, tensor: Tensor, internal: set[Storage]) -> int:
+        if tensor.storage in internal:
+            return self.values[tensor.storage]
+        key = input_key(tensor)
+        if key not in self.values:
+            self.inputs.append(tensor)
+            mode = CONTIGUOUS if tensor.shape == self.shape else SCALAR if tensor.size == 1 else STRIDED
+            self.program.append(Load(len(self.inputs) - 1, WGSL_COMPUTE_TYPE[tensor.dtype], mode))
+            self.values[key] = len(self.program) - 1
+        return self.values[key]
+
+
+def fuse_nodes(members: Sequence[Node]) -> Node:
+    """One node running ``members`` (a chain in recording order: every member but the last is read by one
+    later member only, all of the last one's shape) as one kernel."""
+    root = members[-1]
+    internal = {m.output.storage for m in members[:-1]}
+    builder = _Builder(root.output.shape, [], [], {})
+    for member in members:
+        args = tuple(builder.operand(t, internal) for t in member.inputs)
+        op = CAST if member.spec.name == CAST else member.spec.name
+        dtype = member.output.dtype
+        builder.program.append(Apply(op, args, WGSL_COMPUTE_TYPE[dtype], WGSL_TYPE[dtype]))
+        builder.values[member.output.storage] = len(builder.program) - 1
+    if len(builder.inputs) > MAX_FUSED_INPUTS:
+        raise ValueError(f"fuse_nodes: {len(builder.inputs)} inputs, at most {MAX_FUSED_INPUTS}")
+    name = "fused(" + "+".join(m.spec.name for m in members) + ")"
+    spec = OpSpec(
+        name=name,
+        infer=lambda inputs, params: (root.output.shape, root.output.dtype),
+        reference=_reference(members, builder.inputs),
+        doc=f"{len(members)} elementwise ops in one kernel: " + ", ".join(m.output.name for m in members),
+    )
+    node = Node(spec, tuple(builder.inputs), {"members": tuple(members)}, (root.output,))
+    node.launches = [_launch(name, builder.program, builder.inputs, root.output, members)]
+    return node
+
+
+def _reference(members: Sequence[Node], inputs: Sequence[Tensor]):
+    """The members' references in order; each result stored in its dtype and read back as the reference
+    executor does (float16 as float32)."""
+    slots = {input_key(t): k for k, t in enumerate(inputs)}
+    internal = {m.output.storage for m in members[:-1]}
+
+    def reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
+        values: dict[Storage, np.ndarray] = {}
+        result = None
+        for member in members:
+            args = [values[t.storage] if t.storage in internal else arrays[slots[input_key(t)]] for t in member.inputs]
+            result = np.asarray(member.spec.reference(args, member.params)).astype(member.output.dtype, copy=False)
+            values[member.output.storage] = result.astype(FLOAT32) if result.dtype == FLOAT16 else result
+        return result
+
+    return reference
+
+
+def _launch(
+    name: str, program: Sequence[Instruction], inputs: Sequence[Tensor], out: Tensor, members: Sequence[Node]
+) -> Launch:
+    strided = [k for k, t in enumerate(inputs) if t.shape != out.shape and t.size != 1]
+    shape, strides = collapse(out.shape, *(broadcast_strides(inputs[k].shape, out.shape) for k in strided))
+    flat = [0] * (MAX_FUSED_INPUTS * MAX_DIMS)
+    for k, input_strides in zip(strided, strides):
+        flat[k * MAX_DIMS : k * MAX_DIMS + len(input_strides)] = input_strides
+    ctypes = {compute_type(m) for m in members} - {None}
+    ctype = ctypes.pop() if ctypes else WGSL_COMPUTE_TYPE[out.dtype]
+    types = [(f"I{k}", WGSL_TYPE[inputs[k].dtype] if k < len(inputs) else "f32") for k in range(MAX_FUSED_INPUTS)]
+    types += [("O", WGSL_TYPE[out.dtype]), ("C", ctype)]
+    if any(isinstance(i, Apply) and i.stype == "f16" for i in program):
+        types.append(("H", "f16"))  # enables f16 for an intermediate's rounding
+    text = program_text(program)
+    return FUSED.launch(
+        label=name,
+        entry="fused",
+        types=tuple(types),
+        snippets=tuple((placeholder, text) for placeholder in PLACEHOLDERS),
+        constants=(("IS_FLOAT", ctype == "f32"),),
+        groups=groups_for(out.size),
+        params=dict(n=out.size, ndim=len(shape) if strided else 0, shape=shape if strided else (), strides=flat),
+        buffers={**{f"in{k}": t for k, t in enumerate(inputs)}, "out": out},
+    )

@@ -1,0 +1,69 @@
+"""Elementwise fusion: a chain of elementwise ops (a GELU-style activation with bias and residual, and a
+cast round trip) executed fused and unfused, interleaved in one run: dispatches and ms per execute.
+
+    python benchmarks/fusion.py [--device wgpu,reference] [--elements 1048576] [--repeat 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from datetime import datetime, timezone
+
+import numpy as np
+
+import batchgpu as bg
+
+
+def record(device: bg.Device, x: np.ndarray, bias: np.ndarray, fusion: bool) -> tuple[bg.GpuCommandBatch, bg.Tensor]:
+    batch = bg.GpuCommandBatch(device, fusion=fusion)
+    t, b = batch.upload(x), batch.upload(bias)
+    h = batch.add(t, b)  # bias, broadcast over rows
+    h = batch.mul(batch.tanh(batch.mul(h, 0.79788456)), 0.5)
+    h = batch.add(batch.mul(h, t), t)  # a gate and the residual
+    h = batch.cast(batch.cast(h, np.float16), np.float32)
+    out = batch.maximum(batch.neg(h), -4.0)
+    batch.outputs(out)
+    return batch, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="wgpu,reference")
+    parser.add_argument("--elements", type=int, default=1 << 20)
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    width = 1024
+    x = rng.standard_normal((args.elements // width, width), dtype=np.float32)
+    bias = rng.standard_normal(width, dtype=np.float32)
+    print(f"date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}; {x.size} float32 elements\n")
+    print("| device | dispatches unfused | dispatches fused | ms unfused | ms fused | fused / unfused |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for kind in args.device.split(","):
+        device = bg.Device(kind)
+        runs = {fusion: record(device, x, bias, fusion) for fusion in (False, True)}
+        times: dict[bool, list[float]] = {False: [], True: []}
+        dispatches = {}
+        for fusion, (batch, out) in runs.items():
+            batch.execute()
+            batch.read_sync(out)
+            before = device.stats.dispatches
+            batch.execute()
+            batch.read_sync(out)
+            dispatches[fusion] = device.stats.dispatches - before
+        for _ in range(args.repeat):
+            for fusion, (batch, out) in runs.items():
+                started = time.perf_counter()
+                batch.execute()
+                batch.read_sync(out)
+                times[fusion].append(time.perf_counter() - started)
+        np.testing.assert_allclose(runs[True][0].read_sync(runs[True][1]), runs[False][0].read_sync(runs[False][1]))
+        plain, fused = statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
+        counts = f"{dispatches[False]} | {dispatches[True]}"
+        print(f"| {device.name} | {counts} | {plain:.2f} | {fused:.2f} | {fused / plain:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

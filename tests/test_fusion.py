@@ -1,0 +1,250 @@
+"""Elementwise fusion (batchgpu/fusion.py): chains of elementwise ops run as one generated kernel on every
+executor, within the per-dtype tolerances of the unfused graph and of the reference; what must stay
+unfused stays unfused; profiles name the ops inside a fused kernel; a flag turns fusion off."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pytest
+
+import batchgpu as bg
+from batchgpu.errors import BatchError
+from batchgpu.ops.elementwise import EXPRESSIONS
+
+from .conftest import assert_close, random_array
+from .op_examples import accepts, record_fusable_chains
+
+Build = Callable[..., Sequence[bg.Tensor]]
+
+
+def run(
+    device: bg.Device, arrays: Sequence[np.ndarray], build: Build, *, fusion: bool = True
+) -> tuple[list[np.ndarray], list[str]]:
+    """Outputs of ``build`` (declared with batch.outputs) and the ops of each dispatch, one execute."""
+    batch = bg.GpuCommandBatch(device, fusion=fusion)
+    outputs = list(build(batch, *[batch.upload(a) for a in arrays]))
+    batch.outputs(*outputs)
+    batch.execute(profile=True)
+    return [batch.read_sync(t) for t in outputs], [row.op for row in batch.profile().rows]
+
+
+def check_fused(gpu: bg.Device, ref: bg.Device, arrays: Sequence[np.ndarray], build: Build) -> list[str]:
+    """Fused on ``gpu`` == unfused on ``gpu`` == the reference, per dtype; returns the fused run's ops."""
+    fused, ops = run(gpu, arrays, build)
+    unfused, unfused_ops = run(gpu, arrays, build, fusion=False)
+    expected, _ = run(ref, arrays, build, fusion=False)
+    assert not any(op.startswith("fused(") for op in unfused_ops)
+    for got, plain, want in zip(fused, unfused, expected):
+        assert_close(got, plain)
+        assert_close(got, want)
+    return ops
+
+
+# every op of the op-expression table inside a fused kernel, per dtype -----------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.uint32], ids=lambda d: np.dtype(d).name)
+def test_every_elementwise_op_inside_a_fused_kernel(gpu, ref, dtype):
+    rng = np.random.default_rng(1)
+    arrays = [random_array(rng, (3, 37), dtype), random_array(rng, (37,), dtype)]
+    ops = check_fused(gpu, ref, arrays, lambda b, x, y: record_fusable_chains(b, x, y))
+    wanted = sorted(op for op in EXPRESSIONS if accepts(op, dtype))
+    inside = {name for op in ops if op.startswith("fused(") for name in op[6:-1].split("+")}
+    assert set(wanted) <= inside, f"not fused: {set(wanted) - inside}"
+
+
+# random graphs ------------------------------------------------------------------------------------
+
+FLOAT_OPS = ["neg", "abs", "tanh", "sigmoid", "relu", "gelu", "gelu_tanh", "silu", "copy"]
+FLOAT_BINARY = ["add", "sub", "mul", "maximum", "minimum", "silu_mul"]
+INT_OPS = ["abs", "relu", "copy", "neg"]
+INT_BINARY = ["add", "sub", "mul", "maximum", "minimum"]
+EXACT = {"neg", "abs", "relu", "copy", "add", "sub", "maximum", "minimum"}  # no rounding beyond the dtype's
+SHAPES = [(1,), (7,), (3, 5), (2, 3, 11), (257,), (4, 1, 67), (5, 131)]
+
+
+def random_graph(seed: int) -> tuple[list[np.ndarray], Build]:
+    """Random inputs and a random graph of elementwise ops over them: broadcast operands, Python scalars,
+    casts between dtypes, values read twice, a declared intermediate."""
+    rng = np.random.default_rng(seed)
+    shape = SHAPES[rng.integers(len(SHAPES))]
+    dtype = np.dtype([np.float32, np.float32, np.float16, np.int32, np.uint32][rng.integers(5)])
+    broadcast = tuple(1 if rng.random() < 0.5 else s for s in shape)[int(rng.integers(len(shape))) :] or (1,)
+    arrays = [random_array(rng, shape, dtype), random_array(rng, broadcast, dtype), random_array(rng, shape, dtype)]
+    choices = rng.random(64).tolist()
+    picks = rng.integers(0, 1 << 30, 64).tolist()
+
+    def build(batch: bg.GpuCommandBatch, *inputs: bg.Tensor) -> list[bg.Tensor]:
+        pool: list[tuple[bg.Tensor, bool]] = [(t, True) for t in inputs]  # (tensor, exact so far)
+        kept: list[bg.Tensor] = []
+        for step in range(int(4 + picks[0] % 9)):
+            roll, pick = choices[step], picks[step + 1]
+            x, exact = pool[-1] if roll < 0.6 else pool[pick % len(pool)]
+            floats = x.dtype.kind == "f"
+            if roll > 0.9:  # a cast, and back where the dtype's ops need it
+                pool.append(_cast(batch, x, exact))
+                continue
+            unary = (FLOAT_OPS if floats else INT_OPS) if (pick >> 3) % 2 else None
+            if x.dtype == np.uint32 and unary:
+                unary = [op for op in unary if op != "neg"]
+            if unary:
+                op = unary[(pick >> 5) % len(unary)]
+                pool.append((getattr(batch, op)(x), exact and op in EXACT))
+                continue
+            binary = FLOAT_BINARY if floats else INT_BINARY
+            op = binary[(pick >> 5) % len(binary)]
+            partners = [(t, e) for t, e in pool if t.dtype == x.dtype and t.ndim <= x.ndim + 1]
+            y, y_exact = partners[(pick >> 9) % len(partners)] if (pick >> 7) % 4 else (3 if not floats else 0.5, True)
+            result = getattr(batch, op)(x, y)
+            pool.append((result, exact and y_exact and op in EXACT))
+            if (pick >> 13) % 7 == 0:
+                kept.append(result)
+        return [pool[-1][0], *kept]
+
+    return arrays, build
+
+
+def _cast(batch: bg.GpuCommandBatch, x: bg.Tensor, exact: bool) -> tuple[bg.Tensor, bool]:
+    if x.dtype == np.float32:
+        if exact:  # truncating an exactly computed float gives the same integer everywhere
+            return batch.cast(batch.cast(x, np.int32), np.float32), True
+        return batch.cast(x, np.float16), exact
+    if x.dtype == np.float16:
+        return batch.cast(x, np.float32), exact
+    return batch.cast(batch.cast(x, np.float32), x.dtype), exact
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_graphs_fused_unfused_and_reference_agree(gpu, ref, seed):
+    arrays, build = random_graph(seed)
+    check_fused(gpu, ref, arrays, build)
+
+
+def test_random_graphs_do_fuse(ref):
+    """Most random graphs hold a chain: the property tests above exercise fused kernels."""
+    fused = sum(any(op.startswith("fused(") for op in run(ref, *random_graph(seed))[1]) for seed in range(16))
+    assert fused >= 12
+
+
+# what fuses and what does not ------------------------------------------------------------------------
+
+
+def _chain(batch: bg.GpuCommandBatch, x: bg.Tensor, y: bg.Tensor) -> list[bg.Tensor]:
+    return [batch.maximum(batch.neg(batch.silu(batch.add(batch.mul(x, y), 2.0))), x)]
+
+
+def test_a_chain_is_one_dispatch_named_after_its_ops(gpu, tmp_path):
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((3, 5), dtype=np.float32), rng.standard_normal(5, dtype=np.float32)
+    for fusion, dispatches in ((True, 1), (False, 5)):
+        batch = bg.GpuCommandBatch(gpu, fusion=fusion)
+        (out,) = _chain(batch, batch.upload(x), batch.upload(y))
+        batch.outputs(out)
+        batch.execute()
+        before = gpu.stats.dispatches
+        batch.execute(profile=True)
+        assert gpu.stats.dispatches - before == dispatches
+        expected = np.maximum(-((x * y + 2) / (1 + np.exp(-(x * y + 2)))), x)
+        np.testing.assert_allclose(batch.read_sync(out), expected, rtol=1e-5, atol=1e-6)
+    batch = bg.GpuCommandBatch(gpu)
+    (out,) = _chain(batch, batch.upload(x), batch.upload(y))
+    batch.outputs(out)
+    batch.execute(profile=True)
+    profile = batch.profile()
+    (row,) = profile.rows
+    assert row.op == "fused(mul+add+silu+neg+maximum)" and row.kernel == "fused.fused"
+    if profile.gpu_spans or profile.op_host_spans:  # the trace's op track (not on the CUDA CPU harness)
+        trace = json.loads(batch.save_trace(tmp_path / "trace.json").read_text())
+        assert any("fused(mul+add+silu+neg+maximum)" in json.dumps(event) for event in trace["traceEvents"])
+
+
+def test_the_environment_turns_fusion_off(gpu, monkeypatch):
+    monkeypatch.setenv("BATCHGPU_FUSION", "off")
+    x = np.arange(1, 16, dtype=np.float32).reshape(3, 5)
+    _, ops = run(gpu, [x, x[0]], _chain)
+    assert ops == ["mul", "add", "silu", "neg", "maximum"]
+
+
+def test_without_declared_outputs_every_tensor_stays_readable(gpu):
+    x = np.linspace(-2, 2, 15, dtype=np.float32).reshape(3, 5)
+    batch = bg.GpuCommandBatch(gpu)
+    t = batch.mul(batch.upload(x), 3.0)
+    out = batch.relu(batch.add(t, 1.0))
+    batch.execute()
+    np.testing.assert_allclose(batch.read_sync(t), x * 3)
+    np.testing.assert_allclose(batch.read_sync(out), np.maximum(x * 3 + 1, 0))
+
+
+def test_a_fused_intermediate_is_not_readable_and_a_declared_one_is(gpu):
+    x = np.linspace(-2, 2, 15, dtype=np.float32).reshape(3, 5)
+    batch = bg.GpuCommandBatch(gpu)
+    a = batch.mul(batch.upload(x), 3.0)
+    b = batch.add(a, 1.0)
+    kept = batch.neg(b)
+    out = batch.relu(batch.sub(kept, 0.5))
+    batch.outputs(out, kept)
+    batch.execute(profile=True)
+    assert [row.op for row in batch.profile().rows] == ["fused(mul+add+neg)", "fused(sub+relu)"]
+    np.testing.assert_allclose(batch.read_sync(kept), -(x * 3 + 1), rtol=1e-6)
+    np.testing.assert_allclose(batch.read_sync(out), np.maximum(-(x * 3 + 1) - 0.5, 0), rtol=1e-6)
+    with pytest.raises(BatchError, match=r"read: .*add\d+.* is an intermediate .*runs fused"):
+        batch.read_sync(b)
+    np.testing.assert_allclose(batch.read_sync(out), np.maximum(-(x * 3 + 1) - 0.5, 0), rtol=1e-6)  # still works
+
+
+def test_a_value_read_twice_or_broadcast_is_not_absorbed(gpu, ref):
+    rng = np.random.default_rng(3)
+    x, row = rng.standard_normal((4, 6), dtype=np.float32), rng.standard_normal(6, dtype=np.float32)
+
+    def build(batch, x, row):
+        shared = batch.tanh(x)  # read by two ops: computed once
+        small = batch.add(row, 1.0)  # (6,) read broadcast by a (4, 6) op: stays its own kernel
+        return [batch.add(batch.mul(shared, small), batch.sigmoid(shared))]
+
+    ops = check_fused(gpu, ref, [x, row], build)
+    assert ops.count("tanh") == 1 and "add" in ops and len(ops) == 3, ops
+
+
+def test_an_input_written_in_place_between_a_chains_ops_stops_the_chain(gpu, ref):
+    """mul reads the cache before kv_write overwrites it: running mul inside the later add would read
+    the new rows."""
+    rng = np.random.default_rng(4)
+    old, new = rng.standard_normal((4, 2, 8), dtype=np.float32), rng.standard_normal((4, 2, 8), dtype=np.float32)
+    for device in (gpu, ref):
+        cache = device.tensor(old)
+        batch = bg.GpuCommandBatch(device)
+        doubled = batch.mul(cache, 2.0)
+        batch.kv_write(cache, batch.upload(new), 0)
+        out = batch.add(doubled, 1.0)
+        batch.outputs(out)
+        batch.execute()
+        np.testing.assert_allclose(batch.read_sync(out), old * 2 + 1, rtol=1e-6)
+
+
+def test_a_chain_over_more_inputs_than_one_kernel_binds_is_split(gpu, ref):
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(33, dtype=np.float32) for _ in range(9)]
+
+    def build(batch, *inputs):
+        total = inputs[0]
+        for t in inputs[1:]:
+            total = batch.add(total, t)
+        return [batch.relu(total)]
+
+    ops = check_fused(gpu, ref, arrays, build)
+    assert len(ops) == 2 and all(op.startswith("fused(") for op in ops), ops
+
+
+@pytest.mark.slow
+def test_fused_chain_above_one_dispatch_limit(gpu):
+    """A fused kernel with more workgroups than one grid dimension allows, with a broadcast input."""
+    n = gpu.limits.max_compute_workgroups_per_dimension * 256 + 999
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((n // 3, 3), dtype=np.float32)
+    w = rng.standard_normal(3, dtype=np.float32)
+    (out,), ops = run(gpu, [x, w], lambda b, x, w: [b.add(b.relu(b.mul(x, w)), 1.5)])
+    assert ops == ["fused(mul+relu+add)"]
+    np.testing.assert_array_equal(out, np.maximum(x * w, 0) + np.float32(1.5))
