@@ -214,20 +214,22 @@ class GpuCommandBatch:
         transpose_b: bool = False,
         bias: Tensor | None = None,
         epilogue: str | None = None,
+        activation: str | None = None,
     ) -> Tensor:
         """``a @ b (+ bias)`` (2-D, batched with broadcast batch dims, 1-D promoted like numpy); the
         transposes swap the last two dims of an operand without a copy; ``bias`` (one value per output
         column) is added in the same kernel. ``epilogue="swiglu"``: the output's column pairs (2i, 2i + 1)
         become ``silu(y[..., 2i]) * y[..., 2i + 1]`` (a gate/up projection with interleaved rows), in the
-        GEMV's store for quantized weights."""
+        GEMV's store for quantized weights. ``activation``: a unary elementwise op (``"relu"``, ``"gelu"``,
+        ``"silu"``, ...) applied to ``a @ b + bias`` in the kernel's store (a second pass under split-K);
+        a batch with declared outputs folds ``relu(matmul(...) + b)`` into this by itself."""
         operands = (a, b) if bias is None else (a, b, bias)
         flags = {
             name: arguments.flag("matmul", name, value)
             for name, value in (("transpose_a", transpose_a), ("transpose_b", transpose_b))
         }
-        if epilogue is not None:
-            return self._record("matmul", operands, **flags, epilogue=epilogue)
-        return self._record("matmul", operands, **flags)
+        extra = {key: value for key, value in (("epilogue", epilogue), ("activation", activation)) if value is not None}
+        return self._record("matmul", operands, **flags, **extra)
 
     def sum(self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
         """Sum over ``axis`` (int, tuple, or None for all); integer sums wrap like int32."""

@@ -1,6 +1,10 @@
-"""Elementwise fusion: the graph pass between a recording and an executor's plan.
+"""Fusion: the graph pass between a recording and an executor's plan.
 
-Chains of elementwise ops (the op-expression table's ops and casts, with broadcast operands and scalars)
+First, epilogues fold into the matmul that produces their input: ``add(matmul(a, b), bias)`` (bias one
+value per output column) and an activation after it (``relu``, ``gelu``, ``silu``, any unary op of the
+op-expression table) become the matmul's ``bias`` and ``activation``, stored by its kernel, where the
+matmul runs as one launch (no split-K) and its output (and the add's) is read by that op only. Then
+chains of elementwise ops (the op-expression table's ops and casts, with broadcast operands and scalars)
 become one generated kernel each (:func:`batchgpu.ops.fused.fuse_nodes`), on every executor. An op joins
 the op that reads its output when that output
 
@@ -27,6 +31,7 @@ from .limits import Limits, check_launch
 from .ops import Node
 from .ops.fused import compute_type, fuse_nodes, input_key, is_fusible
 from .ops.interface import MAX_FUSED_INPUTS
+from .ops.matmul import fold_epilogue, is_activation
 from .tensor import Storage, Tensor
 
 ENV_SWITCH = "BATCHGPU_FUSION"
@@ -55,8 +60,15 @@ class _Chain:
 
 
 def fuse(nodes: Sequence[Node], keep: Collection[Storage], limits: Limits, device_name: str) -> Fused:
-    """Replace every chain of two or more fusible ops of ``nodes`` by one fused node; ``keep`` are the
-    storages that stay readable (declared outputs)."""
+    """Fold epilogues into matmuls, then replace every chain of two or more fusible ops of ``nodes`` by
+    one fused node; ``keep`` are the storages that stay readable (declared outputs)."""
+    folded = _fold_epilogues(nodes, set(keep))
+    chained = _fuse_chains(folded.nodes, keep, limits, device_name)
+    return Fused(chained.nodes, folded.eliminated | chained.eliminated)
+
+
+def _uses(nodes: Sequence[Node]) -> tuple[dict[Storage, set[int]], dict[Storage, list[int]]]:
+    """Which nodes read (inputs) and write each storage, by index."""
     readers: dict[Storage, set[int]] = defaultdict(set)
     writers: dict[Storage, list[int]] = defaultdict(list)
     for index, node in enumerate(nodes):
@@ -64,6 +76,66 @@ def fuse(nodes: Sequence[Node], keep: Collection[Storage], limits: Limits, devic
             readers[tensor.storage].add(index)
         for storage in node.written():
             writers[storage].append(index)
+    return readers, writers
+
+
+def _fold_epilogues(nodes: Sequence[Node], kept: set[Storage]) -> Fused:
+    """Each matmul whose output only an ``add`` of a bias row and / or an activation reads, with those
+    ops in its store (see :func:`batchgpu.ops.matmul.fold_epilogue`)."""
+    readers, writers = _uses(nodes)
+
+    def sole_reader(index: int) -> int | None:
+        storage = nodes[index].output.storage
+        reader = readers[storage]
+        if len(reader) != 1 or storage in kept or writers[storage] != [index]:
+            return None
+        (after,) = reader
+        return after if after > index else None
+
+    replaced: dict[int, Node] = {}
+    absorbed: set[int] = set()
+    for index, node in enumerate(nodes):
+        if node.spec.name != "matmul" or not node.outputs:
+            continue
+        taken, bias, activation, out = [], None, None, node.output
+        after = sole_reader(index)
+        if after is not None and nodes[after].spec.name == "add":
+            bias = _bias_operand(nodes, index, after, writers)
+            if bias is not None:
+                taken.append(after)
+                out = nodes[after].output
+                after = sole_reader(after)
+        if after is not None and is_activation(nodes[after], out):
+            taken.append(after)
+            activation, out = nodes[after].spec.name, nodes[after].output
+        folded = fold_epilogue(node, out, bias=bias, activation=activation) if taken else None
+        if folded is not None:
+            replaced[index] = folded
+            absorbed.update(taken)
+    written = {folded.output.storage for folded in replaced.values()}
+    eliminated = {nodes[i].output.storage for i in (*replaced, *absorbed)} - written
+    planned = [replaced.get(i, node) for i, node in enumerate(nodes) if i not in absorbed]
+    return Fused(planned, frozenset(eliminated))
+
+
+def _bias_operand(nodes: Sequence[Node], matmul: int, add: int, writers: dict[Storage, list[int]]) -> Tensor | None:
+    """The other operand of ``add`` when it is a row of one value per output column, of the product's
+    dtype, final when the matmul runs (nothing writes it from there to the add)."""
+    product = nodes[matmul].output
+    a, b = nodes[add].inputs
+    other = b if a.storage is product.storage else a
+    if other.storage is product.storage or type(other) is not Tensor:
+        return None
+    if other.shape != product.shape[-1:] or other.dtype != product.dtype or nodes[add].output.shape != product.shape:
+        return None
+    if any(w >= matmul for w in writers[other.storage]):
+        return None
+    return other
+
+
+def _fuse_chains(nodes: Sequence[Node], keep: Collection[Storage], limits: Limits, device_name: str) -> Fused:
+    """Every chain of two or more fusible elementwise ops as one fused node."""
+    readers, writers = _uses(nodes)
     cap = min(MAX_FUSED_INPUTS, limits.max_storage_buffers_per_shader_stage - 1)
     chains: dict[int, _Chain] = {}  # by root index
     kept = set(keep)

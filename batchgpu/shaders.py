@@ -23,8 +23,9 @@ SEARCH_PATH = (_HERE / "shaders", _HERE.parent / "shaders")  # inside a wheel, t
 
 Language = Literal["wgsl", "cuda"]
 
-DEFAULT_SNIPPETS = {"UNARY": "x", "BINARY": "x"}
-"""What a placeholder no snippet names stands for (the other op kind's function of elementwise.wgsl)."""
+DEFAULT_SNIPPETS = {"UNARY": "x", "BINARY": "x", "ACTIVATION": "x"}
+"""What a placeholder no snippet names stands for (the other op kind's function of elementwise.wgsl, a
+matmul without an activation)."""
 
 STATEMENT_SNIPPETS: dict[str, tuple[str, ...]] = {"fused": fused.PLACEHOLDERS}
 """Placeholders filled with generated code (functions, statements) rather than one op's expression, by

@@ -145,6 +145,14 @@ def _matmul(inputs: Inputs) -> list[Tensor]:
             if w is not None:
                 outs += [b.matmul(t(3, 64), w, transpose_b=True), b.matmul(t(3, 64), w, transpose_b=True, bias=t(6))]
                 outs.append(b.matmul(t(3, 64), w, transpose_b=True, epilogue="swiglu"))  # in the store
+                outs.append(b.matmul(t(3, 64), w, transpose_b=True, bias=t(6), activation="silu"))
+    act = "gelu" if np.dtype(inputs.dtype).kind == "f" else "relu"  # in each form's store
+    outs += [
+        b.matmul(t(4, 8), t(8, 3), activation=act),
+        b.matmul(t(2, 16, 8), t(8, 5), bias=t(5), activation=act),
+        b.matmul(t(4, 8), t(3, 8), transpose_b=True, activation=act),
+        b.matmul(t(32, 129, 9), t(9, 130), activation=act),
+    ]
     if inputs.dtype in (np.float32, np.float16):
         outs.append(b.matmul(t(4, 8), t(6, 8), transpose_b=True, epilogue="swiglu"))  # a second pass
     return outs

@@ -89,11 +89,11 @@ def test_profile_runs_a_script_and_prints_its_batches(tmp_path):
     assert "max relative error" in out  # the script itself ran, with its arguments
     assert "profile of batch 'batch0'" in out
     table = [line for line in out.splitlines() if line.startswith("| ") and "x" in line and "." in line]
-    assert [line.split("|")[2].strip() for line in table] == ["matmul", "matmul", "fused(silu+mul)", "matmul", "add"]
+    assert [line.split("|")[2].strip() for line in table] == ["fused(matmul+silu)", "matmul", "mul", "matmul", "add"]
     assert "GPU total" in out
     events = json.loads(trace.read_text())["traceEvents"]
     gpu = [e for e in events if e["ph"] == "X" and e["tid"] == 2 and e["name"] != "compute pass"]
-    assert [e["name"] for e in gpu] == ["matmul", "matmul", "fused(silu+mul)", "matmul", "add"]
+    assert [e["name"] for e in gpu] == ["fused(matmul+silu)", "matmul", "mul", "matmul", "add"]
 
 
 def test_profile_of_a_missing_script_fails_cleanly():

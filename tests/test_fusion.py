@@ -31,15 +31,18 @@ def run(
     return [batch.read_sync(t) for t in outputs], [row.op for row in batch.profile().rows]
 
 
-def check_fused(gpu: bg.Device, ref: bg.Device, arrays: Sequence[np.ndarray], build: Build) -> list[str]:
-    """Fused on ``gpu`` == unfused on ``gpu`` == the reference, per dtype; returns the fused run's ops."""
+def check_fused(
+    gpu: bg.Device, ref: bg.Device, arrays: Sequence[np.ndarray], build: Build, scale: float = 1.0
+) -> list[str]:
+    """Fused on ``gpu`` == unfused on ``gpu`` == the reference, per dtype (``scale`` widens float
+    tolerances for sums); returns the fused run's ops."""
     fused, ops = run(gpu, arrays, build)
     unfused, unfused_ops = run(gpu, arrays, build, fusion=False)
     expected, _ = run(ref, arrays, build, fusion=False)
     assert not any(op.startswith("fused(") for op in unfused_ops)
     for got, plain, want in zip(fused, unfused, expected):
-        assert_close(got, plain)
-        assert_close(got, want)
+        assert_close(got, plain, scale=scale)
+        assert_close(got, want, scale=scale)
     return ops
 
 
@@ -248,3 +251,76 @@ def test_fused_chain_above_one_dispatch_limit(gpu):
     (out,), ops = run(gpu, [x, w], lambda b, x, w: [b.add(b.relu(b.mul(x, w)), 1.5)])
     assert ops == ["fused(mul+relu+add)"]
     np.testing.assert_array_equal(out, np.maximum(x * w, 0) + np.float32(1.5))
+
+
+# matmul epilogues ---------------------------------------------------------------------------------
+
+MATMUL_SHAPES = {
+    "gemv": ((1, 40), (33, 40), True),  # b stored (N, K): GPUs run a warp per output
+    "skinny": ((5, 37), (37, 29), False),
+    "tiled": ((70, 24), (24, 130), False),
+    "batched": ((2, 9, 40), (40, 33), False),
+}
+
+
+@pytest.mark.parametrize("form", sorted(MATMUL_SHAPES))
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32], ids=lambda d: np.dtype(d).name)
+def test_bias_and_activation_fold_into_the_matmul(gpu, ref, form, dtype):
+    a_shape, b_shape, transpose_b = MATMUL_SHAPES[form]
+    rng = np.random.default_rng(7)
+    n = b_shape[0] if transpose_b else b_shape[-1]
+    arrays = [random_array(rng, a_shape, dtype), random_array(rng, b_shape, dtype), random_array(rng, (n,), dtype)]
+    if dtype == np.int32:
+        arrays = [np.clip(x, -20, 20) for x in arrays]  # no int32 overflow in the products
+    activation = "gelu" if np.dtype(dtype).kind == "f" else "relu"
+
+    def build(batch, a, b, bias):
+        product = batch.matmul(a, b, transpose_b=transpose_b)
+        first = getattr(batch, activation)(batch.add(bias, product))  # the bias on either side of the add
+        second = batch.neg(batch.matmul(a, b, transpose_b=transpose_b))
+        return [first, second]
+
+    ops = check_fused(gpu, ref, arrays, build, scale=10)  # sums of 24 to 40 products
+    assert ops == [f"fused(matmul+add+{activation})", "fused(matmul+neg)"], ops
+
+
+def test_bias_and_activation_fold_into_a_quantized_gemv(gpu, ref):
+    quants = pytest.importorskip("gguf.quants", reason="the gguf package makes the blocks")
+    blocks = quants.quantize(
+        np.random.default_rng(10).standard_normal((6, 64)).astype(np.float32), quants.GGMLQuantizationType.Q8_0
+    )
+    rng = np.random.default_rng(8)
+    x, bias = rng.standard_normal((3, 64), dtype=np.float32), rng.standard_normal(6, dtype=np.float32)
+    results = {}
+    for device in (gpu, ref):
+        w = device.quantized(blocks, "q8_0", (6, 64))
+        for fusion in (True, False):
+            batch = bg.GpuCommandBatch(device, fusion=fusion)
+            y = batch.silu(batch.add(batch.matmul(batch.upload(x), w, transpose_b=True), batch.upload(bias)))
+            batch.outputs(y)
+            batch.execute(profile=True)
+            results[device.kind, fusion] = batch.read_sync(y)
+            first = batch.profile().rows[0].op
+            assert first == ("fused(matmul+add+silu)" if fusion else "matmul")
+    for value in results.values():
+        assert_close(value, results["reference", False], scale=10)
+
+
+def test_what_keeps_a_matmul_epilogue_out(gpu, ref, small_bounds):
+    """Split-K (two launches), a bias computed after the matmul, a product read twice: nothing folds into
+    the matmul (the elementwise ops still fuse among themselves), and the numbers hold."""
+    rng = np.random.default_rng(9)
+    a, b = rng.standard_normal((3, 100), dtype=np.float32), rng.standard_normal((100, 7), dtype=np.float32)
+    small = rng.standard_normal((3, 20), dtype=np.float32)
+    row = rng.standard_normal(7, dtype=np.float32)
+
+    def build(batch, a, b, small, row):
+        split = batch.relu(batch.add(batch.matmul(a, b), row))  # K=100 over MATMUL_K_CHUNK=32: split-K
+        product = batch.matmul(small, batch.slice(b, (slice(0, 20),)))
+        late = batch.mul(row, 2.0)  # recorded after the product: the matmul may not read it
+        after = batch.add(product, late)
+        twice = batch.matmul(small, batch.slice(b, (slice(20, 40),)))
+        return [split, after, batch.add(batch.tanh(twice), twice)]
+
+    ops = check_fused(gpu, ref, [a, b, small, row], build, scale=10)
+    assert "fused(add+relu)" in ops and not any(op.startswith("fused(matmul") for op in ops), ops

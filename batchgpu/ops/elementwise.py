@@ -130,20 +130,22 @@ EXPRESSIONS: dict[str, Expression] = {
 ``elementwise.wgsl``/``.cu`` take the expression by op name (``Launch.snippets``)."""
 
 
-def _unary_launch(node: Node, op: str, in_dtype: np.dtype) -> list[Launch]:
-    x, out = node.inputs[0], node.output
-    return [
-        ELEMENTWISE.launch(
-            label=node.spec.name,
-            entry="unary",
-            types=wgsl_aliases(A=in_dtype, B=in_dtype, O=out.dtype),
-            snippets=(("UNARY", op),),
-            constants=(("IS_FLOAT", in_dtype.kind == "f"),),
-            groups=groups_for(out.size),
-            params=dict(n=out.size, ndim=0, shape=(), a_strides=(), b_strides=(), b_base=0),
-            buffers=dict(a=x, out=out),
-        )
-    ]
+def unary_launch(x: Tensor, out: Tensor, op: str, *, label: str) -> Launch:
+    """Elementwise op ``op`` of ``x`` into ``out`` (same size; ``out``'s dtype: a cast with ``copy``)."""
+    return ELEMENTWISE.launch(
+        label=label,
+        entry="unary",
+        types=wgsl_aliases(A=x.dtype, B=x.dtype, O=out.dtype),
+        snippets=(("UNARY", op),),
+        constants=(("IS_FLOAT", x.dtype.kind == "f"),),
+        groups=groups_for(out.size),
+        params=dict(n=out.size, ndim=0, shape=(), a_strides=(), b_strides=(), b_base=0),
+        buffers=dict(a=x, out=out),
+    )
+
+
+def _unary_launch(node: Node, op: str) -> list[Launch]:
+    return [unary_launch(node.inputs[0], node.output, op, label=node.spec.name)]
 
 
 def _unary_infer(name: str, dtypes: DtypeClass) -> InferFn:
@@ -216,7 +218,7 @@ def _spec(name: str, row: Expression) -> OpSpec:
             with np.errstate(over="ignore"):
                 return fn(arrays[0])
 
-        infer, lower = _unary_infer(name, row.dtypes), (lambda node: _unary_launch(node, name, node.inputs[0].dtype))
+        infer, lower = _unary_infer(name, row.dtypes), (lambda node: _unary_launch(node, name))
     else:
 
         def reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
@@ -244,7 +246,7 @@ CAST = OpSpec(
     infer=_cast_infer,
     reference=lambda arrays, params: arrays[0].astype(np.dtype(params["dtype"])),
     # copy's expression (x): the conversion is the kernel's own, from A through C to O
-    lower=lambda node: _unary_launch(node, "copy", node.inputs[0].dtype),
+    lower=lambda node: _unary_launch(node, "copy"),
     doc="convert to another dtype (float to int truncates toward zero)",
 )
 

@@ -25,7 +25,7 @@ from ..quant import BLOCK
 from ..tensor import QuantTensor, Tensor
 from . import bounds, reduce
 from .common import broadcast_strides
-from .elementwise import EXPRESSIONS, swiglu_launch
+from .elementwise import EXPRESSIONS, swiglu_launch, unary_launch
 from .interface import MATMUL as FAMILY
 from .interface import QMATMUL
 from .spec import Node, OpSpec, same_dtype
@@ -71,6 +71,7 @@ elementwise pass otherwise."""
 
 def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
     shape, dtype = _infer_product(inputs, params)
+    _check_activation(params.get("activation"), dtype, params.get("epilogue"))
     epilogue = params.get("epilogue")
     if epilogue is None:
         return shape, dtype
@@ -84,6 +85,57 @@ def _infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int,
             f"shape {shape} {dtype.name}"
         )
     return (*shape[:-1], shape[-1] // 2), dtype
+
+
+def activations(dtype: np.dtype) -> list[str]:
+    """The unary ops of the op-expression table ``matmul(..., activation=)`` takes for ``dtype``."""
+    classes = {"all": True, "float": dtype.kind == "f", "signed": dtype.kind in "fi"}
+    return [op for op, row in EXPRESSIONS.items() if row.arity == 1 and op != "copy" and classes[row.dtypes]]
+
+
+def is_activation(node: Node, product: Tensor) -> bool:
+    """Whether ``node`` is a unary op ``matmul(..., activation=)`` takes, of ``product`` at its shape."""
+    return (
+        len(node.inputs) == 1
+        and node.inputs[0].storage is product.storage
+        and node.inputs[0].shape == product.shape
+        and node.spec.name in activations(product.dtype)
+    )
+
+
+def _check_activation(activation: Any, dtype: np.dtype, epilogue: Any) -> None:
+    if activation is None:
+        return
+    if activation not in activations(dtype):
+        raise ArgumentError(
+            f"matmul: activation must be one of {activations(dtype)} for a {dtype.name} product, got {activation!r}"
+        )
+    if epilogue is not None:
+        raise ArgumentError("matmul: activation and epilogue='swiglu' do not combine")
+
+
+def fold_epilogue(node: Node, out: Tensor, *, bias: Tensor | None = None, activation: str | None = None) -> Node | None:
+    """``node`` (a matmul without bias, epilogue or activation) with ``bias`` and / or ``activation`` in its
+    store, writing ``out``, named after the ops it took in; None where the kernel cannot take them in
+    one launch (split-K, an operand quantized where a bias may not be)."""
+    params = node.params
+    if node.spec.name != "matmul" or len(node.inputs) != 2 or len(node.launches) != 1 or node.scratch:
+        return None
+    if params.get("epilogue") is not None or params.get("activation") is not None:
+        return None
+    inputs = node.inputs if bias is None else (*node.inputs, bias)
+    folded_params = dict(params) if activation is None else dict(params, activation=activation)
+    taken = [op for op, used in (("add", bias is not None), (activation, activation is not None)) if used]
+    spec = replace(MATMUL, name="fused(" + "+".join(["matmul", *taken]) + ")")  # type: ignore[list-item]
+    try:
+        _check_activation(activation, out.dtype, None)
+        if _infer(inputs, folded_params) != (out.shape, out.dtype):
+            return None
+    except (ArgumentError, ShapeError):
+        return None
+    folded = Node(spec, inputs, folded_params, (out,))
+    folded.launches = _lower(folded)
+    return folded if len(folded.launches) == 1 and not folded.scratch else None
 
 
 def _infer_product(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
@@ -222,14 +274,44 @@ def _lower_with_epilogue(node: Node) -> list[Launch]:
             fused.gpu = fused.native = replace(launch.gpu, constants=fused.constants)
         return [fused]
     out = node.output
-    shape = (*out.shape[:-1], 2 * out.shape[-1])
+    product, launches = _product_in_scratch(node, plain, (*out.shape[:-1], 2 * out.shape[-1]))
+    return [*launches, swiglu_launch(product, out, interleaved=True)]
+
+
+def _product_in_scratch(node: Node, params: dict[str, Any], shape: tuple[int, ...]) -> tuple[Tensor, list[Launch]]:
+    """The launches of the matmul with ``params`` into a new scratch tensor of ``shape`` (the product an
+    elementwise pass then reads), and that tensor."""
+    out = node.output
     storage = node.new_scratch(math.prod(shape) * out.dtype.itemsize, out.dtype)
     product = Tensor(shape, out.dtype, storage, device=out.device, batch=out.batch, name=f"{node.spec.name}.product")
-    inner = Node(node.spec, node.inputs, plain, (product,))
+    inner = Node(node.spec, node.inputs, params, (product,))
     launches = _lower(inner)
     node.scratch += inner.scratch
     node.constants += inner.constants
-    return [*launches, swiglu_launch(product, out, interleaved=True)]
+    return product, launches
+
+
+def _lower_with_activation(node: Node, activation: str) -> list[Launch]:
+    """The activation in the kernel's store where one launch writes the output (one split), else the
+    product into a scratch tensor and the op's elementwise kernel from there."""
+    plain = dict(node.params, activation=None)
+    launches = _lower(Node(node.spec, node.inputs, plain, node.outputs))
+    if len(launches) == 1:
+        return [_with_activation(launches[0], activation, node.output.dtype)]
+    product, launches = _product_in_scratch(node, plain, node.output.shape)
+    return [*launches, unary_launch(product, node.output, activation, label=node.spec.name)]
+
+
+def _with_activation(launch: Launch, activation: str, dtype: np.dtype) -> Launch:
+    """``launch`` (and its native / GPU forms) storing activation(value)."""
+    fields = dict(
+        snippets=(*launch.snippets, ("ACTIVATION", activation)),
+        constants=(*launch.constants, ("IS_FLOAT", dtype.kind == "f")),
+    )
+    fused = replace(launch, **fields)
+    fused.native = replace(launch.native, **fields) if launch.native is not None else None
+    fused.gpu = replace(launch.gpu, **fields) if launch.gpu is not None else None
+    return fused
 
 
 def _quant_split_k(w: QuantTensor) -> tuple[int, int]:
@@ -274,6 +356,9 @@ def _lower_quantized(node: Node) -> list[Launch]:
 
 def _reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
     product = _reference_product(arrays, params)
+    if params.get("activation") is not None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            return EXPRESSIONS[params["activation"]].reference(product)
     if params.get("epilogue") is None:
         return product
     with np.errstate(over="ignore"):
@@ -291,6 +376,9 @@ def _reference_product(arrays: list[np.ndarray], params: dict[str, Any]) -> np.n
 
 
 def _lower(node: Node) -> list[Launch]:
+    activation = node.params.get("activation")
+    if activation is not None:
+        return _lower_with_activation(node, activation)
     if node.params.get("epilogue") is not None:
         return _lower_with_epilogue(node)
     if isinstance(node.inputs[1], QuantTensor):

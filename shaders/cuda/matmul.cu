@@ -7,6 +7,14 @@
 
 //!interface
 
+#ifndef ACTIVATION_EXPR
+#define ACTIVATION_EXPR x
+#endif
+
+// matmul(..., activation=op): the op's expression (x without one), applied in the store after the bias;
+// the lowering sets it on launches of one split only.
+__device__ __forceinline__ C activation(C x) { return ACTIVATION_EXPR; }
+
 // First and end k of split `split` (an empty range for a split past the end); mirrors split_range.
 __device__ __forceinline__ unsigned split_first(const Params& p, unsigned split) { return split * p.split_k[0]; }
 __device__ __forceinline__ unsigned split_end(const Params& p, unsigned split) {
@@ -28,7 +36,7 @@ __device__ __forceinline__ void store_row(O* out, const A* bias, const Params& p
         if (col + j < p.n) {
             C value = values[j];
             if (HAS_BIAS && with_bias) value += CVT(C, bias[col + j]);
-            out[base + row * p.n + col + j] = CVT(O, value);
+            out[base + row * p.n + col + j] = CVT(O, activation(value));
         }
     }
 }
@@ -105,7 +113,7 @@ extern "C" __global__ void matmul_skinny(BG_ARGS) {
         if (col0 + j >= p.n) continue;
         C value = acc[j];
         if (HAS_BIAS && split == 0u) value += CVT(C, bias[col0 + j]);
-        out[(split * p.m + row) * p.n + col0 + j] = CVT(O, value);
+        out[(split * p.m + row) * p.n + col0 + j] = CVT(O, activation(value));
     }
 }
 
@@ -147,7 +155,7 @@ extern "C" __global__ void matmul_gemv_t(BG_ARGS) {
         C value = bg_warp_sum(acc[r]);
         if (lane != 0u || n >= p.n) continue;
         if (HAS_BIAS && split == 0u) value += CVT(C, bias[n]);
-        out[(split * p.m + r) * p.n + n] = CVT(O, value);
+        out[(split * p.m + r) * p.n + n] = CVT(O, activation(value));
     }
 }
 
@@ -359,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(BIG_WG) matmul_mma_f16(BG_ARGS) {
                     if (col + c >= p.n) continue;
                     float value = acc[i][j][h * 2u + c];
                     if (HAS_BIAS) value += CVT(float, bias[col + c]);
-                    out[out_base + r * p.n + col + c] = CVT(O, value);
+                    out[out_base + r * p.n + col + c] = CVT(O, activation(value));
                 }
             }
         }

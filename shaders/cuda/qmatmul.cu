@@ -9,6 +9,14 @@
 
 //!interface
 
+#ifndef ACTIVATION_EXPR
+#define ACTIVATION_EXPR x
+#endif
+
+// matmul(..., activation=op): the op's expression (x without one), applied in the store after the bias;
+// the lowering sets it on launches of one split only.
+__device__ __forceinline__ C activation(C x) { return ACTIVATION_EXPR; }
+
 // First and end block of split `split` (an empty range for a split past the end); mirrors split_blocks.
 __device__ __forceinline__ unsigned split_first(const Params& p, unsigned split) { return split * p.block_chunk; }
 __device__ __forceinline__ unsigned split_end(const Params& p, unsigned split) {
@@ -19,7 +27,7 @@ __device__ __forceinline__ unsigned split_end(const Params& p, unsigned split) {
 __device__ __forceinline__ void store(O* out, const A* bias, const Params& p, unsigned split, unsigned n, unsigned m,
                                       float value) {
     float extra = HAS_BIAS && split == 0u ? CVT(float, bias[n]) : 0.0f;
-    out[(split * p.m + m) * p.n + n] = CVT(O, value + extra);
+    out[(split * p.m + m) * p.n + n] = CVT(O, activation(value + extra));
 }
 
 // The SWIGLU epilogue (one split only): output (m, n / 2) of the pair of rows n (gate), n + 1 (up).

@@ -8,6 +8,16 @@
 
 //!interface
 
+//!include nan
+
+//!include gelu
+
+// matmul(..., activation=op): the op's expression from the op-expression table (x without one), applied
+// in the store after the bias; the lowering sets it on launches of one split only.
+fn activation(x: C) -> C {
+    return ${ACTIVATION};
+}
+
 var<workgroup> a_tile: array<vec4<C>, TK * TILE_WG>;   // [TK][TILE / 4]: 4 consecutive rows at one k
 var<workgroup> b_tile: array<vec4<C>, TK * TILE_WG>;   // [TK][TILE / 4]: 4 consecutive columns at one k
 
@@ -89,7 +99,7 @@ fn store_row(base: u32, row: u32, col: u32, values: vec4<C>, with_bias: bool) {
         if col + j < p.n {
             var value = values[j];
             if HAS_BIAS && with_bias { value += C(bias[col + j]); }
-            out[base + row * p.n + col + j] = O(value);
+            out[base + row * p.n + col + j] = O(activation(value));
         }
     }
 }
@@ -109,7 +119,7 @@ fn store_skinny(split: u32, row: u32, col: u32, value: C) {
     if col >= p.n { return; }
     var result = value;
     if HAS_BIAS && split == 0u { result += C(bias[col]); }
-    out[(split * p.m + row) * p.n + col] = O(result);
+    out[(split * p.m + row) * p.n + col] = O(activation(result));
 }
 
 @compute @workgroup_size(SKINNY_WG)
@@ -183,7 +193,7 @@ fn matmul_gemv_t(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_i
         for (var r = 0u; r < p.m; r++) {
             var value = gemv_sums[r * GEMV_WG + lid];
             if HAS_BIAS && split == 0u { value += C(bias[n]); }
-            out[(split * p.m + r) * p.n + n] = O(value);
+            out[(split * p.m + r) * p.n + n] = O(activation(value));
         }
     }
 }

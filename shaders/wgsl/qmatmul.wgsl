@@ -11,6 +11,16 @@
 
 //!interface
 
+//!include nan
+
+//!include gelu
+
+// matmul(..., activation=op): the op's expression from the op-expression table (x without one), applied
+// in the store after the bias; the lowering sets it on launches of one split only.
+fn activation(x: C) -> C {
+    return ${ACTIVATION};
+}
+
 // One block (32 values) of a row of x, and its sum.
 struct XBlock {
     v0: vec4<f32>, v1: vec4<f32>, v2: vec4<f32>, v3: vec4<f32>,
@@ -73,7 +83,7 @@ fn store(split: u32, n: u32, m: u32, value: f32) {
     if n >= p.n { return; }
     var extra = 0.0;
     if HAS_BIAS && split == 0u { extra = f32(bias[n]); }
-    out[(split * p.m + m) * p.n + n] = O(value + extra);
+    out[(split * p.m + m) * p.n + n] = O(activation(value + extra));
 }
 
 // The SWIGLU epilogue (one split only): output (m, n / 2) of the pair of rows n (gate), n + 1 (up).
