@@ -218,6 +218,8 @@ def _reference(members: Sequence[Node], inputs: Sequence[Tensor]):
         result = None
         for member in members:
             args = [values[t.storage] if t.storage in internal else arrays[slots[input_key(t)]] for t in member.inputs]
+            for tensor in member.inputs:  # an intermediate has one reader: free it (numpy reuses the memory)
+                values.pop(tensor.storage, None)
             result = np.asarray(member.spec.reference(args, member.params)).astype(member.output.dtype, copy=False)
             values[member.output.storage] = result.astype(FLOAT32) if result.dtype == FLOAT16 else result
         return result
