@@ -38,6 +38,7 @@ from batchgpu.executors.native import DeviceAttributes, check_native_launch
 from batchgpu.executors.reference import ReferenceExecution, ReferenceExecutor
 from batchgpu.kernels import Launch
 from batchgpu.ops import Node
+from batchgpu.quant import KERNEL_FORMATS
 from batchgpu.scalars import SCALAR_BYTES, Scalar, uniform_bytes
 from batchgpu.tensor import Storage
 
@@ -284,6 +285,7 @@ class CudaOnCpuExecutor(ReferenceExecutor):
 
     kind = "cuda-cpu"
     name = "CUDA kernels on the CPU (test harness)"
+    block_formats = KERNEL_FORMATS  # the CUDA kernels', not the reference's
 
     def __init__(self, kernels: Kernels) -> None:
         super().__init__()

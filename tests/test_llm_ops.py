@@ -437,8 +437,10 @@ def test_quantized_errors(gpu):
         batch.matmul(batch.upload(np.ones((2, 32), np.float32)), w, transpose_b=True)
     with pytest.raises(bg.ShapeError, match="not a multiple"):
         gpu.quantized(np.zeros(34, np.uint8), "q8_0", (1, 30))
-    with pytest.raises(bg.DTypeError, match="unknown block format"):
-        gpu.quantized(np.zeros(34, np.uint8), "q5_k", (1, 32))
+    with pytest.raises(bg.DTypeError, match="block format 'q3_k' is not supported"):
+        gpu.quantized(np.zeros(34, np.uint8), "q3_k", (1, 32))
+    with pytest.raises(bg.UnsupportedError, match="block format q5_k has no kernels on the"):
+        gpu.quantized(np.zeros(176, np.uint8), "q5_k", (1, 256))
 
 
 # Long rows: pieces of bounds.ROW_CHUNK elements (300 under small_bounds) whose partial results a second

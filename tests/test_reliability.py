@@ -324,9 +324,9 @@ BAD_INPUTS: dict[str, tuple[Callable[[Ctx], Any], type[bg.BatchError], tuple[str
         ("67 bytes", "68"),
     ),
     "device.quantized format": (
-        lambda c: c.dev.quantized(c.blocks, "q5_k", (2, 32)),
+        lambda c: c.dev.quantized(c.blocks, "q3_k", (2, 32)),
         bg.DTypeError,
-        ("q5_k", "q4_1"),
+        ("q3_k", "q4_1"),
     ),
     # batch construction and inputs
     "batch on a string device": (lambda c: bg.GpuCommandBatch("wgpu"), bg.ArgumentError, ("Device", "str")),
