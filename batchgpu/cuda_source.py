@@ -22,8 +22,11 @@ from .errors import UnsupportedError
 from .kernels import Launch
 from .ops.interface import FAMILIES as _FAMILIES
 from .ops.interface import cuda_literal
-from .shaders import STATEMENT_SNIPPETS, shader_root, snippet
+from .shaders import DEFAULT_FORMAT, FORMAT_SNIPPET, STATEMENT_SNIPPETS, format_source, shader_root, snippet
 from .shaders import family_source as _family_source
+
+_FORMAT_LINE = "//!format\n"
+"""Where a family's CUDA source takes the block format's code (qmatmul, gather)."""
 
 FAMILIES = tuple(_FAMILIES)
 """The built-in kernel families (``shaders/cuda/<family>.cu``)."""
@@ -56,6 +59,8 @@ def defines(launch: Launch) -> list[str]:
         if alias not in types:  # families declare every alias; fill unused ones with float
             lines.append(f"typedef float {alias};")
     for name, value in launch.snippets:
+        if name == FORMAT_SNIPPET:
+            continue  # rendered at the family source's //!format line
         if name in STATEMENT_SNIPPETS.get(launch.family, ()):
             lines.append(f"#define {launch.family.upper()}_{name} {snippet(name, value, 'cuda')}")
         else:
@@ -76,10 +81,9 @@ def render(launch: Launch) -> tuple[str, str]:
             )
         return f"#define WG {launch.workgroup_size[0]}\n{prelude()}\n{cuda}", f"{launch.kernel.name}.cu"
     specialization = "\n".join(defines(launch))
-    return (
-        f"#define WG {launch.workgroup_size[0]}\n{prelude()}\n{specialization}\n{family_source(launch.family)}",
-        f"{launch.family}.cu",
-    )
+    block_format = dict(launch.snippets).get(FORMAT_SNIPPET, DEFAULT_FORMAT)
+    source = family_source(launch.family).replace(_FORMAT_LINE, format_source(block_format, "cuda"))
+    return f"#define WG {launch.workgroup_size[0]}\n{prelude()}\n{specialization}\n{source}", f"{launch.family}.cu"
 
 
 def entry_name(launch: Launch) -> str:

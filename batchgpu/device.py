@@ -15,7 +15,7 @@ from .errors import ArgumentError, BatchError, DeviceMismatchError, DTypeError, 
 from .executors import Executor, Stats, create_executor
 from .interop import device_name, foreign_array, foreign_device
 from .limits import Limits
-from .quant import FORMATS, block_bytes, dequantize_words, quant_format, to_device_words
+from .quant import block_bytes, dequantize_words, to_device_words
 from .tensor import QuantTensor, Storage, Tensor, as_shape
 
 ENV_DEVICE = "BATCHGPU_DEVICE"
@@ -158,7 +158,7 @@ class Device:
     def quantized(self, blocks: Any, qtype: str, shape: tuple[int, int], *, name: str = "") -> QuantTensor:
         """Upload a (rows, K) matrix given as GGUF block bytes (a format of :data:`batchgpu.quant.FORMATS`:
         ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"q8_0"``, ``"q4_k"``, ``"q5_k"``, ``"q6_k"``, ``"f16"``,
-        ``"bf16"``, those the executor has kernels for; a uint8 array, ``bytes`` or ``memoryview``, as GGUF
+        ``"bf16"``; a uint8 array, ``bytes`` or ``memoryview``, as GGUF
         readers hand them out) once; kernels read the blocks and dequantize in registers."""
         self.check_thread("Device.quantized")
         arguments.text("Device.quantized", "name", name)
@@ -167,13 +167,6 @@ class Device:
         dims = as_shape(shape, what=what)
         if len(dims) != 2 or min(dims) <= 0:
             raise ShapeError(f"{what}: shape must be (rows, K) with positive extents, got {shape!r}")
-        fmt = quant_format(qtype)
-        if fmt.name not in self.executor.block_formats:
-            raise UnsupportedError(
-                f"{what}: block format {fmt.name} has no kernels on the {self.kind} executor yet; formats here: "
-                f"{', '.join(sorted(self.executor.block_formats))} (the reference executor computes with every "
-                f"format: {', '.join(FORMATS)})"
-            )
         words = to_device_words(block_bytes(blocks, what), qtype, dims)
         self.check_storable(what, words.shape, words.dtype)
         storage = Storage(words.nbytes, "resident", words.dtype)

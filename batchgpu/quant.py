@@ -166,9 +166,18 @@ FORMATS: dict[str, BlockFormat] = {
 }
 """Every block format batchgpu stores, by name (``Device.quantized(blocks, name, shape)``)."""
 
-KERNEL_FORMATS = frozenset({"q4_1", "q8_0"})
-"""The formats whose blocks the device kernels (GEMV/GEMM, embedding gathers) dequantize in registers;
-the reference executor computes with every format of :data:`FORMATS`."""
+TUNED_FORMATS = frozenset({"q4_1", "q8_0"})
+"""Formats with kernels of their own (``matmul_q4_1``, ...: units of block words per lane in the GPU
+form); every other format runs the generic entries (``matmul_blocks``, ``embedding_blocks``), which
+dequantize a whole 32-weight block through the format's ``load_block`` (``shaders/*/formats/``)."""
+
+
+def kernel_entry(prefix: str, qtype: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """The entry of a quantized kernel family (``prefix`` "matmul", "embedding") for format ``qtype`` and
+    the snippets that render the format into it."""
+    if qtype in TUNED_FORMATS:
+        return f"{prefix}_{qtype}", ()
+    return f"{prefix}_blocks", (("FORMAT", qtype),)
 
 
 def quant_format(qtype: str) -> BlockFormat:

@@ -27,6 +27,16 @@ DEFAULT_SNIPPETS = {"UNARY": "x", "BINARY": "x", "ACTIVATION": "x"}
 """What a placeholder no snippet names stands for (the other op kind's function of elementwise.wgsl, a
 matmul without an activation)."""
 
+DEFAULT_FORMAT = "q8_0"
+"""The block format rendered into the qmatmul and gather families' generic entries when a launch names
+none (launches of their other entries)."""
+
+FORMAT_SNIPPET = "FORMAT"
+"""The placeholder a launch fills with a block format's name (``batchgpu/quant.py``): the format's
+in-register dequantization, ``shaders/<language>/formats/<name>``."""
+
+_FORMAT_SUFFIX = {"wgsl": ".wgsl", "cuda": ".cuh"}
+
 STATEMENT_SNIPPETS: dict[str, tuple[str, ...]] = {"fused": fused.PLACEHOLDERS}
 """Placeholders filled with generated code (functions, statements) rather than one op's expression, by
 family: their snippet value is a fused program (:mod:`batchgpu.ops.fused`)."""
@@ -72,10 +82,24 @@ def expression(op: str, language: Language) -> str:
 
 def snippet(placeholder: str, value: str, language: Language) -> str:
     """What ``placeholder`` of a launch's snippets stands for in ``language``: the fused family's generated
-    code for its program ``value``, else the expression of elementwise op ``value``."""
+    code for its program ``value``, a block format's code, else the expression of elementwise op ``value``."""
     if placeholder in fused.PLACEHOLDERS:
         return fused.render(placeholder, value, language)
+    if placeholder == FORMAT_SNIPPET:
+        return format_source(value, language)
     return expression(value, language)
+
+
+@functools.cache
+def format_source(name: str, language: Language) -> str:
+    """The in-register dequantization of block format ``name`` in ``language`` (CUDA: with the shared
+    ``QBlock`` helpers in front; WGSL families include ``lib/qblock.wgsl`` themselves)."""
+    folder = shader_root() / language / "formats"
+    path = folder / f"{name}{_FORMAT_SUFFIX[language]}"
+    if not path.is_file():
+        raise UnsupportedError(f"block format {name!r} has no {language} kernels ({path} is missing)")
+    text = path.read_text()
+    return (folder / "qblock.cuh").read_text() + "\n" + text if language == "cuda" else text
 
 
 @functools.cache
@@ -89,5 +113,6 @@ def render_wgsl(family: str, types: tuple[tuple[str, str], ...], snippets: tuple
     ``snippets`` (NAME, op name) filled with the op's WGSL expression."""
     header = "enable f16;\n" if any(t == "f16" for _, t in types) else ""
     header += "".join(f"alias {name} = {wgsl_type};\n" for name, wgsl_type in types)
-    filled = {**DEFAULT_SNIPPETS, **{name: snippet(name, value, "wgsl") for name, value in snippets}}
+    defaults = {**DEFAULT_SNIPPETS, FORMAT_SNIPPET: format_source(DEFAULT_FORMAT, "wgsl")}
+    filled = {**defaults, **{name: snippet(name, value, "wgsl") for name, value in snippets}}
     return header + _template(family).substitute(filled)

@@ -219,7 +219,8 @@ class Tensor:
 
 
 class QuantTensor(Tensor):
-    """A resident (rows, K) weight matrix stored as GGUF blocks (``qtype`` ``"q4_1"`` or ``"q8_0"``).
+    """A resident (rows, K) weight matrix stored as GGUF blocks (``qtype``: a format of
+    ``batchgpu/quant.py``'s table, such as ``"q4_k"``).
 
     ``shape``/``dtype`` are the logical float32 matrix; the storage holds the packed words. Use it as
     ``b`` of ``matmul(x, w, transpose_b=True)`` (rows are output features, like a Linear weight) or as

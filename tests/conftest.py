@@ -114,7 +114,15 @@ async def counting_event_loop_ticks() -> AsyncIterator[TickCounter]:
 
 # The executor-neutral suites, collected again by the CUDA/HIP modules (tests/test_native_ops.py and
 # tests/test_cuda_kernels_cpu.py) with ``gpu``/``dev`` bound to their device.
-DEVICE_SUITES = ("test_ops", "test_llm_ops", "test_custom_kernels", "test_sampling", "test_paged", "test_fusion")
+DEVICE_SUITES = (
+    "test_ops",
+    "test_llm_ops",
+    "test_custom_kernels",
+    "test_sampling",
+    "test_paged",
+    "test_fusion",
+    "test_block_formats",
+)
 WGPU_ONLY = {
     "test_kv_cache_decode_with_position_scalar",  # compares results keyed by "wgpu"
     "test_reexecute_and_second_batch_compile_nothing",  # counts wgpu pipelines

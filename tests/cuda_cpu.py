@@ -38,7 +38,6 @@ from batchgpu.executors.native import DeviceAttributes, check_native_launch
 from batchgpu.executors.reference import ReferenceExecution, ReferenceExecutor
 from batchgpu.kernels import Launch
 from batchgpu.ops import Node
-from batchgpu.quant import KERNEL_FORMATS
 from batchgpu.scalars import SCALAR_BYTES, Scalar, uniform_bytes
 from batchgpu.tensor import Storage
 
@@ -138,6 +137,7 @@ static inline void __syncthreads() {
 }
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 static inline unsigned __float_as_uint(float x) { unsigned u; __builtin_memcpy(&u, &x, 4); return u; }
+static inline float __uint_as_float(unsigned u) { float x; __builtin_memcpy(&x, &u, 4); return x; }
 // A lane exchange as a block-wide step: every thread of the block must take part (bg_warp_sum's rule
 // for a warp, made block-wide here). One barrier per exchange: the slots alternate between two sets, so
 // the next exchange writes the other set, and the one after passes the next barrier first, which every
@@ -285,7 +285,6 @@ class CudaOnCpuExecutor(ReferenceExecutor):
 
     kind = "cuda-cpu"
     name = "CUDA kernels on the CPU (test harness)"
-    block_formats = KERNEL_FORMATS  # the CUDA kernels', not the reference's
 
     def __init__(self, kernels: Kernels) -> None:
         super().__init__()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 import batchgpu as bg
+from batchgpu import quant
 from batchgpu.ops import OPS, bounds
 from batchgpu.ops.elementwise import EXPRESSIONS
 from batchgpu.scalars import Scalar
@@ -24,7 +25,8 @@ from batchgpu.tensor import QuantTensor, Tensor
 NOT_BUILTIN = {"launch": "custom kernels carry their own sources (tests/test_custom_kernels.py)"}
 """Ops of the table that run no built-in kernel family."""
 
-QUANT_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+QUANT_K = {name: 2 * fmt.weights if fmt.weights > 32 else 64 for name, fmt in quant.FORMATS.items()}
+"""K of each block format's examples: two blocks (super-blocks for the K-quants)."""
 
 
 class Inputs:
@@ -69,20 +71,26 @@ class Inputs:
         self.scalars[name] = value
         return self.batch.scalar(name)
 
-    def quantized(self, qtype: str, rows: int, k: int) -> QuantTensor | None:
-        """Quantized (rows, k) weights: zero blocks for compile coverage; with random values, GGUF blocks
-        made by the ``gguf`` package (None without it)."""
+    def quantized(self, qtype: str, rows: int) -> QuantTensor | None:
+        """Quantized (rows, QUANT_K[qtype]) weights: zero blocks for compile coverage; with random values,
+        GGUF blocks made by the ``gguf`` package (None without it; zero blocks for the formats it cannot
+        quantize, the K-quants)."""
         device = self.batch.device
+        fmt, k = quant.FORMATS[qtype], QUANT_K[qtype]
+        zeros = np.zeros(rows * k // fmt.weights * fmt.gguf_bytes, np.uint8)
         if self.rng is None:
-            blocks = np.zeros(rows * (k // 32) * QUANT_BLOCK_BYTES[qtype], np.uint8)
-            return device.quantized(blocks, qtype, (rows, k))
+            return device.quantized(zeros, qtype, (rows, k))
         try:
             from gguf import quants
         except ImportError:
             return None
         kind = getattr(quants.GGMLQuantizationType, qtype.upper())
         weights = self.rng.standard_normal((rows, k)).astype(np.float32)
-        return device.quantized(quants.quantize(weights, kind), qtype, (rows, k), name=qtype)
+        try:
+            blocks = np.asarray(quants.quantize(weights, kind)).view(np.uint8)
+        except NotImplementedError:
+            blocks = zeros
+        return device.quantized(blocks, qtype, (rows, k), name=qtype)
 
 
 Example = Callable[[Inputs], list[Tensor]]
@@ -140,12 +148,12 @@ def _matmul(inputs: Inputs) -> list[Tensor]:
         b.matmul(t(32, 129, 9), t(9, 130)),  # native form: 128 x 128 tiles
     ]
     if inputs.dtype == np.float32:
-        for qtype in QUANT_BLOCK_BYTES:
-            w = inputs.quantized(qtype, 6, 64)
+        for qtype, k in QUANT_K.items():
+            w = inputs.quantized(qtype, 6)
             if w is not None:
-                outs += [b.matmul(t(3, 64), w, transpose_b=True), b.matmul(t(3, 64), w, transpose_b=True, bias=t(6))]
-                outs.append(b.matmul(t(3, 64), w, transpose_b=True, epilogue="swiglu"))  # in the store
-                outs.append(b.matmul(t(3, 64), w, transpose_b=True, bias=t(6), activation="silu"))
+                outs += [b.matmul(t(3, k), w, transpose_b=True), b.matmul(t(3, k), w, transpose_b=True, bias=t(6))]
+                outs.append(b.matmul(t(3, k), w, transpose_b=True, epilogue="swiglu"))  # in the store
+                outs.append(b.matmul(t(3, k), w, transpose_b=True, bias=t(6), activation="silu"))
     act = "gelu" if np.dtype(inputs.dtype).kind == "f" else "relu"  # in each form's store
     outs += [
         b.matmul(t(4, 8), t(8, 3), activation=act),
@@ -246,8 +254,8 @@ def _embedding(inputs: Inputs) -> list[Tensor]:
     b = inputs.batch
     outs = [b.embedding(inputs.ids(3, 0, 5, 9, 1), inputs.tensor(8, 16))]
     if inputs.dtype == np.float32:
-        for qtype in QUANT_BLOCK_BYTES:
-            table = inputs.quantized(qtype, 6, 64)
+        for qtype in QUANT_K:
+            table = inputs.quantized(qtype, 6)
             if table is not None:
                 outs.append(b.embedding(inputs.ids(5, 0, 3), table))
     return outs

@@ -1,7 +1,7 @@
 """The block-format table (batchgpu/quant.py): every GGUF format's device layout dequantizes, in numpy, to
-the ``gguf`` package's own dequantization bit for bit on random valid blocks; the reference executor
-computes matmuls and embedding gathers with every format; executors without kernels for a format refuse
-it by name, and unknown formats are refused with the supported list."""
+the ``gguf`` package's own dequantization bit for bit on random valid blocks; the reference executor and
+every kernel (GEMV CPU and GPU forms, embedding gathers, WGSL and CUDA) compute with every format; unknown
+formats are refused with the supported list."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 import batchgpu as bg
 from batchgpu import quant
-from batchgpu.errors import DTypeError, ShapeError, UnsupportedError
+from batchgpu.errors import DTypeError, ShapeError
 
 gguf_quants = pytest.importorskip("gguf.quants", reason="the gguf package is the reference dequantization")
 
@@ -92,16 +92,48 @@ def test_reference_matmul_and_embedding_with_every_format(ref, name):
     np.testing.assert_array_equal(batch.read_sync(rows_out), weights[ids].astype(np.float32))
 
 
-@pytest.mark.parametrize("name", sorted(set(quant.FORMATS) - quant.KERNEL_FORMATS))
-def test_formats_without_kernels_are_refused_by_name(gpu, name):
-    rng = np.random.default_rng(4)
-    k = 256
-    with pytest.raises(UnsupportedError, match=rf"block format {name} has no kernels on the wgpu executor.*q4_1"):
-        gpu.quantized(random_blocks(rng, name, 2, k), name, (2, k))
-    batch = bg.GpuCommandBatch(gpu)  # the device goes on
-    y = batch.add(batch.upload(np.ones(3, np.float32)), 1.0)
+def run_quantized(device, raw, name, shape, x, ids, bias):
+    """``x @ W.T + bias`` and ``embedding(ids, W)`` with W (shape) in format ``name`` on ``device``."""
+    w = device.quantized(raw, name, shape)
+    batch = bg.GpuCommandBatch(device)
+    y = batch.matmul(batch.upload(x), w, transpose_b=True, bias=batch.upload(bias))
+    rows = batch.embedding(batch.upload(ids), w)
     batch.execute()
-    np.testing.assert_array_equal(batch.read_sync(y), np.full(3, 2, np.float32))
+    return batch.read_sync(y), batch.read_sync(rows)
+
+
+@pytest.mark.parametrize("name", sorted(quant.FORMATS))
+def test_quantized_matmul_and_embedding_kernels_every_format(gpu, name):
+    """Each format's kernels (the GEMV's CPU form here; its GPU form in test_wgpu_gpu_kernels.py, the CUDA
+    sources in test_cuda_kernels_cpu.py) against float64 of gguf's dequantization: rows 1, 7 and 13 (not a
+    multiple of the 8 per invocation), one and three rows of x, K of one and of several blocks."""
+    rng = np.random.default_rng(5)
+    for rows, k in [(1, 256), (7, 512), (13, 768 if quant.FORMATS[name].weights == 256 else 224)]:
+        raw = random_blocks(rng, name, rows, k)
+        weights = gguf_dequantized(raw, name, (rows, k)).astype(np.float64)
+        for m in (1, 3):
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            bias = rng.standard_normal(rows, dtype=np.float32)
+            ids = rng.integers(0, rows, 5).astype(np.int32)
+            y, embedded = run_quantized(gpu, raw, name, (rows, k), x, ids, bias)
+            expected = x.astype(np.float64) @ weights.T + bias
+            scale = np.abs(x).astype(np.float64) @ np.abs(weights).T + 1
+            assert np.all(np.abs(y - expected) <= 2e-6 * scale), (name, rows, k, m, np.abs(y - expected).max())
+            np.testing.assert_array_equal(embedded, weights[ids].astype(np.float32))
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q5_1", "q4_k", "q6_k", "bf16"])
+def test_quantized_matmul_split_k_every_kind_of_format(gpu, small_bounds, name):
+    """Split-K over the blocks (2 per split under small_bounds): splits that start inside a K-quant
+    super-block read the right sub-blocks."""
+    rng = np.random.default_rng(6)
+    rows, k = 9, 768
+    raw = random_blocks(rng, name, rows, k)
+    weights = gguf_dequantized(raw, name, (rows, k)).astype(np.float64)
+    x = rng.standard_normal((2, k), dtype=np.float32)
+    y, _ = run_quantized(gpu, raw, name, (rows, k), x, np.zeros(1, np.int32), np.zeros(rows, np.float32))
+    expected = x.astype(np.float64) @ weights.T
+    assert np.all(np.abs(y - expected) <= 2e-6 * (np.abs(x).astype(np.float64) @ np.abs(weights).T + 1))
 
 
 def test_unknown_formats_and_bad_shapes_are_refused(ref):
@@ -111,3 +143,41 @@ def test_unknown_formats_and_bad_shapes_are_refused(ref):
         ref.quantized(np.zeros(144, np.uint8), "q4_k", (1, 224))
     with pytest.raises(ShapeError, match=r"q6_k: 209 bytes do not hold a \(1, 256\) matrix \(210 bytes expected\)"):
         ref.quantized(np.zeros(209, np.uint8), "q6_k", (1, 256))
+
+
+def test_gguf_tensors_of_every_format_load(tmp_path, gpu):
+    """A GGUF written here with tensors in block formats, float16 and bfloat16 (matrices and vectors):
+    the loader keeps the blocks for the device and reads vectors as float32, both equal to gguf's
+    dequantization."""
+    gguf = pytest.importorskip("gguf")
+    from batchgpu.models.llama import GGUFWeights
+
+    rng = np.random.default_rng(11)
+    path = tmp_path / "formats.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", 1), ("embedding_length", 64), ("attention.head_count", 2),
+                       ("attention.head_count_kv", 2), ("feed_forward_length", 128), ("vocab_size", 10),
+                       ("rope.freq_base", 10000.0), ("attention.layer_norm_rms_epsilon", 1e-5)):  # fmt: skip
+        (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(f"llama.{key}", value)
+    expected = {}
+    for name in quant.FORMATS:
+        rows, k = 3, 256
+        raw = random_blocks(rng, name, rows, k).reshape(rows, -1)
+        kind = getattr(gguf.GGMLQuantizationType, name.upper())
+        writer.add_tensor(f"{name}.weight", raw, raw_dtype=kind)
+        expected[f"{name}.weight"] = (name, gguf_dequantized(raw.reshape(-1), name, (rows, k)))
+    vector = rng.standard_normal(64).astype(np.float32)
+    writer.add_tensor("norm_f16.weight", vector.astype(np.float16))
+    expected["norm_f16.weight"] = (None, vector.astype(np.float16).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    weights = GGUFWeights(path)
+    for name, (qtype, values) in expected.items():
+        assert weights.layout(name) == (qtype, values.shape), name
+        np.testing.assert_array_equal(weights.float32(name), values)
+        data, got_qtype, shape = weights.raw(name)
+        if got_qtype is not None:
+            np.testing.assert_array_equal(gpu.read(gpu.quantized(data, got_qtype, shape)), values)

@@ -245,3 +245,11 @@ def test_steps_submitted_ahead_give_the_ids_of_steps_that_wait(eng: Engine) -> N
     assert results[0][1] == GREEDY[:3] and [len(ids) for ids in results[0]] == [9, 3, 4, 6]
     assert decode_steps == {0: 2, 3: 5}  # alone: 3 more decode steps ran ahead of the stop and were dropped
     assert eng.memory()["blocks_used"] == 0
+
+
+def test_memory_reports_weight_bytes_per_format(eng: Engine) -> None:
+    weights = eng.memory()["weight_bytes"]
+    assert set(weights) == {"q4_1", "q8_0", "float32"}
+    q4_1 = [t for t in eng.weights.values() if getattr(t, "qtype", None) == "q4_1"]
+    assert weights["q4_1"] == sum(t.size for t in q4_1) * 5 // 8  # 20 bytes per 32 weights: 5 bits each
+    assert sum(weights.values()) == sum(t.storage.nbytes for t in eng.weights.values())

@@ -439,8 +439,8 @@ def test_quantized_errors(gpu):
         gpu.quantized(np.zeros(34, np.uint8), "q8_0", (1, 30))
     with pytest.raises(bg.DTypeError, match="block format 'q3_k' is not supported"):
         gpu.quantized(np.zeros(34, np.uint8), "q3_k", (1, 32))
-    with pytest.raises(bg.UnsupportedError, match="block format q5_k has no kernels on the"):
-        gpu.quantized(np.zeros(176, np.uint8), "q5_k", (1, 256))
+    with pytest.raises(bg.ShapeError, match="q5_k: K = 32 is not a multiple of the 256-weight block"):
+        gpu.quantized(np.zeros(176, np.uint8), "q5_k", (1, 32))
 
 
 # Long rows: pieces of bounds.ROW_CHUNK elements (300 under small_bounds) whose partial results a second

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import batchgpu as bg
-from batchgpu import shaders
+from batchgpu import quant, shaders
 from batchgpu.ops import OPS
 from batchgpu.ops.elementwise import EXPRESSIONS
 from batchgpu.ops.interface import ELEMENTWISE, FAMILIES, Family
@@ -112,8 +112,9 @@ def test_every_launch_has_a_wgsl_and_a_cuda_twin():
         for binding in launch.bindings:
             assert binding.kind == declared.bindings[binding.slot].kind, f"{where}: slot {binding.slot}"
         assert {name for name, _ in launch.constants} <= overrides, where
-        for placeholder, op in launch.snippets:  # an op expression for a ${PLACEHOLDER} of the family's source
-            assert "${" + placeholder + "}" in shaders.family_source("wgsl", launch.family) and op in EXPRESSIONS, where
+        for placeholder, value in launch.snippets:  # ${PLACEHOLDER}s of the family's source: ops or a format
+            assert "${" + placeholder + "}" in shaders.family_source("wgsl", launch.family), where
+            assert value in (quant.FORMATS if placeholder == shaders.FORMAT_SNIPPET else EXPRESSIONS), where
 
 
 def _lib_files() -> list[Path]:

@@ -26,7 +26,6 @@ from ..errors import DeviceMismatchError, ExportError, UnsupportedError
 from ..kernels import Launch
 from ..limits import UNLIMITED, Limits
 from ..ops import Node
-from ..quant import KERNEL_FORMATS
 from ..scalars import Scalar
 from ..tensor import Storage
 from .blocking import BlockingWorker, wait_future
@@ -194,9 +193,6 @@ class Executor(ABC):
     features: frozenset[str]
     stats: Stats
     poison: bool = False
-    block_formats: frozenset[str] = KERNEL_FORMATS
-    """Block formats of quantized weights this executor computes with (``Device.quantized`` refuses
-    others): the formats the device kernels dequantize in registers."""
     concurrent: bool = False
     """The device runs submitted work while the host goes on (a GPU): work submitted ahead of the reads
     overlaps the host's encoding with the device's computing. False where the host does the computing

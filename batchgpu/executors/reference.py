@@ -14,7 +14,7 @@ from ..errors import NotExecutedError
 from ..interop import KDL_CPU
 from ..limits import Limits
 from ..ops import Node
-from ..quant import FORMATS, dequantize_words
+from ..quant import dequantize_words
 from ..scalars import Scalar
 from ..tensor import QuantTensor, Storage, Tensor
 from .base import Execution, Executor, Plan, Stats
@@ -40,7 +40,6 @@ class ReferenceExecution(Execution):
 class ReferenceExecutor(Executor):
     kind = "reference"
     name = "numpy reference"
-    block_formats = frozenset(FORMATS)  # numpy dequantizes every format of the table
 
     def __init__(self) -> None:
         self.limits = Limits()

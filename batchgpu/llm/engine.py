@@ -241,14 +241,20 @@ class Engine:
             last = piece
         return Piece("".join(text), ids, last.finish_reason, last.prompt_tokens, last.completion_tokens)
 
-    def memory(self) -> dict[str, int]:
-        """The paged KV cache: blocks in use and free, block size, and bytes of the pools."""
+    def memory(self) -> dict[str, Any]:
+        """The paged KV cache (blocks in use and free, block size, bytes of the pools) and the weights'
+        device bytes per storage format (``weight_bytes``: block formats by name, float tensors by dtype)."""
+        weight_bytes: dict[str, int] = {}
+        for tensor in self.weights.values():
+            kind = getattr(tensor, "qtype", None) or tensor.dtype.name
+            weight_bytes[kind] = weight_bytes.get(kind, 0) + tensor.storage.nbytes
         return {
             "blocks_used": self.pool.used,
             "blocks_free": self.pool.free,
             "blocks": self.pool.blocks,
             "block_size": self.pool.block_size,
             "kv_bytes": self.cache.nbytes,
+            "weight_bytes": weight_bytes,
         }
 
     def status(self) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """A Llama-architecture decoder (SmolLM2-135M-Instruct from its GGUF file) on batchgpu.
 
-Weights are uploaded once as resident tensors (GGUF Q4_1/Q8_0 blocks kept quantized, or dequantized
-to float32). A prefill batch per prompt length and ONE decode-step batch are recorded; each token
-re-executes the decode batch with ``scalars={"pos": n}`` and reads back only the next token id.
+Weights are uploaded once as resident tensors (GGUF blocks, any format of batchgpu/quant.py, kept
+quantized, or dequantized to float32). A prefill batch per prompt length and ONE decode-step batch are
+recorded; each token re-executes the decode batch with ``scalars={"pos": n}`` and reads back only the next token id.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from ..batch import GpuCommandBatch, Submission
 from ..device import Device
 from ..errors import ArgumentError, BatchError
 from ..progress import progress as show_progress
-from ..quant import dequantize_words, to_device_words
+from ..quant import BLOCK, FORMATS, dequantize_words, to_device_words
 from ..scalars import Scalar
 from ..tensor import Tensor
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-QUANT_TYPES = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+QUANT_TYPES = {name.upper(): name for name in FORMATS}
+"""GGUF tensor types kept as blocks on the device (batchgpu/quant.py's table); F32 tensors are float."""
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 def smollm2_path() -> Path:
@@ -95,22 +97,28 @@ class GGUFWeights:
         tensor = self._tensors[name]
         kind = tensor.tensor_type.name
         shape = tuple(int(e) for e in reversed(tensor.shape))  # GGUF lists dims innermost first
-        if kind == "F32":
-            return None, shape
+        if kind == "F32" or (kind in FLOAT_TYPES and (len(shape) != 2 or shape[1] % BLOCK)):
+            return None, shape  # vectors (norms) and odd rows of float16 / bfloat16 are read as float32
         if kind not in QUANT_TYPES:
-            raise BatchError(f"GGUF tensor {name}: block format {kind} is not supported (Q4_1, Q8_0, F32)")
+            supported = ", ".join(["F32", *QUANT_TYPES])
+            raise BatchError(f"GGUF tensor {name}: block format {kind} is not supported; supported: {supported}")
         return QUANT_TYPES[kind], shape
 
     def raw(self, name: str) -> tuple[np.ndarray, str | None, tuple[int, ...]]:
         """(data, qtype or None, logical shape): block bytes per row for quantized tensors."""
         qtype, shape = self.layout(name)
-        data = np.asarray(self._tensors[name].data)
+        tensor = self._tensors[name]
+        data = np.asarray(tensor.data)
+        if qtype is None and tensor.tensor_type.name != "F32":
+            from gguf import quants
+
+            data = quants.dequantize(data, tensor.tensor_type)
         if name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = self.config.heads if "attn_q" in name else self.config.kv_heads
             data = unpermute_rows(data.reshape(shape[0], -1), heads)
         if qtype is None:
             return data.reshape(shape).astype(np.float32), None, shape
-        return data, qtype, shape
+        return data.view(np.uint8), qtype, shape
 
     def float32(self, name: str) -> np.ndarray:
         data, qtype, shape = self.raw(name)
@@ -167,7 +175,7 @@ def upload_weights(
     fuse: bool = False,
     progress: Progress | None = None,
 ) -> dict[str, Tensor]:
-    """Every tensor of ``weights`` resident on ``device``: Q4_1/Q8_0 blocks kept quantized (or dequantized
+    """Every tensor of ``weights`` resident on ``device``: GGUF blocks kept quantized (or dequantized
     to float32 with ``quantized=False``), float32 tensors as they are. With ``fuse``, each layer's
     :data:`FUSED_PROJECTIONS` parts are uploaded joined under the fused name instead (where the parts
     share a block format and row length)."""

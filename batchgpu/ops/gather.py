@@ -11,6 +11,7 @@ import numpy as np
 from ..dtypes import INT32
 from ..errors import DTypeError, ShapeError
 from ..kernels import Launch, wgsl_aliases
+from ..quant import kernel_entry
 from ..tensor import QuantTensor, Storage, Tensor
 from . import bounds
 from .common import groups_for
@@ -39,13 +40,14 @@ def _embedding_lower(node: Node) -> list[Launch]:
     ids, table = node.inputs
     out = node.output
     if isinstance(table, QuantTensor):
-        entry, table_binding = f"embedding_{table.qtype}", "qtable"
+        (entry, snippets), table_binding = kernel_entry("embedding", table.qtype), "qtable"
     else:
-        entry, table_binding = "embedding", "table"
+        (entry, snippets), table_binding = ("embedding", ()), "table"
     return [
         GATHER.launch(
             label="embedding",
             entry=entry,
+            snippets=snippets,
             types=wgsl_aliases(A=table.dtype, O=out.dtype),
             groups=groups_for(out.size),
             params=dict(count=ids.size, width=table.shape[1], rows=table.shape[0], chunk=0),

@@ -21,7 +21,7 @@ import numpy as np
 from ..dtypes import compute_dtype
 from ..errors import ArgumentError, ShapeError
 from ..kernels import Launch, wgsl_aliases
-from ..quant import BLOCK
+from ..quant import BLOCK, kernel_entry
 from ..tensor import QuantTensor, Tensor
 from . import bounds, reduce
 from .common import broadcast_strides
@@ -341,16 +341,18 @@ def _lower_quantized(node: Node) -> list[Launch]:
     m = x.size // k
     block_chunk, splits = _quant_split_k(w)
     target = _split_output(node, splits, 1)
+    entry, snippets = kernel_entry("matmul", w.qtype)
     launch = QMATMUL.launch(
         label="matmul",
-        entry=f"matmul_{w.qtype}",
+        entry=entry,
+        snippets=snippets,
         types=wgsl_aliases(A=x.dtype, O=target.dtype),
         groups=(math.ceil(rows / (QUANT_WORKGROUP * QUANT_ROWS)), m, splits),
         constants=(("HAS_BIAS", len(node.inputs) == 3),),
         params=dict(m=m, n=rows, k=k, blocks=k // BLOCK, block_chunk=block_chunk, splits=splits),
         buffers=dict(x=x, w=w, out=target, bias=bias),
     )
-    launch.native = launch.gpu = _warp_per_output(launch, f"matmul_{w.qtype}_warp", rows, m * splits, 1)
+    launch.native = launch.gpu = _warp_per_output(launch, f"{entry}_warp", rows, m * splits, 1)
     return [launch, *_sum_splits(node, target)]
 
 

@@ -33,25 +33,38 @@ __device__ __forceinline__ float q8_0_weight(const unsigned* qtable, const Param
     return bg_bits2f(qtable[at] & 0xFFFFu) * (float)q;
 }
 
+//!format
+
+enum BlockKind : unsigned { Q4_1 = 0u, Q8_0 = 1u, FORMAT = 2u };  // FORMAT: the rendered block format
+
 // A quantized-table embedding: ids outside [0, rows) give zeros.
-template <bool Q8>
+template <unsigned KIND>
 __device__ void embed_quantized(const int* ids, O* out, const Params& p, const unsigned* qtable) {
     unsigned i = bg_thread_index();
     if (i >= p.count * p.width) return;
     int id = ids[i / p.width];
     float value = 0.0f;
     if (id >= 0 && (unsigned)id < p.rows) {
-        value = Q8 ? q8_0_weight(qtable, p, (unsigned)id, i % p.width) : q4_1_weight(qtable, p, (unsigned)id, i % p.width);
+        unsigned c = i % p.width;
+        if (KIND == FORMAT) {
+            value = block_value(load_block(qtable, p.width / 32u, (unsigned)id, c / 32u), c % 32u);
+        } else {
+            value = KIND == Q8_0 ? q8_0_weight(qtable, p, (unsigned)id, c) : q4_1_weight(qtable, p, (unsigned)id, c);
+        }
     }
     out[i] = CVT(O, value);
 }
 
 extern "C" __global__ void embedding_q4_1(BG_ARGS) {
-    embed_quantized<false>(ids, out, p, qtable);
+    embed_quantized<Q4_1>(ids, out, p, qtable);
 }
 
 extern "C" __global__ void embedding_q8_0(BG_ARGS) {
-    embed_quantized<true>(ids, out, p, qtable);
+    embed_quantized<Q8_0>(ids, out, p, qtable);
+}
+
+extern "C" __global__ void embedding_blocks(BG_ARGS) {
+    embed_quantized<FORMAT>(ids, out, p, qtable);
 }
 
 __device__ __forceinline__ unsigned argmax_chunks(const Params& p) { return (p.width - 1u) / p.chunk + 1u; }

@@ -50,11 +50,31 @@ __device__ __forceinline__ float dot_i8(unsigned word, float4 b) {
                 (float)(signed char)((word >> 16) & 0xFFu), (float)(signed char)(word >> 24), b);
 }
 
-// Block b of row n of W dotted with the block xb of x (xsum = its sum): d * sum(q * x) (+ m * sum(x)).
-template <bool Q8>
+//!format
+
+enum BlockKind : unsigned { Q4_1 = 0u, Q8_0 = 1u, FORMAT = 2u };  // FORMAT: the rendered block format
+
+// Block b of row n in the rendered block format dotted with xb (xhalf: the sum of its first 16 values,
+// xsum: of all): d0 * sum(q x) + m0 * sum(x) over each half.
+__device__ __forceinline__ float format_block(const unsigned* w, const Params& p, unsigned n, unsigned b,
+                                              const float4* xb, float xhalf, float xsum) {
+    QBlock qb = load_block(w, p.blocks, n, b);
+    float first = 0.0f, second = 0.0f;
+#pragma unroll
+    for (unsigned i = 0; i < 4u; i++) {
+        first += dot4(qb.q[4u * i], qb.q[4u * i + 1u], qb.q[4u * i + 2u], qb.q[4u * i + 3u], xb[i]);
+        second += dot4(qb.q[16u + 4u * i], qb.q[17u + 4u * i], qb.q[18u + 4u * i], qb.q[19u + 4u * i], xb[4u + i]);
+    }
+    return qb.d0 * first + qb.m0 * xhalf + qb.d1 * second + qb.m1 * (xsum - xhalf);
+}
+
+// Block b of row n of W dotted with the block xb of x (xhalf, xsum: sums of its first 16 and all values):
+// d * sum(q * x) (+ m * sum(x)).
+template <unsigned KIND>
 __device__ __forceinline__ float block_dot(const unsigned* w, const Params& p, unsigned n, unsigned b,
-                                           const float4* xb, float xsum) {
-    if (Q8) {
+                                           const float4* xb, float xhalf, float xsum) {
+    if (KIND == FORMAT) return format_block(w, p, n, b, xb, xhalf, xsum);
+    if (KIND == Q8_0) {
         unsigned at = (n * p.blocks + b) * 9u;
         float qx = 0.0f;
 #pragma unroll
@@ -72,7 +92,7 @@ __device__ __forceinline__ float block_dot(const unsigned* w, const Params& p, u
     return bg_bits2f(scales & 0xFFFFu) * qx + bg_bits2f(scales >> 16u) * xsum;
 }
 
-template <bool Q8>
+template <unsigned KIND>
 __device__ void matmul_rows(const float4* x, const unsigned* w, O* out, const Params& p, const A* bias) {
     unsigned n0 = (blockIdx.x * blockDim.x + threadIdx.x) * ROWS;
     if (n0 >= p.n) return;
@@ -80,15 +100,16 @@ __device__ void matmul_rows(const float4* x, const unsigned* w, O* out, const Pa
     float acc[ROWS] = {};
     for (unsigned b = split_first(p, split), end = split_end(p, split); b < end; b++) {
         float4 xb[8];
-        float xsum = 0.0f;
+        float xhalf = 0.0f, xsum = 0.0f;
 #pragma unroll
         for (unsigned i = 0; i < 8u; i++) {
             xb[i] = x[m * (p.k / 4u) + b * 8u + i];
             xsum += xb[i].x + xb[i].y + xb[i].z + xb[i].w;
+            if (i == 3u) xhalf = xsum;
         }
 #pragma unroll
         for (unsigned r = 0; r < ROWS; r++) {
-            if (n0 + r < p.n) acc[r] += block_dot<Q8>(w, p, n0 + r, b, xb, xsum);
+            if (n0 + r < p.n) acc[r] += block_dot<KIND>(w, p, n0 + r, b, xb, xhalf, xsum);
         }
     }
     if (SWIGLU) {
@@ -103,19 +124,23 @@ __device__ void matmul_rows(const float4* x, const unsigned* w, O* out, const Pa
 }
 
 extern "C" __global__ void matmul_q4_1(BG_ARGS) {
-    matmul_rows<false>(x, w, out, p, bias);
+    matmul_rows<Q4_1>(x, w, out, p, bias);
 }
 
 extern "C" __global__ void matmul_q8_0(BG_ARGS) {
-    matmul_rows<true>(x, w, out, p, bias);
+    matmul_rows<Q8_0>(x, w, out, p, bias);
+}
+
+extern "C" __global__ void matmul_blocks(BG_ARGS) {
+    matmul_rows<FORMAT>(x, w, out, p, bias);
 }
 
 // One warp per output feature n of row m and split: the linear block index (split over grid x/y by the
 // executor) runs over ceil(p.n / warps per block) blocks per row, row after row, split after split. A unit
 // is one data word of a block with the float4s of x it multiplies: Q4_1 has 4 per block (low nibbles:
-// x[4i..4i+3], high nibbles: x[16+4i..]), Q8_0 has 8. Every lane runs the warp sum (lanes past p.n read the
-// last row).
-template <bool Q8>
+// x[4i..4i+3], high nibbles: x[16+4i..]), Q8_0 has 8, the rendered FORMAT one (a whole block). Every lane
+// runs the warp sum (lanes past p.n read the last row).
+template <unsigned KIND>
 __device__ void matmul_warp_rows(const float4* x, const unsigned* w, O* out, const Params& p, const A* bias) {
     unsigned lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
     unsigned per_row = (p.n + warps - 1u) / warps, block = bg_block_index();
@@ -124,11 +149,21 @@ __device__ void matmul_warp_rows(const float4* x, const unsigned* w, O* out, con
     unsigned m = block / per_row % p.m, n = (block % per_row) * warps + (threadIdx.x >> 5);
     unsigned row = bg_min(n, p.n - 1u);
     const float4* xm = x + m * (p.k / 4u);
-    const unsigned units = Q8 ? 8u : 4u;  // per block
+    const unsigned units = KIND == Q8_0 ? 8u : KIND == Q4_1 ? 4u : 1u;  // per block
     const unsigned end = split_end(p, split) * units;
     float acc = 0.0f;
     for (unsigned u = split_first(p, split) * units + lane; u < end; u += 32u) {
-        if (Q8) {
+        if (KIND == FORMAT) {
+            float4 xb[8];
+            float xhalf = 0.0f, xsum = 0.0f;
+#pragma unroll
+            for (unsigned i = 0; i < 8u; i++) {
+                xb[i] = xm[u * 8u + i];
+                xsum += xb[i].x + xb[i].y + xb[i].z + xb[i].w;
+                if (i == 3u) xhalf = xsum;
+            }
+            acc += format_block(w, p, row, u, xb, xhalf, xsum);
+        } else if (KIND == Q8_0) {
             unsigned b = u >> 3, i = u & 7u, at = (row * p.blocks + b) * 9u;
             acc += bg_bits2f(w[at] & 0xFFFFu) * dot_i8(w[at + 1u + i], xm[b * 8u + i]);
         } else {
@@ -152,9 +187,13 @@ __device__ void matmul_warp_rows(const float4* x, const unsigned* w, O* out, con
 }
 
 extern "C" __global__ void matmul_q4_1_warp(BG_ARGS) {
-    matmul_warp_rows<false>(x, w, out, p, bias);
+    matmul_warp_rows<Q4_1>(x, w, out, p, bias);
 }
 
 extern "C" __global__ void matmul_q8_0_warp(BG_ARGS) {
-    matmul_warp_rows<true>(x, w, out, p, bias);
+    matmul_warp_rows<Q8_0>(x, w, out, p, bias);
+}
+
+extern "C" __global__ void matmul_blocks_warp(BG_ARGS) {
+    matmul_warp_rows<FORMAT>(x, w, out, p, bias);
 }

@@ -33,17 +33,34 @@ fn q8_0_weight(id: u32, c: u32) -> f32 {
     return unpack2x16float(qtable[at]).x * f32(q);
 }
 
+//!include qblock
+
+// The block format of embedding_blocks (batchgpu/quant.py), rendered in from shaders/wgsl/formats/: its
+// load_block reads the table through qword.
+${FORMAT}
+
+fn qword(i: u32) -> u32 {
+    return qtable[i];
+}
+
+const Q4_1: u32 = 0u;
+const Q8_0: u32 = 1u;
+const FORMAT: u32 = 2u;  // the rendered FORMAT
+
 // A quantized-table embedding: ids outside [0, rows) give zeros.
-fn embed_quantized(gid: vec3<u32>, groups: vec3<u32>, q8: bool) {
+fn embed_quantized(gid: vec3<u32>, groups: vec3<u32>, kind: u32) {
     let i = gid.x + gid.y * groups.x * WG;
     if i >= p.count * p.width { return; }
     let id = ids[i / p.width];
     var value = 0.0;
     if id >= 0 && u32(id) < p.rows {
-        if q8 {
-            value = q8_0_weight(u32(id), i % p.width);
+        let c = i % p.width;
+        if kind == Q8_0 {
+            value = q8_0_weight(u32(id), c);
+        } else if kind == Q4_1 {
+            value = q4_1_weight(u32(id), c);
         } else {
-            value = q4_1_weight(u32(id), i % p.width);
+            value = block_value(load_block(p.width / 32u, u32(id), c / 32u), c % 32u);
         }
     }
     out[i] = O(value);
@@ -51,12 +68,17 @@ fn embed_quantized(gid: vec3<u32>, groups: vec3<u32>, q8: bool) {
 
 @compute @workgroup_size(WG)
 fn embedding_q4_1(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
-    embed_quantized(gid, groups, false);
+    embed_quantized(gid, groups, Q4_1);
 }
 
 @compute @workgroup_size(WG)
 fn embedding_q8_0(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
-    embed_quantized(gid, groups, true);
+    embed_quantized(gid, groups, Q8_0);
+}
+
+@compute @workgroup_size(WG)
+fn embedding_blocks(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
+    embed_quantized(gid, groups, FORMAT);
 }
 
 // is_nan: NaN by bit pattern, for float data only (IS_FLOAT, set for argmax of float data); argmax's

@@ -15,24 +15,36 @@
 
 //!include gelu
 
+//!include qblock
+
+// The block format of matmul_blocks / matmul_blocks_warp (batchgpu/quant.py), rendered in from
+// shaders/wgsl/formats/: its load_block reads W through qword.
+${FORMAT}
+
+fn qword(i: u32) -> u32 {
+    return w[i];
+}
+
 // matmul(..., activation=op): the op's expression from the op-expression table (x without one), applied
 // in the store after the bias; the lowering sets it on launches of one split only.
 fn activation(x: C) -> C {
     return ${ACTIVATION};
 }
 
-// One block (32 values) of a row of x, and its sum.
+// One block (32 values) of a row of x, the sum of its first 16 values and its sum.
 struct XBlock {
     v0: vec4<f32>, v1: vec4<f32>, v2: vec4<f32>, v3: vec4<f32>,
     v4: vec4<f32>, v5: vec4<f32>, v6: vec4<f32>, v7: vec4<f32>,
-    total: f32,
+    half: f32, total: f32,
 }
 
 fn load_x(m: u32, b: u32) -> XBlock {
     let at = m * (p.k / 4u) + b * 8u;
-    var xb = XBlock(x[at], x[at + 1u], x[at + 2u], x[at + 3u], x[at + 4u], x[at + 5u], x[at + 6u], x[at + 7u], 0.0);
-    let s = xb.v0 + xb.v1 + xb.v2 + xb.v3 + xb.v4 + xb.v5 + xb.v6 + xb.v7;
-    xb.total = s.x + s.y + s.z + s.w;
+    var xb = XBlock(x[at], x[at + 1u], x[at + 2u], x[at + 3u], x[at + 4u], x[at + 5u], x[at + 6u], x[at + 7u], 0.0, 0.0);
+    let first = xb.v0 + xb.v1 + xb.v2 + xb.v3;
+    let second = xb.v4 + xb.v5 + xb.v6 + xb.v7;
+    xb.half = first.x + first.y + first.z + first.w;
+    xb.total = xb.half + second.x + second.y + second.z + second.w;
     return xb;
 }
 
@@ -70,6 +82,25 @@ fn q8_0_block(n: u32, b: u32, xb: XBlock) -> f32 {
            + dot(signed(w[at + 4u]), xb.v3) + dot(signed(w[at + 5u]), xb.v4) + dot(signed(w[at + 6u]), xb.v5)
            + dot(signed(w[at + 7u]), xb.v6) + dot(signed(w[at + 8u]), xb.v7);
     return unpack2x16float(w[at]).x * qx;
+}
+
+// Block b of row n in the rendered FORMAT dotted with xb: d0 * sum(q x) + m0 * sum(x) over each half.
+fn format_block(n: u32, b: u32, xb: XBlock) -> f32 {
+    if n >= p.n { return 0.0; }
+    let qb = load_block(p.blocks, n, b);
+    let first = dot(qb.q0, xb.v0) + dot(qb.q1, xb.v1) + dot(qb.q2, xb.v2) + dot(qb.q3, xb.v3);
+    let second = dot(qb.q4, xb.v4) + dot(qb.q5, xb.v5) + dot(qb.q6, xb.v6) + dot(qb.q7, xb.v7);
+    return qb.d0 * first + qb.m0 * xb.half + qb.d1 * second + qb.m1 * (xb.total - xb.half);
+}
+
+const Q4_1: u32 = 0u;
+const Q8_0: u32 = 1u;
+const FORMAT: u32 = 2u;  // the rendered FORMAT
+
+fn block_of(kind: u32, n: u32, b: u32, xb: XBlock) -> f32 {
+    if kind == Q4_1 { return q4_1_block(n, b, xb); }
+    if kind == Q8_0 { return q8_0_block(n, b, xb); }
+    return format_block(n, b, xb);
 }
 
 // [first, end) of the blocks split `split` takes (empty for a split past the end).
@@ -110,8 +141,8 @@ fn store_rows(split: u32, n0: u32, m: u32, a0: f32, a1: f32, a2: f32, a3: f32, a
     store(split, n0 + 7u, m, a7);
 }
 
-@compute @workgroup_size(WG)
-fn matmul_q4_1(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+// ROWS consecutive output features n0.. of row m (workgroup y) and split (workgroup z), blocks of `kind`.
+fn matmul_rows(gid: vec3<u32>, wid: vec3<u32>, kind: u32) {
     let n0 = gid.x * ROWS;
     if n0 >= p.n { return; }
     let m = wid.y;
@@ -121,39 +152,31 @@ fn matmul_q4_1(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup
     var a4 = 0.0; var a5 = 0.0; var a6 = 0.0; var a7 = 0.0;
     for (var b = range.x; b < range.y; b++) {
         let xb = load_x(m, b);
-        a0 += q4_1_block(n0, b, xb);
-        a1 += q4_1_block(n0 + 1u, b, xb);
-        a2 += q4_1_block(n0 + 2u, b, xb);
-        a3 += q4_1_block(n0 + 3u, b, xb);
-        a4 += q4_1_block(n0 + 4u, b, xb);
-        a5 += q4_1_block(n0 + 5u, b, xb);
-        a6 += q4_1_block(n0 + 6u, b, xb);
-        a7 += q4_1_block(n0 + 7u, b, xb);
+        a0 += block_of(kind, n0, b, xb);
+        a1 += block_of(kind, n0 + 1u, b, xb);
+        a2 += block_of(kind, n0 + 2u, b, xb);
+        a3 += block_of(kind, n0 + 3u, b, xb);
+        a4 += block_of(kind, n0 + 4u, b, xb);
+        a5 += block_of(kind, n0 + 5u, b, xb);
+        a6 += block_of(kind, n0 + 6u, b, xb);
+        a7 += block_of(kind, n0 + 7u, b, xb);
     }
     store_rows(split, n0, m, a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
 @compute @workgroup_size(WG)
+fn matmul_q4_1(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    matmul_rows(gid, wid, Q4_1);
+}
+
+@compute @workgroup_size(WG)
 fn matmul_q8_0(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
-    let n0 = gid.x * ROWS;
-    if n0 >= p.n { return; }
-    let m = wid.y;
-    let split = wid.z;
-    let range = split_blocks(split);
-    var a0 = 0.0; var a1 = 0.0; var a2 = 0.0; var a3 = 0.0;
-    var a4 = 0.0; var a5 = 0.0; var a6 = 0.0; var a7 = 0.0;
-    for (var b = range.x; b < range.y; b++) {
-        let xb = load_x(m, b);
-        a0 += q8_0_block(n0, b, xb);
-        a1 += q8_0_block(n0 + 1u, b, xb);
-        a2 += q8_0_block(n0 + 2u, b, xb);
-        a3 += q8_0_block(n0 + 3u, b, xb);
-        a4 += q8_0_block(n0 + 4u, b, xb);
-        a5 += q8_0_block(n0 + 5u, b, xb);
-        a6 += q8_0_block(n0 + 6u, b, xb);
-        a7 += q8_0_block(n0 + 7u, b, xb);
-    }
-    store_rows(split, n0, m, a0, a1, a2, a3, a4, a5, a6, a7);
+    matmul_rows(gid, wid, Q8_0);
+}
+
+@compute @workgroup_size(WG)
+fn matmul_blocks(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    matmul_rows(gid, wid, FORMAT);
 }
 
 // GPU-shaped twins (matmul_q4_1_warp, matmul_q8_0_warp; batchgpu/ops/matmul.py attaches them as the
@@ -193,8 +216,9 @@ fn q8_0_unit(row: u32, m: u32, u: u32) -> f32 {
     return unpack2x16float(w[at]).x * dot(signed(w[at + 1u + u % 8u]), x[m * (p.k / 4u) + b * 8u + u % 8u]);
 }
 
-// One output of a group (q8: Q8_0 units, else Q4_1); every invocation of the workgroup calls it.
-fn warp_matmul(lid: u32, wid: vec3<u32>, groups: vec3<u32>, q8: bool) {
+// One output of a group (units of Q4_1 or Q8_0 words, or whole blocks of the rendered FORMAT); every
+// invocation of the workgroup calls it.
+fn warp_matmul(lid: u32, wid: vec3<u32>, groups: vec3<u32>, kind: u32) {
     let per_row = (p.n + WARPS - 1u) / WARPS;
     let block = wid.x + wid.y * groups.x;
     let split = block / per_row / p.m;
@@ -202,11 +226,17 @@ fn warp_matmul(lid: u32, wid: vec3<u32>, groups: vec3<u32>, q8: bool) {
     let m = block / per_row % p.m;
     let n = (block % per_row) * WARPS + lid / WARP;
     let row = min(n, p.n - 1u);
-    let units = select(4u, 8u, q8);  // per block
+    let units = select(select(1u, 8u, kind == Q8_0), 4u, kind == Q4_1);  // per block
     let range = split_blocks(split) * units;
     var acc = 0.0;
     for (var u = range.x + lid % WARP; u < range.y; u += WARP) {
-        if q8 { acc += q8_0_unit(row, m, u); } else { acc += q4_1_unit(row, m, u); }
+        if kind == Q8_0 {
+            acc += q8_0_unit(row, m, u);
+        } else if kind == Q4_1 {
+            acc += q4_1_unit(row, m, u);
+        } else {
+            acc += format_block(row, u, load_x(m, u));
+        }
     }
     let total = group_sum(lid, acc);
     if SWIGLU {  // warps 2j and 2j + 1 hold the gate and up rows of a pair
@@ -220,11 +250,17 @@ fn warp_matmul(lid: u32, wid: vec3<u32>, groups: vec3<u32>, q8: bool) {
 @compute @workgroup_size(GEMV_WG)
 fn matmul_q4_1_warp(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
                     @builtin(num_workgroups) groups: vec3<u32>) {
-    warp_matmul(lid, wid, groups, false);
+    warp_matmul(lid, wid, groups, Q4_1);
 }
 
 @compute @workgroup_size(GEMV_WG)
 fn matmul_q8_0_warp(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
                     @builtin(num_workgroups) groups: vec3<u32>) {
-    warp_matmul(lid, wid, groups, true);
+    warp_matmul(lid, wid, groups, Q8_0);
+}
+
+@compute @workgroup_size(GEMV_WG)
+fn matmul_blocks_warp(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+                      @builtin(num_workgroups) groups: vec3<u32>) {
+    warp_matmul(lid, wid, groups, FORMAT);
 }
