@@ -2,11 +2,7 @@
 __device__ __forceinline__ QBlock load_block(const unsigned* words, unsigned row_blocks, unsigned n, unsigned b) {
     unsigned at = block_at<5u, 1u>(row_blocks, n, b);
     QBlock qb = {};
-#pragma unroll
-    for (unsigned k = 0; k < 4u; k++) {
-        byte_fields(qb, k, words[at + 1u + k], 0u, 15u);
-        byte_fields(qb, k + 4u, words[at + 1u + k], 4u, 15u);
-    }
+    nibble_block(qb, words, at + 1u, 0u);
     float d = bg_bits2f(words[at] & 0xFFFFu);
     uniform_scale(qb, d, -8.0f * d);
     return qb;

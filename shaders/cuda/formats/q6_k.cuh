@@ -4,12 +4,7 @@ __device__ __forceinline__ QBlock load_block(const unsigned* words, unsigned row
     unsigned at = block_at<53u, 8u>(row_blocks, n, b);
     QBlock qb = {};
     unsigned s = b % 8u, h = s / 4u, i = s % 4u;
-    unsigned low = at + 16u * h + 8u * (i % 2u), high = at + 32u + 8u * h, shift = 4u * (i / 2u);
-#pragma unroll
-    for (unsigned k = 0; k < 8u; k++) {
-        byte_fields(qb, k, words[low + k], shift, 15u);
-        byte_fields(qb, k, words[high + k], 2u * i, 3u, 16.0f);
-    }
+    k_block(qb, words, at + 16u * h + 8u * (i % 2u), 4u * (i / 2u), at + 32u + 8u * h, 2u * i, 3u);
     float d = bg_bits2f(words[at + 52u] & 0xFFFFu);
     qb.d0 = d * (float)(signed char)qbyte(words, at + 48u, 2u * s);
     qb.d1 = d * (float)(signed char)qbyte(words, at + 48u, 2u * s + 1u);

@@ -45,3 +45,26 @@ __device__ __forceinline__ void uniform_scale(QBlock& qb, float d, float m) {
 __device__ __forceinline__ float block_value(const QBlock& qb, unsigned j) {
     return j < 16u ? qb.d0 * qb.q[j] + qb.m0 : qb.d1 * qb.q[j] + qb.m1;
 }
+
+// The 32 nibbles of the 16 bytes at word `at` (byte j: weight j low, j + 16 high), plus 16 times the
+// fifth bits `h` (bit j: weight j; 0 for 4-bit formats).
+__device__ __forceinline__ void nibble_block(QBlock& qb, const unsigned* words, unsigned at, unsigned h) {
+#pragma unroll
+    for (unsigned k = 0; k < 4u; k++) {
+        byte_fields(qb, k, words[at + k], 0u, 15u);
+        byte_fields(qb, k + 4u, words[at + k], 4u, 15u);
+    }
+#pragma unroll
+    for (unsigned j = 0; j < 32u; j++) qb.q[j] += 16.0f * (float)((h >> j) & 1u);
+}
+
+// A K-quant sub-block: weights 4k..4k+3 take the 4 bits at `shift` of the bytes of word low + k, plus 16
+// times the `mask` bits at `bit` of the bytes of word high + k (mask 0: none).
+__device__ __forceinline__ void k_block(QBlock& qb, const unsigned* words, unsigned low, unsigned shift, unsigned high,
+                                        unsigned bit, unsigned mask) {
+#pragma unroll
+    for (unsigned k = 0; k < 8u; k++) {
+        byte_fields(qb, k, words[low + k], shift, 15u);
+        byte_fields(qb, k, words[high + k], bit, mask, 16.0f);
+    }
+}

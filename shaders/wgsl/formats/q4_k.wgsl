@@ -6,14 +6,6 @@ const FORMAT_BLOCKS: u32 = 8u;
 fn load_block(row_blocks: u32, n: u32, b: u32) -> QBlock {
     let at = block_at(row_blocks, n, b);
     let s = b % 8u;
-    let dm = unpack2x16float(qword(at));
-    let sm = k_scale_min(at + 1u, s);
-    let base = at + 4u + 8u * (s / 2u);
-    let shift = 4u * (s % 2u);
-    return uniform_block(
-        byte_fields(qword(base), shift, 15u), byte_fields(qword(base + 1u), shift, 15u),
-        byte_fields(qword(base + 2u), shift, 15u), byte_fields(qword(base + 3u), shift, 15u),
-        byte_fields(qword(base + 4u), shift, 15u), byte_fields(qword(base + 5u), shift, 15u),
-        byte_fields(qword(base + 6u), shift, 15u), byte_fields(qword(base + 7u), shift, 15u),
-        dm.x * sm.x, -dm.y * sm.y);
+    let dm = k_scale(at, s);
+    return k_block(at + 4u + 8u * (s / 2u), 4u * (s % 2u), at, 0u, 0u, dm.x, dm.y, dm.x, dm.y);
 }

@@ -4,25 +4,14 @@
 const FORMAT_WORDS: u32 = 53u;
 const FORMAT_BLOCKS: u32 = 8u;
 
-fn q6_k_quad(low: u32, high: u32, k: u32, shift: u32, pair: u32) -> vec4<f32> {
-    return byte_fields(qword(low + k), shift, 15u) + 16.0 * byte_fields(qword(high + k), pair, 3u);
-}
-
 fn load_block(row_blocks: u32, n: u32, b: u32) -> QBlock {
     let at = block_at(row_blocks, n, b);
     let s = b % 8u;
     let h = s / 4u;
     let i = s % 4u;
-    let low = at + 16u * h + 8u * (i % 2u);
-    let high = at + 32u + 8u * h;
-    let shift = 4u * (i / 2u);
     let d = unpack2x16float(qword(at + 52u)).x;
     let d0 = d * f32(extractBits(i32(qbyte(at + 48u, 2u * s)), 0u, 8u));
     let d1 = d * f32(extractBits(i32(qbyte(at + 48u, 2u * s + 1u)), 0u, 8u));
-    return QBlock(
-        q6_k_quad(low, high, 0u, shift, 2u * i), q6_k_quad(low, high, 1u, shift, 2u * i),
-        q6_k_quad(low, high, 2u, shift, 2u * i), q6_k_quad(low, high, 3u, shift, 2u * i),
-        q6_k_quad(low, high, 4u, shift, 2u * i), q6_k_quad(low, high, 5u, shift, 2u * i),
-        q6_k_quad(low, high, 6u, shift, 2u * i), q6_k_quad(low, high, 7u, shift, 2u * i),
-        d0, -32.0 * d0, d1, -32.0 * d1);
+    return k_block(at + 16u * h + 8u * (i % 2u), 4u * (i / 2u), at + 32u + 8u * h, 2u * i, 3u, d0, -32.0 * d0, d1,
+                   -32.0 * d1);
 }
