@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 
 
 class Readback:
-    """Which storages each execute copies back: the ones read so far, else the declared outputs
-    (``batch.outputs``), else the recording's sinks (outputs written and never consumed)."""
+    """Which storages each execute copies back: the declared outputs (``batch.outputs``: every execute's
+    :class:`~batchgpu.batch.Submission` can read any of them), else the ones read so far, else the
+    recording's sinks (outputs written and never consumed)."""
 
     def __init__(self) -> None:
         self.declared: frozenset[Storage] | None = None
@@ -32,8 +33,8 @@ class Readback:
 
     def storages(self, recording: Recording) -> tuple[Storage, ...]:
         if self._storages is None:
-            default = self.declared if self.declared is not None else recording.sinks()
-            self._storages = tuple(sorted(self.wanted or default, key=lambda s: s.id))
+            chosen = self.declared if self.declared is not None else self.wanted or recording.sinks()
+            self._storages = tuple(sorted(chosen, key=lambda s: s.id))
         return self._storages
 
     def want(self, storage: Storage) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..batch import GpuCommandBatch, Submission
 from ..device import Device
-from ..models.llama import LlamaConfig, feed_forward
+from ..models.llama import LlamaConfig, feed_forward, linear
 from ..tensor import Tensor
 
 
@@ -140,7 +140,7 @@ def record_step(
         block = f"blk.{layer}."
 
         def project(weight: str, heads: int, normed: Tensor = normed, block: str = block) -> Tensor:
-            return batch.reshape(batch.matmul(normed, w[block + weight], transpose_b=True), (rows, heads, cfg.head_dim))
+            return batch.reshape(linear(batch, normed, w, block + weight), (rows, heads, cfg.head_dim))
 
         key_pool, value_pool = cache.keys[layer], cache.values[layer]
         if block + "attn_qkv.weight" in w:  # one GEMV, then rope + both pool writes in one kernel

@@ -38,6 +38,15 @@ def smollm2_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
 
 
+ARCHITECTURES = ("llama", "qwen2")
+"""GGUF architectures this decoder runs: Llama (and the Llama-layout SmolLM2, Mistral without a sliding
+window) and Qwen2 / Qwen2.5 (q/k/v biases)."""
+
+PERMUTED_ARCHITECTURES = ("llama",)
+"""Architectures whose q/k rows llama.cpp's converter permutes for interleaved RoPE (undone at load: the
+kernels rotate halves, as transformers does); Qwen2's are stored as they are."""
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     layers: int
@@ -49,26 +58,53 @@ class LlamaConfig:
     eps: float
     theta: float
     context: int = 0  # the trained context length (0: not in the file)
+    architecture: str = "llama"  # the GGUF's general.architecture: its metadata keys' prefix
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def permuted(self) -> bool:
+        """Whether llama.cpp's converter permuted this architecture's q/k rows (for interleaved RoPE)."""
+        return self.architecture in PERMUTED_ARCHITECTURES
+
     @classmethod
     def from_gguf(cls, reader: Any) -> LlamaConfig:
-        def field(name: str) -> Any:
-            return reader.fields[f"llama.{name}"].contents()
+        fields = reader.fields
+        architecture = fields["general.architecture"].contents() if "general.architecture" in fields else "llama"
+        if architecture not in ARCHITECTURES:
+            raise BatchError(
+                f"GGUF architecture {architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+            )
+
+        def field(name: str, default: Any = None) -> Any:
+            key = f"{architecture}.{name}"
+            if key in fields:
+                return fields[key].contents()
+            if default is None:
+                raise BatchError(f"GGUF metadata {key!r} is missing")
+            return default
+
+        def vocab() -> int:
+            if f"{architecture}.vocab_size" in fields:
+                return int(field("vocab_size"))
+            embeddings = [t for t in reader.tensors if t.name == "token_embd.weight"]
+            if not embeddings:
+                raise BatchError(f"GGUF: neither {architecture}.vocab_size nor token_embd.weight is in the file")
+            return int(embeddings[0].shape[-1])
 
         return cls(
             layers=int(field("block_count")),
             hidden=int(field("embedding_length")),
             heads=int(field("attention.head_count")),
-            kv_heads=int(field("attention.head_count_kv")),
+            kv_heads=int(field("attention.head_count_kv", field("attention.head_count"))),
             ffn=int(field("feed_forward_length")),
-            vocab=int(field("vocab_size")),
+            vocab=vocab(),
             eps=float(field("attention.layer_norm_rms_epsilon")),
-            theta=float(field("rope.freq_base")),
-            context=int(field("context_length")) if "llama.context_length" in reader.fields else 0,
+            theta=float(field("rope.freq_base", 10000.0)),
+            context=int(field("context_length", 0)),
+            architecture=architecture,
         )
 
 
@@ -113,7 +149,7 @@ class GGUFWeights:
             from gguf import quants
 
             data = quants.dequantize(data, tensor.tensor_type)
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
+        if self.config.permuted and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
             heads = self.config.heads if "attn_q" in name else self.config.kv_heads
             data = unpermute_rows(data.reshape(shape[0], -1), heads)
         if qtype is None:
@@ -145,6 +181,7 @@ Progress = Callable[[Sequence[str]], Any]
 
 FUSED_PROJECTIONS = {
     "attn_qkv.weight": (("attn_q.weight", "attn_k.weight", "attn_v.weight"), False),
+    "attn_qkv.bias": (("attn_q.bias", "attn_k.bias", "attn_v.bias"), False),
     "ffn_gate_up.weight": (("ffn_gate.weight", "ffn_up.weight"), True),
 }
 """Weights ``upload_weights(fuse=True)`` joins by rows per layer: name -> (its parts, interleaved). One GEMV
@@ -204,24 +241,36 @@ def upload_weights(
         elif name == group.parts[0]:  # the group goes up with its first part
             pieces = [rows(part) for part in group.parts]
             data = group.join([piece[0].reshape(piece[2][0], -1) for piece in pieces])
-            shape = (sum(piece[2][0] for piece in pieces), pieces[0][2][1])
-            uploaded[group.name] = upload(group.name, data, pieces[0][1], shape)
+            shape = (sum(piece[2][0] for piece in pieces), *pieces[0][2][1:])
+            uploaded[group.name] = upload(
+                group.name, data.reshape(shape) if pieces[0][1] is None else data, pieces[0][1], shape
+            )
     return uploaded
 
 
 def _fused_groups(weights: GGUFWeights) -> list[FusedGroup]:
-    """Per layer, the joined weights whose parts all exist with one block format and row length."""
+    """Per layer, the joined weights whose parts all exist with one block format and row length; a joined
+    bias only beside its joined weight."""
     present = set(weights.names())
     groups = []
     for layer in range(weights.config.layers):
         block = f"blk.{layer}."
+        joined = set()
         for fused, (names, interleaved) in FUSED_PROJECTIONS.items():
             parts = tuple(block + name for name in names)
             if not all(part in present for part in parts):
                 continue
-            if len({(qtype, shape[1]) for qtype, shape in map(weights.layout, parts)}) == 1:
+            if fused.endswith(".bias") and fused.removesuffix("bias") + "weight" not in joined:
+                continue
+            if len({(qtype, shape[1:]) for qtype, shape in map(weights.layout, parts)}) == 1:
                 groups.append(FusedGroup(block + fused, parts, interleaved))
+                joined.add(fused)
     return groups
+
+
+def linear(batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], name: str) -> Tensor:
+    """``x @ w[name].T``, plus the matching ``.bias`` where the file has one (Qwen2's q/k/v)."""
+    return batch.matmul(x, w[name], transpose_b=True, bias=w.get(name.removesuffix("weight") + "bias"))
 
 
 def feed_forward(batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], block: str) -> Tensor:
@@ -310,7 +359,8 @@ class Llama:
             next_norm = f"blk.{i + 1}.attn_norm.weight" if i + 1 < cfg.layers else "output_norm.weight"
             normed, h = batch.add_rms_norm(ffn_out, h, w[next_norm], cfg.eps)  # residual add fused in
         last = batch.slice(normed, (slice(tokens - 1, tokens),)) if tokens > 1 else normed
-        logits = batch.matmul(last, w["token_embd.weight"], transpose_b=True)  # output head tied to embeddings
+        head = w.get("output.weight", w["token_embd.weight"])  # untied where the file has an output head
+        logits = batch.matmul(last, head, transpose_b=True)
         next_token = batch.argmax(logits)
         row = batch.upload(np.zeros(1, np.int32), name="token_row")
         batch.scatter_rows(self.token, row, batch.reshape(next_token, (1, 1)))  # the next decode's input
@@ -323,7 +373,7 @@ class Llama:
         k_cache, v_cache = self.caches[layer]
 
         def project(name: str, heads: int) -> Tensor:
-            return batch.reshape(batch.matmul(x, w[block + name], transpose_b=True), (tokens, heads, cfg.head_dim))
+            return batch.reshape(linear(batch, x, w, block + name), (tokens, heads, cfg.head_dim))
 
         if block + "attn_qkv.weight" in w:  # one GEMV, then rope + both cache writes in one kernel
             qkv = project("attn_qkv.weight", cfg.heads + 2 * cfg.kv_heads)
