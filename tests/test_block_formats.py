@@ -160,15 +160,15 @@ def test_gguf_tensors_of_every_format_load(tmp_path, gpu):
                        ("rope.freq_base", 10000.0), ("attention.layer_norm_rms_epsilon", 1e-5)):  # fmt: skip
         (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(f"llama.{key}", value)
     expected = {}
-    for name in quant.FORMATS:
+    for layer, name in enumerate(quant.FORMATS):  # one format per layer's up projection
         rows, k = 3, 256
         raw = random_blocks(rng, name, rows, k).reshape(rows, -1)
         kind = getattr(gguf.GGMLQuantizationType, name.upper())
-        writer.add_tensor(f"{name}.weight", raw, raw_dtype=kind)
-        expected[f"{name}.weight"] = (name, gguf_dequantized(raw.reshape(-1), name, (rows, k)))
+        writer.add_tensor(f"blk.{layer}.ffn_up.weight", raw, raw_dtype=kind)
+        expected[f"blk.{layer}.ffn_up.weight"] = (name, gguf_dequantized(raw.reshape(-1), name, (rows, k)))
     vector = rng.standard_normal(64).astype(np.float32)
-    writer.add_tensor("norm_f16.weight", vector.astype(np.float16))
-    expected["norm_f16.weight"] = (None, vector.astype(np.float16).astype(np.float32))
+    writer.add_tensor("output_norm.weight", vector.astype(np.float16))
+    expected["output_norm.weight"] = (None, vector.astype(np.float16).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

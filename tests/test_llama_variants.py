@@ -55,9 +55,11 @@ def permute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def write_gguf(path, architecture: str, weights: dict[str, np.ndarray]) -> None:
+def write_gguf(path, architecture: str, weights: dict[str, np.ndarray], **metadata: int) -> None:
     d = DIMS
     writer = gguf.GGUFWriter(str(path), architecture)
+    for key, value in metadata.items():
+        writer.add_uint32(f"{architecture}.{key.replace('__', '.')}", value)
     writer.add_block_count(d["layers"])
     writer.add_embedding_length(d["hidden"])
     writer.add_head_count(d["heads"])
@@ -149,3 +151,28 @@ def test_unknown_architectures_are_refused(tmp_path):
     write_gguf(path, "gemma", hf_weights(np.random.default_rng(0), biases=False, tied=True))
     with pytest.raises(bg.BatchError, match=r"GGUF architecture 'gemma' is not supported; supported: llama, qwen2"):
         Llama(bg.Device("reference"), path)
+
+
+@pytest.mark.parametrize(
+    ("extra", "metadata", "message"),
+    [
+        ({"rope_freqs.weight": np.ones(8, np.float32)}, {}, r"tensor 'rope_freqs.weight' is not used by this decoder"),
+        ({"blk.0.attn_q_norm.weight": np.ones(16, np.float32)}, {}, r"tensor 'blk.0.attn_q_norm.weight' is not used"),
+        (
+            {},
+            {"attention__sliding_window": 16},
+            r"sliding-window attention \(Mistral\) \(llama.attention.sliding_window\)",
+        ),
+        ({}, {"attention__key_length": 32}, r"a head size other than hidden / heads"),
+    ],
+)
+def test_features_the_decoder_lacks_are_refused(tmp_path, extra, metadata, message):
+    """A file with tensors or settings the decoder would silently ignore (Llama 3 rope factors, Qwen3 q/k
+    norms, Mistral's window) is refused by name instead of computing wrong numbers."""
+    path = tmp_path / "model.gguf"
+    write_gguf(path, "llama", {**hf_weights(np.random.default_rng(1), biases=False, tied=True), **extra}, **metadata)
+    with pytest.raises(bg.BatchError, match=message):
+        Llama(bg.Device("reference"), path)
+    fine = tmp_path / "fine.gguf"  # the same model without them loads
+    write_gguf(fine, "llama", hf_weights(np.random.default_rng(1), biases=False, tied=True), attention__key_length=16)
+    Llama(bg.Device("reference"), fine)

@@ -8,8 +8,9 @@ recorded; each token re-executes the decode batch with ``scalars={"pos": n}`` an
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,38 @@ def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, n // heads // 2, 2, width).swapaxes(1, 2).reshape(n, width)
 
 
+MODEL_TENSORS = re.compile(
+    r"token_embd\.weight|output_norm\.weight|output\.weight"
+    r"|blk\.\d+\.(attn_norm|ffn_norm|attn_output|ffn_gate|ffn_up|ffn_down)\.weight"
+    r"|blk\.\d+\.attn_[qkv]\.(weight|bias)"
+)
+"""Every tensor the decoder computes with; a file holding others (Llama 3's ``rope_freqs``, Qwen3's q/k
+norms, biases elsewhere) is refused rather than run without them."""
+
+UNSUPPORTED_METADATA = {
+    "attention.sliding_window": "sliding-window attention (Mistral)",
+    "rope.scaling.type": "RoPE scaling",
+    "attention.key_length": "a head size other than hidden / heads",
+}
+"""Metadata keys (after the architecture's prefix) whose features the decoder lacks: a file that sets
+them is refused by name (``rope.scaling.type`` "none" and a key length of hidden / heads are fine)."""
+
+
+def refuse_unsupported(config: LlamaConfig, fields: Any, tensors: Mapping[str, Any]) -> None:
+    """Raise BatchError naming the first tensor or metadata feature the decoder would silently ignore."""
+    extra = sorted(name for name in tensors if not MODEL_TENSORS.fullmatch(name))
+    if extra:
+        raise BatchError(
+            f"GGUF {config.architecture} model: tensor {extra[0]!r} is not used by this decoder (and "
+            f"{len(extra) - 1} more); refusing rather than computing without it"
+        )
+    harmless = {"rope.scaling.type": ("none",), "attention.key_length": (config.head_dim,)}
+    for key, feature in UNSUPPORTED_METADATA.items():
+        full = f"{config.architecture}.{key}"
+        if full in fields and fields[full].contents() not in harmless.get(key, ()):
+            raise BatchError(f"GGUF {config.architecture} model: {feature} ({full}) is not supported")
+
+
 class GGUFWeights:
     """The GGUF tensors by name, as (rows, K) blocks or float32 arrays, with the q/k fix applied."""
 
@@ -124,6 +157,7 @@ class GGUFWeights:
         self.reader = gguf.GGUFReader(str(path))
         self.config = LlamaConfig.from_gguf(self.reader)
         self._tensors = {t.name: t for t in self.reader.tensors}
+        refuse_unsupported(self.config, self.reader.fields, self._tensors)
 
     def names(self) -> list[str]:
         return list(self._tensors)
