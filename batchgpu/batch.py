@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -650,10 +651,8 @@ class GpuCommandBatch:
         if storage.kind == "resident":
             return self._read_resident(tensor)
         assert self._runner is not None
-        try:
+        with _naming_read_errors(tensor, self.name):
             flat = await self._runner.read(storage)
-        except DeviceError as exc:
-            raise DeviceError(f"read {tensor.describe()} of batch {self.name!r}: {exc}") from None
         return self._finish_read(tensor, flat)
 
     def read_sync(self, tensor: Tensor) -> np.ndarray:
@@ -662,10 +661,8 @@ class GpuCommandBatch:
         if storage.kind == "resident":
             return self._read_resident(tensor)
         assert self._runner is not None
-        try:
+        with _naming_read_errors(tensor, self.name):
             flat = self._runner.read_sync(storage)
-        except DeviceError as exc:
-            raise DeviceError(f"read {tensor.describe()} of batch {self.name!r}: {exc}") from None
         return self._finish_read(tensor, flat)
 
     def _read_resident(self, tensor: Tensor) -> np.ndarray:
@@ -673,12 +670,11 @@ class GpuCommandBatch:
         follow every execute submitted so far."""
         if tensor.resident:
             return self.device.read(tensor)
-        flat = self.device.executor.read_resident(tensor.storage)
-        return flat[: tensor.size].reshape(tensor.shape).copy()
+        return _shaped(tensor, self.device.executor.read_resident(tensor.storage))
 
     def _finish_read(self, tensor: Tensor, flat: np.ndarray) -> np.ndarray:
         self._readback.want(tensor.storage)
-        return flat[: tensor.size].reshape(tensor.shape).copy()
+        return _shaped(tensor, flat)
 
     def _check_readable(self, tensor: Tensor) -> Storage:
         self._check_open("read")
@@ -752,6 +748,20 @@ class GpuCommandBatch:
         self._released = True
 
 
+def _shaped(tensor: Tensor, flat: np.ndarray) -> np.ndarray:
+    """A tensor's value from the flat contents of its storage (a copy the caller owns)."""
+    return flat[: tensor.size].reshape(tensor.shape).copy()
+
+
+@contextlib.contextmanager
+def _naming_read_errors(tensor: Tensor, batch_name: str) -> Iterator[None]:
+    """Device errors of a read say which tensor of which batch was being read."""
+    try:
+        yield
+    except DeviceError as exc:
+        raise DeviceError(f"read {tensor.describe()} of batch {batch_name!r}: {exc}") from None
+
+
 class Submission:
     """One ``execute`` of a batch: the tensors it copied back (declared outputs, or the tensors read so
     far) stay readable from here after later executes, so a loop can submit step n + 1 before reading
@@ -765,20 +775,16 @@ class Submission:
     def read_sync(self, tensor: Tensor) -> np.ndarray:
         """The tensor's value after this execute (blocks until the device is done with it)."""
         storage = self._check(tensor)
-        try:
+        with _naming_read_errors(tensor, self.batch.name):
             flat = self._ticket.read_sync(storage)
-        except DeviceError as exc:
-            raise DeviceError(f"read {tensor.describe()} of batch {self.batch.name!r}: {exc}") from None
-        return flat[: tensor.size].reshape(tensor.shape).copy()
+        return _shaped(tensor, flat)
 
     async def read(self, tensor: Tensor) -> np.ndarray:
         """:meth:`read_sync` without blocking the event loop."""
         storage = self._check(tensor)
-        try:
+        with _naming_read_errors(tensor, self.batch.name):
             flat = await self._ticket.read(storage)
-        except DeviceError as exc:
-            raise DeviceError(f"read {tensor.describe()} of batch {self.batch.name!r}: {exc}") from None
-        return flat[: tensor.size].reshape(tensor.shape).copy()
+        return _shaped(tensor, flat)
 
     def release(self) -> None:
         """Give this execute's readback buffers back without reading them."""

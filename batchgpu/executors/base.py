@@ -193,11 +193,11 @@ class Executor(ABC):
     features: frozenset[str]
     stats: Stats
     poison: bool = False
+    """Whether new output and scratch buffers are filled with :data:`POISON_BYTE` (``Device(poison=True)``)."""
     concurrent: bool = False
     """The device runs submitted work while the host goes on (a GPU): work submitted ahead of the reads
     overlaps the host's encoding with the device's computing. False where the host does the computing
     (numpy, a CPU Vulkan driver such as lavapipe, whose submit blocks while earlier work runs)."""
-    """Whether new output and scratch buffers are filled with :data:`POISON_BYTE` (``Device(poison=True)``)."""
 
     @abstractmethod
     def supports(self, dtype: np.dtype) -> bool:

@@ -29,7 +29,7 @@ import numpy as np
 from ..batch import Submission, default_device
 from ..device import Device
 from ..errors import BatchError, RequestError
-from ..models.llama import GGUFWeights, default_ahead, smollm2_path, upload_weights
+from ..models.llama import GGUFWeights, smollm2_path, steps_ahead, upload_weights
 from ..tensor import Tensor
 from .blocks import BlockPool
 from .params import SamplingParams
@@ -118,7 +118,7 @@ class Engine:
     concatenates each layer's q/k/v weights: one GEMV, then rope and both KV pool writes in one kernel
     (False: the separate ops, the same numbers). Each step's sampled tokens stay on the device as the next
     decode step's input, so up to ``ahead`` steps are submitted before the oldest one's tokens are read
-    (0: every step waits for the previous one's read; default: :func:`~batchgpu.models.llama.default_ahead`);
+    (0: every step waits for the previous one's read; default: :func:`~batchgpu.models.llama.steps_ahead`);
     a request that stops early drops what ran past it.
     """
 
@@ -149,10 +149,7 @@ class Engine:
             raise BatchError(f"Engine: max_context must be in [1, {trained}] (the model's trained length)")
         if max_batch < 1 or prefill_chunk < 1:
             raise BatchError("Engine: max_batch and prefill_chunk must be at least 1")
-        ahead = default_ahead(self.device) if ahead is None else ahead
-        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
-            raise BatchError(f"Engine: ahead must be an int >= 0, got {ahead!r}")
-        self.ahead = ahead
+        self.ahead = steps_ahead(self.device, ahead, "Engine")
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
         self.max_blocks = -(-max_context // block_size)
         blocks = kv_blocks if kv_blocks is not None else max(self.max_blocks, max_batch * self.max_blocks // 4)

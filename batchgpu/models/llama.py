@@ -319,11 +319,16 @@ def feed_forward(batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], block:
     return batch.matmul(hidden, w[block + "ffn_down.weight"], transpose_b=True)
 
 
-def default_ahead(device: Device) -> int:
-    """Decode steps to submit ahead of the reads: 2 on a device that computes while the host goes on (a
-    GPU), else 0 (numpy, lavapipe: there the host does the work, and on lavapipe steps queued ahead
-    measured ~20% slower per token, benchmarks/RESULTS.md)."""
-    return 2 if device.executor.concurrent else 0
+def steps_ahead(device: Device, ahead: int | None, what: str) -> int:
+    """Decode steps to submit ahead of the reads: ``ahead`` (an int >= 0, else ArgumentError naming
+    ``what``), or by default 2 on a device that computes while the host goes on (a GPU), else 0 (numpy,
+    lavapipe: there the host does the work, and on lavapipe steps queued ahead measured ~20% slower per
+    token, benchmarks/RESULTS.md)."""
+    if ahead is None:
+        return 2 if device.executor.concurrent else 0
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+        raise ArgumentError(f"{what}: ahead must be an int >= 0, got {ahead!r}")
+    return ahead
 
 
 @dataclass
@@ -461,21 +466,18 @@ class Llama:
     ) -> Iterator[tuple[Submission, Tensor]]:
         """The steps of a greedy generation as submitted, each decode step ``ahead`` steps before its
         token is needed (its input is the previous step's token, on the device)."""
-        ahead = default_ahead(self.device) if ahead is None else ahead
-        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
-            raise ArgumentError(f"Llama.generate: ahead must be an int >= 0, got {ahead!r}")
+        ahead = steps_ahead(self.device, ahead, "Llama.generate")
         self.position = 0
         in_flight = deque([self._submit_prefill(prompt)])
         submitted = 1
         try:
-            while in_flight:
+            while True:
                 while submitted < max_new_tokens and len(in_flight) <= ahead:
                     in_flight.append(self._submit_decode())
                     submitted += 1
+                if not in_flight:
+                    return
                 yield in_flight.popleft()
-                if submitted < max_new_tokens and not in_flight:
-                    in_flight.append(self._submit_decode())
-                    submitted += 1
         finally:  # stopped early: steps that ran past the end are dropped, their KV rows overwritten later
             for submission, _ in in_flight:
                 submission.release()
@@ -487,7 +489,7 @@ class Llama:
         """Greedy decoding: yields each new token id as soon as it is read back, up to ``max_new_tokens``
         or a token of ``stop`` (yielded). Decode steps take their input token on the device and run up to
         ``ahead`` steps ahead of the reads (0: each step waits for the previous token's read; default
-        :func:`default_ahead`)."""
+        :func:`steps_ahead`)."""
         steps = self._pipeline(prompt, max_new_tokens, ahead)
         for submission, next_token in steps:
             token = int(submission.read_sync(next_token)[0])

@@ -159,7 +159,9 @@ def _unary_infer(name: str, dtypes: DtypeClass) -> InferFn:
     return infer
 
 
-def _mode(tensor: Tensor, out_shape: tuple[int, ...]) -> int:
+def read_mode(tensor: Tensor, out_shape: tuple[int, ...]) -> int:
+    """How an elementwise kernel reads ``tensor`` for an output of ``out_shape``: at the output index
+    (CONTIGUOUS), as a broadcast scalar (SCALAR) or through broadcast strides (STRIDED)."""
     if tensor.shape == out_shape:
         return CONTIGUOUS
     return SCALAR if tensor.size == 1 else STRIDED
@@ -168,7 +170,7 @@ def _mode(tensor: Tensor, out_shape: tuple[int, ...]) -> int:
 def _binary_launch(node: Node, op: str) -> list[Launch]:
     a, b = node.inputs
     out = node.output
-    modes = (_mode(a, out.shape), _mode(b, out.shape))
+    modes = (read_mode(a, out.shape), read_mode(b, out.shape))
     if STRIDED in modes:
         shape, (a_strides, b_strides) = collapse(
             out.shape, broadcast_strides(a.shape, out.shape), broadcast_strides(b.shape, out.shape)

@@ -22,7 +22,7 @@ from ..dtypes import CUDA_TYPE, FLOAT16, FLOAT32, WGSL_COMPUTE_TYPE, WGSL_TYPE
 from ..kernels import MAX_DIMS, Launch
 from ..tensor import Storage, Tensor
 from .common import broadcast_strides, collapse, groups_for
-from .elementwise import EXPRESSIONS
+from .elementwise import EXPRESSIONS, read_mode
 from .interface import CONTIGUOUS, FUSED, MAX_FUSED_INPUTS, SCALAR, STRIDED
 from .spec import Node, OpSpec
 
@@ -175,7 +175,7 @@ class _Builder:
         key = input_key(tensor)
         if key not in self.values:
             self.inputs.append(tensor)
-            mode = CONTIGUOUS if tensor.shape == self.shape else SCALAR if tensor.size == 1 else STRIDED
+            mode = read_mode(tensor, self.shape)
             self.program.append(Load(len(self.inputs) - 1, WGSL_COMPUTE_TYPE[tensor.dtype], mode))
             self.values[key] = len(self.program) - 1
         return self.values[key]
@@ -230,7 +230,7 @@ def _reference(members: Sequence[Node], inputs: Sequence[Tensor]):
 def _launch(
     name: str, program: Sequence[Instruction], inputs: Sequence[Tensor], out: Tensor, members: Sequence[Node]
 ) -> Launch:
-    strided = [k for k, t in enumerate(inputs) if t.shape != out.shape and t.size != 1]
+    strided = [k for k, t in enumerate(inputs) if read_mode(t, out.shape) == STRIDED]
     shape, strides = collapse(out.shape, *(broadcast_strides(inputs[k].shape, out.shape) for k in strided))
     flat = [0] * (MAX_FUSED_INPUTS * MAX_DIMS)
     for k, input_strides in zip(strided, strides):

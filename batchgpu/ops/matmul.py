@@ -269,10 +269,7 @@ def _lower_with_epilogue(node: Node) -> list[Launch]:
     plain = dict(node.params, epilogue=None)
     if isinstance(w, QuantTensor) and _quant_split_k(w)[1] == 1:
         (launch,) = _lower_quantized(Node(node.spec, node.inputs, plain, node.outputs))  # one split: no sum
-        fused = replace(launch, constants=(*launch.constants, ("SWIGLU", True)))
-        if launch.gpu is not None:
-            fused.gpu = fused.native = replace(launch.gpu, constants=fused.constants)
-        return [fused]
+        return [_in_every_form(launch, constants=(*launch.constants, ("SWIGLU", True)))]
     out = node.output
     product, launches = _product_in_scratch(node, plain, (*out.shape[:-1], 2 * out.shape[-1]))
     return [*launches, swiglu_launch(product, out, interleaved=True)]
@@ -304,14 +301,19 @@ def _lower_with_activation(node: Node, activation: str) -> list[Launch]:
 
 def _with_activation(launch: Launch, activation: str, dtype: np.dtype) -> Launch:
     """``launch`` (and its native / GPU forms) storing activation(value)."""
-    fields = dict(
+    return _in_every_form(
+        launch,
         snippets=(*launch.snippets, ("ACTIVATION", activation)),
         constants=(*launch.constants, ("IS_FLOAT", dtype.kind == "f")),
     )
-    fused = replace(launch, **fields)
-    fused.native = replace(launch.native, **fields) if launch.native is not None else None
-    fused.gpu = replace(launch.gpu, **fields) if launch.gpu is not None else None
-    return fused
+
+
+def _in_every_form(launch: Launch, **fields: Any) -> Launch:
+    """``launch`` with ``fields`` replaced, in its native and GPU forms too (the same specialization)."""
+    changed = replace(launch, **fields)
+    changed.native = replace(launch.native, **fields) if launch.native is not None else None
+    changed.gpu = replace(launch.gpu, **fields) if launch.gpu is not None else None
+    return changed
 
 
 def _quant_split_k(w: QuantTensor) -> tuple[int, int]:
