@@ -24,6 +24,16 @@ def real(what: str, name: str, value: Any) -> float:
     return float(value)
 
 
+def positive_reals(what: str, name: str, value: Any) -> tuple[float, ...] | None:
+    """None, or a sequence (or 1-D array) of finite numbers > 0 as a tuple of floats."""
+    if value is None:
+        return None
+    values = tuple(real(what, name, v) for v in np.asarray(value, dtype=object).reshape(-1))
+    if np.ndim(value) != 1 or not all(0 < v < float("inf") for v in values):
+        raise ArgumentError(f"{what}: {name} must be a 1-D sequence of finite numbers > 0, got {value!r:.60}")
+    return values
+
+
 def text(what: str, name: str, value: Any) -> str:
     """A str."""
     if not isinstance(value, str):

@@ -290,14 +290,25 @@ class GpuCommandBatch:
         """``(x - mean) / sqrt(var + eps) * w + b`` over the last dim."""
         return self._record("layer_norm", (x, w, b), eps=arguments.real("layer_norm", "eps", eps))
 
-    def rope(self, x: Tensor, pos: Scalar | int | Tensor, theta: float = 10000.0) -> Tensor:
+    def rope(
+        self,
+        x: Tensor,
+        pos: Scalar | int | Tensor,
+        theta: float = 10000.0,
+        *,
+        factors: Sequence[float] | None = None,
+    ) -> Tensor:
         """Rotary embedding, rotate-half convention (Llama in transformers), of ``x`` shaped
         (tokens, heads, head_dim); token t sits at position ``pos + t``, or at ``pos[t]`` when ``pos`` is
-        an int32 Tensor of shape (tokens,) (any order and repeats; negative values rotate backwards)."""
-        theta = arguments.real("rope", "theta", theta)
+        an int32 Tensor of shape (tokens,) (any order and repeats; negative values rotate backwards).
+        Pair i turns at ``theta ** (-2i / head_dim) / factors[i]`` (``factors``: head_dim / 2 numbers > 0,
+        Llama 3's or linear RoPE scaling; None: all 1)."""
+        rope = dict(theta=arguments.real("rope", "theta", theta))
+        if factors is not None:
+            rope["factors"] = arguments.positive_reals("rope", "factors", factors)
         if isinstance(pos, Tensor):
-            return self._record("rope", (x, pos), pos=None, theta=theta)
-        return self._record("rope", (x,), pos=self._own_scalar("rope", pos), theta=theta)
+            return self._record("rope", (x, pos), pos=None, **rope)
+        return self._record("rope", (x,), pos=self._own_scalar("rope", pos), **rope)
 
     def kv_write(self, cache: Tensor, new: Tensor, pos: Scalar | int) -> Tensor:
         """Write ``new`` (tokens, kv_heads, head_dim) into ``cache`` rows ``pos .. pos + tokens`` in
@@ -314,23 +325,27 @@ class GpuCommandBatch:
         theta: float = 10000.0,
         *,
         rows: Tensor | None = None,
+        factors: Sequence[float] | None = None,
     ) -> Tensor:
-        """``rope`` and ``kv_write`` of a fused q/k/v projection in one kernel: ``qkv`` is (tokens, heads +
-        2 * kv_heads, head_dim), the q heads, then the k heads, then the v heads (kv_heads: the caches').
+        """``rope`` (with its ``factors``) and ``kv_write`` of a fused q/k/v projection in one kernel: ``qkv``
+        is (tokens, heads + 2 * kv_heads, head_dim), the q heads, then the k heads, then the v heads
+        (kv_heads: the caches').
         Token t sits at position ``pos + t`` and its rope(k) and v go to the caches' row ``pos + t``; with
         ``pos`` an int32 Tensor (tokens,) of positions, ``rows`` (int32, (tokens,)) gives each token's cache
         row instead (negative: skipped, as ``scatter_rows``: a paged pool). Returns rope(q), (tokens,
         heads, head_dim) in qkv's dtype; the caches may be float32 or float16 whatever qkv's dtype. The
         numbers equal ``rope``, ``rope`` + ``kv_write`` / ``scatter_rows`` and ``kv_write`` of the parts."""
-        theta = arguments.real("rope_kv_write", "theta", theta)
+        rope = dict(theta=arguments.real("rope_kv_write", "theta", theta))
+        if factors is not None:
+            rope["factors"] = arguments.positive_reals("rope_kv_write", "factors", factors)
         if isinstance(pos, Tensor):
             if not isinstance(rows, Tensor):
                 raise ArgumentError("rope_kv_write: with a positions Tensor, rows (each token's cache row) is needed")
-            return self._record("rope_kv_write", (qkv, k_cache, v_cache, pos, rows), pos=None, theta=theta)
+            return self._record("rope_kv_write", (qkv, k_cache, v_cache, pos, rows), pos=None, **rope)
         if rows is not None:
             raise ArgumentError("rope_kv_write: rows goes with a positions Tensor, not a scalar or int position")
         position = self._own_scalar("rope_kv_write", pos)
-        return self._record("rope_kv_write", (qkv, k_cache, v_cache), pos=position, theta=theta)
+        return self._record("rope_kv_write", (qkv, k_cache, v_cache), pos=position, **rope)
 
     def attention(
         self,

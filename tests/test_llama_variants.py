@@ -1,11 +1,19 @@
-"""Llama-family variants from tiny random GGUF files written here (no downloads): a Llama-layout model
-(q/k rows permuted by the converter, tied output head, grouped-query attention) and a Qwen2 one (q/k/v
-biases, an untied head, rows as they are). Prefill logits of the batchgpu model match a float64 numpy
-model of the architecture written here (transformers' conventions: rotate-half RoPE) within
-1e-5 x max|logit|, and greedy ids match, on the reference executor and lavapipe, with and without joined
-projections."""
+"""Llama-family variants from tiny random models written here (no downloads), as GGUF files (``gguf.GGUFWriter``,
+float32 and block formats) and as Hugging Face directories (``config.json`` + safetensors, one file or shards):
+
+- llama: q/k rows permuted by llama.cpp's converter, tied output head, grouped-query attention 2:1;
+- llama3: Llama 3.1's RoPE scaling (GGUF ``rope_freqs``, HF ``rope_scaling``), theta 500000, GQA 4:1;
+- qwen2: q/k/v biases, untied head, rows as they are;
+- qwen3: q/k RMS norms, a head size other than hidden / heads, untied head.
+
+Prefill logits of the batchgpu model match a float64 numpy model of each architecture written here
+(transformers' conventions: rotate-half RoPE) within 1e-5 x max|logit|, and greedy ids match. Where torch
+is installed, transformers' own models of the same checkpoints are the reference too (tests/test_hf_models.py)."""
 
 from __future__ import annotations
+
+import json
+import math
 
 import numpy as np
 import pytest
@@ -15,26 +23,33 @@ from batchgpu.models.llama import Llama
 
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the test models")
 
-DIMS = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=50, eps=1e-5, theta=10000.0)
 PROMPT = [3, 17, 42, 8, 29]
+BASE = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=50, eps=1e-5, theta=10000.0)
+LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+VARIANTS = {
+    "llama": dict(BASE, biases=False, tied=True, qk_norm=False, scaling=None),
+    "llama3": dict(BASE, kv_heads=1, theta=500000.0, biases=False, tied=False, qk_norm=False, scaling=LLAMA3_SCALING),
+    "qwen2": dict(BASE, biases=True, tied=False, qk_norm=False, scaling=None),
+    "qwen3": dict(BASE, head_dim=32, biases=False, tied=False, qk_norm=True, scaling=None),
+}
+GGUF_ARCHITECTURE = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def hf_weights(rng: np.random.Generator, *, biases: bool, tied: bool) -> dict[str, np.ndarray]:
+def random_weights(d: dict, seed: int) -> dict[str, np.ndarray]:
     """Random float32 weights in transformers' layout, named as in GGUF."""
-    d = DIMS
-    hd = d["hidden"] // d["heads"]
+    rng = np.random.default_rng(seed)
+    hd = d["head_dim"]
 
     def matrix(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
 
-    w = {
-        "token_embd.weight": matrix(d["vocab"], d["hidden"]) * 4,
-        "output_norm.weight": 1 + 0.1 * rng.standard_normal(d["hidden"]).astype(np.float32),
-    }
+    def norm(size: int) -> np.ndarray:
+        return (1 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+
+    w = {"token_embd.weight": matrix(d["vocab"], d["hidden"]) * 4, "output_norm.weight": norm(d["hidden"])}
     for i in range(d["layers"]):
         b = f"blk.{i}."
-        w[b + "attn_norm.weight"] = (1 + 0.1 * rng.standard_normal(d["hidden"])).astype(np.float32)
-        w[b + "ffn_norm.weight"] = (1 + 0.1 * rng.standard_normal(d["hidden"])).astype(np.float32)
+        w[b + "attn_norm.weight"], w[b + "ffn_norm.weight"] = norm(d["hidden"]), norm(d["hidden"])
         w[b + "attn_q.weight"] = matrix(d["heads"] * hd, d["hidden"])
         w[b + "attn_k.weight"] = matrix(d["kv_heads"] * hd, d["hidden"])
         w[b + "attn_v.weight"] = matrix(d["kv_heads"] * hd, d["hidden"])
@@ -42,48 +57,36 @@ def hf_weights(rng: np.random.Generator, *, biases: bool, tied: bool) -> dict[st
         w[b + "ffn_gate.weight"] = matrix(d["ffn"], d["hidden"])
         w[b + "ffn_up.weight"] = matrix(d["ffn"], d["hidden"])
         w[b + "ffn_down.weight"] = matrix(d["hidden"], d["ffn"])
-        if biases:
-            for name, rows in (("attn_q", d["heads"]), ("attn_k", d["kv_heads"]), ("attn_v", d["kv_heads"])):
-                w[b + name + ".bias"] = (0.5 * rng.standard_normal(rows * hd)).astype(np.float32)
-    if not tied:
+        if d["qk_norm"]:
+            w[b + "attn_q_norm.weight"], w[b + "attn_k_norm.weight"] = norm(hd), norm(hd)
+        if d["biases"]:
+            for name, heads in (("attn_q", d["heads"]), ("attn_k", d["kv_heads"]), ("attn_v", d["kv_heads"])):
+                w[b + name + ".bias"] = (0.5 * rng.standard_normal(heads * hd)).astype(np.float32)
+    if not d["tied"]:
         w["output.weight"] = matrix(d["vocab"], d["hidden"])
     return w
 
 
-def permute(rows: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's q/k row permutation (for interleaved RoPE)."""
-    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+def inverse_frequencies(d: dict) -> np.ndarray:
+    """RoPE's inverse frequencies, Llama 3.1-scaled as transformers' ``_compute_llama3_parameters`` does."""
+    hd = d["head_dim"]
+    inv = 1.0 / d["theta"] ** (np.arange(0, hd, 2) / hd)
+    s = d["scaling"]
+    if s is None:
+        return inv
+    old = s["original_max_position_embeddings"]
+    low_wavelength, high_wavelength = old / s["low_freq_factor"], old / s["high_freq_factor"]
+    wavelength = 2 * math.pi / inv
+    scaled = np.where(wavelength > low_wavelength, inv / s["factor"], inv)
+    smooth = (old / wavelength - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+    medium = (wavelength >= high_wavelength) & (wavelength <= low_wavelength)
+    return np.where(medium, smoothed, scaled)
 
 
-def write_gguf(path, architecture: str, weights: dict[str, np.ndarray], **metadata: int) -> None:
-    d = DIMS
-    writer = gguf.GGUFWriter(str(path), architecture)
-    for key, value in metadata.items():
-        writer.add_uint32(f"{architecture}.{key.replace('__', '.')}", value)
-    writer.add_block_count(d["layers"])
-    writer.add_embedding_length(d["hidden"])
-    writer.add_head_count(d["heads"])
-    writer.add_head_count_kv(d["kv_heads"])
-    writer.add_feed_forward_length(d["ffn"])
-    writer.add_layer_norm_rms_eps(d["eps"])
-    writer.add_rope_freq_base(d["theta"])
-    writer.add_context_length(64)
-    for name, array in weights.items():
-        if architecture == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
-            array = permute(array, d["heads"])
-        elif architecture == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
-            array = permute(array, d["kv_heads"])
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def float64_logits(weights: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+def float64_logits(d: dict, weights: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
     """The architecture in float64 numpy: the last token's logits."""
-    d = DIMS
-    hd = d["hidden"] // d["heads"]
+    hd = d["head_dim"]
     f = {name: a.astype(np.float64) for name, a in weights.items()}
 
     def rms(x: np.ndarray, g: np.ndarray) -> np.ndarray:
@@ -93,8 +96,7 @@ def float64_logits(weights: dict[str, np.ndarray], ids: list[int]) -> np.ndarray
         return x @ f[name + ".weight"].T + f.get(name + ".bias", 0.0)
 
     def rope(x: np.ndarray) -> np.ndarray:
-        inv = 1.0 / d["theta"] ** (np.arange(0, hd, 2) / hd)
-        angle = np.arange(x.shape[0])[:, None] * inv[None, :]
+        angle = np.arange(x.shape[0])[:, None] * inverse_frequencies(d)[None, :]
         cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
         x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
@@ -104,9 +106,12 @@ def float64_logits(weights: dict[str, np.ndarray], ids: list[int]) -> np.ndarray
     for i in range(d["layers"]):
         b = f"blk.{i}."
         x = rms(h, f[b + "attn_norm.weight"])
-        q = rope(linear(x, b + "attn_q").reshape(t, d["heads"], hd))
-        k = rope(linear(x, b + "attn_k").reshape(t, d["kv_heads"], hd))
+        q = linear(x, b + "attn_q").reshape(t, d["heads"], hd)
+        k = linear(x, b + "attn_k").reshape(t, d["kv_heads"], hd)
         v = linear(x, b + "attn_v").reshape(t, d["kv_heads"], hd)
+        if d["qk_norm"]:
+            q, k = rms(q, f[b + "attn_q_norm.weight"]), rms(k, f[b + "attn_k_norm.weight"])
+        q, k = rope(q), rope(k)
         group = d["heads"] // d["kv_heads"]
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
         scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd)
@@ -121,58 +126,320 @@ def float64_logits(weights: dict[str, np.ndarray], ids: list[int]) -> np.ndarray
     return rms(h, f["output_norm.weight"])[-1] @ head.T
 
 
-VARIANTS = {"llama": dict(biases=False, tied=True), "qwen2": dict(biases=True, tied=False)}
+def greedy(d: dict, weights: dict[str, np.ndarray], prompt: list[int], n: int) -> list[int]:
+    ids, out = list(prompt), []
+    for _ in range(n):
+        out.append(int(np.argmax(float64_logits(d, weights, ids))))
+        ids.append(out[-1])
+    return out
+
+
+# GGUF files ------------------------------------------------------------------------------------------
+
+
+def permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row permutation (for interleaved RoPE)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def llama3_rope_freqs(d: dict) -> np.ndarray:
+    """llama.cpp's converter's ``rope_freqs`` tensor: the divisor of each pair's frequency."""
+    return (1.0 / d["theta"] ** (np.arange(0, d["head_dim"], 2) / d["head_dim"]) / inverse_frequencies(d)).astype(
+        np.float32
+    )
+
+
+def stored(array: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, object]:
+    """(what the file holds, the weights it means, the GGUF type) of a 2-D weight stored as ``qtype``."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype == "F32" or array.ndim != 2:
+        return array, array, gguf.GGMLQuantizationType.F32
+    data = gguf.quants.quantize(array, kind)
+    return data, gguf.quants.dequantize(data, kind).astype(np.float32), kind
+
+
+def tiny_tokenizer(writer: object, vocab: int) -> None:
+    """A byte-level vocabulary of single characters (no merges) with an end token (2) and a chat template."""
+    tokens = [chr(ord("A") + i) if i < 26 else chr(ord("a") + i - 26) for i in range(vocab)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([])
+    writer.add_token_types([1] * vocab)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+def write_gguf(path, variant: str, weights: dict[str, np.ndarray], qtype: str = "F32", **metadata: int):
+    """Write the model; returns the weights the file means (blocks dequantized by the gguf package)."""
+    d, architecture = VARIANTS[variant], GGUF_ARCHITECTURE[variant]
+    writer = gguf.GGUFWriter(str(path), architecture)
+    sizes = {
+        "block_count": d["layers"],
+        "embedding_length": d["hidden"],
+        "attention.head_count": d["heads"],
+        "attention.head_count_kv": d["kv_heads"],
+        "attention.key_length": d["head_dim"],
+        "attention.value_length": d["head_dim"],
+        "rope.dimension_count": d["head_dim"],
+        "feed_forward_length": d["ffn"],
+        "context_length": 64,
+    }
+    sizes.update({key.replace("__", "."): value for key, value in metadata.items()})
+    for key, value in sizes.items():
+        writer.add_uint32(f"{architecture}.{key}", value)
+    writer.add_layer_norm_rms_eps(d["eps"])
+    writer.add_rope_freq_base(d["theta"])
+    tiny_tokenizer(writer, d["vocab"])
+    if d["scaling"] is not None:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(d))
+    meant = {}
+    for name, array in weights.items():
+        data, meant[name], kind = stored(array, qtype)
+        if architecture == "llama" and ".attn_q." in name:
+            data = permute(data, d["heads"])
+        elif architecture == "llama" and ".attn_k." in name:
+            data = permute(data, d["kv_heads"])
+        writer.add_tensor(name, data, raw_dtype=kind if kind != gguf.GGMLQuantizationType.F32 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return meant
+
+
+def check_model(model: Llama, d: dict, weights: dict[str, np.ndarray]) -> None:
+    expected = float64_logits(d, weights, PROMPT)
+    step = model.prefill(PROMPT)
+    logits = step.batch.read_sync(step.logits)[0]
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    assert list(model.generate(PROMPT, 4)) == greedy(d, weights, PROMPT, 4)
 
 
 @pytest.mark.parametrize("kind", ["reference", "wgpu"])
-@pytest.mark.parametrize("architecture", sorted(VARIANTS))
-def test_tiny_variant_matches_float64_numpy(tmp_path, architecture, kind):
-    weights = hf_weights(np.random.default_rng(len(architecture)), **VARIANTS[architecture])
-    path = tmp_path / f"{architecture}.gguf"
-    write_gguf(path, architecture, weights)
-    expected = float64_logits(weights, PROMPT)
-    greedy, ids = [], list(PROMPT)
-    for _ in range(4):
-        token = int(np.argmax(float64_logits(weights, ids)))
-        greedy.append(token)
-        ids.append(token)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_tiny_gguf_variant_matches_float64_numpy(tmp_path, variant, kind):
+    d = VARIANTS[variant]
+    weights = random_weights(d, len(variant))
+    path = tmp_path / f"{variant}.gguf"
+    write_gguf(path, variant, weights)
     device = bg.Device(kind)
     for fuse in (True, False):
         model = Llama(device, path, quantized=False, max_context=32, fuse=fuse)
-        assert model.config.architecture == architecture
-        step = model.prefill(PROMPT)
-        logits = step.batch.read_sync(step.logits)[0]
-        np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
-        assert list(model.generate(PROMPT, 4)) == greedy
+        assert model.config.architecture == GGUF_ARCHITECTURE[variant]
+        check_model(model, d, weights)
+
+
+@pytest.mark.parametrize(
+    ("variant", "qtype"), [("llama", "Q8_0"), ("llama3", "Q4_0"), ("qwen2", "F16"), ("qwen3", "Q5_1")]
+)
+def test_tiny_gguf_variant_in_block_formats(tmp_path, variant, qtype):
+    """The weights stay in their block format on the device; the reference is the float64 model of what the
+    blocks mean (dequantized by the gguf package)."""
+    d = VARIANTS[variant]
+    path = tmp_path / f"{variant}.gguf"
+    meant = write_gguf(path, variant, random_weights(d, 7), qtype)
+    model = Llama(bg.Device("reference"), path, max_context=32)
+    assert model.params["blk.0.ffn_down.weight"].qtype == qtype.lower()
+    check_model(model, d, meant)
+
+
+def test_engine_serves_a_variant(tmp_path):
+    """The engine (paged KV cache, on-device sampling) on a Qwen3 model: greedy ids equal the float64 model's."""
+    from batchgpu.llm import Engine, SamplingParams
+
+    d = VARIANTS["qwen3"]
+    weights = random_weights(d, 3)
+    path = tmp_path / "qwen3.gguf"
+    write_gguf(path, "qwen3", weights)
+    engine = Engine(path, bg.Device("reference"), max_batch=2, max_context=32, block_size=4, prefill_chunk=4)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    assert engine.complete(PROMPT, params).token_ids == greedy(d, weights, PROMPT, 5)
+    assert engine.complete([{"role": "user", "content": "DfqB"}], params).token_ids == greedy(
+        d, weights, [3, 31, 42, 1], 5
+    )
 
 
 def test_unknown_architectures_are_refused(tmp_path):
     path = tmp_path / "gemma.gguf"
-    write_gguf(path, "gemma", hf_weights(np.random.default_rng(0), biases=False, tied=True))
-    with pytest.raises(bg.BatchError, match=r"GGUF architecture 'gemma' is not supported; supported: llama, qwen2"):
+    writer = gguf.GGUFWriter(str(path), "gemma")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(
+        bg.BatchError, match=r"GGUF architecture 'gemma' is not supported; supported: llama, qwen2, qwen3"
+    ):
         Llama(bg.Device("reference"), path)
 
 
 @pytest.mark.parametrize(
     ("extra", "metadata", "message"),
     [
-        ({"rope_freqs.weight": np.ones(8, np.float32)}, {}, r"tensor 'rope_freqs.weight' is not used by this decoder"),
-        ({"blk.0.attn_q_norm.weight": np.ones(16, np.float32)}, {}, r"tensor 'blk.0.attn_q_norm.weight' is not used"),
+        ({"blk.0.ffn_gate.bias": np.ones(96, np.float32)}, {}, r"tensor 'blk.0.ffn_gate.bias' is not used by this"),
+        ({}, {"rope__dimension_count": 8}, r"llama.rope.dimension_count other than the key length 16"),
         (
             {},
             {"attention__sliding_window": 16},
-            r"sliding-window attention \(Mistral\) \(llama.attention.sliding_window\)",
+            r"sliding-window attention \(16 positions\) is not supported; max_context 32",
         ),
-        ({}, {"attention__key_length": 32}, r"a head size other than hidden / heads"),
     ],
 )
 def test_features_the_decoder_lacks_are_refused(tmp_path, extra, metadata, message):
-    """A file with tensors or settings the decoder would silently ignore (Llama 3 rope factors, Qwen3 q/k
-    norms, Mistral's window) is refused by name instead of computing wrong numbers."""
+    """A file with tensors or settings the decoder would silently ignore (a bias it has no place for, partial
+    rotary, a sliding window shorter than the context) is refused by name instead of computing wrong numbers."""
     path = tmp_path / "model.gguf"
-    write_gguf(path, "llama", {**hf_weights(np.random.default_rng(1), biases=False, tied=True), **extra}, **metadata)
+    weights = random_weights(VARIANTS["llama"], 1)
+    write_gguf(path, "llama", {**weights, **extra}, **metadata)
     with pytest.raises(bg.BatchError, match=message):
-        Llama(bg.Device("reference"), path)
-    fine = tmp_path / "fine.gguf"  # the same model without them loads
-    write_gguf(fine, "llama", hf_weights(np.random.default_rng(1), biases=False, tied=True), attention__key_length=16)
-    Llama(bg.Device("reference"), fine)
+        Llama(bg.Device("reference"), path, max_context=32)
+
+
+def test_a_window_no_shorter_than_the_context_changes_nothing(tmp_path):
+    path = tmp_path / "mistral.gguf"
+    weights = random_weights(VARIANTS["llama"], 2)
+    write_gguf(path, "llama", weights, attention__sliding_window=32)
+    check_model(Llama(bg.Device("reference"), path, quantized=False, max_context=32), VARIANTS["llama"], weights)
+
+
+# Hugging Face directories --------------------------------------------------------------------------------
+
+HF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+HF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+HF_MODEL_TYPES = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+
+
+def hf_name(name: str) -> str:
+    """transformers' name of a GGUF-named tensor (written out here, not taken from the gguf package)."""
+    if name in HF_NAMES:
+        return HF_NAMES[name]
+    _, layer, tensor, suffix = name.split(".")
+    return f"model.layers.{layer}.{HF_LAYER_NAMES[tensor]}.{suffix}"
+
+
+def hf_config(variant: str, d: dict) -> dict:
+    config = {
+        "model_type": HF_MODEL_TYPES[variant],
+        "hidden_size": d["hidden"],
+        "intermediate_size": d["ffn"],
+        "num_hidden_layers": d["layers"],
+        "num_attention_heads": d["heads"],
+        "num_key_value_heads": d["kv_heads"],
+        "head_dim": d["head_dim"],
+        "vocab_size": d["vocab"],
+        "rms_norm_eps": d["eps"],
+        "rope_theta": d["theta"],
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": d["tied"],
+        "hidden_act": "silu",
+        "eos_token_id": 2,
+    }
+    if d["scaling"] is not None:
+        config["rope_scaling"] = dict(d["scaling"], rope_type="llama3")
+    if variant == "qwen2":
+        config.update(sliding_window=4096, use_sliding_window=False)
+    if variant == "mistral":
+        config.update(sliding_window=None)
+    return config
+
+
+def write_hf(
+    directory,
+    variant: str,
+    weights: dict[str, np.ndarray],
+    dtype: type = np.float32,
+    shards: int = 1,
+    d: dict | None = None,
+):
+    """A transformers-style checkpoint: config.json, safetensors shards (with an index past one) and a
+    tokenizer.json; returns the weights as stored (rounded to ``dtype``)."""
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, models
+
+    d = d or VARIANTS["llama" if variant == "mistral" else variant]
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(hf_config(variant, d)))
+    tensors = {hf_name(name): array.astype(dtype) for name, array in weights.items()}
+    names = sorted(tensors)
+    index = {}
+    for shard in range(shards):
+        file = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 else "model.safetensors"
+        part = names[shard::shards]
+        save_file({name: tensors[name] for name in part}, str(directory / file))
+        index.update(dict.fromkeys(part, file))
+    if shards > 1:
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    vocab = {chr(ord("A") + i) if i < 26 else chr(ord("a") + i - 26): i for i in range(d["vocab"])}
+    Tokenizer(models.WordLevel(vocab, unk_token="A")).save(str(directory / "tokenizer.json"))
+    return {name: array.astype(dtype).astype(np.float32) for name, array in weights.items()}
+
+
+@pytest.mark.parametrize("kind", ["reference", "wgpu"])
+@pytest.mark.parametrize(
+    ("variant", "dtype", "shards"),
+    [("llama3", np.float32, 3), ("qwen3", np.float16, 1), ("qwen2", np.float32, 2), ("mistral", np.float16, 2)],
+)
+def test_tiny_hf_checkpoint_matches_float64_numpy(tmp_path, variant, dtype, shards, kind):
+    d = VARIANTS["llama" if variant == "mistral" else variant]
+    stored_weights = write_hf(tmp_path / variant, variant, random_weights(d, 11), dtype, shards)
+    model = Llama(bg.Device(kind), tmp_path / variant, max_context=32)
+    if dtype == np.float16:
+        assert model.params["blk.0.ffn_down.weight"].qtype == "f16"  # resident as float16 blocks
+    check_model(model, d, stored_weights)
+
+
+def test_hf_checkpoint_refusals(tmp_path):
+    d = VARIANTS["llama"]
+    weights = random_weights(d, 5)
+    write_hf(tmp_path / "bias", "llama", {**weights, "blk.0.ffn_up.bias": np.ones(96, np.float32)})
+    with pytest.raises(bg.BatchError, match=r"tensor 'model.layers.0.mlp.up_proj.bias' is not used|ffn_up.bias"):
+        Llama(bg.Device("reference"), tmp_path / "bias")
+    directory = tmp_path / "yarn"
+    write_hf(directory, "llama", weights)
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(bg.BatchError, match=r"RoPE scaling 'yarn' is not supported; supported: default, linear"):
+        Llama(bg.Device("reference"), directory)
+    config.update(rope_scaling=None, model_type="gemma")
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(bg.BatchError, match=r"model_type 'gemma' is not supported; supported: llama, mistral"):
+        Llama(bg.Device("reference"), directory)
+
+
+def test_hf_loading_holds_about_one_tensor_in_host_memory(tmp_path):
+    """Tensors are read one at a time from memory-mapped shards: the host's peak while loading onto lavapipe
+    (whose buffers numpy does not allocate) stays under a small multiple of the largest tensor, far below
+    the checkpoint's size."""
+    import tracemalloc
+
+    from batchgpu.models.llama import open_weights, upload_weights
+
+    d = dict(VARIANTS["llama"], layers=4, hidden=256, head_dim=64, ffn=512)
+    weights = random_weights(d, 9)
+    write_hf(tmp_path / "big", "llama", weights, np.float32, 3, d)
+    total = sum(a.nbytes for a in weights.values())
+    largest = max(a.nbytes for a in weights.values())
+    source = open_weights(tmp_path / "big")
+    device = bg.Device("wgpu")
+    tracemalloc.start()
+    upload_weights(device, source, quantized=False, fuse=False)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 2 * largest and largest < total / 10, (peak, largest, total)

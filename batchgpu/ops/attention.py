@@ -129,6 +129,23 @@ def inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:
     return (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
 
 
+def rope_table(head_dim: int, params: dict[str, Any]) -> np.ndarray:
+    """The inverse frequency of each rotation pair: :func:`inverse_frequencies`, each divided by its
+    ``factors`` entry where given (Llama 3's and linear RoPE scaling; llama.cpp's ``rope_freqs``)."""
+    table = inverse_frequencies(head_dim, params["theta"])
+    if params.get("factors") is not None:
+        table = (table / np.asarray(params["factors"], np.float32)).astype(np.float32)
+    return table
+
+
+def _check_rope_params(op: str, head_dim: int, params: dict[str, Any]) -> None:
+    if not float(params["theta"]) > 0:
+        raise ShapeError(f"{op}: theta must be > 0, got {params['theta']!r}")
+    factors = params.get("factors")
+    if factors is not None and len(factors) != head_dim // 2:
+        raise ShapeError(f"{op}: factors has {len(factors)} entries, expected head_dim / 2 = {head_dim // 2}")
+
+
 def _rope_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
     x = inputs[0]
     check_dtype("rope", "float", x)
@@ -139,15 +156,14 @@ def _rope_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple
         index_vector("rope", inputs[1], "pos", x.shape[0], "one position per token of x")
     else:
         _position("rope", params["pos"])
-    if not float(params["theta"]) > 0:
-        raise ShapeError(f"rope: theta must be > 0, got {params['theta']!r}")
+    _check_rope_params("rope", x.shape[-1], params)
     return x.shape, x.dtype
 
 
 def _rope_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
     x = arrays[0]
     tokens, _, head_dim = x.shape
-    inv = inverse_frequencies(head_dim, params["theta"])
+    inv = rope_table(head_dim, params)
     if len(arrays) == 2:  # token t at positions[t] (float32 of the int32, as the kernels convert it)
         at = arrays[1].astype(np.float32)
     else:
@@ -162,7 +178,7 @@ def _rope_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndar
 def _rope_lower(node: Node) -> list[Launch]:
     x = node.inputs[0]
     tokens, heads, head_dim = x.shape
-    table = node.new_constant(inverse_frequencies(head_dim, node.params["theta"]))
+    table = node.new_constant(rope_table(head_dim, node.params))
     buffers: Buffers = dict(src=x, table=table, dst=node.output)
     groups = groups_for(x.size // 2, ATTENTION_WORKGROUP)
     if len(node.inputs) == 2:  # positions from a tensor
@@ -180,7 +196,7 @@ ROPE = OpSpec(
     lower=_rope_lower,
     dtypes="float",
     doc="rotary embedding (rotate-half) of x (tokens, heads, head_dim) at positions pos + t, or pos[t] for an "
-    "int32 tensor pos",
+    "int32 tensor pos; pair i turns at theta ** (-2i / head_dim) / factors[i]",
 )
 
 
@@ -271,8 +287,7 @@ def _rope_kv_write_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tu
         _position("rope_kv_write", pos)
         if not isinstance(pos, Scalar) and pos > k_cache.shape[0] - tokens:
             raise LimitError(f"rope_kv_write: pos {pos!r} + {tokens} tokens exceeds cache {k_cache.describe()}")
-    if not float(params["theta"]) > 0:
-        raise ShapeError(f"rope_kv_write: theta must be > 0, got {params['theta']!r}")
+    _check_rope_params("rope_kv_write", head_dim, params)
     return (tokens, heads, head_dim), qkv.dtype
 
 
@@ -296,7 +311,7 @@ def _rope_kv_write_lower(node: Node) -> list[Launch]:
     qkv, k_cache, v_cache = node.inputs[:3]
     tokens, heads, kv_heads = _rope_kv_split(qkv, k_cache)
     head_dim, cache_len = qkv.shape[2], k_cache.shape[0]
-    table = node.new_constant(inverse_frequencies(head_dim, node.params["theta"]))
+    table = node.new_constant(rope_table(head_dim, node.params))
     buffers: Buffers = dict(src=qkv, table=table, dst=node.output, keys_out=k_cache, values_out=v_cache)
     groups = groups_for(qkv.size // 2, ATTENTION_WORKGROUP)
     if len(node.inputs) == 5:

@@ -1,0 +1,163 @@
+"""Tokenizers built from a GGUF file's own vocabulary, checked against tokenizers nobody here wrote:
+
+- SentencePiece ("llama": Llama 2, Mistral): a BPE model trained here with the ``sentencepiece`` package
+  (byte fallback, no normalization, as Llama's), its pieces, scores and types written into a GGUF file; our
+  ids (BOS first) and text equal sentencepiece's own, including characters it never saw (byte fallback).
+- byte-level BPE ("gpt2") with pre-tokenizer splits of the table, a vocabulary trained here with the
+  ``tokenizers`` package: text round-trips, control tokens stay whole, and where transformers and torch are
+  installed our ids equal those of transformers' own GGUF tokenizer conversion of the same file.
+Unknown tokenizer models and pre-tokenizers are refused by name."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+import batchgpu as bg
+from batchgpu.llm.text import TextCodec
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Pack my box with five dozen liquor jugs!",
+    "How vexingly quick daft zebras jump; 1234 5678 90.",
+    "  Leading spaces, trailing spaces   and\nnew lines\n\n",
+    "Sphinx of black quartz, judge my vow: it's 3.14159 o'clock.",
+] * 40
+TEXTS = [
+    "The quick brown fox",
+    "hello world",
+    "  two leading spaces",
+    "tabs\tand\nnewlines\n",
+    "numbers 1234567 and 3.14",
+    "unseen: \u00e9t\u00e9 \u65e5\u672c \U0001f600",
+    "it's we'll they'd",
+    "",
+]
+
+
+def write_vocabulary(path, model: str, tokens, *, scores=None, types=None, merges=None, pre=None, **ids) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(model)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    if scores is not None:
+        writer.add_token_scores(scores)
+    writer.add_token_types(types or [1] * len(tokens))
+    if merges is not None:
+        writer.add_token_merges(merges)
+    for name, value in ids.items():
+        getattr(writer, f"add_{name}_token_id")(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def codec_of(path) -> TextCodec:
+    return TextCodec.from_gguf(gguf.GGUFReader(str(path)))
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model():
+    spm = pytest.importorskip("sentencepiece", reason="the sentencepiece package trains the reference model")
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS),
+        model_writer=model,
+        vocab_size=420,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        minloglevel=2,
+    )
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def piece_type(processor, i: int) -> int:
+    """GGUF token type of a sentencepiece piece (as llama.cpp's converter writes it)."""
+    for kind, check in ((2, processor.is_unknown), (3, processor.is_control), (6, processor.is_byte)):
+        if check(i):
+            return kind
+    return 5 if processor.is_unused(i) else 1
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path, sentencepiece_model):
+    sp = sentencepiece_model
+    n = sp.get_piece_size()
+    path = tmp_path / "spm.gguf"
+    write_vocabulary(
+        path,
+        "llama",
+        [sp.id_to_piece(i) for i in range(n)],
+        scores=[sp.get_score(i) for i in range(n)],
+        types=[piece_type(sp, i) for i in range(n)],
+        bos=sp.bos_id(),
+        eos=sp.eos_id(),
+        unk=sp.unk_id(),
+    )
+    codec = codec_of(path)
+    assert codec.eos_ids == {sp.eos_id()}
+    for text in TEXTS:
+        expected = sp.encode(text)
+        assert codec.encode(text) == [sp.bos_id(), *expected], text
+        assert codec.encode(text, special=False) == expected, text
+        assert codec.decode(expected) == sp.decode(expected), text
+
+
+def byte_level_vocabulary() -> tuple[list[str], list[str]]:
+    """A byte-level BPE vocabulary trained here with the tokenizers package (GPT-2 split) and two specials."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    state = tokenizer.model.__getstate__()
+    import json
+
+    model = json.loads(state)
+    tokens = [token for token, _ in sorted(model["vocab"].items(), key=lambda item: item[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, merges
+
+
+@pytest.mark.parametrize("pre", ["default", "qwen2", "llama-bpe", "smollm"])
+def test_byte_level_vocabulary_tokenizes_as_transformers(tmp_path, pre):
+    tokens, merges = byte_level_vocabulary()
+    path = tmp_path / "bpe.gguf"
+    types = [3 if token.startswith("<|") else 1 for token in tokens]
+    write_vocabulary(path, "gpt2", tokens, types=types, merges=merges, pre=pre, eos=0)
+    codec = codec_of(path)
+    assert codec.encode("<|im_start|>hi there<|endoftext|>")[0] == tokens.index("<|im_start|>")
+    for text in TEXTS:
+        assert codec.decode(codec.encode(text)) == text
+    pytest.importorskip("torch", reason="transformers' GGUF tokenizer is the reference (installed with torch)")
+    transformers = pytest.importorskip("transformers", reason="transformers' GGUF tokenizer is the reference")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in [*TEXTS, "x  12345 y\r\n  z", "DON'T stop, we've 100s"]:
+        assert codec.encode(text) == theirs.encode(text, add_special_tokens=False), (pre, text)
+
+
+@pytest.mark.parametrize(
+    ("model", "pre", "message"),
+    [
+        ("bert", None, r"GGUF tokenizer model 'bert' is not supported; supported: gpt2, llama"),
+        ("gpt2", "tekken", r"GGUF tokenizer pre-tokenizer 'tekken' is not supported; supported: default"),
+    ],
+)
+def test_unknown_tokenizers_are_refused(tmp_path, model, pre, message):
+    path = tmp_path / "t.gguf"
+    write_vocabulary(path, model, ["a", "b"], merges=[], pre=pre)
+    with pytest.raises(bg.BatchError, match=message):
+        codec_of(path)
