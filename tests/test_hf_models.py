@@ -77,3 +77,23 @@ def test_llama3_rope_factors_match_transformers():
     ours = LlamaConfig.from_hf(config.to_dict())
     base = 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)
     np.testing.assert_allclose(base / np.asarray(ours.rope_factors), inv.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("variant", "qtype"), [("llama", "F32"), ("llama", "Q8_0"), ("qwen2", "F16"), ("qwen3", "F32")]
+)
+def test_gguf_reading_matches_transformers_gguf_loader(tmp_path, variant, qtype):
+    """The tiny GGUF files of tests/test_llama_variants.py read by transformers' own GGUF loader (which undoes
+    llama.cpp's q/k permutation its own way) give the logits our reading of them gives."""
+    from .test_llama_variants import VARIANTS, random_weights, write_gguf
+
+    # transformers' GGUF reader does not read the head size: Qwen3Config's default (128) it is
+    d = dict(VARIANTS[variant], head_dim=128 if variant == "qwen3" else 16)
+    write_gguf(tmp_path / "model.gguf", variant, random_weights(d, 21), qtype, d)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.float64)
+    with torch.no_grad():
+        expected = theirs.eval()(torch.tensor([PROMPT])).logits[0, -1].numpy()
+    ours = Llama(bg.Device("reference"), tmp_path / "model.gguf", max_context=32)
+    step = ours.prefill(PROMPT)
+    logits = step.batch.read_sync(step.logits)[0]
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5 * np.abs(expected).max())

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import batchgpu as bg
+from batchgpu import quant
 from batchgpu.models.llama import Llama
 
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the test models")
@@ -149,13 +150,39 @@ def llama3_rope_freqs(d: dict) -> np.ndarray:
     )
 
 
-def stored(array: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, object]:
-    """(what the file holds, the weights it means, the GGUF type) of a 2-D weight stored as ``qtype``."""
+MIXES = {"Q4_K_M": ("Q6_K", ("attn_v.", "ffn_down.", "output.")), "Q5_K_S": ("Q6_K", ("output.",))}
+"""llama.cpp-style mixes: (a format for tensors named so, their names); every other matrix Q4_K / Q5_K."""
+
+
+def tensor_type(name: str, qtype: str) -> str:
+    if qtype in MIXES:
+        other, names = MIXES[qtype]
+        return other if any(n in name for n in names) else qtype[:4]
+    return qtype
+
+
+def k_quant_blocks(rng: np.random.Generator, qtype: str, shape: tuple[int, int]) -> np.ndarray:
+    """Random valid K-quant blocks (the gguf package cannot quantize to them) whose float16 scales are
+    scaled so the weights they mean have the spread of ``1 / sqrt(K)``."""
+    from .test_block_formats import SCALE_OFFSETS, gguf_dequantized, random_blocks
+
+    name = qtype.lower()
+    blocks = random_blocks(rng, name, *shape).reshape(-1, quant.FORMATS[name].gguf_bytes)
+    spread = gguf_dequantized(blocks.reshape(-1), name, shape).std() * np.sqrt(shape[1])
+    for at in SCALE_OFFSETS[name]:
+        scales = blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32) / spread
+        blocks[:, at : at + 2] = scales.astype(np.float16).view(np.uint8)
+    return blocks.reshape(shape[0], -1)
+
+
+def stored(name: str, array: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, object]:
+    """(what the file holds, the weights it means, the GGUF type) of a weight stored as ``qtype`` (2-D only)."""
+    qtype = tensor_type(name, qtype)
     kind = gguf.GGMLQuantizationType[qtype]
     if qtype == "F32" or array.ndim != 2:
         return array, array, gguf.GGMLQuantizationType.F32
-    data = gguf.quants.quantize(array, kind)
-    return data, gguf.quants.dequantize(data, kind).astype(np.float32), kind
+    quantized = k_quant_blocks(rng, qtype, array.shape) if qtype.endswith("_K") else gguf.quants.quantize(array, kind)
+    return quantized, gguf.quants.dequantize(quantized, kind).astype(np.float32).reshape(array.shape), kind
 
 
 def tiny_tokenizer(writer: object, vocab: int) -> None:
@@ -169,9 +196,12 @@ def tiny_tokenizer(writer: object, vocab: int) -> None:
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
-def write_gguf(path, variant: str, weights: dict[str, np.ndarray], qtype: str = "F32", **metadata: int):
+def write_gguf(
+    path, variant: str, weights: dict[str, np.ndarray], qtype: str = "F32", d: dict | None = None, **metadata: int
+):
     """Write the model; returns the weights the file means (blocks dequantized by the gguf package)."""
-    d, architecture = VARIANTS[variant], GGUF_ARCHITECTURE[variant]
+    d, architecture = d or VARIANTS[variant], GGUF_ARCHITECTURE[variant]
+    rng = np.random.default_rng(99)
     writer = gguf.GGUFWriter(str(path), architecture)
     sizes = {
         "block_count": d["layers"],
@@ -194,7 +224,7 @@ def write_gguf(path, variant: str, weights: dict[str, np.ndarray], qtype: str = 
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(d))
     meant = {}
     for name, array in weights.items():
-        data, meant[name], kind = stored(array, qtype)
+        data, meant[name], kind = stored(name, array, qtype, rng)
         if architecture == "llama" and ".attn_q." in name:
             data = permute(data, d["heads"])
         elif architecture == "llama" and ".attn_k." in name:
@@ -229,17 +259,32 @@ def test_tiny_gguf_variant_matches_float64_numpy(tmp_path, variant, kind):
         check_model(model, d, weights)
 
 
+K_DIMS = dict(hidden=256, heads=8, kv_heads=2, head_dim=32, ffn=512)
+"""Sizes whose rows are whole 256-weight super-blocks (K-quants)."""
+
+
 @pytest.mark.parametrize(
-    ("variant", "qtype"), [("llama", "Q8_0"), ("llama3", "Q4_0"), ("qwen2", "F16"), ("qwen3", "Q5_1")]
+    ("variant", "qtype"),
+    [
+        ("llama", "Q8_0"),
+        ("llama3", "Q4_0"),
+        ("qwen2", "F16"),
+        ("qwen3", "Q5_1"),
+        ("llama", "Q4_K_M"),
+        ("qwen3", "Q5_K_S"),
+    ],
 )
-def test_tiny_gguf_variant_in_block_formats(tmp_path, variant, qtype):
-    """The weights stay in their block format on the device; the reference is the float64 model of what the
-    blocks mean (dequantized by the gguf package)."""
-    d = VARIANTS[variant]
+@pytest.mark.parametrize("kind", ["reference", "wgpu"])
+def test_tiny_gguf_variant_in_block_formats(tmp_path, variant, qtype, kind):
+    """The weights stay in their block formats on the device (K-quant mixes as llama.cpp's Q4_K_M / Q5_K_S
+    files hold them); the reference is the float64 model of what the blocks mean (the gguf package's
+    dequantization)."""
+    d = dict(VARIANTS[variant], **(K_DIMS if qtype in MIXES else {}))
     path = tmp_path / f"{variant}.gguf"
-    meant = write_gguf(path, variant, random_weights(d, 7), qtype)
-    model = Llama(bg.Device("reference"), path, max_context=32)
-    assert model.params["blk.0.ffn_down.weight"].qtype == qtype.lower()
+    meant = write_gguf(path, variant, random_weights(d, 7), qtype, d)
+    model = Llama(bg.Device(kind), path, max_context=32)
+    assert model.params["blk.0.ffn_down.weight"].qtype == tensor_type("ffn_down.", qtype).lower()
+    assert model.params["blk.0.attn_output.weight"].qtype == tensor_type("attn_output.", qtype).lower()
     check_model(model, d, meant)
 
 
@@ -386,7 +431,7 @@ def write_hf(
     if shards > 1:
         (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
     vocab = {chr(ord("A") + i) if i < 26 else chr(ord("a") + i - 26): i for i in range(d["vocab"])}
-    Tokenizer(models.WordLevel(vocab, unk_token="A")).save(str(directory / "tokenizer.json"))
+    Tokenizer(models.BPE(vocab, [])).save(str(directory / "tokenizer.json"))  # one token per character
     return {name: array.astype(dtype).astype(np.float32) for name, array in weights.items()}
 
 
@@ -402,6 +447,18 @@ def test_tiny_hf_checkpoint_matches_float64_numpy(tmp_path, variant, dtype, shar
     if dtype == np.float16:
         assert model.params["blk.0.ffn_down.weight"].qtype == "f16"  # resident as float16 blocks
     check_model(model, d, stored_weights)
+
+
+def test_engine_serves_a_hf_checkpoint(tmp_path):
+    """The engine on a float16 Qwen2 directory: its tokenizer.json and end token come along."""
+    from batchgpu.llm import Engine, SamplingParams
+
+    d = VARIANTS["qwen2"]
+    stored_weights = write_hf(tmp_path / "qwen2", "qwen2", random_weights(d, 13), np.float16)
+    engine = Engine(tmp_path / "qwen2", bg.Device("reference"), max_batch=2, max_context=32, block_size=4)
+    assert engine.codec.eos_ids == {2}
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    assert engine.complete("DfqB", params).token_ids == greedy(d, stored_weights, [3, 31, 42, 1], 5)
 
 
 def test_hf_checkpoint_refusals(tmp_path):

@@ -66,6 +66,37 @@ def test_rope_is_rotate_half_llama(ref):
     np.testing.assert_allclose(batch.read_sync(y), x * np.cos(emb) + rotated * np.sin(emb), rtol=1e-5, atol=1e-6)
 
 
+def test_rope_factors_divide_each_pairs_frequency(gpu, ref):
+    """``factors`` (Llama 3's scaling) divide pair i's frequency: written out independently, on both executors."""
+    x = random_array(np.random.default_rng(45), (4, 3, 8), np.float32)
+    factors = np.array([1.0, 2.0, 5.5, 8.0])
+    positions = np.array([0, 7, 300, 41], np.int32)
+    inv = 1.0 / 500000.0 ** (np.arange(0, 8, 2) / 8) / factors
+    emb = np.concatenate([np.outer(positions, inv)] * 2, axis=-1)[:, None, :]
+    rotated = np.concatenate([-x[..., 4:], x[..., :4]], axis=-1)
+    expected = x * np.cos(emb) + rotated * np.sin(emb)
+    for device in (gpu, ref):
+        batch = bg.GpuCommandBatch(device)
+        y = batch.rope(batch.upload(x), batch.upload(positions), 500000.0, factors=factors)
+        batch.execute()
+        np.testing.assert_allclose(batch.read_sync(y), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_rope_factor_refusals(ref):
+    batch = bg.GpuCommandBatch(ref)
+    x = batch.upload(np.ones((2, 2, 8), np.float32))
+    with pytest.raises(bg.ShapeError, match=r"rope: factors has 3 entries, expected head_dim / 2 = 4"):
+        batch.rope(x, 0, factors=[1.0, 2.0, 3.0])
+    with pytest.raises(bg.ArgumentError, match=r"rope: factors must be a 1-D sequence of finite numbers > 0"):
+        batch.rope(x, 0, factors=[1.0, 0.0, 2.0, 1.0])
+    with pytest.raises(bg.ArgumentError, match=r"rope_kv_write: factors must be a number|rope_kv_write: factors"):
+        cache = ref.tensor(np.zeros((8, 1, 8), np.float32))
+        batch.rope_kv_write(batch.upload(np.ones((2, 4, 8), np.float32)), cache, cache, 0, factors=["a"] * 4)
+    y = batch.rope(x, 1, factors=[1.0, 2.0, 3.0, 4.0])  # the batch still records and runs
+    batch.execute()
+    assert np.isfinite(batch.read_sync(y)).all()
+
+
 def split_qkv(batch: bg.GpuCommandBatch, x: bg.Tensor, heads: int, kv_heads: int) -> list[bg.Tensor]:
     """The q, k and v heads of a fused projection as three sliced tensors (the unfused ops' inputs)."""
     bounds = [0, heads, heads + kv_heads, heads + 2 * kv_heads]
