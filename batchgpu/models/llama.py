@@ -1,6 +1,7 @@
-"""A Llama-architecture decoder (SmolLM2-135M-Instruct from its GGUF file) on batchgpu.
+"""A Llama-family decoder (Llama 1-3, SmolLM2, Mistral, Qwen2/2.5/3; default SmolLM2-135M-Instruct from its
+GGUF file) on batchgpu, from a GGUF file or a Hugging Face directory (batchgpu/models/weights.py).
 
-Weights are uploaded once as resident tensors (GGUF blocks, any format of batchgpu/quant.py, kept
+Weights are uploaded once as resident tensors (blocks of any format of batchgpu/quant.py, kept
 quantized, or dequantized to float32). A prefill batch per prompt length and ONE decode-step batch are
 recorded; each token re-executes the decode batch with ``scalars={"pos": n}`` and reads back only the next token id.
 """
