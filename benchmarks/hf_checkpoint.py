@@ -55,17 +55,28 @@ def write_checkpoint(directory: Path, shards: int) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": codec.chat_template}))
 
 
+def peak_rss() -> int:
+    """This process's peak resident bytes: Linux's VmHWM (ru_maxrss would count the parent's pages, which
+    a child started by fork and exec inherits), else ru_maxrss."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def measure(source: str, device: str, tokens: int) -> dict:
     """Load ``source`` on ``device`` in this process and decode; the figures as a dict."""
     import batchgpu as bg
     from batchgpu.models.llama import Llama
 
     dev = bg.Device(device)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_rss()
     started = time.perf_counter()
     model = Llama(dev, source, max_context=64, progress=lambda names: names)
     load = time.perf_counter() - started
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    peak = peak_rss() - before
     codec = model.weights.codec()
     ids = codec.encode(PROMPT)
     stamps, out = [], []
@@ -74,7 +85,7 @@ def measure(source: str, device: str, tokens: int) -> dict:
         out.append(token)
     gaps = np.diff(stamps[2:])
     weight_bytes = sum(t.nbytes for t in model.params.values())
-    return dict(load_s=load, peak_growth=peak * 1024, ms_per_token=float(np.median(gaps)) * 1e3,
+    return dict(load_s=load, peak_growth=peak, ms_per_token=float(np.median(gaps)) * 1e3,
                 text=codec.decode(out), weight_bytes=weight_bytes)  # fmt: skip
 
 
