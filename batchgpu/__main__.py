@@ -1,4 +1,5 @@
-"""``python -m batchgpu info | bench | profile SCRIPT``: see :mod:`batchgpu.cli`."""
+"""``python -m batchgpu info | bench | profile SCRIPT | serve`` (the ``batchgpu`` console script's twin):
+see :mod:`batchgpu.cli`."""
 
 from __future__ import annotations
 

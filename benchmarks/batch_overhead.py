@@ -47,8 +47,6 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,99 +58,34 @@ try:
 except ImportError:  # running from a source checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import batchgpu as bg
-try:
-    from machine_load import load_average
-except ImportError:  # loaded by path (python -m batchgpu bench), not run as a script
-    sys.path.append(str(Path(__file__).resolve().parent))
-    from machine_load import load_average
+from batchgpu.overhead import (  # the (a)-(c) workloads, shared with `batchgpu bench`
+    ADD_VALUE,
+    MUL_VALUE,
+    RAW_WGSL,
+    Bench,
+    WrongResultError,
+    check,
+    is_add,
+    load_average,
+    numpy_chain,
+    record_chain,
+    setup_library_batch,
+    setup_library_per_op,
+    setup_naive,
+    timed,
+)
 
-ADD_VALUE = 0.01
-MUL_VALUE = 0.99
 TARGET_NAIVE_OVER_BATCH = 10.0  # (c) / (a) should be at least this
 TARGET_REEXEC_OVER_RAW = 2.0  # library re-execute per op / (d) per op should be at most this
 
-RAW_WGSL = """
-struct Params { n: u32, pad0: u32, pad1: u32, pad2: u32 }
 
-@group(0) @binding(0) var<storage, read> a: array<f32>;
-@group(0) @binding(1) var<storage, read> b: array<f32>;
-@group(0) @binding(2) var<storage, read_write> out: array<f32>;
-@group(0) @binding(3) var<uniform> p: Params;
-
-@compute @workgroup_size(256)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let i = gid.x;
-    if i >= p.n { return; }
-    out[i] = a[i] OP b[i];
-}
-"""
+# (a), (b), (c) are batchgpu.overhead's setup_library_batch, setup_library_per_op and setup_naive. Each
+# setup_* builds its workload once, checks the result against numpy, warms up, and returns a Bench:
+# figures measured once, and one_round() which times every figure of the bench once. main() runs the
+# rounds of all benches interleaved, so a load change on the machine hits all of them alike.
 
 
-def is_add(index: int) -> bool:
-    return index % 2 == 0
-
-
-def numpy_chain(x0: np.ndarray, ops: int, start: int = 0) -> np.ndarray:
-    """The chain computed on the host in float32, op ``start`` to ``ops - 1``."""
-    y = x0.copy()
-    add, mul = np.float32(ADD_VALUE), np.float32(MUL_VALUE)
-    for i in range(start, ops):
-        y = y + add if is_add(i) else y * mul
-    return y
-
-
-def check(name: str, got: np.ndarray, want: np.ndarray) -> None:
-    if not np.allclose(got, want, rtol=1e-4, atol=1e-5):
-        raise SystemExit(f"{name}: wrong result, max abs error {np.abs(got - want).max():.3g}")
-
-
-# Each setup_* builds its workload once, checks the result against numpy, warms up, and returns a
-# Bench: figures measured once, and one_round() which times every figure of the bench once. main()
-# runs the rounds of all benches interleaved, so a load change on the machine hits all of them alike.
-
-
-@dataclass
-class Bench:
-    once: dict[str, float]
-    one_round: Callable[[], dict[str, float]]
-    close: Callable[[], None] = lambda: None
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
-
-
-# (a), re-record, re-execute -------------------------------------------------------------------
-
-
-def record_chain(dev: bg.Device, x0: np.ndarray, ops: int) -> tuple[bg.GpuCommandBatch, bg.Tensor, float]:
-    """A fresh batch holding the whole chain; returns it, the last tensor and the host time of the op calls."""
-    batch = bg.GpuCommandBatch(dev)
-    y = batch.upload(x0, name="x")
-    a = batch.upload(np.full_like(x0, ADD_VALUE), name="a")
-    m = batch.upload(np.full_like(x0, MUL_VALUE), name="m")
-    started = time.perf_counter()
-    for i in range(ops):
-        y = batch.add(y, a) if is_add(i) else batch.mul(y, m)
-    return batch, y, time.perf_counter() - started
-
-
-def setup_library_batch(dev: bg.Device, x0: np.ndarray, ops: int) -> Bench:
-    batch, last, first_record = record_chain(dev, x0, ops)  # built-in ops compile nothing at record
-    first_execute = timed(batch.execute)  # plans: buffers, bind groups, the two pipeline compiles
-    check("(a)", batch.read_sync(last), numpy_chain(x0, ops))
-    batch.execute()  # warm-up
-    batch.read_sync(last)
-
-    def one_round() -> dict[str, float]:
-        execute_read = timed(lambda: (batch.execute(), batch.read_sync(last)))
-        execute = timed(batch.execute)
-        batch.read_sync(last)  # drain the GPU outside the timed region
-        return {"execute_read_s": execute_read, "execute_s": execute}
-
-    return Bench({"first_record_s": first_record, "first_execute_s": first_execute}, one_round, batch.release)
+# re-record ------------------------------------------------------------------------------------
 
 
 def setup_rerecord(dev: bg.Device, x0: np.ndarray, ops: int) -> Bench:
@@ -164,90 +97,7 @@ def setup_rerecord(dev: bg.Device, x0: np.ndarray, ops: int) -> Bench:
         return {"record_s": record, "plan_execute_s": plan}
 
     one_round()  # warm-up: the first fresh batch's allocations stay out of the timed rounds
-    return Bench({}, one_round)
-
-
-# (b) one submit per op ------------------------------------------------------------------------
-
-
-def setup_library_per_op(dev: bg.Device, x0: np.ndarray, ops: int) -> Bench:
-    x = dev.tensor(x0, name="x")
-    a = dev.tensor(np.full_like(x0, ADD_VALUE), name="a")
-    m = dev.tensor(np.full_like(x0, MUL_VALUE), name="m")
-    batches, outputs = [], []
-    for i in range(ops):
-        batch = bg.GpuCommandBatch(dev)
-        outputs.append(batch.add(x, a) if is_add(i) else batch.mul(x, m))
-        batches.append(batch)
-    for batch in batches:  # plan every batch once (warm-up)
-        batch.execute()
-    check("(b)", batches[-1].read_sync(outputs[-1]), numpy_chain(x0, ops, start=ops - 1))
-
-    def execute_all() -> None:
-        for batch in batches:
-            batch.execute()
-
-    def one_round() -> dict[str, float]:
-        execute_read = timed(lambda: (execute_all(), batches[-1].read_sync(outputs[-1])))
-        execute = timed(execute_all)
-        batches[-1].read_sync(outputs[-1])
-        return {"execute_read_s": execute_read, "execute_s": execute}
-
-    def close() -> None:
-        for batch in batches:
-            batch.release()
-
-    return Bench({}, one_round, close)
-
-
-# (c) naive raw wgpu-py ------------------------------------------------------------------------
-
-
-def setup_naive(device: Any, x0: np.ndarray, ops: int) -> Bench:
-    usage = wgpu.BufferUsage
-    n = x0.size
-    add = np.full_like(x0, ADD_VALUE)
-    mul = np.full_like(x0, MUL_VALUE)
-    params = np.array([n, 0, 0, 0], np.uint32)
-
-    def one_op(y: np.ndarray, index: int) -> np.ndarray:
-        module = device.create_shader_module(code=RAW_WGSL.replace("OP", "+" if is_add(index) else "*"))
-        pipeline = device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main"})
-        a_buffer = device.create_buffer_with_data(data=y, usage=usage.STORAGE)
-        b_buffer = device.create_buffer_with_data(data=add if is_add(index) else mul, usage=usage.STORAGE)
-        out = device.create_buffer(size=y.nbytes, usage=usage.STORAGE | usage.COPY_SRC)
-        uniform = device.create_buffer_with_data(data=params, usage=usage.UNIFORM)
-        staging = device.create_buffer(size=y.nbytes, usage=usage.MAP_READ | usage.COPY_DST)
-        bind_group = device.create_bind_group(
-            layout=pipeline.get_bind_group_layout(0),
-            entries=[
-                {"binding": 0, "resource": {"buffer": a_buffer}},
-                {"binding": 1, "resource": {"buffer": b_buffer}},
-                {"binding": 2, "resource": {"buffer": out}},
-                {"binding": 3, "resource": {"buffer": uniform}},
-            ],
-        )
-        encoder = device.create_command_encoder()
-        compute = encoder.begin_compute_pass()
-        compute.set_pipeline(pipeline)
-        compute.set_bind_group(0, bind_group)
-        compute.dispatch_workgroups(-(-n // 256))
-        compute.end()
-        encoder.copy_buffer_to_buffer(out, 0, staging, 0, y.nbytes)
-        device.queue.submit([encoder.finish()])
-        staging.map_sync("READ")
-        result = np.frombuffer(staging.read_mapped(), np.float32).copy()
-        staging.unmap()
-        return result
-
-    def run() -> np.ndarray:
-        y = x0
-        for i in range(ops):
-            y = one_op(y, i)
-        return y
-
-    check("(c)", run(), numpy_chain(x0, ops))  # also the warm-up (first-use costs of wgpu-native and the driver)
-    return Bench({}, lambda: {"total_s": timed(run)})
+    return Bench(one_round)
 
 
 # (d) raw wgpu-py floor ------------------------------------------------------------------------
@@ -331,54 +181,7 @@ def setup_raw(device: Any, x0: np.ndarray, ops: int) -> Bench:
         full = timed(run)
         return {**timings, "encode_submit_wait_s": full, "submit_per_op_wait_s": timed(run_per_op)}
 
-    return Bench({"setup_s": setup}, one_round)
-
-
-# sweep over op counts (python -m batchgpu bench) ---------------------------------------------
-
-
-def sweep(
-    dev: bg.Device,
-    op_counts: list[int],
-    *,
-    repeat: int = 5,
-    size: int = 256,
-    naive_ops: int = 50,
-    progress: Callable[..., Any] | None = None,
-) -> list[dict[str, float]]:
-    """Milliseconds per batch of ``n`` chained ops for each ``n`` in ``op_counts``: (a) one batch,
-    execute + read; (b) one submit per op, execute all + read the last; (c) naive raw wgpu-py (run for
-    at most ``naive_ops`` ops and scaled to ``n``). Medians of ``repeat`` interleaved rounds, after each
-    setup's warm-up; ``load_average`` is the machine's 1-minute load average after the row's rounds."""
-    x0 = np.random.default_rng(0).standard_normal(size).astype(np.float32)
-    raw_device = dev.executor.device
-    rows = []
-    counts = progress(op_counts, "op counts") if progress else op_counts
-    for ops in counts:
-        naive = min(naive_ops, ops)
-        benches = {
-            "batched": setup_library_batch(dev, x0, ops),
-            "per_op_submit": setup_library_per_op(dev, x0, ops),
-            "naive": setup_naive(raw_device, x0, naive),
-        }
-        samples: dict[str, list[float]] = {name: [] for name in benches}
-        for _ in range(max(1, repeat)):
-            for name, bench in benches.items():
-                figures = bench.one_round()
-                samples[name].append(figures["total_s"] if name == "naive" else figures["execute_read_s"])
-        for bench in benches.values():
-            bench.close()
-        rows.append(
-            {
-                "ops": ops,
-                "batched_ms": 1e3 * statistics.median(samples["batched"]),
-                "per_op_submit_ms": 1e3 * statistics.median(samples["per_op_submit"]),
-                "naive_ms": 1e3 * statistics.median(samples["naive"]) * ops / naive,
-                "naive_ops_run": naive,
-                "load_average": load_average(),
-            }
-        )
-    return rows
+    return Bench(one_round, once={"setup_s": setup})
 
 
 # report ---------------------------------------------------------------------------------------
@@ -548,4 +351,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except WrongResultError as exc:  # a workload that computes the wrong thing is not timed
+        raise SystemExit(str(exc)) from None

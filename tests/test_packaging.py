@@ -1,21 +1,29 @@
-"""The wheel ships a ``py.typed`` marker: a user's type checker sees batchgpu's annotations.
+"""The wheel: its metadata and what runs from it without the source checkout.
 
-The test builds the wheel, installs it alone into a fresh virtual environment (numpy reached through a
-``.pth`` file, so the editable checkout is not on that environment's path) and runs mypy on small user
-scripts against it: a correct script passes, a wrong one fails on batchgpu's own types, and the same
-correct script fails once the marker is removed from the installed package (so the test can fail).
+The tests build the wheel once and install it alone into a fresh virtual environment (numpy, and wgpu
+beside it, reached through a ``.pth`` file, so the editable checkout is not on that environment's path).
+
+- It ships a ``py.typed`` marker: mypy runs on small user scripts against it, a correct script passes, a
+  wrong one fails on batchgpu's own types, and the same correct script fails once the marker is removed
+  from the installed package (so the test can fail).
+- Its ``.dist-info`` holds the Apache-2.0 LICENSE and the ``batchgpu`` console script, which runs from
+  the installed wheel, ``bench`` included (whose decode benchmark needs the checkout's benchmarks/).
 """
 
 from __future__ import annotations
 
+import configparser
 import subprocess
 import sys
 import sysconfig
 import venv
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+import batchgpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,18 +53,32 @@ def _mypy(python: Path, script: Path, cache: Path) -> subprocess.CompletedProces
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=script.parent)
 
 
+ENTRY_POINT = """
+import sys
+from importlib.metadata import entry_points
+
+(script,) = entry_points(group="console_scripts", name="batchgpu")
+sys.exit(script.load()(sys.argv[1:]))  # what the installed batchgpu script does
+"""
+
+
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(python of a fresh environment holding only the built wheel, that environment's site-packages)."""
-    pytest.importorskip("mypy", reason="mypy is part of the test extra")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from the checkout."""
     root = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(root), str(ROOT)],
         check=True,
         timeout=300,
     )
-    (wheel,) = root.glob("batchgpu-*.whl")
-    env = root / "env"
+    (built,) = root.glob("batchgpu-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path) -> tuple[Path, Path]:
+    """(python of a fresh environment holding only the built wheel, that environment's site-packages)."""
+    env = wheel.parent / "env"
     venv.create(env, with_pip=False)
     python = env / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
     purelib = subprocess.run(
@@ -77,6 +99,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def test_wheel_ships_py_typed_and_mypy_checks_user_code(installed: tuple[Path, Path], tmp_path: Path) -> None:
+    pytest.importorskip("mypy", reason="mypy is part of the test extra")
     python, site = installed
     found = subprocess.run(
         [str(python), "-c", "import batchgpu; print(batchgpu.__file__)"], capture_output=True, text=True, cwd=tmp_path
@@ -93,3 +116,33 @@ def test_wheel_ships_py_typed_and_mypy_checks_user_code(installed: tuple[Path, P
     (site / "batchgpu" / "py.typed").unlink()  # control: without the marker mypy cannot use the package
     untyped = _mypy(python, good, tmp_path / "cache-untyped")
     assert untyped.returncode == 1 and "py.typed" in untyped.stdout, untyped.stdout
+
+
+def test_wheel_metadata_has_the_license_and_the_console_script(wheel: Path) -> None:
+    dist_info = f"batchgpu-{batchgpu.__version__}.dist-info/"
+    with zipfile.ZipFile(wheel) as archive:
+        (license_file,) = [n for n in archive.namelist() if n.startswith(dist_info) and n.endswith("/LICENSE")]
+        license_text = archive.read(license_file).decode()
+        metadata = archive.read(dist_info + "METADATA").decode()
+        entry_points = configparser.ConfigParser()
+        entry_points.read_string(archive.read(dist_info + "entry_points.txt").decode())
+    assert license_text == (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert "License: Apache-2.0" in metadata.splitlines() and "License-File: LICENSE" in metadata.splitlines()
+    assert entry_points["console_scripts"]["batchgpu"] == "batchgpu.cli:main"
+
+
+def test_console_script_runs_from_the_wheel_without_the_checkout(installed: tuple[Path, Path], tmp_path: Path) -> None:
+    python, site = installed
+
+    def batchgpu_script(*args: str) -> subprocess.CompletedProcess:
+        command = [str(python), "-c", ENTRY_POINT, *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+
+    version = batchgpu_script("--version")
+    assert version.returncode == 0 and version.stdout == f"batchgpu {batchgpu.__version__}\n", version
+    bench = batchgpu_script("bench", "--ops", "10", "--repeat", "1", "--plot", "")
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    assert "| ops | batched ms |" in bench.stdout  # the overhead sweep ships in the package
+    (skipped,) = [line for line in bench.stdout.splitlines() if line.startswith("decode benchmark skipped")]
+    assert str(site / "benchmarks") in skipped  # no benchmarks/ beside the installed package
