@@ -32,7 +32,9 @@ from .fusion import enabled_by_environment
 from .kernels import Kernel
 from .limits import check_launch
 from .ops import OPS, Node, OpSpec
+from .ops.elementwise import EXPRESSIONS
 from .profiling import Profile, Session
+from .promotion import promote_types
 from .recording import Recording
 from .runner import Readback, Runner, Ticket
 from .scalars import MAX_SCALARS, SCALAR_FORMATS, Scalar, check_value
@@ -67,7 +69,10 @@ def _binary(op: str) -> Callable[[GpuCommandBatch, Operand, Operand], Tensor]:
         return self._record(op, (a, b))
 
     record.__name__ = record.__qualname__ = op
-    record.__doc__ = f"Record ``{op}(a, b)``: {OPS[op].doc}, broadcasting like numpy; either may be a Python scalar."
+    record.__doc__ = (
+        f"Record ``{op}(a, b)``: {OPS[op].doc}, broadcasting like numpy; either may be a Python scalar; mixed "
+        "dtypes promote (batchgpu.promotion)."
+    )
     return record
 
 
@@ -197,6 +202,19 @@ class GpuCommandBatch:
     minimum = _binary("minimum")
 
     silu_mul = _binary("silu_mul")
+    sin = _unary("sin")
+    cos = _unary("cos")
+    floor = _unary("floor")
+    ceil = _unary("ceil")
+    round = _unary("round")
+    erf = _unary("erf")
+    pow = _binary("pow")
+    greater = _binary("greater")
+    greater_equal = _binary("greater_equal")
+    less = _binary("less")
+    less_equal = _binary("less_equal")
+    equal = _binary("equal")
+    not_equal = _binary("not_equal")
 
     def gelu(self, x: Tensor, approximate: str = "none") -> Tensor:
         """GELU with ``torch.nn.functional.gelu``'s signature: ``"none"`` (default) is the exact
@@ -262,8 +280,57 @@ class GpuCommandBatch:
         return self._record("permute", (x,), axes=None if axes is None else _sequence("transpose", "axes", axes))
 
     def slice(self, x: Tensor, key: Any) -> Tensor:
-        """``x[key]`` with ints, slices (any step) and Ellipsis; also available as ``x[key]``."""
-        return self._record("slice", (x,), key=key)
+        """``x[key]`` with ints, slices (any step), Ellipsis and None (a new axis of length 1, as numpy's
+        ``x[:, None]``); also available as ``x[key]``."""
+        keys = key if isinstance(key, tuple) else (key,)
+        if not any(k is None for k in keys):
+            return self._record("slice", (x,), key=key)
+        kept = tuple(k for k in keys if k is not None)
+        whole = all(k is Ellipsis or (isinstance(k, slice) and k == slice(None)) for k in kept)
+        sliced = x if whole else self._record("slice", (x,), key=kept)  # validates the key's other entries
+        shape = np.broadcast_to(np.empty((), np.int8), x.shape)[key].shape  # numpy's reading of the key
+        return self.reshape(sliced, shape)
+
+    def clip(self, x: Tensor, lo: Operand | None = None, hi: Operand | None = None) -> Tensor:
+        """``numpy.clip``: ``minimum(maximum(x, lo), hi)`` (either bound may be None; NaN stays NaN)."""
+        if lo is None and hi is None:
+            raise ArgumentError("clip: give lo, hi or both")
+        low = x if lo is None else self.maximum(x, lo)
+        return low if hi is None else self.minimum(low, hi)
+
+    # constants -------------------------------------------------------------------------------------
+
+    def full(self, shape: Sequence[int] | int, value: int | float, dtype: Any = None, *, name: str = "") -> Tensor:
+        """A constant tensor of ``value`` (recorded into the batch, uploaded once; dtype: float32 for a
+        float value, int32 for an int, as torch's defaults)."""
+        self._check_open("full")
+        shape = as_shape(shape, what="full")
+        array = host_copy(np.full(shape, value), dtype, what="full") if dtype is not None else None
+        if array is None:
+            array = np.full(shape, value, np.float32 if isinstance(value, (float, np.floating)) else np.int32)
+        self.device.check_storable("full", array.shape, array.dtype)
+        return self._new_tensor(array.shape, array.dtype, "const", name or f"const{self._recording.count}", array)
+
+    def zeros(self, shape: Sequence[int] | int, dtype: Any = np.float32, *, name: str = "") -> Tensor:
+        """A constant tensor of zeros (float32 unless ``dtype``)."""
+        return self.full(shape, 0, dtype, name=name)
+
+    def ones(self, shape: Sequence[int] | int, dtype: Any = np.float32, *, name: str = "") -> Tensor:
+        """A constant tensor of ones (float32 unless ``dtype``)."""
+        return self.full(shape, 1, dtype, name=name)
+
+    def arange(
+        self, start: int | float, stop: int | float | None = None, step: int | float = 1, dtype: Any = None
+    ) -> Tensor:
+        """A constant ``numpy.arange`` (int32 for int arguments, float32 if any is a float, unless ``dtype``)."""
+        self._check_open("arange")
+        values = np.arange(start, stop, step) if stop is not None else np.arange(start)
+        default = np.float32 if values.dtype.kind == "f" else np.int32
+        array = host_copy(values, dtype or default, what="arange")
+        if array.size == 0:
+            raise ShapeError(f"arange: ({start}, {stop}, {step}) has no elements")
+        self.device.check_storable("arange", array.shape, array.dtype)
+        return self._new_tensor(array.shape, array.dtype, "const", f"arange{self._recording.count}", array)
 
     def concat(self, tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
         """Join tensors along ``axis`` (``numpy.concatenate``)."""
@@ -460,8 +527,16 @@ class GpuCommandBatch:
         if spec.prepare is not None:
             params = spec.prepare(params)
         constants: list[tuple[Storage, np.ndarray]] = []
-        inputs = tuple(self._operand(spec, i, value, operands, constants) for i, value in enumerate(operands))
+        target = _promotion(op, operands)
+        inputs = tuple(self._operand(spec, i, value, operands, constants, target) for i, value in enumerate(operands))
         _check_quantized_operands(spec, inputs)
+        if target is not None and any(t.dtype != target for t in inputs):
+            spec.infer(tuple(_retyped(t, target) for t in inputs), params)  # refuse before recording the casts
+            cast: dict[int, Tensor] = {}
+            for t in inputs:
+                if t.dtype != target and id(t) not in cast:
+                    cast[id(t)] = self._record("cast", (t,), dtype=target)
+            inputs = tuple(cast.get(id(t), t) for t in inputs)
         inferred = spec.infer(inputs, params)
         outputs = tuple(
             self._output(op, spec.view, inputs, shape, dtype, i)
@@ -498,7 +573,10 @@ class GpuCommandBatch:
         value: Any,
         operands: Sequence[Any],
         constants: list[tuple[Storage, np.ndarray]],
+        target: np.dtype | None = None,
     ) -> Tensor:
+        """``value`` as an input tensor of the op: a member tensor, or a Python scalar as a constant of the
+        partner tensor's dtype (of ``target``, the promoted dtype, where given)."""
         op = spec.name
         argument = spec.operand_name(index, len(operands))
         if isinstance(value, Tensor):
@@ -516,7 +594,7 @@ class GpuCommandBatch:
         partner = next((o for o in operands if isinstance(o, Tensor)), None)
         if partner is None:
             raise ArgumentError(f"{op}: at least one operand must be a Tensor")
-        array = _scalar_array(op, argument, value, partner)
+        array = _scalar_array(op, argument, value, partner, target or partner.dtype)
         storage = Storage(array.nbytes, "const", array.dtype)
         constants.append((storage, array))
         return Tensor((), array.dtype, storage, device=self.device, batch=self, name=f"scalar {value!r}")
@@ -926,9 +1004,27 @@ def _as_mapping(value: Any, what: str) -> Mapping:
         ) from None
 
 
-def _scalar_array(op: str, argument: str, value: Number, partner: Tensor) -> np.ndarray:
-    """A Python scalar as a 0-d array of the partner tensor's dtype, refusing lossy conversions."""
-    dtype = partner.dtype
+def _promotion(op: str, operands: Sequence[Any]) -> np.dtype | None:
+    """The dtype an elementwise op's operands are cast to (:mod:`batchgpu.promotion`), None for other ops
+    and for operands without a tensor (refused later)."""
+    if op not in EXPRESSIONS:
+        return None
+    tensors = [o for o in operands if isinstance(o, Tensor)]
+    if not tensors:
+        return None
+    python_float = any(isinstance(o, (float, np.floating)) for o in operands)
+    floats_only = EXPRESSIONS[op].dtypes == "float"
+    return promote_types(op, [t.dtype for t in tensors], python_float=python_float, floats_only=floats_only)
+
+
+def _retyped(tensor: Tensor, dtype: np.dtype) -> Tensor:
+    """A stand-in for ``tensor`` cast to ``dtype``, to validate an op before recording the cast."""
+    return Tensor(tensor.shape, dtype, tensor.storage, device=tensor.device, batch=tensor.batch, name=tensor.name)
+
+
+def _scalar_array(op: str, argument: str, value: Number, partner: Tensor, dtype: np.dtype) -> np.ndarray:
+    """A Python scalar as a 0-d array of ``dtype`` (the partner tensor's, or the promoted one), refusing
+    lossy conversions."""
     if dtype not in FLOATS and not float(value).is_integer():
         raise DTypeError(
             f"{op}: {argument} = {value!r} cannot be represented in {dtype.name}, the dtype of "

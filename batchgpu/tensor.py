@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -117,6 +118,7 @@ class Tensor:
         return batch
 
     def _binary(self, op: str, other: Any, *, reverse: bool = False) -> Tensor:
+        """``batch.op(self, other)`` (``op(other, self)`` with ``reverse``) in the batch of either tensor."""
         batch = self._require_batch(op, other)
         left, right = (other, self) if reverse else (self, other)
         return getattr(batch, op)(left, right)
@@ -151,7 +153,118 @@ class Tensor:
     def __neg__(self) -> Tensor:
         return self._require_batch("neg").neg(self)
 
+    def __pow__(self, other: Any) -> Tensor:
+        return self._binary("pow", other)
+
+    def __rpow__(self, other: Any) -> Tensor:
+        return self._binary("pow", other, reverse=True)
+
+    def __abs__(self) -> Tensor:
+        return self._method("abs")
+
+    # Comparisons give uint32 0/1 masks. ``==`` and ``!=`` stay identity tests (tensors are dict keys of
+    # ``execute`` feeds); use ``batch.equal`` / ``batch.not_equal`` for elementwise equality.
+    def __lt__(self, other: Any) -> Tensor:
+        return self._binary("less", other)
+
+    def __le__(self, other: Any) -> Tensor:
+        return self._binary("less_equal", other)
+
+    def __gt__(self, other: Any) -> Tensor:
+        return self._binary("greater", other)
+
+    def __ge__(self, other: Any) -> Tensor:
+        return self._binary("greater_equal", other)
+
     __hash__ = object.__hash__
+
+    def __bool__(self) -> bool:
+        raise ArgumentError(
+            f"bool({self.describe()}): a tensor is a handle recorded into a batch, its values unknown until it "
+            "runs; read it first (batch.read_sync(t)) to branch on them"
+        )
+
+    # numpy / torch style methods: each records the batch op of the same name -----------------------------
+
+    def _method(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._require_batch(op), op)(self, *args, **kwargs)
+
+    @property
+    def T(self) -> Tensor:
+        """The axes reversed (``batch.transpose``)."""
+        return self._method("transpose")
+
+    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
+        """``batch.reshape(self, shape)``: one dim may be -1."""
+        return self._method("reshape", *shape)
+
+    def transpose(self, *axes: int) -> Tensor:
+        """The axes permuted (reversed without ``axes``), as ``numpy.transpose``."""
+        return self._method("transpose", axes or None)
+
+    def astype(self, dtype: Any) -> Tensor:
+        """``batch.cast(self, dtype)``."""
+        return self._require_batch("cast").cast(self, dtype)
+
+    def sum(self, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
+        return self._method("sum", axis, keepdims=keepdims)
+
+    def mean(self, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
+        return self._method("mean", axis, keepdims=keepdims)
+
+    def max(self, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
+        return self._method("max", axis, keepdims=keepdims)
+
+    def argmax(self, axis: int | None = None) -> Tensor:
+        """The index of the largest value along ``axis`` (None: of the flattened tensor, as numpy)."""
+        if axis is None:
+            return self.reshape(-1)._method("argmax", -1)
+        return self._method("argmax", axis)
+
+    def clip(self, lo: Any = None, hi: Any = None) -> Tensor:
+        return self._method("clip", lo, hi)
+
+    def abs(self) -> Tensor:
+        return self._method("abs")
+
+    def exp(self) -> Tensor:
+        return self._method("exp")
+
+    def log(self) -> Tensor:
+        return self._method("log")
+
+    def sqrt(self) -> Tensor:
+        return self._method("sqrt")
+
+    def tanh(self) -> Tensor:
+        return self._method("tanh")
+
+    def sigmoid(self) -> Tensor:
+        return self._method("sigmoid")
+
+    def relu(self) -> Tensor:
+        return self._method("relu")
+
+    def sin(self) -> Tensor:
+        return self._method("sin")
+
+    def cos(self) -> Tensor:
+        return self._method("cos")
+
+    def floor(self) -> Tensor:
+        return self._method("floor")
+
+    def ceil(self) -> Tensor:
+        return self._method("ceil")
+
+    def round(self) -> Tensor:
+        return self._method("round")
+
+    def erf(self) -> Tensor:
+        return self._method("erf")
+
+    def softmax(self, axis: int = -1) -> Tensor:
+        return self._method("softmax", axis)
 
     # interop: DLPack and __cuda_array_interface__ (see batchgpu.interop) ----------------------------
 

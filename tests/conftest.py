@@ -122,6 +122,7 @@ DEVICE_SUITES = (
     "test_paged",
     "test_fusion",
     "test_block_formats",
+    "test_numpy_style",
 )
 WGPU_ONLY = {
     "test_kv_cache_decode_with_position_scalar",  # compares results keyed by "wgpu"

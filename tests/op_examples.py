@@ -370,14 +370,14 @@ def shrunk_bounds() -> Iterator[None]:
 
 
 def record_fusable_chains(batch: bg.GpuCommandBatch, x: Tensor, y: Tensor) -> list[Tensor]:
-    """For every elementwise op accepting ``x``'s dtype, a chain holding it (an op before it, one after,
+    """For every elementwise op accepting ``x``'s dtype but comparisons, a chain holding it (an op before it, one after,
     a broadcast ``y`` (x's last axis) as its second operand, log's inputs kept positive): what a fused
     kernel runs, one output per chain (declare them with ``batch.outputs`` for them to fuse)."""
     outputs = []
     floats = x.dtype.kind == "f"
     positive_y = batch.add(batch.abs(y), 0.5) if floats else y
     for op, row in EXPRESSIONS.items():
-        if not accepts(op, x.dtype):
+        if not accepts(op, x.dtype) or row.mask:  # comparisons (uint32 masks) end chains: not fusable
             continue
         first = batch.add(batch.abs(x), 0.5) if floats else batch.copy(x)
         if row.arity == 1:

@@ -113,14 +113,25 @@ def test_matmul_inner_dims(dev: bg.Device, rng: np.random.Generator) -> None:
 # dtypes ----------------------------------------------------------------------------------------
 
 
-def test_float32_plus_int32(dev: bg.Device, rng: np.random.Generator) -> None:
+def test_mixed_dtypes_promote_or_are_refused(dev: bg.Device, rng: np.random.Generator) -> None:
+    """float32 + int32 -> float32 and float16 + float32 -> float32 (batchgpu.promotion); int32 with uint32
+    has no common dtype and is refused, naming both, before anything is recorded."""
     b, probe = new_batch(dev, rng)
-    xf = b.upload(random_array(rng, (6,), np.float32), name="xf")
-    xi = b.upload(random_array(rng, (6,), np.int32), name="xi")
-    with fails(b, bg.DTypeError, "add", "xi", "int32", "float32"):
-        b.add(xf, xi)
-    with fails(b, bg.DTypeError, "maximum", "xf", "int32", "float32"):
-        b.maximum(xi, xf)
+    af, ai = random_array(rng, (6,), np.float32), random_array(rng, (6,), np.int32)
+    ah, au = random_array(rng, (3, 1), np.float16), random_array(rng, (6,), np.uint32)
+    xf, xi, xh = b.upload(af, name="xf"), b.upload(ai, name="xi"), b.upload(ah, name="xh")
+    xu = b.upload(au, name="xu")
+    with fails(b, bg.DTypeError, "add", "int32 and uint32", "no common supported dtype"):
+        b.add(xi, xu)
+    with fails(b, bg.ShapeError, "maximum", "cannot broadcast"):  # refused before its casts are recorded
+        b.maximum(xh, b.upload(np.ones((2, 5), np.float32)))
+    mixed = [b.add(xf, xi), b.maximum(xi, xf), b.mul(xh, xf), b.sub(xi, 2.5), b.div(xi, xi)]
+    assert [t.dtype for t in mixed] == [np.float32] * 5
+    b.execute()
+    f32 = ai.astype(np.float32)
+    expected = [af + f32, np.maximum(f32, af), ah.astype(np.float32) * af, f32 - np.float32(2.5), f32 / f32]
+    for tensor, want in zip(mixed, expected):
+        np.testing.assert_allclose(b.read_sync(tensor), want, rtol=1e-6)
     probe.check()
 
 
@@ -142,31 +153,43 @@ def test_float64_upload_needs_dtype(dev: bg.Device, rng: np.random.Generator) ->
 
 
 def test_int_tensor_with_fractional_or_out_of_range_scalar(dev: bg.Device, rng: np.random.Generator) -> None:
+    """A Python float makes an int tensor's op float32 (as torch); an int out of the tensor's range is refused."""
     b, probe = new_batch(dev, rng)
     xa = random_array(rng, (9,), np.int32)
     xi = b.upload(xa, name="counts")
-    with fails(b, bg.DTypeError, "add", "2.5", "int32", "counts"):
-        b.add(xi, 2.5)
-    with fails(b, bg.DTypeError, "mul", "0.5", "int32", "counts"):
-        _ = 0.5 * xi
     with fails(b, bg.DTypeError, "add", str(2**40), "int32"):
         b.add(xi, 2**40)
     unsigned = b.upload(random_array(rng, (9,), np.uint32), name="unsigned")
     with fails(b, bg.DTypeError, "sub", "-1", "uint32", "unsigned"):
         b.sub(unsigned, -1)
-    plus = b.add(xi, 3.0)  # an integral float is fine
+    plus, half, three = b.add(xi, 3), 0.5 * xi, b.add(xi, 3.0)
+    assert (plus.dtype, half.dtype, three.dtype) == (np.int32, np.float32, np.float32)
     b.execute()
     assert_close(b.read_sync(plus), xa + np.int32(3))
+    assert_close(b.read_sync(half), xa.astype(np.float32) * np.float32(0.5))
     probe.check()
 
 
-@pytest.mark.parametrize("op", ["mean", "exp", "log", "softmax", "div"])
-def test_float_only_ops_refuse_int32(dev: bg.Device, rng: np.random.Generator, op: str) -> None:
+@pytest.mark.parametrize("op", ["mean", "softmax"])
+def test_float_only_reductions_refuse_int32(dev: bg.Device, rng: np.random.Generator, op: str) -> None:
     b, probe = new_batch(dev, rng)
     xi = b.upload(random_array(rng, (4, 5), np.int32), name="ints")
     with fails(b, bg.DTypeError, op, "ints", "int32", "float32"):
-        b.div(xi, xi) if op == "div" else getattr(b, op)(xi)
+        getattr(b, op)(xi)
     probe.check()
+
+
+@pytest.mark.parametrize("op", ["exp", "log", "sqrt", "sin", "erf"])
+def test_float_only_elementwise_ops_compute_int32_as_float32(dev: bg.Device, op: str) -> None:
+    """numpy and torch compute exp(int) etc. in floats: so does batchgpu, in float32."""
+    b = bg.GpuCommandBatch(dev)
+    data = np.arange(1, 10, dtype=np.int32)
+    out = getattr(b, op)(b.upload(data))
+    b.execute()
+    assert out.dtype == np.float32
+    reference = np.vectorize(math.erf) if op == "erf" else getattr(np, op)
+    want = reference(data.astype(np.float64))
+    np.testing.assert_allclose(b.read_sync(out), want, rtol=2e-6)
 
 
 def test_neg_of_uint32(dev: bg.Device, rng: np.random.Generator) -> None:

@@ -54,7 +54,7 @@ def test_every_elementwise_op_inside_a_fused_kernel(gpu, ref, dtype):
     rng = np.random.default_rng(1)
     arrays = [random_array(rng, (3, 37), dtype), random_array(rng, (37,), dtype)]
     ops = check_fused(gpu, ref, arrays, lambda b, x, y: record_fusable_chains(b, x, y))
-    wanted = sorted(op for op in EXPRESSIONS if accepts(op, dtype))
+    wanted = sorted(op for op, row in EXPRESSIONS.items() if accepts(op, dtype) and not row.mask)
     inside = {name for op in ops if op.startswith("fused(") for name in op[6:-1].split("+")}
     assert set(wanted) <= inside, f"not fused: {set(wanted) - inside}"
 

@@ -41,6 +41,19 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-x))
 
 
+_erf_scalar = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf in float64, rounded to the input's float dtype."""
+    return _erf_scalar(x.astype(np.float64)).astype(x.dtype)
+
+
+def _mask(compare: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    """A numpy comparison as the uint32 0/1 mask the kernels store."""
+    return lambda a, b: compare(a, b).astype(np.uint32)
+
+
 @dataclass(frozen=True)
 class Expression:
     """One elementwise op: its expression of ``x`` (unary) or ``x, y`` (binary) in the compute type
@@ -55,6 +68,7 @@ class Expression:
     doc: str
     cuda: str = ""
     domain: Domain = "any"
+    mask: bool = False  # a comparison: the result is a uint32 0/1 mask whatever the inputs' dtype
 
     def text(self, language: Literal["wgsl", "cuda"]) -> str:
         """The expression in ``language``."""
@@ -117,6 +131,40 @@ EXPRESSIONS: dict[str, Expression] = {
     "minimum": Expression(
         2, "min_nan(x, y)", np.minimum, "all", "elementwise min (NaN if either is, as numpy)", cuda="bg_min_nan(x, y)"
     ),
+    "pow": Expression(
+        2, "pow_real(x, y)", np.power, "float", "a ** b (floats; negative bases need integer b)", cuda="powf(x, y)"
+    ),
+    "sin": Expression(1, "sin(reduce_turns(x))", np.sin, "float", "sine", cuda="sinf(x)"),
+    "cos": Expression(1, "cos(reduce_turns(x))", np.cos, "float", "cosine", cuda="cosf(x)"),
+    "floor": Expression(1, "floor(x)", np.floor, "float", "largest integer <= x", cuda="floorf(x)"),
+    "ceil": Expression(1, "ceil(x)", np.ceil, "float", "smallest integer >= x", cuda="ceilf(x)"),
+    "round": Expression(
+        1, "round(x)", np.round, "float", "nearest integer, halves to even (numpy's round)", cuda="rintf(x)"
+    ),
+    "erf": Expression(1, "erf_f32(x)", _erf, "float", "the error function", cuda="erff(x)"),
+    **{
+        op: Expression(
+            2, f"select(C(0), C(1), {test})", _mask(reference), "all", doc, cuda=f"(({cuda}) ? (C)1 : (C)0)", mask=True
+        )
+        for op, (test, cuda, reference, doc) in {
+            "greater": ("x > y", "x > y", np.greater, "a > b as a uint32 0/1 mask"),
+            "greater_equal": ("x >= y", "x >= y", np.greater_equal, "a >= b as a uint32 0/1 mask"),
+            "less": ("x < y", "x < y", np.less, "a < b as a uint32 0/1 mask"),
+            "less_equal": ("x <= y", "x <= y", np.less_equal, "a <= b as a uint32 0/1 mask"),
+            "equal": (
+                "x == y && !is_nan(x) && !is_nan(y)",
+                "x == y && !bg_is_nan(x) && !bg_is_nan(y)",
+                np.equal,
+                "a == b as a uint32 0/1 mask",
+            ),
+            "not_equal": (
+                "x != y || is_nan(x) || is_nan(y)",
+                "x != y || bg_is_nan(x) || bg_is_nan(y)",
+                np.not_equal,
+                "a != b as a uint32 0/1 mask",
+            ),
+        }.items()
+    },
     "silu_mul": Expression(
         2,
         "x / (1.0 + exp(-x)) * y",
@@ -196,6 +244,8 @@ def _binary_infer(name: str, dtypes: DtypeClass) -> InferFn:
         a, b = inputs
         dtype = same_dtype(name, inputs, ("a", "b"))
         check_dtype(name, dtypes, a, "a")
+        if EXPRESSIONS[name].mask:
+            dtype = UINT32
         if a.shape == b.shape:
             return a.shape, dtype
         check_rank(name, a)
@@ -217,15 +267,15 @@ def _spec(name: str, row: Expression) -> OpSpec:
     if row.arity == 1:
 
         def reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
-            with np.errstate(over="ignore"):
-                return fn(arrays[0])
+            with np.errstate(over="ignore", invalid="ignore"):
+                return np.asarray(fn(arrays[0]))
 
         infer, lower = _unary_infer(name, row.dtypes), (lambda node: _unary_launch(node, name))
     else:
 
         def reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                return fn(arrays[0], arrays[1])
+                return np.asarray(fn(arrays[0], arrays[1]))
 
         infer, lower = _binary_infer(name, row.dtypes), (lambda node: _binary_launch(node, name))
     return OpSpec(

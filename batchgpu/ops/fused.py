@@ -143,11 +143,12 @@ def _let(index: int, wgsl_type: str, value: str, language: Language) -> str:
 
 
 def is_fusible(node: Node) -> bool:
-    """Whether ``node`` may join a fused chain: an op of the op-expression table or a cast, on plain
-    tensors (quantized weights stay with their kernels)."""
-    return (node.spec.name in EXPRESSIONS or node.spec.name == CAST) and all(
-        type(t) is Tensor for t in (*node.inputs, *node.outputs)
-    )
+    """Whether ``node`` may join a fused chain: an op of the op-expression table (not a comparison) or a
+    cast, on plain tensors (quantized weights stay with their kernels)."""
+    name = node.spec.name
+    if name in EXPRESSIONS and EXPRESSIONS[name].mask:
+        return False  # a mask's dtype is not its operands': the chain's one compute type would not hold
+    return (name in EXPRESSIONS or name == CAST) and all(type(t) is Tensor for t in (*node.inputs, *node.outputs))
 
 
 def compute_type(node: Node) -> str | None:

@@ -10,6 +10,8 @@
 
 //!include gelu
 
+//!include math
+
 fn unary_op(x: C) -> C {
     return ${UNARY};
 }

@@ -12,6 +12,8 @@
 
 //!include gelu
 
+//!include math
+
 ${FUNCTIONS}
 
 // Element offset of input k for output element i: i unravelled over p.shape, dotted with k's strides.
