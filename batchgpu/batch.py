@@ -55,18 +55,18 @@ def default_device() -> Device:
     return _default_device
 
 
-def _unary(op: str) -> Callable[[GpuCommandBatch, Tensor], Tensor]:
-    def record(self: GpuCommandBatch, x: Tensor) -> Tensor:
-        return self._record(op, (x,))
+def _unary(op: str) -> Callable[..., Tensor]:
+    def record(self: GpuCommandBatch, x: Tensor, *, name: str = "") -> Tensor:
+        return self._named(self._record(op, (x,)), name)
 
     record.__name__ = record.__qualname__ = op
     record.__doc__ = f"Record ``{op}(x)``: {OPS[op].doc}, elementwise."
     return record
 
 
-def _binary(op: str) -> Callable[[GpuCommandBatch, Operand, Operand], Tensor]:
-    def record(self: GpuCommandBatch, a: Operand, b: Operand) -> Tensor:
-        return self._record(op, (a, b))
+def _binary(op: str) -> Callable[..., Tensor]:
+    def record(self: GpuCommandBatch, a: Operand, b: Operand, *, name: str = "") -> Tensor:
+        return self._named(self._record(op, (a, b)), name)
 
     record.__name__ = record.__qualname__ = op
     record.__doc__ = (
@@ -216,13 +216,13 @@ class GpuCommandBatch:
     equal = _binary("equal")
     not_equal = _binary("not_equal")
 
-    def gelu(self, x: Tensor, approximate: str = "none") -> Tensor:
+    def gelu(self, x: Tensor, approximate: str = "none", *, name: str = "") -> Tensor:
         """GELU with ``torch.nn.functional.gelu``'s signature: ``"none"`` (default) is the exact
         ``x * Phi(x)`` (erf), ``"tanh"`` the tanh approximation."""
         ops = {"none": "gelu", "tanh": "gelu_tanh"}
         if not isinstance(approximate, str) or approximate not in ops:
             raise ArgumentError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-        return self._record(ops[approximate], (x,))
+        return self._named(self._record(ops[approximate], (x,)), name)
 
     def matmul(
         self,
@@ -234,6 +234,7 @@ class GpuCommandBatch:
         bias: Tensor | None = None,
         epilogue: str | None = None,
         activation: str | None = None,
+        name: str = "",
     ) -> Tensor:
         """``a @ b (+ bias)`` (2-D, batched with broadcast batch dims, 1-D promoted like numpy); the
         transposes swap the last two dims of an operand without a copy; ``bias`` (one value per output
@@ -248,55 +249,91 @@ class GpuCommandBatch:
             for name, value in (("transpose_a", transpose_a), ("transpose_b", transpose_b))
         }
         extra = {key: value for key, value in (("epilogue", epilogue), ("activation", activation)) if value is not None}
-        return self._record("matmul", operands, **flags, **extra)
+        return self._named(self._record("matmul", operands, **flags, **extra), name)
 
-    def sum(self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
+    def sum(
+        self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False, name: str = ""
+    ) -> Tensor:
         """Sum over ``axis`` (int, tuple, or None for all); integer sums wrap like int32."""
-        return self._record("sum", (x,), axis=axis, keepdims=arguments.flag("sum", "keepdims", keepdims))
+        return self._named(
+            self._record("sum", (x,), axis=axis, keepdims=arguments.flag("sum", "keepdims", keepdims)), name
+        )
 
-    def mean(self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
+    def mean(
+        self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False, name: str = ""
+    ) -> Tensor:
         """Mean over ``axis`` (floats only)."""
-        return self._record("mean", (x,), axis=axis, keepdims=arguments.flag("mean", "keepdims", keepdims))
+        return self._named(
+            self._record("mean", (x,), axis=axis, keepdims=arguments.flag("mean", "keepdims", keepdims)), name
+        )
 
-    def max(self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
+    def max(
+        self, x: Tensor, axis: int | Sequence[int] | None = None, *, keepdims: bool = False, name: str = ""
+    ) -> Tensor:
         """Maximum over ``axis``."""
-        return self._record("max", (x,), axis=axis, keepdims=arguments.flag("max", "keepdims", keepdims))
+        return self._named(
+            self._record("max", (x,), axis=axis, keepdims=arguments.flag("max", "keepdims", keepdims)), name
+        )
 
-    def softmax(self, x: Tensor, axis: int = -1) -> Tensor:
+    def softmax(self, x: Tensor, axis: int = -1, *, name: str = "") -> Tensor:
         """Numerically stable softmax along ``axis``."""
-        return self._record("softmax", (x,), axis=axis)
+        return self._named(self._record("softmax", (x,), axis=axis), name)
 
-    def reshape(self, x: Tensor, *shape: int | Sequence[int]) -> Tensor:
+    def reshape(self, x: Tensor, *shape: int | Sequence[int], name: str = "") -> Tensor:
         """Same data, new shape (one dim may be -1): a free view, no copy."""
         flat = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-        return self._record("reshape", (x,), shape=flat)
+        return self._named(self._record("reshape", (x,), shape=flat), name)
 
-    def permute(self, x: Tensor, axes: Sequence[int]) -> Tensor:
+    def permute(self, x: Tensor, axes: Sequence[int], *, name: str = "") -> Tensor:
         """Reorder axes (``numpy.transpose(x, axes)``), materialized in a new buffer."""
-        return self._record("permute", (x,), axes=_sequence("permute", "axes", axes))
+        return self._named(self._record("permute", (x,), axes=_sequence("permute", "axes", axes)), name)
 
-    def transpose(self, x: Tensor, axes: Sequence[int] | None = None) -> Tensor:
+    def transpose(self, x: Tensor, axes: Sequence[int] | None = None, *, name: str = "") -> Tensor:
         """Reverse the axes, or permute them by ``axes``."""
-        return self._record("permute", (x,), axes=None if axes is None else _sequence("transpose", "axes", axes))
+        return self._named(
+            self._record("permute", (x,), axes=None if axes is None else _sequence("transpose", "axes", axes)), name
+        )
 
-    def slice(self, x: Tensor, key: Any) -> Tensor:
+    def slice(self, x: Tensor, key: Any, *, name: str = "") -> Tensor:
         """``x[key]`` with ints, slices (any step), Ellipsis and None (a new axis of length 1, as numpy's
         ``x[:, None]``); also available as ``x[key]``."""
         keys = key if isinstance(key, tuple) else (key,)
         if not any(k is None for k in keys):
-            return self._record("slice", (x,), key=key)
+            return self._named(self._record("slice", (x,), key=key), name)
         kept = tuple(k for k in keys if k is not None)
         whole = all(k is Ellipsis or (isinstance(k, slice) and k == slice(None)) for k in kept)
         sliced = x if whole else self._record("slice", (x,), key=kept)  # validates the key's other entries
         shape = np.broadcast_to(np.empty((), np.int8), x.shape)[key].shape  # numpy's reading of the key
-        return self.reshape(sliced, shape)
+        return self.reshape(sliced, shape, name=name)
 
-    def clip(self, x: Tensor, lo: Operand | None = None, hi: Operand | None = None) -> Tensor:
+    def clip(self, x: Tensor, lo: Operand | None = None, hi: Operand | None = None, *, name: str = "") -> Tensor:
         """``numpy.clip``: ``minimum(maximum(x, lo), hi)`` (either bound may be None; NaN stays NaN)."""
         if lo is None and hi is None:
             raise ArgumentError("clip: give lo, hi or both")
         low = x if lo is None else self.maximum(x, lo)
-        return low if hi is None else self.minimum(low, hi)
+        return self._named(low if hi is None else self.minimum(low, hi), name)
+
+    def where(self, cond: Tensor, a: Operand, b: Operand, *, name: str = "") -> Tensor:
+        """``numpy.where(cond, a, b)``: ``a`` where ``cond`` is non-zero (a comparison's mask, or any dtype;
+        NaN counts as true), else ``b``; all three broadcast; ``a`` and ``b`` (either may be a Python
+        scalar) promote to one dtype (batchgpu.promotion)."""
+        if not isinstance(cond, Tensor):
+            raise ArgumentError(f"where: cond must be a Tensor, got {type(cond).__name__}")
+        values = [v for v in (a, b) if isinstance(v, Tensor)]
+        if not values:
+            raise ArgumentError("where: a or b must be a Tensor (a where of two scalars is a constant)")
+        python_float = any(isinstance(v, (float, np.floating)) for v in (a, b))
+        target = promote_types("where", [v.dtype for v in values], python_float=python_float)
+        stand_ins = [_retyped(v, target) if isinstance(v, Tensor) else _constant_stand_in(target) for v in (a, b)]
+        OPS["where"].infer((cond, *stand_ins), {})  # refuse bad shapes before recording casts or constants
+        a, b = (self._as_dtype(v, target) for v in (a, b))
+        return self._named(self._record("where", (cond, a, b)), name)
+
+    def _as_dtype(self, value: Operand, dtype: np.dtype) -> Tensor:
+        """A tensor operand cast to ``dtype`` (if it differs), or a Python scalar as a 0-d constant."""
+        if isinstance(value, Tensor):
+            return value if value.dtype == dtype else self.cast(value, dtype)
+        return self.full((), value, dtype)
 
     # constants -------------------------------------------------------------------------------------
 
@@ -332,30 +369,30 @@ class GpuCommandBatch:
         self.device.check_storable("arange", array.shape, array.dtype)
         return self._new_tensor(array.shape, array.dtype, "const", f"arange{self._recording.count}", array)
 
-    def concat(self, tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+    def concat(self, tensors: Sequence[Tensor], axis: int = 0, *, name: str = "") -> Tensor:
         """Join tensors along ``axis`` (``numpy.concatenate``)."""
-        return self._record("concat", _sequence("concat", "tensors", tensors), axis=axis)
+        return self._named(self._record("concat", _sequence("concat", "tensors", tensors), axis=axis), name)
 
-    def cast(self, x: Tensor, dtype: Any) -> Tensor:
+    def cast(self, x: Tensor, dtype: Any, *, name: str = "") -> Tensor:
         """Convert to ``dtype`` (float to int truncates toward zero; out-of-range values saturate on GPU)."""
-        return self._record("cast", (x,), dtype=as_dtype(dtype, what="cast"))
+        return self._named(self._record("cast", (x,), dtype=as_dtype(dtype, what="cast")), name)
 
-    def swiglu(self, x: Tensor) -> Tensor:
+    def swiglu(self, x: Tensor, *, name: str = "") -> Tensor:
         """``silu(x[..., :n]) * x[..., n:]`` for ``x`` (..., 2n): ``silu_mul`` of a fused gate/up projection
         (its halves read in place, no copies)."""
-        return self._record("swiglu", (x,))
+        return self._named(self._record("swiglu", (x,)), name)
 
-    def rms_norm(self, x: Tensor, w: Tensor, eps: float = 1e-5) -> Tensor:
+    def rms_norm(self, x: Tensor, w: Tensor, eps: float = 1e-5, *, name: str = "") -> Tensor:
         """``x / sqrt(mean(x**2, -1) + eps) * w`` per row, one workgroup reduction per row."""
-        return self._record("rms_norm", (x, w), eps=arguments.real("rms_norm", "eps", eps))
+        return self._named(self._record("rms_norm", (x, w), eps=arguments.real("rms_norm", "eps", eps)), name)
 
     def add_rms_norm(self, x: Tensor, residual: Tensor, w: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
         """The residual add fused into the norm: returns ``(rms_norm(x + residual, w, eps), x + residual)``."""
         return self._record("add_rms_norm", (x, residual, w), eps=arguments.real("add_rms_norm", "eps", eps))
 
-    def layer_norm(self, x: Tensor, w: Tensor, b: Tensor, eps: float = 1e-5) -> Tensor:
+    def layer_norm(self, x: Tensor, w: Tensor, b: Tensor, eps: float = 1e-5, *, name: str = "") -> Tensor:
         """``(x - mean) / sqrt(var + eps) * w + b`` over the last dim."""
-        return self._record("layer_norm", (x, w, b), eps=arguments.real("layer_norm", "eps", eps))
+        return self._named(self._record("layer_norm", (x, w, b), eps=arguments.real("layer_norm", "eps", eps)), name)
 
     def rope(
         self,
@@ -364,6 +401,7 @@ class GpuCommandBatch:
         theta: float = 10000.0,
         *,
         factors: Sequence[float] | None = None,
+        name: str = "",
     ) -> Tensor:
         """Rotary embedding, rotate-half convention (Llama in transformers), of ``x`` shaped
         (tokens, heads, head_dim); token t sits at position ``pos + t``, or at ``pos[t]`` when ``pos`` is
@@ -374,8 +412,8 @@ class GpuCommandBatch:
         if factors is not None:
             rope["factors"] = arguments.positive_reals("rope", "factors", factors)
         if isinstance(pos, Tensor):
-            return self._record("rope", (x, pos), pos=None, **rope)
-        return self._record("rope", (x,), pos=self._own_scalar("rope", pos), **rope)
+            return self._named(self._record("rope", (x, pos), pos=None, **rope), name)
+        return self._named(self._record("rope", (x,), pos=self._own_scalar("rope", pos), **rope), name)
 
     def kv_write(self, cache: Tensor, new: Tensor, pos: Scalar | int) -> Tensor:
         """Write ``new`` (tokens, kv_heads, head_dim) into ``cache`` rows ``pos .. pos + tokens`` in
@@ -423,21 +461,22 @@ class GpuCommandBatch:
         *,
         causal: bool = True,
         scale: float | None = None,
+        name: str = "",
     ) -> Tensor:
         """Attention of ``q`` (tokens, heads, head_dim) over cache rows ``[0, pos + tokens)``; query t
         sees rows up to ``pos + t`` when causal. Grouped-query: heads a multiple of the cache's kv heads."""
         pos = self._own_scalar("attention", pos)
         causal = arguments.flag("attention", "causal", causal)
         scale = None if scale is None else arguments.real("attention", "scale", scale)
-        return self._record("attention", (q, k_cache, v_cache), pos=pos, causal=causal, scale=scale)
+        return self._named(self._record("attention", (q, k_cache, v_cache), pos=pos, causal=causal, scale=scale), name)
 
-    def embedding(self, ids: Tensor, table: Tensor) -> Tensor:
+    def embedding(self, ids: Tensor, table: Tensor, *, name: str = "") -> Tensor:
         """Rows of ``table`` picked by int32 ``ids`` (any shape); out-of-range ids give zero rows."""
-        return self._record("embedding", (ids, table))
+        return self._named(self._record("embedding", (ids, table)), name)
 
-    def argmax(self, x: Tensor, axis: int = -1) -> Tensor:
+    def argmax(self, x: Tensor, axis: int = -1, *, name: str = "") -> Tensor:
         """int32 index of the first maximum along ``axis`` (greedy sampling)."""
-        return self._record("argmax", (x,), axis=axis)
+        return self._named(self._record("argmax", (x,), axis=axis), name)
 
     def _own_scalar(self, op: str, value: Any) -> Any:
         if isinstance(value, Scalar) and value.batch is not self:
@@ -455,20 +494,20 @@ class GpuCommandBatch:
         bindings 0..n-1 and written in place; ``scalars`` form one uniform struct at binding n."""
         self._record("launch", _sequence("launch", "buffers", buffers), kernel=kernel, grid=grid, scalars=scalars)
 
-    def penalize(self, logits: Tensor, seen: Tensor, generated: Tensor, penalties: Tensor) -> Tensor:
+    def penalize(self, logits: Tensor, seen: Tensor, generated: Tensor, penalties: Tensor, *, name: str = "") -> Tensor:
         """New (S, V) logits: where ``seen > 0`` the row's repetition penalty r (``l / r`` for ``l > 0``,
         else ``l * r``), then ``l -= presence * (generated > 0) + frequency * generated``. ``seen``,
         ``generated``: (S, V) int32 counts (prompt + output, output only); ``penalties``: (S, 3) float32
         rows of (repetition, presence, frequency)."""
-        return self._record("penalize", (logits, seen, generated, penalties))
+        return self._named(self._record("penalize", (logits, seen, generated, penalties)), name)
 
-    def sample(self, logits: Tensor, params: Tensor, top_k: Tensor, keys: Tensor) -> Tensor:
+    def sample(self, logits: Tensor, params: Tensor, top_k: Tensor, keys: Tensor, *, name: str = "") -> Tensor:
         """One int32 token id per row of (S, V) logits, drawn on the device. ``params``: (S, 4) float32
         rows of (temperature, top_p, min_p, unused); ``top_k``: (S,) int32 (<= 0 or >= V: off); ``keys``:
         (S, 2) uint32 rows of (seed, counter). Temperature <= 0 is greedy (``argmax``'s rule); otherwise a
         draw from softmax(logits / temperature) restricted to top_k (ties included), top_p and min_p
         (Gumbel-max with a counter-based hash: the same keys draw the same id)."""
-        return self._record("sample", (logits, params, top_k, keys))
+        return self._named(self._record("sample", (logits, params, top_k, keys)), name)
 
     def count_tokens(self, counts: Tensor, slots: Tensor, ids: Tensor, reset: Tensor | None = None) -> Tensor:
         """Update (S, V) int32 ``counts`` in place: rows with ``reset != 0`` are zeroed first (without
@@ -556,6 +595,12 @@ class GpuCommandBatch:
         if len(outputs) > 1:
             return outputs
         return outputs[0] if outputs else None
+
+    def _named(self, tensor: Tensor, name: str) -> Tensor:
+        """``tensor`` under the user's ``name`` (ops' ``name=``: profiles, errors, exports), if one is given."""
+        if arguments.text("name", "name", name):
+            tensor.name = name
+        return tensor
 
     def _output(
         self, op: str, view: bool, inputs: Sequence[Tensor], shape: tuple[int, ...], dtype: np.dtype, index: int
@@ -1015,6 +1060,12 @@ def _promotion(op: str, operands: Sequence[Any]) -> np.dtype | None:
     python_float = any(isinstance(o, (float, np.floating)) for o in operands)
     floats_only = EXPRESSIONS[op].dtypes == "float"
     return promote_types(op, [t.dtype for t in tensors], python_float=python_float, floats_only=floats_only)
+
+
+def _constant_stand_in(dtype: np.dtype) -> Tensor:
+    """A 0-d stand-in for a Python scalar operand, to validate an op's shapes before recording anything."""
+    storage = Storage(dtype.itemsize, "const", dtype)
+    return Tensor((), dtype, storage, device=None, name="scalar")  # type: ignore[arg-type]
 
 
 def _retyped(tensor: Tensor, dtype: np.dtype) -> Tensor:

@@ -194,77 +194,77 @@ class Tensor:
         """The axes reversed (``batch.transpose``)."""
         return self._method("transpose")
 
-    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
+    def reshape(self, *shape: int | Sequence[int], name: str = "") -> Tensor:
         """``batch.reshape(self, shape)``: one dim may be -1."""
-        return self._method("reshape", *shape)
+        return self._method("reshape", *shape, name=name)
 
-    def transpose(self, *axes: int) -> Tensor:
+    def transpose(self, *axes: int, name: str = "") -> Tensor:
         """The axes permuted (reversed without ``axes``), as ``numpy.transpose``."""
-        return self._method("transpose", axes or None)
+        return self._method("transpose", axes or None, name=name)
 
-    def astype(self, dtype: Any) -> Tensor:
+    def astype(self, dtype: Any, *, name: str = "") -> Tensor:
         """``batch.cast(self, dtype)``."""
-        return self._require_batch("cast").cast(self, dtype)
+        return self._require_batch("cast").cast(self, dtype, name=name)
 
-    def sum(self, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
-        return self._method("sum", axis, keepdims=keepdims)
+    def sum(self, axis: int | Sequence[int] | None = None, *, keepdims: bool = False, name: str = "") -> Tensor:
+        return self._method("sum", axis, keepdims=keepdims, name=name)
 
-    def mean(self, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
-        return self._method("mean", axis, keepdims=keepdims)
+    def mean(self, axis: int | Sequence[int] | None = None, *, keepdims: bool = False, name: str = "") -> Tensor:
+        return self._method("mean", axis, keepdims=keepdims, name=name)
 
-    def max(self, axis: int | Sequence[int] | None = None, *, keepdims: bool = False) -> Tensor:
-        return self._method("max", axis, keepdims=keepdims)
+    def max(self, axis: int | Sequence[int] | None = None, *, keepdims: bool = False, name: str = "") -> Tensor:
+        return self._method("max", axis, keepdims=keepdims, name=name)
 
-    def argmax(self, axis: int | None = None) -> Tensor:
+    def argmax(self, axis: int | None = None, *, name: str = "") -> Tensor:
         """The index of the largest value along ``axis`` (None: of the flattened tensor, as numpy)."""
         if axis is None:
-            return self.reshape(-1)._method("argmax", -1)
-        return self._method("argmax", axis)
+            return self.reshape(-1)._method("argmax", -1, name=name)
+        return self._method("argmax", axis, name=name)
 
-    def clip(self, lo: Any = None, hi: Any = None) -> Tensor:
-        return self._method("clip", lo, hi)
+    def clip(self, lo: Any = None, hi: Any = None, *, name: str = "") -> Tensor:
+        return self._method("clip", lo, hi, name=name)
 
-    def abs(self) -> Tensor:
-        return self._method("abs")
+    def abs(self, *, name: str = "") -> Tensor:
+        return self._method("abs", name=name)
 
-    def exp(self) -> Tensor:
-        return self._method("exp")
+    def exp(self, *, name: str = "") -> Tensor:
+        return self._method("exp", name=name)
 
-    def log(self) -> Tensor:
-        return self._method("log")
+    def log(self, *, name: str = "") -> Tensor:
+        return self._method("log", name=name)
 
-    def sqrt(self) -> Tensor:
-        return self._method("sqrt")
+    def sqrt(self, *, name: str = "") -> Tensor:
+        return self._method("sqrt", name=name)
 
-    def tanh(self) -> Tensor:
-        return self._method("tanh")
+    def tanh(self, *, name: str = "") -> Tensor:
+        return self._method("tanh", name=name)
 
-    def sigmoid(self) -> Tensor:
-        return self._method("sigmoid")
+    def sigmoid(self, *, name: str = "") -> Tensor:
+        return self._method("sigmoid", name=name)
 
-    def relu(self) -> Tensor:
-        return self._method("relu")
+    def relu(self, *, name: str = "") -> Tensor:
+        return self._method("relu", name=name)
 
-    def sin(self) -> Tensor:
-        return self._method("sin")
+    def sin(self, *, name: str = "") -> Tensor:
+        return self._method("sin", name=name)
 
-    def cos(self) -> Tensor:
-        return self._method("cos")
+    def cos(self, *, name: str = "") -> Tensor:
+        return self._method("cos", name=name)
 
-    def floor(self) -> Tensor:
-        return self._method("floor")
+    def floor(self, *, name: str = "") -> Tensor:
+        return self._method("floor", name=name)
 
-    def ceil(self) -> Tensor:
-        return self._method("ceil")
+    def ceil(self, *, name: str = "") -> Tensor:
+        return self._method("ceil", name=name)
 
-    def round(self) -> Tensor:
-        return self._method("round")
+    def round(self, *, name: str = "") -> Tensor:
+        return self._method("round", name=name)
 
-    def erf(self) -> Tensor:
-        return self._method("erf")
+    def erf(self, *, name: str = "") -> Tensor:
+        return self._method("erf", name=name)
 
-    def softmax(self, axis: int = -1) -> Tensor:
-        return self._method("softmax", axis)
+    def softmax(self, axis: int = -1, *, name: str = "") -> Tensor:
+        return self._method("softmax", axis, name=name)
 
     # interop: DLPack and __cuda_array_interface__ (see batchgpu.interop) ----------------------------
 

@@ -5,7 +5,8 @@
     python examples/smollm2_chat.py --ids 504,3575,282,4649,314 --tokens 12 --fp32
 
 The prompt runs as one prefill batch; every further token re-executes ONE recorded decode batch with
-the position as a per-execute scalar, reading back only the next token id.
+the position as a per-execute scalar, reading back only the next token id. After the text, stderr gets
+the time to first token (prefill, including recording and compiling) and the decode speed in tokens/s.
 """
 
 from __future__ import annotations
@@ -13,9 +14,34 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 import batchgpu as bg
 from batchgpu.models.llama import Llama, load_tokenizer
+
+
+def stream(model: Llama, tokenizer: Any, prompt: list[int], tokens: int) -> tuple[list[int], float, float]:
+    """Print each new token as it comes; (the ids, seconds to the first token, seconds from it to the last)."""
+    ids: list[int] = []
+    started = first = time.perf_counter()
+    for token in model.generate(prompt, tokens):
+        if not ids:
+            first = time.perf_counter()
+        ids.append(token)
+        print(tokenizer.decode([token]), end="", flush=True)
+    return ids, first - started, time.perf_counter() - first
+
+
+def speed_lines(ids: list[int], first_token_s: float, decode_s: float, prompt_tokens: int) -> list[str]:
+    """Time to first token and decode tokens/s (the tokens after the first over the time after it)."""
+    if not ids:
+        return ["no tokens generated"]
+    decoded = len(ids) - 1
+    rate = f"{decoded / decode_s:.2f} tokens/s" if decoded and decode_s > 0 else "n/a"
+    return [
+        f"time to first token: {first_token_s:.3f} s (prefill of {prompt_tokens} tokens, incl. record + compile)",
+        f"decode: {rate} ({decoded} tokens after the first in {decode_s:.3f} s)",
+    ]
 
 
 def main() -> None:
@@ -38,23 +64,11 @@ def main() -> None:
         file=sys.stderr,
     )
     print(tokenizer.decode(prompt), end="", flush=True)
-
-    ids: list[int] = []
-    first = time.perf_counter()
-    for token in model.generate(prompt, args.tokens):
-        if not ids:
-            first_token = time.perf_counter() - first
-            decode_start = time.perf_counter()
-        ids.append(token)
-        print(tokenizer.decode([token]), end="", flush=True)
-    decode_time = time.perf_counter() - decode_start
+    ids, first_token_s, decode_s = stream(model, tokenizer, prompt, args.tokens)
     print()
-    rate = (len(ids) - 1) / decode_time if len(ids) > 1 else float("nan")
-    print(
-        f"ids {ids}\nfirst token (prefill, incl. record + compile) {first_token:.2f} s; "
-        f"decode {rate:.2f} tokens/s; {device.stats.submits} submits",
-        file=sys.stderr,
-    )
+    print(f"ids {ids}; {device.stats.submits} submits", file=sys.stderr)
+    for line in speed_lines(ids, first_token_s, decode_s, len(prompt)):
+        print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,12 @@ def _cast(inputs: Inputs) -> list[Tensor]:
     return [inputs.batch.cast(x, target) for target in inputs.dtypes]
 
 
+def _where(inputs: Inputs) -> list[Tensor]:
+    b, x, y = inputs.batch, inputs.tensor(4, 8), inputs.tensor(8)
+    flags = inputs.tensor(4, 1, dtype=np.int32)  # any dtype's non-zero is true (random: some zero, some not)
+    return [b.where(b.greater(x, y), x, y), b.where(flags, x, 2), b.where(b.less(y, x), 3, y)]
+
+
 def _reshape(inputs: Inputs) -> list[Tensor]:
     return [inputs.batch.reshape(inputs.tensor(4, 8), (2, 16))]
 
@@ -300,6 +306,7 @@ def _count_tokens(inputs: Inputs) -> list[Tensor]:
 EXAMPLES: dict[str, Example] = {
     **{op: _unary(op) if row.arity == 1 else _binary(op) for op, row in EXPRESSIONS.items()},
     "cast": _cast,
+    "where": _where,
     "reshape": _reshape,
     "permute": _permute,
     "slice": _slice,

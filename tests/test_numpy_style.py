@@ -190,3 +190,37 @@ def test_comparisons_with_nan_match_numpy(gpu, ref):
         got = run(device, [x, y], lambda b, s, t: [getattr(b, op)(s, t) for op in ops])
         for op, values in zip(ops, got):
             np.testing.assert_array_equal(values, getattr(np, op)(x, y).astype(np.uint32), err_msg=op)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32])
+def test_where_matches_numpy(gpu, ref, dtype):
+    rng = np.random.default_rng(10)
+    x, y = random_array(rng, (3, 1, 5), dtype), random_array(rng, (4, 5), dtype)
+    flags = rng.integers(-1, 2, (4, 1)).astype(np.int32)
+    nan_flags = np.array([np.nan, 0.0, -0.0, 2.5, 0.0], np.float32)  # NaN counts as true, as bool(nan)
+    check(
+        gpu,
+        ref,
+        [x, y, flags, nan_flags],
+        lambda b, s, t, f, g: [b.where(s > t, s, t), b.where(f, s, 7), b.where(g, t, s), b.where(s < 0, 0, s)],
+        [
+            np.where(x > y, x, y),
+            np.where(flags != 0, x, dtype(7)),
+            np.where(nan_flags != 0, y, x),
+            np.where(x < 0, 0, x),
+        ],
+        dtype,
+    )
+
+
+def test_where_refusals_leave_nothing_recorded(ref):
+    batch = bg.GpuCommandBatch(ref)
+    x = batch.upload(np.ones((2, 3), np.float16))
+    ops = len(batch)
+    with pytest.raises(bg.ShapeError, match=r"where: cannot broadcast cond"):
+        batch.where(batch.upload(np.ones(4, np.int32)), x, 1.5)
+    with pytest.raises(bg.DTypeError, match=r"where: int32 and uint32"):
+        batch.where(x, batch.upload(np.ones(3, np.int32)), batch.upload(np.ones(3, np.uint32)))
+    with pytest.raises(bg.ArgumentError, match=r"where: a or b must be a Tensor"):
+        batch.where(x, 1, 2)
+    assert len(batch) == ops

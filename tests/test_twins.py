@@ -21,7 +21,7 @@ import pytest
 
 import batchgpu as bg
 from batchgpu import quant, shaders
-from batchgpu.ops import OPS
+from batchgpu.ops import OPS, fused
 from batchgpu.ops.elementwise import EXPRESSIONS
 from batchgpu.ops.interface import ELEMENTWISE, FAMILIES, Family
 
@@ -114,7 +114,18 @@ def test_every_launch_has_a_wgsl_and_a_cuda_twin():
         assert {name for name, _ in launch.constants} <= overrides, where
         for placeholder, value in launch.snippets:  # ${PLACEHOLDER}s of the family's source: ops or a format
             assert "${" + placeholder + "}" in shaders.family_source("wgsl", launch.family), where
-            assert value in (quant.FORMATS if placeholder == shaders.FORMAT_SNIPPET else EXPRESSIONS), where
+            assert _known_snippet(launch.family, placeholder, value), where
+
+
+def _known_snippet(family: str, placeholder: str, value: str) -> bool:
+    """A snippet value is a block format, an op of the expression table, or (the fused family) a program of
+    loads and known ops."""
+    if placeholder == shaders.FORMAT_SNIPPET:
+        return value in quant.FORMATS
+    if placeholder in shaders.STATEMENT_SNIPPETS.get(family, ()):
+        ops = {i.op for i in fused.parse(value) if isinstance(i, fused.Apply)}
+        return ops <= set(EXPRESSIONS) | set(fused.SELECTS) | {fused.CAST}
+    return value in EXPRESSIONS
 
 
 def _lib_files() -> list[Path]:

@@ -29,7 +29,7 @@ import numpy as np
 from ..batch import Submission, default_device
 from ..device import Device
 from ..errors import BatchError, RequestError
-from ..models.llama import open_weights, smollm2_path, steps_ahead, upload_weights
+from ..models.llama import loading, open_weights, smollm2_path, steps_ahead, upload_weights
 from ..tensor import Tensor
 from .blocks import BlockPool
 from .params import SamplingParams
@@ -141,21 +141,22 @@ class Engine:
     ) -> None:
         self.device = device if device is not None else default_device()
         self.path = Path(model) if model is not None else smollm2_path()
-        weights = open_weights(self.path)
-        self.config = weights.config
-        self.codec = weights.codec()
-        trained = self.config.context or max_context
-        if not 1 <= max_context <= trained:
-            raise BatchError(f"Engine: max_context must be in [1, {trained}] (the model's trained length)")
-        self.config.check_context(max_context, "Engine")
         if max_batch < 1 or prefill_chunk < 1:
             raise BatchError("Engine: max_batch and prefill_chunk must be at least 1")
         self.ahead = steps_ahead(self.device, ahead, "Engine")
+        with loading(self.path) as stages:  # one display over reading the file and uploading the weights
+            weights = open_weights(self.path)
+            self.config = weights.config
+            self.codec = weights.codec()
+            trained = self.config.context or max_context
+            if not 1 <= max_context <= trained:
+                raise BatchError(f"Engine: max_context must be in [1, {trained}] (the model's trained length)")
+            self.config.check_context(max_context, "Engine")
+            self.weights = upload_weights(self.device, weights, quantized=quantized, fuse=fuse, stages=stages)
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
         self.max_blocks = -(-max_context // block_size)
         blocks = kv_blocks if kv_blocks is not None else max(self.max_blocks, max_batch * self.max_blocks // 4)
         self.pool = BlockPool(blocks, block_size)
-        self.weights = upload_weights(self.device, weights, quantized=quantized, fuse=fuse)
         self.cache = KVCache.allocate(
             self.device, self.config, blocks=blocks, block_size=block_size, slots=max_batch, dtype=np.dtype(kv_dtype)
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import numpy as np
 from ..batch import GpuCommandBatch, Submission
 from ..device import Device
 from ..errors import ArgumentError, BatchError
-from ..progress import progress as show_progress
+from ..progress import Stages
 from ..scalars import Scalar
 from ..tensor import Tensor
 from .config import LlamaConfig
@@ -80,16 +80,40 @@ def upload_weights(
     quantized: bool = True,
     fuse: bool = False,
     progress: Progress | None = None,
+    stages: Stages | None = None,
 ) -> dict[str, Tensor]:
     """Every tensor of ``weights`` resident on ``device``: GGUF blocks kept quantized (or dequantized
     to float32 with ``quantized=False``), float32 tensors as they are. With ``fuse``, each layer's
     :data:`FUSED_PROJECTIONS` parts are uploaded joined under the fused name instead (where the parts
-    share a block format and row length)."""
-    groups = _fused_groups(weights) if fuse else []
-    group_of = {part: group for group in groups for part in group.parts}
+    share a block format and row length).
+
+    Progress: ``progress(names)`` wraps the tensor names if given (the caller's own display); else a bar over
+    the tensors is the next phase of ``stages`` (a load's display, :func:`loading`), or of a display of its
+    own that stays when done (shown on a terminal or with ``BATCHGPU_PROGRESS=1``)."""
     names = weights.names()
     label = "loading weights" if quantized else "loading + dequantizing weights"
-    items = progress(names) if progress else show_progress(names, label, len(names))  # bar only on a TTY
+    if progress is not None:
+        return _upload(device, weights, progress(names), quantized=quantized, fuse=fuse)
+    if stages is not None:
+        return _upload(device, weights, stages.track(names, label), quantized=quantized, fuse=fuse)
+    with Stages(unit="tensors") as own:
+        return _upload(device, weights, own.track(names, label), quantized=quantized, fuse=fuse)
+
+
+def loading(path: Path | str, progress: Progress | None = None) -> Stages:
+    """The display over loading the model at ``path``, its first phase (reading the file) started; pass it
+    to :func:`upload_weights` and close it (``with``) when done. Silent where ``progress`` is the caller's."""
+    stages = Stages(unit="tensors", show=False if progress is not None else None)
+    stages.phase(f"reading {Path(path).name}", name="reading")
+    return stages
+
+
+def _upload(
+    device: Device, weights: Weights, items: Iterable[str], *, quantized: bool, fuse: bool
+) -> dict[str, Tensor]:
+    """Upload the tensors ``items`` names (every name of ``weights``, in order) as :func:`upload_weights` says."""
+    groups = _fused_groups(weights) if fuse else []
+    group_of = {part: group for group in groups for part in group.parts}
 
     def rows(name: str) -> tuple[np.ndarray, str | None, tuple[int, ...]]:
         data, qtype, shape = weights.raw(name)
@@ -218,12 +242,16 @@ class Llama:
         fuse: bool = True,
     ) -> None:
         self.device = device
-        self.weights = open_weights(path or smollm2_path())
-        self.config = self.weights.config
-        self.config.check_context(max_context, "Llama")
         self.quantized = quantized
         self.max_context = max_context
-        self.params = upload_weights(device, self.weights, quantized=quantized, fuse=fuse, progress=progress)
+        path = path or smollm2_path()
+        with loading(path, progress) as stages:  # one display from before the file is read; it stays
+            self.weights = open_weights(path)
+            self.config = self.weights.config
+            self.config.check_context(max_context, "Llama")
+            self.params = upload_weights(
+                device, self.weights, quantized=quantized, fuse=fuse, progress=progress, stages=stages
+            )
         cfg = self.config
         cache_shape = (max_context, cfg.kv_heads, cfg.head_dim)
         zeros = np.zeros(cache_shape, np.float32)

@@ -105,7 +105,26 @@ def render(placeholder: str, text: str, language: Language) -> str:
     raise KeyError(f"fused family: no placeholder {placeholder!r}")
 
 
+SELECTS: dict[str, tuple[str, str]] = {
+    "where_f32": ("x != 0.0 || is_nan_f32(x)", "x != 0.0f || bg_is_nan(x)"),
+    "where_i32": ("x != 0", "x != 0"),
+    "where_u32": ("x != 0u", "x != 0u"),
+}
+"""``where(cond, a, b)`` per compute type of the condition: its truth test (non-zero, NaN included, as numpy's
+``bool``) in WGSL and CUDA; the values are of the program's compute type ``C``."""
+
+
+def _select_function(op: str, language: Language) -> str:
+    ctype = op.rsplit("_", 1)[1]
+    test = SELECTS[op][0 if language == "wgsl" else 1]
+    if language == "wgsl":
+        return f"fn op_{op}(x: {ctype}, y: C, z: C) -> C {{ return select(z, y, {test}); }}"
+    return f"__device__ __forceinline__ C op_{op}({CUDA_TYPE[ctype]} x, C y, C z) {{ return ({test}) ? y : z; }}"
+
+
 def _function(op: str, language: Language) -> str:
+    if op in SELECTS:
+        return _select_function(op, language)
     row = EXPRESSIONS[op]
     expression = row.text(language)
     if language == "wgsl":
@@ -231,13 +250,20 @@ def _reference(members: Sequence[Node], inputs: Sequence[Tensor]):
 def _launch(
     name: str, program: Sequence[Instruction], inputs: Sequence[Tensor], out: Tensor, members: Sequence[Node]
 ) -> Launch:
+    ctypes = {compute_type(m) for m in members} - {None}
+    return program_launch(name, program, inputs, out, ctypes.pop() if ctypes else WGSL_COMPUTE_TYPE[out.dtype])
+
+
+def program_launch(
+    name: str, program: Sequence[Instruction], inputs: Sequence[Tensor], out: Tensor, ctype: str
+) -> Launch:
+    """One launch of the fused family running ``program`` over ``inputs`` (broadcast to ``out``'s shape) in
+    compute type ``ctype``."""
     strided = [k for k, t in enumerate(inputs) if read_mode(t, out.shape) == STRIDED]
     shape, strides = collapse(out.shape, *(broadcast_strides(inputs[k].shape, out.shape) for k in strided))
     flat = [0] * (MAX_FUSED_INPUTS * MAX_DIMS)
     for k, input_strides in zip(strided, strides):
         flat[k * MAX_DIMS : k * MAX_DIMS + len(input_strides)] = input_strides
-    ctypes = {compute_type(m) for m in members} - {None}
-    ctype = ctypes.pop() if ctypes else WGSL_COMPUTE_TYPE[out.dtype]
     types = [(f"I{k}", WGSL_TYPE[inputs[k].dtype] if k < len(inputs) else "f32") for k in range(MAX_FUSED_INPUTS)]
     types += [("O", WGSL_TYPE[out.dtype]), ("C", ctype)]
     if any(isinstance(i, Apply) and i.stype == "f16" for i in program):

@@ -1,12 +1,15 @@
 // Float math for the op expressions (batchgpu/ops/elementwise.py: pow, sin, cos, erf), shared by
 // elementwise.wgsl and fused.wgsl; the CUDA expressions use the C library's powf, sinf, cosf, erff.
 
+// NaN and inf from runtime bits (a var): WGSL rejects constant expressions that evaluate to either.
 fn nan_f32() -> f32 {
-    return bitcast<f32>(0x7fc00000u);
+    var bits = 0x7fc00000u;
+    return bitcast<f32>(bits);
 }
 
 fn inf_f32() -> f32 {
-    return bitcast<f32>(0x7f800000u);
+    var bits = 0x7f800000u;
+    return bitcast<f32>(bits);
 }
 
 // |x| ** y for a = |x| (not NaN) with C's special cases spelled out (drivers' pow differ at 0, inf and
