@@ -20,6 +20,7 @@ from .errors import (
     ShapeError,
     UnsupportedError,
 )
+from .jit import Jit, jit
 from .kernels import Kernel
 from .limits import Limits
 from .ops import OPS
@@ -41,6 +42,7 @@ __all__ = [
     "DeviceMismatchError",
     "ExportError",
     "GpuCommandBatch",
+    "Jit",
     "Kernel",
     "LimitError",
     "Limits",
@@ -51,4 +53,5 @@ __all__ = [
     "Tensor",
     "UnsupportedError",
     "default_device",
+    "jit",
 ]

@@ -7,6 +7,8 @@ import base64
 import importlib.util
 import json
 import math
+import re
+import runpy
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -318,3 +320,164 @@ def test_browser_reports_a_missing_feature(gpu: bg.Device, browser: Chromium, tm
     if result["status"] != "pass":  # SwiftShader lacks shader-f16; a browser with it runs the batch
         assert result["status"] == "error"
         assert "needs the WebGPU feature(s) shader-f16, which the adapter lacks" in result["error"]
+
+
+# names -----------------------------------------------------------------------------------------
+
+
+def record_named(device: bg.Device) -> tuple[bg.GpuCommandBatch, bg.Tensor, bg.Tensor, bg.Tensor, bg.Tensor]:
+    batch = bg.GpuCommandBatch(device, name="named")
+    x = batch.upload(np.arange(6, dtype=np.float32).reshape(2, 3), name="x")
+    y = batch.upload(np.ones((2, 3), np.float32))  # a generated name
+    total = batch.add(x, y)
+    total.name = "total"
+    scaled = batch.mul(total, 2.0)
+    return batch, x, y, total, scaled
+
+
+def test_export_keys_inputs_and_outputs_by_tensor_names(ref: bg.Device, tmp_path: Path) -> None:
+    batch, x, y, total, scaled = record_named(ref)
+    out = batch.export_webgpu(tmp_path / "named", outputs=[total, scaled, x])  # x: an input returned as is
+    info = manifest(out)
+    assert [i["name"] for i in info["inputs"]] == ["x", y.name] and y.name.startswith("input")
+    assert [o["name"] for o in info["outputs"]] == ["total", scaled.name, "x"]
+    assert all(info["buffers"][o["buffer"]]["name"] == o["name"] for o in info["outputs"])  # buffer labels
+    scaled.name = "scaled"  # renamed after recording: the next export uses the new name
+    assert [o["name"] for o in manifest(batch.export_webgpu(out, outputs=[total, scaled]))["outputs"]] == [
+        "total",
+        "scaled",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("rename", "outputs", "message"),
+    [
+        ({"y": "x"}, ("total",), r"input x \(batch, shape \(2, 3\), float32\) and input x \(batch, shape \(2, 3\)"),
+        ({"scaled": "total"}, ("total", "scaled"), r"outputs\[0\] total .* and outputs\[1\] total .* share the name"),
+        ({"scaled": "x"}, ("scaled",), r"input x \(batch.* and outputs\[0\] x \(batch.* share the name 'x'"),
+        ({}, ("total", "total"), r"outputs\[0\] and outputs\[1\] are both total .*list it once"),
+        ({"scaled": ""}, ("scaled",), r"outputs\[0\] .* needs a non-empty str name"),
+    ],
+    ids=["two-inputs", "two-outputs", "input-and-output", "listed-twice", "empty"],
+)
+def test_export_refuses_ambiguous_names(
+    ref: bg.Device, tmp_path: Path, rename: dict[str, str], outputs: tuple[str, ...], message: str
+) -> None:
+    batch, x, y, total, scaled = record_named(ref)
+    tensors = {"x": x, "y": y, "total": total, "scaled": scaled}
+    for key, name in rename.items():
+        tensors[key].name = name
+    before = ref.stats.snapshot()["submits"]
+    with pytest.raises(bg.ExportError, match=message) as refused:
+        batch.export_webgpu(tmp_path / "named", outputs=[tensors[key] for key in outputs])
+    assert isinstance(refused.value, bg.BatchError)
+    assert not (tmp_path / "named").exists() and ref.stats.snapshot()["submits"] == before  # refused first
+
+
+def test_browser_keys_outputs_by_any_name(ref: bg.Device, browser: Chromium, tmp_path: Path) -> None:
+    """Names are data to batch.js: an input "constructor" and an output "__proto__" work like others."""
+    batch = bg.GpuCommandBatch(ref, name="odd names")
+    x_data = np.arange(8, dtype=np.float32)
+    x = batch.upload(x_data, name="constructor")
+    y = batch.add(x, 1.0)
+    y.name = "__proto__"
+    out = batch.export_webgpu(tmp_path / "odd", outputs=[y])
+    result = open_page(browser, out, "index.html?runs=1&dump=1")
+    assert_passed(result)
+    np.testing.assert_array_equal(page_outputs(out, result)["__proto__"], x_data + 1)
+
+
+# file:// and failed loads ----------------------------------------------------------------------
+
+PAGE_STATE = (
+    "window.batchgpuResult && window.batchgpuResult.then((result) => ({ result, "
+    "status: document.getElementById('status').textContent, visible: document.body.innerText }))"
+)
+
+
+def tiny_export(device: bg.Device, out: Path) -> Path:
+    batch = bg.GpuCommandBatch(device, name="tiny")
+    x = batch.upload(np.arange(8, dtype=np.float32), name="x")
+    y = batch.add(x, 1.0)
+    y.name = "y"
+    return batch.export_webgpu(out, outputs=[y])
+
+
+def test_page_opened_from_file_url_says_to_serve_it(ref: bg.Device, browser: Chromium, tmp_path: Path) -> None:
+    """file:// pages get no module scripts or fetch(): the page says so at once instead of 'loading...'."""
+    out = tiny_export(ref, tmp_path / "tiny")
+    state = browser.evaluate((out / "index.html").as_uri(), PAGE_STATE, timeout=30)
+    assert state["result"]["status"] == "error"
+    shown = state["status"]
+    assert shown.startswith("error: this page was opened from a file:// URL"), shown
+    assert "python -m http.server" in shown and f"in {out}/ and open http://127.0.0.1:8000/" in shown
+    assert shown in state["visible"]  # rendered, not just in the DOM
+
+
+def test_page_reports_a_module_that_fails_to_load(ref: bg.Device, browser: Chromium, tmp_path: Path) -> None:
+    out = tiny_export(ref, tmp_path / "tiny")
+    (out / "batch.js").unlink()  # served over HTTP, but the module 404s
+    with serve(out) as base:
+        state = browser.evaluate(base + "index.html", PAGE_STATE, timeout=30)  # the page's own timeout is 20 s
+    assert state["result"]["status"] == "error" and "batch.js" in state["status"], state
+    assert state["status"] in state["visible"]
+
+
+# the README's example --------------------------------------------------------------------------
+
+README_CHECK_PAGE = """<!doctype html>
+<script>
+window.addEventListener("error", (e) => { window.readmeResult ??= { error: String(e.message) }; });
+window.addEventListener("unhandledrejection", (e) => { window.readmeResult ??= { error: String(e.reason) }; });
+</script>
+<script type="module" src="./readme.js"></script>"""
+
+README_CAPTURE = """
+import { names } from "./batch.js";
+window.readmeResult = {
+  data: Object.fromEntries(Object.entries(out).map(([k, v]) => [k, Array.from(v)])),
+  names: await names(),
+};
+"""
+
+
+def readme_block(name: str, language: str) -> str:
+    """The README code block marked ``<!-- readme-test: NAME -->`` (tests/test_readme.py's convention)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    found = re.search(rf"<!-- readme-test: {name} -->\n```{language}\n(.*?)```", text, re.DOTALL)
+    assert found, f"README.md has no {language} block marked readme-test: {name}"
+    return found.group(1)
+
+
+def test_readme_export_example_runs_as_written(
+    browser: Chromium, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's Python block exports a batch with named inputs and outputs; its JS block, run in a
+    page of that folder, gets the outputs by those names, equal to numpy's."""
+    monkeypatch.chdir(tmp_path)  # the block writes out/classify relative to the working directory
+    script = tmp_path / "readme_export.py"
+    script.write_text(readme_block("export", "python"), encoding="utf-8")
+    example = runpy.run_path(str(script), run_name="__main__")
+    out = tmp_path / "out" / "classify"
+    info = manifest(out)
+    assert [i["name"] for i in info["inputs"]] == ["x"]
+    assert [o["name"] for o in info["outputs"]] == ["logits", "probs"]
+
+    page = open_page(browser, out, "index.html?runs=1")
+    assert_passed(page)
+    assert [o["name"] for o in page["outputs"]] == ["logits", "probs"]
+
+    (out / "readme.js").write_text(readme_block("export_js", "js") + README_CAPTURE, encoding="utf-8")
+    (out / "readme.html").write_text(README_CHECK_PAGE, encoding="utf-8")
+    result = open_page(browser, out, "readme.html", "window.readmeResult")
+    assert "error" not in result, result
+    assert result["names"] == {"inputs": ["x"], "scalars": [], "outputs": ["logits", "probs"]}
+    assert list(result["data"]) == ["logits", "probs"]
+
+    x_new = np.ones((2, 16), np.float32)  # what the JS block passes as x
+    logits = x_new @ example["dev"].read(example["w"])
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    for name, reference in (("logits", logits), ("probs", probs)):
+        browser_value = np.asarray(result["data"][name], np.float32).reshape(reference.shape)
+        np.testing.assert_allclose(browser_value, reference, rtol=1e-4, atol=1e-6, err_msg=name)

@@ -80,12 +80,19 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         super().end_headers()
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Quiet about connections the browser dropped (a closed tab cancels its requests)."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 @contextlib.contextmanager
 def serve(folder: str | Path) -> Iterator[str]:
     """Serve ``folder`` over HTTP on 127.0.0.1 (a free port) in a thread; yields the base URL.
     localhost is a secure context, so pages there get ``navigator.gpu``."""
     handler = functools.partial(_QuietHandler, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _Server(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, name="batchgpu-export-http", daemon=True)
     thread.start()
     try:
@@ -182,6 +189,13 @@ class Chromium:
         """Open ``url`` in a new tab, then await ``expression`` (a Promise, or a value) there; returns
         its JSON value. Waits for the page to define the expression's root object."""
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        try:
+            return self._await_in(target, url, expression, timeout)
+        finally:
+            with contextlib.suppress(BrowserError):
+                self.send("Target.closeTarget", {"targetId": target}, timeout=10)
+
+    def _await_in(self, target: str, url: str, expression: str, timeout: float) -> Any:
         session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         self.send("Page.navigate", {"url": url}, session)
         waiting = (
@@ -205,7 +219,6 @@ class Chromium:
             details = reply["exceptionDetails"]
             text = details.get("exception", {}).get("description") or details.get("text")
             raise BrowserError(f"{url}: {text}")
-        self.send("Target.closeTarget", {"targetId": target})
         return reply["result"].get("value")
 
     def close(self) -> None:

@@ -4,7 +4,8 @@
 
     out_dir/
       index.html          opens the batch on navigator.gpu, checks it against expected/, shows timings
-      batch.js            ES module: load(), requestDevice(adapter), prepare(device), run(device, inputs, scalars)
+      batch.js            ES module: load(), requestDevice(adapter), prepare(device), run(device, inputs, scalars),
+                          names(); inputs, scalars and outputs go by name (the tensors' names)
       manifest.json       buffers, shaders, pipelines (entry point, override constants, layout),
                           dispatches (pipeline, bindings, workgroup counts), inputs, scalars, outputs,
                           required features and limits
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import BatchError, UnsupportedError
+from ..errors import BatchError, ExportError, UnsupportedError
 from ..executors.base import POISON_BYTE, padded
 from ..executors.wgpu_plan import LaunchLayout, WgpuLayout, plan_launches
 from ..kernels import Launch
@@ -92,6 +93,11 @@ def export_webgpu(
     ``tolerance`` = ``(rtol, atol)`` sets the check ``index.html`` applies to float outputs:
     ``|browser - expected| <= atol * max(1, max|expected|) + rtol * |expected|`` (default
     ``FLOAT_TOLERANCE``); integer outputs must match exactly.
+
+    Inputs and outputs are named by their tensors' ``name`` (``batch.upload(data, name="x")``,
+    ``t.name = "logits"``): the manifest, the page and ``run()`` in ``batch.js`` key them so. A name two
+    of them share (two inputs, two outputs, or an input and another tensor as output) raises
+    ``ExportError`` naming both tensors, before anything is executed or written.
     """
     view = batch.view()
     out = Path(out_dir)
@@ -103,6 +109,7 @@ def export_webgpu(
     validated_feeds = view.check_feeds(feeds)
     scalar_values = view.check_scalars(scalars)
     output_tensors = _output_tensors(view, outputs)
+    _check_names(view.inputs, output_tensors)
 
     storages = _storages(view, launches, output_tensors)
     initial = _initial_data(view, storages, validated_feeds)
@@ -171,6 +178,31 @@ def _output_tensors(view: BatchView, outputs: Sequence[Tensor] | None) -> list[T
     return [last[storage] for storage in view.readback if storage in last]
 
 
+def _check_names(inputs: Sequence[Tensor], outputs: Sequence[Tensor]) -> None:
+    """Refuse names that cannot key the program's inputs and outputs: empty ones, and one name on two
+    tensors (one tensor may be an input and an output at once: an input updated in place)."""
+    named = [("input", t) for t in inputs] + [(f"outputs[{i}]", t) for i, t in enumerate(outputs)]
+    by_name: dict[str, list[tuple[str, Tensor]]] = {}
+    for label, tensor in named:
+        if not isinstance(tensor.name, str) or not tensor.name:
+            raise ExportError(
+                f"export_webgpu: {label} {tensor.describe()} needs a non-empty str name to be exported under, "
+                f"got {tensor.name!r}; set one with tensor.name = '...'"
+            )
+        for other_label, other in by_name.get(tensor.name, []):
+            if other is not tensor:
+                raise ExportError(
+                    f"export_webgpu: {other_label} {other.describe()} and {label} {tensor.describe()} share the "
+                    f"name {tensor.name!r}; the export keys inputs and outputs by name, so rename one "
+                    f"(tensor.name = '...')"
+                )
+            if other_label != "input":  # both outputs: the same tensor listed twice
+                raise ExportError(
+                    f"export_webgpu: {other_label} and {label} are both {tensor.describe()}; list it once"
+                )
+        by_name.setdefault(tensor.name, []).append((label, tensor))
+
+
 def _storages(view: BatchView, launches: Sequence[Launch], outputs: Sequence[Tensor]) -> list[Storage]:
     """Every buffer of the program: the batch's storages, then resident ones its launches bind."""
     storages = list(view.storages)
@@ -212,14 +244,6 @@ def _initial_data(
 # the manifest ----------------------------------------------------------------------------------
 
 
-def _unique(name: str, used: set[str]) -> str:
-    candidate, n = name, 2
-    while candidate in used:
-        candidate, n = f"{name}_{n}", n + 1
-    used.add(candidate)
-    return candidate
-
-
 def _tolerance(dtype: np.dtype, expected: np.ndarray, tolerance: tuple[float, float] | None) -> dict[str, float]:
     if dtype.name not in FLOAT_TOLERANCE:
         return {"rtol": 0.0, "atol": 0.0}
@@ -240,7 +264,7 @@ def _manifest(
     tolerance: tuple[float, float] | None,
 ) -> tuple[dict[str, Any], list[str]]:
     index = {storage: i for i, storage in enumerate(storages)}
-    names = _storage_names(view, outputs)
+    names = _storage_names(view, input_tensors, outputs)
 
     shaders: list[dict[str, Any]] = []
     shader_index: dict[str, int] = {}
@@ -330,23 +354,21 @@ def _manifest(
         needs["maxBufferSize"] = max(needs["maxBufferSize"], entry["size"])
     needs["maxBufferSize"] = max(needs["maxBufferSize"], len(layout.params))
 
-    used: set[str] = set()
     inputs = []
     for tensor in input_tensors:
         inputs.append(
             {
-                "name": _unique(tensor.name, used),
+                "name": tensor.name,
                 "buffer": index[tensor.storage],
                 "dtype": tensor.dtype.name,
                 "shape": list(tensor.shape),
             }
         )
-    used = set()
     manifest_outputs = []
     for i, (tensor, value) in enumerate(zip(outputs, expected)):
         manifest_outputs.append(
             {
-                "name": _unique(tensor.name, used),
+                "name": tensor.name,
                 "buffer": index[tensor.storage],
                 "dtype": tensor.dtype.name,
                 "shape": list(tensor.shape),
@@ -376,14 +398,14 @@ def _manifest(
     return manifest, list(shader_index)
 
 
-def _storage_names(view: BatchView, outputs: Sequence[Tensor]) -> dict[Storage, str]:
-    """A readable name per storage: the first tensor recorded on it."""
+def _storage_names(view: BatchView, inputs: Sequence[Tensor], outputs: Sequence[Tensor]) -> dict[Storage, str]:
+    """A readable label per buffer: its input's or output's name, else the first tensor recorded on it."""
     names: dict[Storage, str] = {}
+    for tensor in (*inputs, *outputs):
+        names.setdefault(tensor.storage, tensor.name)
     for node in view.nodes:
         for tensor in (*node.inputs, *node.outputs):
             names.setdefault(tensor.storage, tensor.name)
-    for tensor in outputs:
-        names.setdefault(tensor.storage, tensor.name)
     return names
 
 

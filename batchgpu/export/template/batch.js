@@ -6,6 +6,9 @@
 //   const outputs = await run(device, { x: new Float32Array(...) }, { pos: 3 });
 //   outputs.y                                             // a Float32Array / Int32Array / Uint32Array
 //
+// Inputs and outputs go by the names of their Python tensors (batch.upload(data, name="x"),
+// t.name = "y"); names() lists them.
+//
 // run(device, inputs, scalars) writes the given inputs (typed arrays, ArrayBuffers or plain arrays, by
 // input name) and scalars (numbers, by name), encodes every dispatch in one compute pass plus the
 // readback copies, submits once and resolves to the outputs. Inputs and scalars not given keep their
@@ -268,7 +271,8 @@ export async function prepare(device, base = HERE) {
   return perDevice.get(program.base);
 }
 
-/** Run the batch once on `device`: write `inputs` and `scalars`, one submit, resolve to the outputs by name. */
+/** Run the batch once on `device`: write `inputs` and `scalars` (by name), one submit, resolve to the
+ * outputs keyed by the names their tensors carry in Python (`t.name = "logits"` -> `outputs.logits`). */
 export async function run(device, inputs = {}, scalars = {}, base = HERE) {
   const state = await prepare(device, base);
   const result = state.queue.then(() => runOnce(state, inputs, scalars));
@@ -278,22 +282,24 @@ export async function run(device, inputs = {}, scalars = {}, base = HERE) {
 
 async function runOnce(state, inputs, scalars) {
   const { device, manifest } = state;
-  const byName = Object.fromEntries(manifest.inputs.map((i) => [i.name, i]));
+  // Maps and own properties: a name such as "constructor" or "__proto__" is an input like any other
+  const byName = new Map(manifest.inputs.map((i) => [i.name, i]));
   for (const name of Object.keys(inputs)) {
-    if (!byName[name]) throw new Error(`batchgpu: unknown input ${name} (this batch's inputs: ${Object.keys(byName).join(", ") || "none"})`);
+    if (!byName.has(name)) throw new Error(`batchgpu: unknown input ${name} (this batch's inputs: ${[...byName.keys()].join(", ") || "none"})`);
   }
-  const scalarByName = Object.fromEntries(manifest.scalars.map((s) => [s.name, s]));
+  const scalarByName = new Map(manifest.scalars.map((s) => [s.name, s]));
   for (const [name, value] of Object.entries(scalars)) {
-    const scalar = scalarByName[name];
-    if (!scalar) throw new Error(`batchgpu: unknown scalar ${name} (this batch's scalars: ${Object.keys(scalarByName).join(", ") || "none"})`);
+    const scalar = scalarByName.get(name);
+    if (!scalar) throw new Error(`batchgpu: unknown scalar ${name} (this batch's scalars: ${[...scalarByName.keys()].join(", ") || "none"})`);
     checkScalar(scalar, value);
   }
-  const writes = manifest.inputs.filter((i) => inputs[i.name] !== undefined).map((i) => [i, inputBytes(i, inputs[i.name])]);
+  const given = manifest.inputs.filter((i) => Object.hasOwn(inputs, i.name) && inputs[i.name] !== undefined);
+  const writes = given.map((i) => [i, inputBytes(i, inputs[i.name])]);
 
   return withErrors(device, "running the batch", async () => {
     for (const [input, bytes] of writes) device.queue.writeBuffer(state.buffers[input.buffer], 0, bytes);
     for (const [name, value] of Object.entries(scalars)) {
-      setScalar(state.scalarView, scalarByName[name], value);
+      setScalar(state.scalarView, scalarByName.get(name), value);
       state.scalarValues[name] = value;
     }
     if (manifest.scalars.length) device.queue.writeBuffer(state.scalarsBuffer, 0, state.scalarBytes);
@@ -309,17 +315,23 @@ async function runOnce(state, inputs, scalars) {
     }
     for (const c of state.copies) encoder.copyBufferToBuffer(c.source, 0, state.staging, c.offset, c.size);
     device.queue.submit([encoder.finish()]);
-    const outputs = {};
+    const outputs = [];
     if (state.staging) {
       await state.staging.mapAsync(GPUMapMode.READ, 0, state.total);
       const mapped = state.staging.getMappedRange(0, state.total);
       for (const c of state.copies) {
-        outputs[c.output.name] = new ARRAY_TYPES[c.output.dtype](mapped.slice(c.offset, c.offset + c.output.bytes));
+        outputs.push([c.output.name, new ARRAY_TYPES[c.output.dtype](mapped.slice(c.offset, c.offset + c.output.bytes))]);
       }
       state.staging.unmap();
     }
-    return outputs;
+    return Object.fromEntries(outputs); // by the tensors' names
   });
+}
+
+/** The names of the batch's inputs, scalars and outputs, as run() takes and returns them. */
+export async function names(base = HERE) {
+  const { manifest } = await load(base);
+  return { inputs: manifest.inputs.map((i) => i.name), scalars: manifest.scalars.map((s) => s.name), outputs: manifest.outputs.map((o) => o.name) };
 }
 
 /** The exported inputs (typed arrays by name): what run() uses when given none. */
