@@ -7,6 +7,7 @@ import itertools
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -80,7 +81,7 @@ class GpuCommandBatch:
     """A recorded command graph on one device.
 
     Record ops (each returns a :class:`Tensor` handle), then ``execute()``: one command encoder, one
-    queue submit (readback copies included), returning once submitted. ``read``/``read_sync`` return
+    queue submit (readback copies included), returning once submitted. ``read``/``read`` return
     numpy arrays. Re-execute with new inputs via ``execute({x: array})``: nothing is re-recorded and
     no pipeline is recompiled.
 
@@ -105,6 +106,7 @@ class GpuCommandBatch:
         self._runner: Runner | None = None  # the plan of the latest execute (or of a failed one after it)
         self._stale = True  # the recording changed since the runner's plan: the next execute plans anew
         self._released = False
+        self._uploads: list[Tensor] = []  # the batch's inputs, for feeds by name
 
     def __repr__(self) -> str:
         return f"GpuCommandBatch({self.name!r}, {len(self._recording.nodes)} ops, {self.device!r})"
@@ -137,7 +139,9 @@ class GpuCommandBatch:
         arguments.text("upload", "name", name)
         array = host_copy(data, dtype, what=f"upload {name}".strip())  # later edits of data don't leak in
         self.device.check_storable(f"upload {name}".strip(), array.shape, array.dtype)
-        return self._new_tensor(array.shape, array.dtype, "input", name or f"input{self._recording.count}", array)
+        tensor = self._new_tensor(array.shape, array.dtype, "input", name or f"input{self._recording.count}", array)
+        self._uploads.append(tensor)
+        return tensor
 
     def empty(self, shape: Sequence[int] | int, dtype: Any = np.float32, *, name: str = "") -> Tensor:
         """An uninitialized tensor for custom kernels to write into."""
@@ -646,9 +650,11 @@ class GpuCommandBatch:
 
     def _check_member(self, op: str, argument: str, tensor: Tensor) -> None:
         if tensor.device is not self.device:
+            default = " (the default device: GpuCommandBatch() without one)" if self.device is _default_device else ""
             raise DeviceMismatchError(
-                f"{op}: {argument} {tensor.describe()} lives on another device ({tensor.device!r}) than batch "
-                f"{self.name!r} ({self.device!r}); read it back and upload it to this device"
+                f"{op}: {argument} {tensor.describe()} lives on {tensor.device!r}, but batch {self.name!r} records "
+                f"on {self.device!r}{default}; create the batch on the tensor's device, GpuCommandBatch(dev), or "
+                "read the tensor back and upload it to this device"
             )
         if tensor.batch is not None and tensor.batch is not self:
             raise DeviceMismatchError(
@@ -665,13 +671,14 @@ class GpuCommandBatch:
 
     def execute(
         self,
-        feeds: Mapping[Tensor, Any] | Iterable[tuple[Tensor, Any]] | None = None,
+        feeds: Mapping[Tensor | str, Any] | Iterable[tuple[Tensor | str, Any]] | None = None,
         *,
         scalars: Mapping[str, int | float] | Iterable[tuple[str, int | float]] | None = None,
         profile: bool = False,
     ) -> Submission:
         """Upload new inputs and scalar values, encode every op and the readback copies, submit once;
-        returns without waiting for the GPU. Inputs and scalars keep their values until changed.
+        returns without waiting for the GPU. Inputs and scalars keep their values until changed; feeds are
+        keyed by input tensor or by its name (``{"x": array}``).
         ``profile=True`` also times every dispatch (see :meth:`profile`). The returned
         :class:`Submission` reads this execute's outputs even after later executes (submit ahead, read
         behind)."""
@@ -707,7 +714,7 @@ class GpuCommandBatch:
 
     async def execute_async(
         self,
-        feeds: Mapping[Tensor, Any] | Iterable[tuple[Tensor, Any]] | None = None,
+        feeds: Mapping[Tensor | str, Any] | Iterable[tuple[Tensor | str, Any]] | None = None,
         *,
         scalars: Mapping[str, int | float] | Iterable[tuple[str, int | float]] | None = None,
         profile: bool = False,
@@ -739,11 +746,10 @@ class GpuCommandBatch:
 
     def _validate_feeds(self, feeds: Any) -> dict[Storage, np.ndarray]:
         validated = {}
-        for tensor, data in _as_mapping(feeds, "execute: feeds").items():
+        for key, data in _as_mapping(feeds, "execute: feeds").items():
+            tensor = self._input_named(key) if isinstance(key, str) else key
             if not isinstance(tensor, Tensor) or tensor.batch is not self or tensor.storage.kind != "input":
-                raise ArgumentError(
-                    f"execute: feed key {tensor!r} is not an input (from upload) of batch {self.name!r}"
-                )
+                raise ArgumentError(f"execute: feed key {key!r} is not an input (from upload) of batch {self.name!r}")
             array = host_copy(data, what=f"execute feed {tensor.name}")  # later edits of data don't leak in
             if array.dtype != tensor.dtype:
                 raise DTypeError(
@@ -755,6 +761,15 @@ class GpuCommandBatch:
                 )
             validated[tensor.storage] = array
         return validated
+
+    def _input_named(self, name: str) -> Tensor:
+        """The batch's input called ``name`` (a feed given by name), or ArgumentError naming the inputs."""
+        matches = [t for t in self._uploads if t.name == name]
+        if len(matches) != 1:
+            names = ", ".join(repr(t.name) for t in self._uploads) or "none"
+            problem = "names no input" if not matches else f"names {len(matches)} inputs"
+            raise ArgumentError(f"execute: feed {name!r} {problem} of batch {self.name!r} (its inputs: {names})")
+        return matches[0]
 
     def outputs(self, *tensors: Tensor) -> None:
         """Declare the batch tensors read after ``execute`` (and the only ones copied back); every other
@@ -782,9 +797,9 @@ class GpuCommandBatch:
 
     # readback --------------------------------------------------------------------------------
 
-    async def read(self, tensor: Tensor) -> np.ndarray:
-        """The tensor's value after the latest execute, as a numpy array; awaits the GPU without
-        blocking the event loop (resident tensors and their views are read with a blocking copy)."""
+    async def read_async(self, tensor: Tensor) -> np.ndarray:
+        """:meth:`read` awaiting the GPU without blocking the event loop (resident tensors and their views
+        are read with a blocking copy)."""
         storage = self._check_readable(tensor)
         if storage.kind == "resident":
             return self._read_resident(tensor)
@@ -793,8 +808,9 @@ class GpuCommandBatch:
             flat = await self._runner.read(storage)
         return self._finish_read(tensor, flat)
 
-    def read_sync(self, tensor: Tensor) -> np.ndarray:
-        """Blocking ``read``."""
+    def read(self, tensor: Tensor) -> np.ndarray:
+        """The tensor's value after the latest execute, as a numpy array (blocks until the device is done;
+        :meth:`read_async` in asyncio code)."""
         storage = self._check_readable(tensor)
         if storage.kind == "resident":
             return self._read_resident(tensor)
@@ -802,6 +818,11 @@ class GpuCommandBatch:
         with _naming_read_errors(tensor, self.name):
             flat = self._runner.read_sync(storage)
         return self._finish_read(tensor, flat)
+
+    def read_sync(self, tensor: Tensor) -> np.ndarray:
+        """Deprecated name of :meth:`read` (kept for one release)."""
+        _deprecated("GpuCommandBatch.read_sync", "read")
+        return self.read(tensor)
 
     def _read_resident(self, tensor: Tensor) -> np.ndarray:
         """A resident tensor, or a batch view of one (``reshape(w)``): its device contents now, which
@@ -910,19 +931,24 @@ class Submission:
         self.batch = batch
         self._ticket = ticket
 
-    def read_sync(self, tensor: Tensor) -> np.ndarray:
+    def read(self, tensor: Tensor) -> np.ndarray:
         """The tensor's value after this execute (blocks until the device is done with it)."""
         storage = self._check(tensor)
         with _naming_read_errors(tensor, self.batch.name):
             flat = self._ticket.read_sync(storage)
         return _shaped(tensor, flat)
 
-    async def read(self, tensor: Tensor) -> np.ndarray:
-        """:meth:`read_sync` without blocking the event loop."""
+    async def read_async(self, tensor: Tensor) -> np.ndarray:
+        """:meth:`read` without blocking the event loop."""
         storage = self._check(tensor)
         with _naming_read_errors(tensor, self.batch.name):
             flat = await self._ticket.read(storage)
         return _shaped(tensor, flat)
+
+    def read_sync(self, tensor: Tensor) -> np.ndarray:
+        """Deprecated name of :meth:`read` (kept for one release)."""
+        _deprecated("Submission.read_sync", "read")
+        return self.read(tensor)
 
     def release(self) -> None:
         """Give this execute's readback buffers back without reading them."""
@@ -1060,6 +1086,12 @@ def _promotion(op: str, operands: Sequence[Any]) -> np.dtype | None:
     python_float = any(isinstance(o, (float, np.floating)) for o in operands)
     floats_only = EXPRESSIONS[op].dtypes == "float"
     return promote_types(op, [t.dtype for t in tensors], python_float=python_float, floats_only=floats_only)
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"{old} is deprecated: use {new}() (a numpy array) or {new}_async() (a coroutine)", DeprecationWarning, 3
+    )
 
 
 def _constant_stand_in(dtype: np.dtype) -> Tensor:

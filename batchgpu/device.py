@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -21,6 +22,10 @@ from .tensor import QuantTensor, Storage, Tensor, as_shape
 ENV_DEVICE = "BATCHGPU_DEVICE"
 
 
+_device_numbers = itertools.count(1)
+"""Devices are numbered in creation order (``Device('wgpu' #2, ...)``)."""
+
+
 class Device:
     """A compute device behind one executor.
 
@@ -36,6 +41,7 @@ class Device:
         self.kind = kind or os.environ.get(ENV_DEVICE) or "wgpu"
         self.executor: Executor = create_executor(self.kind, adapter=adapter, poison=poison)
         self.thread = threading.get_ident()  # the one thread allowed to use this device and its batches
+        self.number = next(_device_numbers)  # tells apart devices of one kind in reprs and errors
 
     def check_thread(self, what: str) -> None:
         """Raise BatchError when called from another thread than the one that created the device:
@@ -66,7 +72,7 @@ class Device:
         return self.executor.stats
 
     def __repr__(self) -> str:
-        return f"Device({self.kind!r}, {self.name!r})"
+        return f"Device({self.kind!r} #{self.number}, {self.name!r})"
 
     def check_storable(self, what: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
         """Raise if a tensor of ``shape``/``dtype`` cannot live on this device."""
@@ -114,7 +120,7 @@ class Device:
         if not tensor.resident:
             raise ArgumentError(
                 f"Device.tensor {name}: {tensor.describe()} is a batch tensor; read its value with "
-                f"batch.read_sync(t) and pass that array"
+                f"batch.read(t) and pass that array"
             )
         return tensor.device.read(tensor)
 
@@ -206,3 +212,8 @@ class Device:
         if isinstance(tensor, QuantTensor):
             return dequantize_words(flat, tensor.qtype, tensor.shape)
         return flat[: tensor.size].reshape(tensor.shape)
+
+    async def read_async(self, tensor: Tensor) -> np.ndarray:
+        """:meth:`read` for asyncio code, named like the batch's pair (a resident tensor's copy is
+        immediate)."""
+        return self.read(tensor)

@@ -58,12 +58,12 @@ class Jit:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         capture, submission = self.submit(*args, **kwargs)
-        return _rebuild(capture.returned, {id(t): submission.read_sync(t) for t in capture.outputs})
+        return _rebuild(capture.returned, {id(t): submission.read(t) for t in capture.outputs})
 
     async def call_async(self, *args: Any, **kwargs: Any) -> Any:
         """The call, awaiting the device (other tasks run meanwhile)."""
         capture, submission = self.submit(*args, **kwargs)
-        values = {id(t): await submission.read(t) for t in capture.outputs}
+        values = {id(t): await submission.read_async(t) for t in capture.outputs}
         return _rebuild(capture.returned, values)
 
     def submit(self, *args: Any, **kwargs: Any) -> tuple[Capture, Submission]:

@@ -119,14 +119,14 @@ def setup_library_batch(dev: Device, x0: np.ndarray, ops: int) -> Bench:
     region). Once: ``first_record_s`` (the op calls) and ``first_execute_s`` (plan and pipeline compiles)."""
     batch, last, first_record = record_chain(dev, x0, ops)  # built-in ops compile nothing at record
     first_execute = timed(batch.execute)  # plans: buffers, bind groups, the two pipeline compiles
-    check("(a)", batch.read_sync(last), numpy_chain(x0, ops))
+    check("(a)", batch.read(last), numpy_chain(x0, ops))
     batch.execute()  # warm-up
-    batch.read_sync(last)
+    batch.read(last)
 
     def one_round() -> dict[str, float]:
-        execute_read = timed(lambda: (batch.execute(), batch.read_sync(last)))
+        execute_read = timed(lambda: (batch.execute(), batch.read(last)))
         execute = timed(batch.execute)
-        batch.read_sync(last)  # drain the GPU outside the timed region
+        batch.read(last)  # drain the GPU outside the timed region
         return {"execute_read_s": execute_read, "execute_s": execute}
 
     return Bench(one_round, batch.release, once={"first_record_s": first_record, "first_execute_s": first_execute})
@@ -154,12 +154,12 @@ def setup_library_per_op(dev: Device, x0: np.ndarray, ops: int) -> Bench:
             batch.execute()
 
     execute_all()  # plan every batch once (warm-up)
-    check("(b)", batches[-1].read_sync(outputs[-1]), numpy_chain(x0, ops, start=ops - 1))
+    check("(b)", batches[-1].read(outputs[-1]), numpy_chain(x0, ops, start=ops - 1))
 
     def one_round() -> dict[str, float]:
-        execute_read = timed(lambda: (execute_all(), batches[-1].read_sync(outputs[-1])))
+        execute_read = timed(lambda: (execute_all(), batches[-1].read(outputs[-1])))
         execute = timed(execute_all)
-        batches[-1].read_sync(outputs[-1])  # drain the GPU outside the timed region
+        batches[-1].read(outputs[-1])  # drain the GPU outside the timed region
         return {"execute_read_s": execute_read, "execute_s": execute}
 
     def close() -> None:

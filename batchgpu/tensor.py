@@ -46,7 +46,7 @@ class Tensor:
     """A typed, shaped view of a storage, recorded in a batch or resident on a device.
 
     Tensors are handles: they hold no data on the host. Read a batch tensor with
-    ``batch.read(t)`` / ``batch.read_sync(t)`` and a resident tensor with ``device.read(t)``.
+    ``batch.read(t)`` / ``batch.read(t)`` and a resident tensor with ``device.read(t)``.
     Resident tensors also export their memory without a copy through ``__dlpack__`` (reference,
     CUDA and HIP devices) and ``__cuda_array_interface__`` (CUDA).
     """
@@ -101,11 +101,17 @@ class Tensor:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         raise ArgumentError(
             f"np.asarray: {self.describe()} is a handle, not host data; read it with "
-            + ("Device.read(t)" if self.resident else "batch.read_sync(t) (or await batch.read(t))")
+            + ("Device.read(t)" if self.resident else "batch.read(t) (or await batch.read_async(t))")
         )
 
     def __getitem__(self, key: Any) -> Tensor:
         return self._require_batch("[]").slice(self, key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise ArgumentError(
+            f"{self.describe()}[{key!r}] = ...: tensors are not assigned in place; record a new tensor (batch.where, "
+            "batch.concat) or write rows with batch.scatter_rows"
+        )
 
     def _require_batch(self, op: str, other: Any = None) -> GpuCommandBatch:
         """The batch that records ``op``: this tensor's, else the other operand's."""
@@ -181,7 +187,7 @@ class Tensor:
     def __bool__(self) -> bool:
         raise ArgumentError(
             f"bool({self.describe()}): a tensor is a handle recorded into a batch, its values unknown until it "
-            "runs; read it first (batch.read_sync(t)) to branch on them"
+            "runs; read it first (batch.read(t)) to branch on them"
         )
 
     # numpy / torch style methods: each records the batch op of the same name -----------------------------
@@ -272,7 +278,7 @@ class Tensor:
         if self.batch is not None:
             raise ExportError(
                 f"{what}: {self.describe()} is a batch tensor, whose buffers are the batch's own; read it "
-                f"with batch.read(t) / batch.read_sync(t), or upload data with Device.tensor to share it"
+                f"with batch.read(t) / batch.read(t), or upload data with Device.tensor to share it"
             )
         if isinstance(self, QuantTensor):
             raise ExportError(f"{what}: {self.describe()} holds packed {self.qtype} blocks and cannot be exported")

@@ -14,7 +14,7 @@ the cost of getting work to it.
        ``execute()`` (plan: buffers, bind groups and the two pipeline compiles) are timed once
        each, apart, in the rows labelled "first".
   (b)  library, one submit per op: ``--ops`` one-op batches recorded and planned once, each executed
-       (one submit each), then ``read_sync`` of the last. Batches cannot share tensors, so each op
+       (one submit each), then ``read`` of the last. Batches cannot share tensors, so each op
        reads resident tensors (``Device.tensor``) instead of the previous op's output; the GPU work
        per op is the same.
   (c)  naive raw wgpu-py: per op create shader module + pipeline (no cache), buffers with the data,
@@ -92,7 +92,7 @@ def setup_rerecord(dev: bg.Device, x0: np.ndarray, ops: int) -> Bench:
     def one_round() -> dict[str, float]:
         batch, last, record = record_chain(dev, x0, ops)
         plan = timed(batch.execute)
-        check("re-record", batch.read_sync(last), numpy_chain(x0, ops))
+        check("re-record", batch.read(last), numpy_chain(x0, ops))
         batch.release()
         return {"record_s": record, "plan_execute_s": plan}
 

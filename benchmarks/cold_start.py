@@ -4,7 +4,7 @@ Run from a checkout: ``python benchmarks/cold_start.py [--repeat 5] [--json PATH
 
 Every sample is a new Python process running the FFN stack of ``examples/ffn_layer.py`` (defaults:
 4 layers, 8 tokens, hidden 256, ffn 688): ``Device()``, upload the weights, record, ``execute()``,
-``read_sync``. Configurations, run interleaved round by round:
+``read``. Configurations, run interleaved round by round:
 
   no caches        ``BATCHGPU_FAST_IMPORT=0``, ``BATCHGPU_CACHE_DIR=off``, ``MESA_SHADER_CACHE_DISABLE=true``:
                    what the code before issue 5 did on a machine that never ran it.
@@ -16,12 +16,12 @@ Every sample is a new Python process running the FFN stack of ``examples/ffn_lay
 Cold start measures first runs on purpose. Per column, each a median over the samples:
 
   Device() to first result  from after the imports to the first result on the host: ``Device()``,
-                            the weight uploads, recording, the first ``execute()`` and ``read_sync``.
+                            the weight uploads, recording, the first ``execute()`` and ``read``.
   CPU ms (all threads)      the process CPU time over the same window (lavapipe's threads included).
   Device() ms               ``bg.Device("wgpu")`` alone.
   execute ms                host time of the first ``execute()``: planning (buffers, bind groups),
                             pipeline creation (compile or cache load), encode and submit.
-  first read ms             the first ``read_sync``: waits for the first run's GPU work (and any
+  first read ms             the first ``read``: waits for the first run's GPU work (and any
                             compile work the driver defers to it), copies back.
   import ms                 the child's imports (numpy, batchgpu, ffn_layer); interpreter start excluded.
   process ms                the parent's wall time of the whole child: interpreter start, imports, all
@@ -76,16 +76,16 @@ y = record_ffn(batch, x, weights)
 recorded = time.perf_counter()
 batch.execute()
 executed = time.perf_counter()
-out = batch.read_sync(y)
+out = batch.read(y)
 first_result = time.perf_counter()
 cpu_first_result = time.process_time()
 batch.execute({x: x_data * 2})  # warm-up: the first run with a fed input
-batch.read_sync(y)
+batch.read(y)
 steady_runs = []
 for i in range(3):
     steady_started = time.perf_counter()
     batch.execute({x: x_data * (3 + i)})
-    batch.read_sync(y)
+    batch.read(y)
     steady_runs.append(time.perf_counter() - steady_started)
 steady = sorted(steady_runs)[1]
 print(json.dumps({

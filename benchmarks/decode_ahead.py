@@ -38,7 +38,7 @@ def host_submit_ms(model: Llama, steps: int) -> tuple[float, int]:
     """Median host ms of one decode step's execute (encode and submit) on an idle device, and the
     dispatches of one step."""
     step = model.prefill(PROMPT)
-    token = int(step.batch.read_sync(step.next_token)[0])
+    token = int(step.batch.read(step.next_token)[0])
     times = []
     dispatches = 0
     for _ in range(steps):
@@ -47,7 +47,7 @@ def host_submit_ms(model: Llama, steps: int) -> tuple[float, int]:
         step = model.decode(token)
         times.append(time.perf_counter() - started)
         dispatches = model.device.stats.dispatches - before
-        token = int(step.batch.read_sync(step.next_token)[0])
+        token = int(step.batch.read(step.next_token)[0])
     return statistics.median(times[2:]) * 1e3, dispatches
 
 

@@ -65,14 +65,14 @@ def main() -> None:
             batch = bg.GpuCommandBatch(device)
             y = batch.matmul(batch.upload(x), w, transpose_b=True)
             batch.execute()
-            batch.read_sync(y)
+            batch.read(y)
             runs[name] = (batch, y, w.nbytes)
         times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.repeat):
             for name, (batch, y, _) in runs.items():
                 started = time.perf_counter()
                 batch.execute()
-                batch.read_sync(y)
+                batch.read(y)
                 times[name].append(time.perf_counter() - started)
         for name, (_, _, nbytes) in runs.items():
             median = statistics.median(times[name])

@@ -48,18 +48,18 @@ def main() -> None:
         dispatches = {}
         for fusion, (batch, out) in runs.items():
             batch.execute()
-            batch.read_sync(out)
+            batch.read(out)
             before = device.stats.dispatches
             batch.execute()
-            batch.read_sync(out)
+            batch.read(out)
             dispatches[fusion] = device.stats.dispatches - before
         for _ in range(args.repeat):
             for fusion, (batch, out) in runs.items():
                 started = time.perf_counter()
                 batch.execute()
-                batch.read_sync(out)
+                batch.read(out)
                 times[fusion].append(time.perf_counter() - started)
-        np.testing.assert_allclose(runs[True][0].read_sync(runs[True][1]), runs[False][0].read_sync(runs[False][1]))
+        np.testing.assert_allclose(runs[True][0].read(runs[True][1]), runs[False][0].read(runs[False][1]))
         plain, fused = statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
         counts = f"{dispatches[False]} | {dispatches[True]}"
         print(f"| {device.name} | {counts} | {plain:.2f} | {fused:.2f} | {fused / plain:.2f} |")

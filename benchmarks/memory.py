@@ -68,7 +68,7 @@ def ffn_rows(dev: bg.Device, repeat: int) -> dict:
 
     def run() -> None:
         batch.execute()
-        batch.read_sync(out)
+        batch.read(out)
 
     return compare("FFN 8x(512->1536->512), 16 rows", batch, [out], run, repeat)
 
@@ -91,7 +91,7 @@ def llama_rows(dev: bg.Device, tokens: int) -> list[dict]:
 
         def run(step=step, ids=ids) -> None:
             step.batch.execute({step.ids: np.asarray(ids, np.int32)}, scalars={"pos": 8})
-            step.batch.read_sync(step.next_token)
+            step.batch.read(step.next_token)
 
         rows.append(compare(name, step.batch, [step.next_token, step.logits], run, tokens))
     return rows

@@ -163,12 +163,12 @@ def batch_chain(device: bg.Device, x0: np.ndarray, ops: int, mode: str, repeat: 
             y = batch.add(y, a) if is_add(i) else batch.mul(y, m)
         for _ in range(3):  # plan, compile, capture (graph mode: from the second execute)
             batch.execute()
-            check(f"batchgpu {mode}", batch.read_sync(y), numpy_chain(x0, ops))
+            check(f"batchgpu {mode}", batch.read(y), numpy_chain(x0, ops))
         host, wall = [], []
         for _ in range(repeat):
             host.append(timed(batch.execute))
-            batch.read_sync(y)  # drain outside the timed region
-            wall.append(timed(lambda: (batch.execute(), batch.read_sync(y))))
+            batch.read(y)  # drain outside the timed region
+            wall.append(timed(lambda: (batch.execute(), batch.read(y))))
         batch.release()
     return {"host_us_per_op": median(host) / ops * 1e6, "wall_us_per_op": median(wall) / ops * 1e6}
 
@@ -384,7 +384,7 @@ def profiled_decode_step(device: bg.Device, quantized: bool) -> bg.Profile:
     profiling.profile_all(True)
     try:
         step = model.decode(PROMPT[-1])
-        step.batch.read_sync(step.next_token)
+        step.batch.read(step.next_token)
     finally:
         profiling.profile_all(False)
     return step.batch.profile()
@@ -424,14 +424,14 @@ def batchgpu_matmul_s(device: bg.Device, n: int, dtype: np.dtype, repeat: int) -
     top = batch.slice(c, (slice(0, 4),))  # read back 4 rows, not the whole product
     batch.execute()
     want = a_host[:4].astype(np.float64) @ b_host.astype(np.float64)
-    got = batch.read_sync(top).astype(np.float64)
+    got = batch.read(top).astype(np.float64)
     rtol = 2e-2 if dtype == np.float16 else 1e-3  # of the mean |element|, which grows like sqrt(n)
     if np.abs(got - want).max() > rtol * np.abs(want).mean():
         raise RuntimeError(f"batchgpu matmul {n} {dtype}: WRONG RESULT, max abs error {np.abs(got - want).max():.3g}")
     times = []
     for _ in range(repeat + 2):
         batch.execute(profile=True)
-        batch.read_sync(top)
+        batch.read(top)
         row = next(r for r in batch.profile().rows if r.op == "matmul")
         if row.gpu_us is None:
             raise Skip(f"no per-dispatch GPU times on {device.name}: {batch.profile().message}")

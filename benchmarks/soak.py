@@ -77,7 +77,7 @@ def soak(
         for i in range(count):
             k = (offset + i) % len(inputs)
             batch.execute({x: inputs[k]})
-            out = batch.read_sync(y)
+            out = batch.read(y)
             if i % check_every == 0 or i == count - 1:
                 error = float(np.abs(out - expected[k]).max() / np.abs(expected[k]).max())
                 assert error < 1e-4, f"round {offset + i}: relative error {error:.2e}"

@@ -24,13 +24,13 @@ def main() -> None:
     y = batch.relu(batch.add(batch.matmul(x, w), b))
 
     batch.execute()  # one command encoder, one queue submit
-    out = batch.read_sync(y)
+    out = batch.read(y)
     expected = np.maximum(x_data @ w_data + b_data, 0)
     print(f"relu(x @ w + b): shape {out.shape}, max |error| vs numpy {np.abs(out - expected).max():.2e}")
 
     async def again() -> np.ndarray:
         await batch.execute_async({x: 2 * x_data})  # new input, no re-recording, no new pipeline
-        return await batch.read(y)
+        return await batch.read_async(y)
 
     out2 = asyncio.run(again())
     expected2 = np.maximum(2 * x_data @ w_data + b_data, 0)

@@ -51,12 +51,12 @@ def test_nan_and_inf_propagate_like_numpy(gpu: bg.Device, ref: bg.Device, op: st
         out = CASES[op](batch, tx, ty)
         with np.errstate(all="ignore"):
             batch.execute()
-        results.append(batch.read_sync(out))
+        results.append(batch.read(out))
         # the same batch then runs finite data correctly
         finite = np.linspace(0.5, 2.0, 8, dtype=np.float32)
         with np.errstate(all="ignore"):
             batch.execute({tx: finite, ty: finite[::-1].copy()})
-        assert np.isfinite(batch.read_sync(out)).all()
+        assert np.isfinite(batch.read(out)).all()
     got, want = results
     for g, w in zip(_classes(got), _classes(want)):
         np.testing.assert_array_equal(g, w, err_msg=f"{op}: gpu {got} vs numpy {want}")
@@ -104,7 +104,7 @@ def test_every_public_method_of_a_released_batch(dev: bg.Device, rng) -> None:  
         "empty": lambda: doomed.empty(2),
         "scalar": lambda: doomed.scalar("s"),
         "execute": lambda: doomed.execute(),
-        "read": lambda: doomed.read_sync(y),
+        "read": lambda: doomed.read(y),
         "launch": lambda: doomed.launch(bg.Kernel(wgsl="", entry="main"), 1, buffers=[x]),
     }
     for name in ["neg", "abs", "exp", "relu", "copy", "softmax", "transpose", "sum", "max", "mean"]:

@@ -88,8 +88,8 @@ def test_reference_matmul_and_embedding_with_every_format(ref, name):
     y = batch.matmul(batch.upload(x), w, transpose_b=True)
     rows_out = batch.embedding(batch.upload(ids), w)
     batch.execute()
-    np.testing.assert_allclose(batch.read_sync(y), x.astype(np.float64) @ weights.T, rtol=1e-5, atol=1e-4)
-    np.testing.assert_array_equal(batch.read_sync(rows_out), weights[ids].astype(np.float32))
+    np.testing.assert_allclose(batch.read(y), x.astype(np.float64) @ weights.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(batch.read(rows_out), weights[ids].astype(np.float32))
 
 
 def run_quantized(device, raw, name, shape, x, ids, bias):
@@ -99,7 +99,7 @@ def run_quantized(device, raw, name, shape, x, ids, bias):
     y = batch.matmul(batch.upload(x), w, transpose_b=True, bias=batch.upload(bias))
     rows = batch.embedding(batch.upload(ids), w)
     batch.execute()
-    return batch.read_sync(y), batch.read_sync(rows)
+    return batch.read(y), batch.read(rows)
 
 
 @pytest.mark.parametrize("name", sorted(quant.FORMATS))

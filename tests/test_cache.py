@@ -34,7 +34,7 @@ batch = bg.GpuCommandBatch(dev)
 x = batch.upload(rng.standard_normal((4, 32)).astype(np.float32))
 y = batch.softmax(record_ffn(batch, x, weights))
 batch.execute()
-batch.read_sync(y)
+batch.read(y)
 print(json.dumps({"stats": dev.stats.snapshot(), "coldstart": coldstart.stats, "device": dev.name}))
 """
 

@@ -31,7 +31,7 @@ async def test_8_tasks_1000_rounds_each_on_one_device(gpu: bg.Device) -> None:
         for i in range(ROUNDS):
             xa = base + np.float32(i)
             await batch.execute_async({x: xa})
-            out = await batch.read(y)
+            out = await batch.read_async(y)
             np.testing.assert_array_equal(out, xa * np.float32(task + 1) + np.linspace(-1, 1, 32, dtype=np.float32))
             progress[task] += 1
             if i % 50 == 0:
@@ -71,7 +71,7 @@ def test_other_threads_are_refused_clearly(request: pytest.FixtureRequest, kind:
         "add": lambda: batch.add(x, y),
         "upload": lambda: batch.upload(xa),
         "execute": lambda: batch.execute(),
-        "read": lambda: batch.read_sync(y),
+        "read": lambda: batch.read(y),
         "Device.tensor": lambda: dev.tensor(xa),
         "Device.read": lambda: dev.read(resident),
         "new batch upload": lambda: bg.GpuCommandBatch(dev).upload(xa),
@@ -84,7 +84,7 @@ def test_other_threads_are_refused_clearly(request: pytest.FixtureRequest, kind:
     # nothing was disturbed: the owner thread goes on
     z = batch.add(y, x)
     batch.execute()
-    assert_close(batch.read_sync(z), xa * 4)
+    assert_close(batch.read(z), xa * 4)
     assert_close(dev.read(resident), xa)
 
 
@@ -99,7 +99,7 @@ def test_a_device_made_in_another_thread_works_there() -> None:
         y = batch.sqrt(batch.upload(data))
         for _ in range(20):
             batch.execute()
-        return batch.read_sync(y)
+        return batch.read(y)
 
     for i in range(3):
         box = _in_thread(lambda i=i: job(i + 1))

@@ -132,8 +132,8 @@ def assert_batch_works(batch: bg.GpuCommandBatch, rng: np.random.Generator) -> N
     total = batch.add(y, x)
     batch.execute()
     expected = np.float32(a) * xa + ya
-    assert_close(batch.read_sync(y), expected)
-    assert_close(batch.read_sync(total), expected + xa)
+    assert_close(batch.read(y), expected)
+    assert_close(batch.read(total), expected + xa)
 
 
 # running kernels -------------------------------------------------------------------------------
@@ -144,8 +144,8 @@ def test_saxpy_matches_numpy(dev: bg.Device, rng: np.random.Generator, n: int) -
     batch = bg.GpuCommandBatch(dev)
     x, y, xa, ya, a = record_saxpy(batch, rng, n)
     batch.execute()
-    assert_close(batch.read_sync(y), np.float32(a) * xa + ya)
-    assert_close(batch.read_sync(x), xa)  # bound read_write, left as it was
+    assert_close(batch.read(y), np.float32(a) * xa + ya)
+    assert_close(batch.read(x), xa)  # bound read_write, left as it was
 
 
 @pytest.mark.asyncio
@@ -153,7 +153,7 @@ async def test_saxpy_async(gpu: bg.Device, rng: np.random.Generator) -> None:
     batch = bg.GpuCommandBatch(gpu)
     _, y, xa, ya, a = record_saxpy(batch, rng, 4099)
     await batch.execute_async()
-    assert_close(await batch.read(y), np.float32(a) * xa + ya)
+    assert_close(await batch.read_async(y), np.float32(a) * xa + ya)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int32])
@@ -167,7 +167,7 @@ def test_kernel_writes_into_empty(dev: bg.Device, rng: np.random.Generator, dtyp
     grid = (math.ceil(cols / 8), math.ceil(rows / 8))
     batch.launch(square_plus_kernel(dtype), grid, buffers=[x, out], scalars=[b, rows, cols])
     batch.execute()
-    assert_close(batch.read_sync(out), xa * xa + np.dtype(dtype).type(b))
+    assert_close(batch.read(out), xa * xa + np.dtype(dtype).type(b))
 
 
 def test_kernel_mixed_with_builtin_ops_is_one_submit(dev: bg.Device, rng: np.random.Generator) -> None:
@@ -187,7 +187,7 @@ def test_kernel_mixed_with_builtin_ops_is_one_submit(dev: bg.Device, rng: np.ran
     launches = sum(len(node.launches) for node in batch.nodes)
     before = dev.stats.snapshot()
     batch.execute()
-    assert_close(batch.read_sync(result), expected(xa, ya))
+    assert_close(batch.read(result), expected(xa, ya))
     after = dev.stats.snapshot()
     assert after["submits"] - before["submits"] == 1
     if dev is not None and dev.kind == "wgpu":
@@ -197,11 +197,11 @@ def test_kernel_mixed_with_builtin_ops_is_one_submit(dev: bg.Device, rng: np.ran
         xa, ya = random_array(rng, (n,), np.float32), random_array(rng, (n,), np.float32)
         before = dev.stats.snapshot()
         batch.execute({x: xa, y: ya})
-        assert_close(batch.read_sync(result), expected(xa, ya))
+        assert_close(batch.read(result), expected(xa, ya))
         after = dev.stats.snapshot()
         assert after["submits"] - before["submits"] == 1
         assert after["pipelines_compiled"] == before["pipelines_compiled"]
-    assert_close(batch.read_sync(acc), np.float32(a) * (xa * ya) + ya)
+    assert_close(batch.read(acc), np.float32(a) * (xa * ya) + ya)
 
 
 def test_reexecute_and_second_batch_compile_nothing(gpu: bg.Device, rng: np.random.Generator) -> None:
@@ -209,12 +209,12 @@ def test_reexecute_and_second_batch_compile_nothing(gpu: bg.Device, rng: np.rand
     x, y, xa, ya, a = record_saxpy(first, rng, 300)
     doubled = first.mul(y, 2.0)
     first.execute()  # built-in pipelines compile on the first execute, custom kernels at launch()
-    assert_close(first.read_sync(doubled), (np.float32(a) * xa + ya) * np.float32(2))
+    assert_close(first.read(doubled), (np.float32(a) * xa + ya) * np.float32(2))
     compiled = gpu.stats.pipelines_compiled
     for _ in range(3):
         xa, ya = random_array(rng, (300,), np.float32), random_array(rng, (300,), np.float32)
         first.execute({x: xa, y: ya})
-        assert_close(first.read_sync(doubled), (np.float32(a) * xa + ya) * np.float32(2))
+        assert_close(first.read(doubled), (np.float32(a) * xa + ya) * np.float32(2))
     assert gpu.stats.pipelines_compiled == compiled
 
     # the same kernel, and an equal one built from the same source, in new batches of other sizes
@@ -223,7 +223,7 @@ def test_reexecute_and_second_batch_compile_nothing(gpu: bg.Device, rng: np.rand
         _, y2, xa2, ya2, a2 = record_saxpy(second, rng, 4099, kernel)
         doubled2 = second.mul(y2, 2.0)
         second.execute()
-        assert_close(second.read_sync(doubled2), (np.float32(a2) * xa2 + ya2) * np.float32(2))
+        assert_close(second.read(doubled2), (np.float32(a2) * xa2 + ya2) * np.float32(2))
         assert gpu.stats.pipelines_compiled == compiled
 
 
@@ -446,14 +446,14 @@ def test_reference_executor_needs_reference_fn(ref: bg.Device, gpu: bg.Device, r
     batch = bg.GpuCommandBatch(ref)
     _, y, xa, ya, a = record_saxpy(batch, rng, 257)  # with a reference fn: runs
     batch.execute()
-    assert_close(batch.read_sync(y), np.float32(a) * xa + ya)
+    assert_close(batch.read(y), np.float32(a) * xa + ya)
     record_saxpy(batch, rng, 257, bare)  # recording works: nothing runs yet
     with pytest.raises(bg.UnsupportedError, match=r"bare_saxpy.*reference"):
         batch.execute()
     with pytest.raises(bg.NotExecutedError, match=r"last execute\(\) of batch .* failed"):
-        batch.read_sync(y)
+        batch.read(y)
     assert_batch_works(bg.GpuCommandBatch(ref), rng)  # the device is fine
     on_gpu = bg.GpuCommandBatch(gpu)  # and wgpu runs the same kernel without a reference
     _, y2, xa2, ya2, a2 = record_saxpy(on_gpu, rng, 257, bare)
     on_gpu.execute()
-    assert_close(on_gpu.read_sync(y2), np.float32(a2) * xa2 + ya2)
+    assert_close(on_gpu.read(y2), np.float32(a2) * xa2 + ya2)

@@ -45,17 +45,17 @@ class Probe:
         self.y = batch.upload(self.ya, name="probe_y")
         self.s = batch.add(self.x, self.y)
         batch.execute()
-        assert_close(batch.read_sync(self.s), self.xa + self.ya)
+        assert_close(batch.read(self.s), self.xa + self.ya)
 
     def check(self) -> None:
         b = self.batch
         za = random_array(self.rng, (5, 7), np.float32)
         t = b.add(b.mul(self.x, b.upload(za)), self.y)
         # recording after an execute must not disturb reading that execute's results
-        assert_close(b.read_sync(self.s), self.xa + self.ya)
+        assert_close(b.read(self.s), self.xa + self.ya)
         b.execute()
-        assert_close(b.read_sync(t), self.xa * za + self.ya)
-        assert_close(b.read_sync(self.s), self.xa + self.ya)
+        assert_close(b.read(t), self.xa * za + self.ya)
+        assert_close(b.read(self.s), self.xa + self.ya)
 
 
 def new_batch(dev: bg.Device, rng: np.random.Generator) -> tuple[bg.GpuCommandBatch, Probe]:
@@ -131,7 +131,7 @@ def test_mixed_dtypes_promote_or_are_refused(dev: bg.Device, rng: np.random.Gene
     f32 = ai.astype(np.float32)
     expected = [af + f32, np.maximum(f32, af), ah.astype(np.float32) * af, f32 - np.float32(2.5), f32 / f32]
     for tensor, want in zip(mixed, expected):
-        np.testing.assert_allclose(b.read_sync(tensor), want, rtol=1e-6)
+        np.testing.assert_allclose(b.read(tensor), want, rtol=1e-6)
     probe.check()
 
 
@@ -148,7 +148,7 @@ def test_float64_upload_needs_dtype(dev: bg.Device, rng: np.random.Generator) ->
     assert weights.dtype == np.float32 and weights.shape == (4, 7)
     doubled = b.mul(weights, 2.0)
     b.execute()
-    assert_close(b.read_sync(doubled), data.astype(np.float32) * np.float32(2))
+    assert_close(b.read(doubled), data.astype(np.float32) * np.float32(2))
     probe.check()
 
 
@@ -165,8 +165,8 @@ def test_int_tensor_with_fractional_or_out_of_range_scalar(dev: bg.Device, rng: 
     plus, half, three = b.add(xi, 3), 0.5 * xi, b.add(xi, 3.0)
     assert (plus.dtype, half.dtype, three.dtype) == (np.int32, np.float32, np.float32)
     b.execute()
-    assert_close(b.read_sync(plus), xa + np.int32(3))
-    assert_close(b.read_sync(half), xa.astype(np.float32) * np.float32(0.5))
+    assert_close(b.read(plus), xa + np.int32(3))
+    assert_close(b.read(half), xa.astype(np.float32) * np.float32(0.5))
     probe.check()
 
 
@@ -189,7 +189,7 @@ def test_float_only_elementwise_ops_compute_int32_as_float32(dev: bg.Device, op:
     assert out.dtype == np.float32
     reference = np.vectorize(math.erf) if op == "erf" else getattr(np, op)
     want = reference(data.astype(np.float64))
-    np.testing.assert_allclose(b.read_sync(out), want, rtol=2e-6)
+    np.testing.assert_allclose(b.read(out), want, rtol=2e-6)
 
 
 def test_neg_of_uint32(dev: bg.Device, rng: np.random.Generator) -> None:
@@ -226,14 +226,14 @@ def test_tensor_of_another_batch(dev: bg.Device, rng: np.random.Generator) -> No
     with fails(b, bg.DeviceMismatchError, "matmul", "stranger", "elsewhere"):
         b.matmul(stranger, probe.x, transpose_b=True)
     with fails(b, bg.DeviceMismatchError, "read", "stranger", "elsewhere"):
-        b.read_sync(stranger)
+        b.read(stranger)
     probe.check()
 
 
 def test_resident_tensor_of_another_device(dev: bg.Device, other_device: bg.Device, rng: np.random.Generator) -> None:
     b, probe = new_batch(dev, rng)
     foreign = other_device.tensor(random_array(rng, (5, 7), np.float32), name="foreign")
-    with fails(b, bg.DeviceMismatchError, "add", "foreign", "another device"):
+    with fails(b, bg.DeviceMismatchError, "add", "foreign", "create the batch on the tensor's device"):
         b.add(probe.x, foreign)
     with fails(b, bg.DeviceMismatchError, "Device.read", "foreign", "another device"):
         dev.read(foreign)
@@ -242,7 +242,7 @@ def test_resident_tensor_of_another_device(dev: bg.Device, other_device: bg.Devi
     weights = dev.tensor(wa, name="weights")
     scaled = b.mul(probe.x, weights)
     b.execute()
-    assert_close(b.read_sync(scaled), probe.xa * wa)
+    assert_close(b.read(scaled), probe.xa * wa)
     probe.check()
 
 
@@ -255,21 +255,21 @@ def test_read_before_execute(dev: bg.Device, rng: np.random.Generator) -> None:
     x = b.upload(xa, name="x")
     e = b.exp(x)
     with fails(b, bg.NotExecutedError, "read", e.name, "fresh", "execute"):
-        b.read_sync(e)
+        b.read(e)
     with fails(b, bg.NotExecutedError, "read", "x"):
-        b.read_sync(x)
+        b.read(x)
     b.execute()
-    assert_close(b.read_sync(e), np.exp(xa))
+    assert_close(b.read(e), np.exp(xa))
 
 
 def test_read_of_tensor_recorded_after_the_last_execute(dev: bg.Device, rng: np.random.Generator) -> None:
     b, probe = new_batch(dev, rng)
     late = b.sub(probe.x, probe.y)
     with fails(b, bg.NotExecutedError, "read", late.name, "after the last execute"):
-        b.read_sync(late)
-    assert_close(b.read_sync(probe.s), probe.xa + probe.ya)  # the executed result stays readable
+        b.read(late)
+    assert_close(b.read(probe.s), probe.xa + probe.ya)  # the executed result stays readable
     b.execute()
-    assert_close(b.read_sync(late), probe.xa - probe.ya)
+    assert_close(b.read(late), probe.xa - probe.ya)
     probe.check()
 
 
@@ -279,9 +279,9 @@ async def test_async_read_before_execute(gpu: bg.Device, rng: np.random.Generato
     xa = random_array(rng, (6,), np.float32)
     t = b.relu(b.upload(xa))
     with pytest.raises(bg.NotExecutedError, match="never executed"):
-        await b.read(t)
+        await b.read_async(t)
     await b.execute_async()
-    assert_close(await b.read(t), np.maximum(xa, 0))
+    assert_close(await b.read_async(t), np.maximum(xa, 0))
 
 
 # axes, reshape, slices -------------------------------------------------------------------------
@@ -342,7 +342,7 @@ def test_bad_reshape(dev: bg.Device, rng: np.random.Generator, shape: tuple, fra
         b.reshape(x, shape)
     flat = b.reshape(x, -1, 6)
     b.execute()
-    assert_close(b.read_sync(flat), xa.reshape(-1, 6))
+    assert_close(b.read(flat), xa.reshape(-1, 6))
     probe.check()
 
 
@@ -368,7 +368,7 @@ def test_bad_slice(dev: bg.Device, rng: np.random.Generator, key: tuple, fragmen
         _ = x[key if len(key) > 1 else key[0]]
     row = x[-1, 1::2]
     b.execute()
-    assert_close(b.read_sync(row), xa[-1, 1::2])
+    assert_close(b.read(row), xa[-1, 1::2])
     probe.check()
 
 
@@ -398,10 +398,10 @@ def test_bad_feeds(dev: bg.Device, rng: np.random.Generator) -> None:
         b.execute(3)
     # a rejected feed uploads nothing: a good execute still sees the old inputs
     b.execute()
-    assert_close(b.read_sync(probe.s), probe.xa + probe.ya)
+    assert_close(b.read(probe.s), probe.xa + probe.ya)
     new_x = random_array(rng, (5, 7), np.float32)
     b.execute({probe.x: new_x})
-    assert_close(b.read_sync(probe.s), new_x + probe.ya)
+    assert_close(b.read(probe.s), new_x + probe.ya)
     probe.xa = new_x
     probe.check()
 
@@ -456,8 +456,8 @@ def test_zero_size_shapes(dev: bg.Device, rng: np.random.Generator) -> None:
     assert s.shape == ()
     shifted = b.add(probe.x, s)
     b.execute()
-    assert_close(b.read_sync(s), np.asarray(scalar))
-    assert_close(b.read_sync(shifted), probe.xa + scalar)
+    assert_close(b.read(s), np.asarray(scalar))
+    assert_close(b.read(shifted), probe.xa + scalar)
     probe.check()
 
 
@@ -490,7 +490,7 @@ def test_released_batch(dev: bg.Device, rng: np.random.Generator) -> None:
         (lambda: b2.upload(xa), "upload"),
         (lambda: b2.empty(3), "empty"),
         (lambda: b2.execute(), "execute"),
-        (lambda: b2.read_sync(y), "read"),
+        (lambda: b2.read(y), "read"),
     ]:
         with fails(b2, bg.BatchError, op, "'doomed'", "released"):
             action()
@@ -498,3 +498,18 @@ def test_released_batch(dev: bg.Device, rng: np.random.Generator) -> None:
     with fails(b, bg.DeviceMismatchError, "add", "doomed"):
         b.add(probe.x, y)
     probe.check()
+
+
+def test_devices_are_told_apart(rng: np.random.Generator) -> None:
+    """Two devices of one kind have different reprs; a batch made without a device says it is on the default
+    device and how to pass the tensor's."""
+    first, second = bg.Device("reference"), bg.Device("reference")
+    assert repr(first) != repr(second) and "#" in repr(first)
+    batch = bg.GpuCommandBatch()
+    foreign = first.tensor(random_array(rng, (3,), np.float32), name="foreign")
+    if batch.device is first:
+        pytest.skip("the default device is this one")
+    with fails(
+        batch, bg.DeviceMismatchError, repr(first), repr(batch.device), "the default device", "GpuCommandBatch(dev)"
+    ):
+        batch.add(batch.upload(random_array(rng, (3,), np.float32)), foreign)

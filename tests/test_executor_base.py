@@ -143,7 +143,7 @@ def test_wgpu_plan_follows_the_planning_rules(gpu):
     y = batch.softmax(batch.add(batch.mul(tx, 2.0), 1.0))
     batch.execute()
     np.testing.assert_allclose(
-        batch.read_sync(y), np.exp(2 * x - (2 * x).max()) / np.exp(2 * x - (2 * x).max()).sum(), rtol=1e-5
+        batch.read(y), np.exp(2 * x - (2 * x).max()) / np.exp(2 * x - (2 * x).max()).sum(), rtol=1e-5
     )
     plan = batch.view().plan
     launches = [gpu.executor.form(launch) for node in batch.view().nodes for launch in node.launches]
@@ -165,5 +165,5 @@ def test_unwritten_output_of_a_poisoned_device_reads_the_poison_byte(gpu):
     batch.launch(kernel, 1, buffers=[state])
     batch.execute()
     want = struct.unpack("<i", bytes([POISON_BYTE]) * 4)[0]
-    assert (batch.read_sync(state) == want).all()
+    assert (batch.read(state) == want).all()
     assert (asyncio.run(batch.read(state)) == want).all()

@@ -125,7 +125,7 @@ def test_export_folder_holds_the_plan(gpu: bg.Device, tmp_path: Path) -> None:
     expected = np.frombuffer((out / y_entry["expected"]).read_bytes(), np.float32).reshape(4, 32)
     reference = ffn.numpy_ffn(new_x, host_weights)
     assert np.abs(expected - reference).max() <= 1e-4 * np.abs(reference).max()
-    np.testing.assert_array_equal(batch.read_sync(y), expected)  # the export executed with the feeds
+    np.testing.assert_array_equal(batch.read(y), expected)  # the export executed with the feeds
 
     batch.export_webgpu(out)  # an earlier export is replaced
     assert manifest(out)["inputs"][0]["name"] == "x"
@@ -284,7 +284,7 @@ def test_browser_passes_scalars_through_run(gpu: bg.Device, ref: bg.Device, brow
     for entry, tensor in zip(info["outputs"], ref_outputs):
         browser_value = np.asarray(result["data"][entry["name"]], np.float32).reshape(tensor.shape)
         # WGSL lets sin/cos (rope) err by 2**-11; SwiftShader uses some of that
-        np.testing.assert_allclose(browser_value, reference.read_sync(tensor), rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(browser_value, reference.read(tensor), rtol=2e-3, atol=2e-3)
 
 
 # features --------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def check_new_device_works(rng: np.random.Generator) -> None:
     fresh = bg.Device("wgpu")
     batch, y, expected = small_batch(fresh, rng)
     batch.execute()
-    assert_close(batch.read_sync(y), expected.astype(np.float32))
+    assert_close(batch.read(y), expected.astype(np.float32))
 
 
 def test_destroy_after_execute_fails_the_read_and_later_use() -> None:
@@ -39,11 +39,11 @@ def test_destroy_after_execute_fails_the_read_and_later_use() -> None:
     batch, y, expected = small_batch(dev, rng)
     z = batch.add(y, w)
     batch.execute()
-    assert_close(batch.read_sync(y), expected)
+    assert_close(batch.read(y), expected)
     batch.execute()  # pending: submitted, not read
     dev.executor.device.destroy()
     with pytest.raises(bg.DeviceError, match=rf"read .*of batch 'victim'.*{LOST}.*new bg.Device\(\)"):
-        batch.read_sync(z)
+        batch.read(z)
     with pytest.raises(bg.DeviceError, match=rf"execute: .*{LOST}"):
         batch.execute()
     other = bg.GpuCommandBatch(dev)
@@ -51,9 +51,9 @@ def test_destroy_after_execute_fails_the_read_and_later_use() -> None:
     with pytest.raises(bg.DeviceError, match=LOST):
         other.execute()
     with pytest.raises(bg.NotExecutedError, match="never executed"):
-        other.read_sync(t)  # the failed execute left nothing to read
+        other.read(t)  # the failed execute left nothing to read
     with pytest.raises(bg.NotExecutedError, match="last execute\\(\\) of batch 'victim' failed"):
-        batch.read_sync(y)
+        batch.read(y)
     with pytest.raises(bg.DeviceError, match=rf"Device.tensor: .*{LOST}"):
         dev.tensor(np.ones(4, np.float32))
     with pytest.raises(bg.DeviceError, match=rf"Device.read: .*{LOST}"):
@@ -73,7 +73,7 @@ async def test_destroy_while_an_async_read_is_pending() -> None:
     for _ in range(8):
         t = batch.matmul(t, ta)
     batch.execute()
-    batch.read_sync(t)
+    batch.read(t)
     await batch.execute_async()
     pending = asyncio.ensure_future(batch.read(t))
     await asyncio.sleep(0)
@@ -91,7 +91,7 @@ def test_destroy_before_the_first_execute() -> None:
     with pytest.raises(bg.DeviceError, match=rf"execute: .*{LOST}"):
         batch.execute()
     with pytest.raises(bg.NotExecutedError):
-        batch.read_sync(y)
+        batch.read(y)
     check_new_device_works(rng)
 
 
@@ -132,9 +132,9 @@ def test_gpu_validation_error_in_submit_names_the_op(monkeypatch: pytest.MonkeyP
         batch.execute()
     assert dev.stats.submits == submits
     with pytest.raises(bg.NotExecutedError, match="never executed"):
-        batch.read_sync(y)
+        batch.read(y)
     # the device is fine: a correct batch runs on it, and a new device too
     good, out, expected = small_batch(dev, rng)
     good.execute()
-    assert_close(good.read_sync(out), expected)
+    assert_close(good.read(out), expected)
     check_new_device_works(rng)

@@ -28,7 +28,7 @@ def run(
     outputs = list(build(batch, *[batch.upload(a) for a in arrays]))
     batch.outputs(*outputs)
     batch.execute(profile=True)
-    return [batch.read_sync(t) for t in outputs], [row.op for row in batch.profile().rows]
+    return [batch.read(t) for t in outputs], [row.op for row in batch.profile().rows]
 
 
 def check_fused(
@@ -151,7 +151,7 @@ def test_a_chain_is_one_dispatch_named_after_its_ops(gpu, tmp_path):
         batch.execute(profile=True)
         assert gpu.stats.dispatches - before == dispatches
         expected = np.maximum(-((x * y + 2) / (1 + np.exp(-(x * y + 2)))), x)
-        np.testing.assert_allclose(batch.read_sync(out), expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(batch.read(out), expected, rtol=1e-5, atol=1e-6)
     batch = bg.GpuCommandBatch(gpu)
     (out,) = _chain(batch, batch.upload(x), batch.upload(y))
     batch.outputs(out)
@@ -177,8 +177,8 @@ def test_without_declared_outputs_every_tensor_stays_readable(gpu):
     t = batch.mul(batch.upload(x), 3.0)
     out = batch.relu(batch.add(t, 1.0))
     batch.execute()
-    np.testing.assert_allclose(batch.read_sync(t), x * 3)
-    np.testing.assert_allclose(batch.read_sync(out), np.maximum(x * 3 + 1, 0))
+    np.testing.assert_allclose(batch.read(t), x * 3)
+    np.testing.assert_allclose(batch.read(out), np.maximum(x * 3 + 1, 0))
 
 
 def test_a_fused_intermediate_is_not_readable_and_a_declared_one_is(gpu):
@@ -191,11 +191,11 @@ def test_a_fused_intermediate_is_not_readable_and_a_declared_one_is(gpu):
     batch.outputs(out, kept)
     batch.execute(profile=True)
     assert [row.op for row in batch.profile().rows] == ["fused(mul+add+neg)", "fused(sub+relu)"]
-    np.testing.assert_allclose(batch.read_sync(kept), -(x * 3 + 1), rtol=1e-6)
-    np.testing.assert_allclose(batch.read_sync(out), np.maximum(-(x * 3 + 1) - 0.5, 0), rtol=1e-6)
+    np.testing.assert_allclose(batch.read(kept), -(x * 3 + 1), rtol=1e-6)
+    np.testing.assert_allclose(batch.read(out), np.maximum(-(x * 3 + 1) - 0.5, 0), rtol=1e-6)
     with pytest.raises(BatchError, match=r"read: .*add\d+.* is an intermediate .*runs fused"):
-        batch.read_sync(b)
-    np.testing.assert_allclose(batch.read_sync(out), np.maximum(-(x * 3 + 1) - 0.5, 0), rtol=1e-6)  # still works
+        batch.read(b)
+    np.testing.assert_allclose(batch.read(out), np.maximum(-(x * 3 + 1) - 0.5, 0), rtol=1e-6)  # still works
 
 
 def test_a_value_read_twice_or_broadcast_is_not_absorbed(gpu, ref):
@@ -224,7 +224,7 @@ def test_an_input_written_in_place_between_a_chains_ops_stops_the_chain(gpu, ref
         out = batch.add(doubled, 1.0)
         batch.outputs(out)
         batch.execute()
-        np.testing.assert_allclose(batch.read_sync(out), old * 2 + 1, rtol=1e-6)
+        np.testing.assert_allclose(batch.read(out), old * 2 + 1, rtol=1e-6)
 
 
 def test_a_chain_over_more_inputs_than_one_kernel_binds_is_split(gpu, ref):
@@ -299,7 +299,7 @@ def test_bias_and_activation_fold_into_a_quantized_gemv(gpu, ref):
             y = batch.silu(batch.add(batch.matmul(batch.upload(x), w, transpose_b=True), batch.upload(bias)))
             batch.outputs(y)
             batch.execute(profile=True)
-            results[device.kind, fusion] = batch.read_sync(y)
+            results[device.kind, fusion] = batch.read(y)
             first = batch.profile().rows[0].op
             assert first == ("fused(matmul+add+silu)" if fusion else "matmul")
     for value in results.values():

@@ -62,7 +62,7 @@ def test_checkpoint_matches_transformers(tmp_path, name, dtype):
         )[0, len(PROMPT) :].tolist()
     ours = Llama(bg.Device("reference"), tmp_path, max_context=32)
     step = ours.prefill(PROMPT)
-    logits = step.batch.read_sync(step.logits)[0]
+    logits = step.batch.read(step.logits)[0]
     np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
     assert list(ours.generate(PROMPT, 4)) == greedy
     if dtype == torch.bfloat16:
@@ -95,5 +95,5 @@ def test_gguf_reading_matches_transformers_gguf_loader(tmp_path, variant, qtype)
         expected = theirs.eval()(torch.tensor([PROMPT])).logits[0, -1].numpy()
     ours = Llama(bg.Device("reference"), tmp_path / "model.gguf", max_context=32)
     step = ours.prefill(PROMPT)
-    logits = step.batch.read_sync(step.logits)[0]
+    logits = step.batch.read(step.logits)[0]
     np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5 * np.abs(expected).max())

@@ -240,7 +240,7 @@ def write_gguf(
 def check_model(model: Llama, d: dict, weights: dict[str, np.ndarray]) -> None:
     expected = float64_logits(d, weights, PROMPT)
     step = model.prefill(PROMPT)
-    logits = step.batch.read_sync(step.logits)[0]
+    logits = step.batch.read(step.logits)[0]
     np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
     assert list(model.generate(PROMPT, 4)) == greedy(d, weights, PROMPT, 4)
 

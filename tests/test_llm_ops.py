@@ -34,7 +34,7 @@ def test_rms_norm_matches_transformers_formula(ref):
     batch.execute()
     x64 = x.astype(np.float64)
     expected = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-5) * w
-    np.testing.assert_allclose(batch.read_sync(y), expected, rtol=1e-5)
+    np.testing.assert_allclose(batch.read(y), expected, rtol=1e-5)
 
 
 @pytest.mark.parametrize("shape,pos", [((1, 9, 64), 0), ((5, 3, 64), 3), ((7, 2, 6), 11), ((2, 1, 2), 1000)])
@@ -63,7 +63,7 @@ def test_rope_is_rotate_half_llama(ref):
     angles = np.outer(np.arange(5, 8), inv)
     emb = np.concatenate([angles, angles], axis=-1)[:, None, :]
     rotated = np.concatenate([-x[..., 4:], x[..., :4]], axis=-1)
-    np.testing.assert_allclose(batch.read_sync(y), x * np.cos(emb) + rotated * np.sin(emb), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(batch.read(y), x * np.cos(emb) + rotated * np.sin(emb), rtol=1e-5, atol=1e-6)
 
 
 def test_rope_factors_divide_each_pairs_frequency(gpu, ref):
@@ -79,7 +79,7 @@ def test_rope_factors_divide_each_pairs_frequency(gpu, ref):
         batch = bg.GpuCommandBatch(device)
         y = batch.rope(batch.upload(x), batch.upload(positions), 500000.0, factors=factors)
         batch.execute()
-        np.testing.assert_allclose(batch.read_sync(y), expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(batch.read(y), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_rope_factor_refusals(ref):
@@ -94,7 +94,7 @@ def test_rope_factor_refusals(ref):
         batch.rope_kv_write(batch.upload(np.ones((2, 4, 8), np.float32)), cache, cache, 0, factors=["a"] * 4)
     y = batch.rope(x, 1, factors=[1.0, 2.0, 3.0, 4.0])  # the batch still records and runs
     batch.execute()
-    assert np.isfinite(batch.read_sync(y)).all()
+    assert np.isfinite(batch.read(y)).all()
 
 
 def split_qkv(batch: bg.GpuCommandBatch, x: bg.Tensor, heads: int, kv_heads: int) -> list[bg.Tensor]:
@@ -114,7 +114,7 @@ def fused_and_unfused(gpu, ref, caches, record, scalars=None) -> dict:
             batch = bg.GpuCommandBatch(device)
             q = record(batch, k_cache, v_cache, fused)
             batch.execute(scalars=scalars)
-            results[device, fused] = [batch.read_sync(q), device.read(k_cache), device.read(v_cache)]
+            results[device, fused] = [batch.read(q), device.read(k_cache), device.read(v_cache)]
     for device in (gpu, ref):
         for fused, unfused in zip(results[device, True], results[device, False]):
             np.testing.assert_array_equal(fused, unfused)
@@ -235,7 +235,7 @@ def test_kv_cache_decode_with_position_scalar(gpu, ref):
             if n == 1 and compiled is None and len(results) > 1:
                 compiled = device.stats.pipelines_compiled
             batch.execute({tq: qs, tk: ks, tv: vs}, scalars={"pos": position})
-            results.append(batch.read_sync(out))
+            results.append(batch.read(out))
             position += n
         if compiled is not None:
             assert device.stats.pipelines_compiled == compiled  # later decode steps compile nothing
@@ -260,7 +260,7 @@ def test_attention_matches_explicit_softmax(ref):
             s = keys @ q[t, h] / np.sqrt(8)
             p = np.exp(s - s.max())
             expected[t, h] = (p / p.sum()) @ v[: 4 + t + 1, h // 2]
-    np.testing.assert_allclose(batch.read_sync(out), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(batch.read(out), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -319,7 +319,7 @@ def test_argmax_ties_pick_the_first(gpu):
     batch = bg.GpuCommandBatch(gpu)
     out = batch.argmax(batch.upload(x))
     batch.execute()
-    np.testing.assert_array_equal(batch.read_sync(out), [17, 0])
+    np.testing.assert_array_equal(batch.read(out), [17, 0])
 
 
 def test_matmul_bias_and_silu_mul(gpu, ref):
@@ -388,7 +388,7 @@ def test_quantized_matmul_swiglu_epilogue(gpu, ref, qtype, m, rows, k):
         y = batch.matmul(batch.upload(x), w, transpose_b=True, epilogue="swiglu")
         assert y.shape == (m, rows // 2)
         batch.execute()
-        results.append(batch.read_sync(y))
+        results.append(batch.read(y))
     scale = np.abs(expected).max()
     for got in results:
         np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-5 * scale)
@@ -406,7 +406,7 @@ def test_quantized_matmul_swiglu_epilogue_split_k(gpu, ref, small_bounds, qtype)
         entries = [launch.entry for node in batch.view().nodes for launch in node.launches]
         assert entries[-1] == "binary" and len(entries) >= 3  # partials, their sum, the epilogue pass
         batch.execute()
-        np.testing.assert_allclose(batch.read_sync(y), expected, rtol=2e-4, atol=2e-5 * np.abs(expected).max())
+        np.testing.assert_allclose(batch.read(y), expected, rtol=2e-4, atol=2e-5 * np.abs(expected).max())
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -441,7 +441,7 @@ def test_quantized_matmul_against_gguf_dequantize(gpu, ref, qtype, m, rows, k):
         batch = bg.GpuCommandBatch(device)
         y = batch.matmul(batch.upload(x), w, transpose_b=True, bias=batch.upload(bias))
         batch.execute()
-        results.append(batch.read_sync(y))
+        results.append(batch.read(y))
     scale = np.abs(expected).max()
     np.testing.assert_allclose(results[1], expected, rtol=0, atol=1e-5 * scale)
     np.testing.assert_allclose(results[0], expected, rtol=0, atol=1e-5 * scale)
@@ -455,7 +455,7 @@ def test_quantized_embedding(gpu, ref, qtype):
         batch = bg.GpuCommandBatch(device)
         out = batch.embedding(batch.upload(ids), table)
         batch.execute()
-        np.testing.assert_allclose(batch.read_sync(out), truth[ids], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(batch.read(out), truth[ids], rtol=1e-6, atol=1e-7)
 
 
 def test_quantized_errors(gpu):
@@ -539,7 +539,7 @@ def test_argmax_past_loop_cap(gpu):
     batch = bg.GpuCommandBatch(gpu)
     out = batch.argmax(batch.upload(x))
     batch.execute()
-    assert batch.read_sync(out) == np.argmax(x)
+    assert batch.read(out) == np.argmax(x)
 
 
 def test_rms_norm_past_loop_cap(gpu):
@@ -548,7 +548,7 @@ def test_rms_norm_past_loop_cap(gpu):
     out = batch.rms_norm(batch.upload(x), batch.upload(w), 1e-5)
     batch.execute()
     wide = x.astype(np.float64)
-    assert_close(batch.read_sync(out), (wide / np.sqrt(np.mean(wide * wide) + 1e-5) * w).astype(np.float32))
+    assert_close(batch.read(out), (wide / np.sqrt(np.mean(wide * wide) + 1e-5) * w).astype(np.float32))
 
 
 def test_add_rms_norm_past_loop_cap(gpu):
@@ -557,8 +557,8 @@ def test_add_rms_norm_past_loop_cap(gpu):
     normed, summed = batch.add_rms_norm(batch.upload(x), batch.upload(residual), batch.upload(w), 1e-5)
     batch.execute()
     h = x.astype(np.float64) + residual
-    assert_close(batch.read_sync(summed), x + residual)
-    assert_close(batch.read_sync(normed), (h / np.sqrt(np.mean(h * h) + 1e-5) * w).astype(np.float32))
+    assert_close(batch.read(summed), x + residual)
+    assert_close(batch.read(normed), (h / np.sqrt(np.mean(h * h) + 1e-5) * w).astype(np.float32))
 
 
 def test_layer_norm_past_loop_cap(gpu):
@@ -569,7 +569,7 @@ def test_layer_norm_past_loop_cap(gpu):
     batch.execute()
     centered = x.astype(np.float64) - np.mean(x, dtype=np.float64)
     expected = centered / np.sqrt(np.mean(centered * centered) + 1e-5) * w + b
-    assert_close(batch.read_sync(out), expected.astype(np.float32))
+    assert_close(batch.read(out), expected.astype(np.float32))
 
 
 # Attention over long caches: blocks of split_rows(head_dim) cache rows (64 or 128 under small_bounds)
@@ -657,7 +657,7 @@ def test_attention_split_with_position_scalar(gpu, ref, small_bounds, head_dim, 
         assert _attention_entries(batch)[0] == "attention_partial"
         for position in positions:
             batch.execute(scalars={"pos": position})
-            results.append(batch.read_sync(out))
+            results.append(batch.read(out))
     for position, actual, expected in zip(positions, results[: len(positions)], results[len(positions) :]):
         assert_close(actual, expected, np.float32, scale=10)
         np.testing.assert_allclose(actual, attention_float64(q, k, v, position, causal), rtol=1e-4, atol=1e-5)
@@ -696,7 +696,7 @@ def test_attention_refuses_bad_scale_and_position(gpu):
         batch.attention(wide, wide, wide, 0)
     out = batch.attention(tq, tk, tv, 3)
     batch.execute()
-    assert_close(batch.read_sync(out), attention_float64(q, k, v, 3).astype(np.float32), scale=10)
+    assert_close(batch.read(out), attention_float64(q, k, v, 3).astype(np.float32), scale=10)
 
 
 def test_attention_blocks_fit_the_loop_budget_and_workgroup_memory(ref):
@@ -734,7 +734,7 @@ def test_attention_past_loop_cap(gpu, rows, head_dim, tokens, heads, kv_heads):
     batch = bg.GpuCommandBatch(gpu)
     out = batch.attention(batch.upload(q), batch.upload(k), batch.upload(v), pos)
     batch.execute()
-    assert_close(batch.read_sync(out), attention_float64(q, k, v, pos).astype(np.float32), scale=10)
+    assert_close(batch.read(out), attention_float64(q, k, v, pos).astype(np.float32), scale=10)
 
 
 # Quantized split-K: K longer than bounds.QUANT_BLOCK_CHUNK blocks (2 under small_bounds) is cut into ranges of
@@ -754,7 +754,7 @@ def test_quantized_matmul_split_k(gpu, ref, small_bounds, qtype, m, rows, k):
         y = batch.matmul(batch.upload(x), w, transpose_b=True, bias=batch.upload(bias))
         batch.execute()
         assert len(batch.nodes[-1].launches) == 2  # the partial sums, then their sum
-        np.testing.assert_allclose(batch.read_sync(y), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+        np.testing.assert_allclose(batch.read(y), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
@@ -768,7 +768,7 @@ def test_matmul_quantized_past_loop_cap(gpu, qtype):
     y = batch.matmul(batch.upload(x), w, transpose_b=True)
     batch.execute()
     expected = x.astype(np.float64) @ truth.T.astype(np.float64)
-    np.testing.assert_allclose(batch.read_sync(y), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    np.testing.assert_allclose(batch.read(y), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
 def test_kv_cache_state_survives_re_recording(gpu, ref):
@@ -789,6 +789,6 @@ def test_kv_cache_state_survives_re_recording(gpu, ref):
         batch.execute({new: rows[3]}, scalars={"pos": 3})
         batch.outputs(doubled)
         batch.execute({new: rows[4]}, scalars={"pos": 4})
-        results.append(batch.read_sync(doubled)[:5])
+        results.append(batch.read(doubled)[:5])
     assert_close(results[0], 2 * np.concatenate(rows))
     assert_close(results[1], 2 * np.concatenate(rows))

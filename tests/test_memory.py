@@ -29,17 +29,17 @@ def test_declared_outputs_share_buffers_and_keep_results(kind, request):
     dev = request.getfixturevalue(kind)
     batch, x, out = mlp(dev, np.random.default_rng(1))
     batch.execute()
-    unshared = batch.read_sync(out)
+    unshared = batch.read(out)
     assert batch.memory()["planned"] == batch.memory()["unshared"]
     batch.outputs(out)
     batch.execute()
-    assert_close(batch.read_sync(out), unshared)
+    assert_close(batch.read(out), unshared)
     memory = batch.memory()
     assert memory["planned"] * 4 < memory["unshared"], memory
     new_input = random_array(np.random.default_rng(2), (7, 37), np.float32)
     batch.execute({x: new_input})  # re-execute the shared plan with new data
-    assert_close(batch.read_sync(x), new_input)  # inputs stay readable
-    assert not np.allclose(batch.read_sync(out), unshared)
+    assert_close(batch.read(x), new_input)  # inputs stay readable
+    assert not np.allclose(batch.read(out), unshared)
 
 
 def test_shared_plan_on_the_gpu_matches_the_reference(gpu, ref):
@@ -49,7 +49,7 @@ def test_shared_plan_on_the_gpu_matches_the_reference(gpu, ref):
         if dev is gpu:  # the reference keeps a buffer per tensor: the ground truth
             batch.outputs(out)
         batch.execute()
-        results.append(batch.read_sync(out))
+        results.append(batch.read(out))
     assert_close(*results)
 
 
@@ -61,12 +61,12 @@ def test_reading_an_undeclared_intermediate_says_how_to_fix_it(gpu):
     batch.outputs(out)
     batch.execute()
     with pytest.raises(bg.BatchError, match=r"read: exp\d+ .* intermediate .* add it to batch\.outputs"):
-        batch.read_sync(middle)
+        batch.read(middle)
     batch.outputs()  # no declaration: every tensor readable again, one buffer each ...
     with pytest.raises(bg.BatchError, match=r"read: exp\d+ .* intermediate"):
-        batch.read_sync(middle)  # ... after the next execute: the last one shared its buffer
+        batch.read(middle)  # ... after the next execute: the last one shared its buffer
     batch.execute()
-    assert_close(batch.read_sync(middle), np.exp(batch.read_sync(x)))
+    assert_close(batch.read(middle), np.exp(batch.read(x)))
     assert batch.memory()["planned"] == batch.memory()["unshared"]
 
 
@@ -100,7 +100,7 @@ def test_state_written_in_place_survives_executes(gpu, ref):
             batch.outputs(out)
         for position, step in enumerate(steps):
             batch.execute({new: step}, scalars={"pos": position})
-        results.append(batch.read_sync(out))
+        results.append(batch.read(out))
     assert_close(*results)
 
 

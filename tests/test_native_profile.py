@@ -46,8 +46,8 @@ def test_profiled_execute_times_every_launch_and_keeps_results(native_device):
         feeds = {x: random_array(rng, (6, 40), np.float32), w: random_array(rng, (40, 24), np.float32) * 0.1}
         batch.execute(feeds, profile=True)
         want_s, want_total = expected(feeds[x], feeds[w])
-        assert_close(batch.read_sync(s), want_s, scale=10)
-        assert_close(batch.read_sync(total), want_total, scale=10)
+        assert_close(batch.read(s), want_s, scale=10)
+        assert_close(batch.read(total), want_total, scale=10)
 
         profile = batch.profile()
         rows = profile.rows
@@ -71,10 +71,10 @@ def test_unprofiled_executes_after_a_profiled_one_agree(native_device):
     batch = bg.GpuCommandBatch(native_device)
     _, _, s, total = record(batch, rng)
     batch.execute(profile=True)
-    profiled = batch.read_sync(s), batch.read_sync(total)
+    profiled = batch.read(s), batch.read(total)
     for _ in range(3):
         batch.execute()
-        np.testing.assert_array_equal(batch.read_sync(s), profiled[0])
-        np.testing.assert_array_equal(batch.read_sync(total), profiled[1])
+        np.testing.assert_array_equal(batch.read(s), profiled[0])
+        np.testing.assert_array_equal(batch.read(total), profiled[1])
     batch.execute(profile=True)
     assert all(r.gpu_us > 0 for r in batch.profile().rows)

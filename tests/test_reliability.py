@@ -61,7 +61,7 @@ def kv_cache_in_empty_survives_recording(dev: bg.Device, gen: np.random.Generato
         batch.execute({new: row}, scalars={"pos": p})
     doubled = batch.mul(cache, 2.0)  # recording re-plans the batch: new buffers
     batch.execute({new: rows[3]}, scalars={"pos": 3})
-    assert_close(batch.read_sync(doubled)[:4], 2 * np.concatenate(rows))
+    assert_close(batch.read(doubled)[:4], 2 * np.concatenate(rows))
 
 
 def state_survives_outputs_declaration(dev: bg.Device, gen: np.random.Generator) -> None:
@@ -77,7 +77,7 @@ def state_survives_outputs_declaration(dev: bg.Device, gen: np.random.Generator)
         batch.execute({new: row}, scalars={"pos": p})
     batch.outputs(total)
     batch.execute({new: rows[4]}, scalars={"pos": 4})
-    assert_close(batch.read_sync(total), np.concatenate(rows).sum(axis=0) + 5, scale=4)
+    assert_close(batch.read(total), np.concatenate(rows).sum(axis=0) + 5, scale=4)
 
 
 def custom_kernel_input_survives_recording(dev: bg.Device, gen: np.random.Generator) -> None:
@@ -90,8 +90,8 @@ def custom_kernel_input_survives_recording(dev: bg.Device, gen: np.random.Genera
         batch.execute()
     negated = batch.neg(total)
     batch.execute()
-    assert_close(batch.read_sync(negated), -(start + 4 * step), scale=4)
-    assert_close(batch.read_sync(total), start + 4 * step, scale=4)
+    assert_close(batch.read(negated), -(start + 4 * step), scale=4)
+    assert_close(batch.read(total), start + 4 * step, scale=4)
 
 
 def feeds_are_copied(dev: bg.Device, gen: np.random.Generator) -> None:
@@ -104,7 +104,7 @@ def feeds_are_copied(dev: bg.Device, gen: np.random.Generator) -> None:
     fed[:] = 1e6
     y = batch.add(x, 1.0)
     batch.execute()
-    assert_close(batch.read_sync(y), kept + 1)
+    assert_close(batch.read(y), kept + 1)
 
 
 def feeds_and_scalars_as_pairs(dev: bg.Device, gen: np.random.Generator) -> None:
@@ -115,7 +115,7 @@ def feeds_and_scalars_as_pairs(dev: bg.Device, gen: np.random.Generator) -> None
     batch.kv_write(cache, x, pos)
     row = random_array(gen, (1, 1, 2), np.float32)
     batch.execute([(x, row)], scalars=[("pos", 2)])
-    assert_close(batch.read_sync(cache)[2], row[0])
+    assert_close(batch.read(cache)[2], row[0])
 
 
 def attention_scale_zero_is_zero(dev: bg.Device, gen: np.random.Generator) -> None:
@@ -126,7 +126,7 @@ def attention_scale_zero_is_zero(dev: bg.Device, gen: np.random.Generator) -> No
     values = random_array(gen, (5, 1, 4), np.float32)
     out = batch.attention(q, k, batch.upload(values), 2, causal=True, scale=0.0)
     batch.execute()
-    assert_close(batch.read_sync(out), np.broadcast_to(values[:3].mean(axis=0), (1, 2, 4)).astype(np.float32))
+    assert_close(batch.read(out), np.broadcast_to(values[:3].mean(axis=0), (1, 2, 4)).astype(np.float32))
 
 
 def argmax_nan_first_wins(dev: bg.Device, gen: np.random.Generator) -> None:
@@ -138,7 +138,7 @@ def argmax_nan_first_wins(dev: bg.Device, gen: np.random.Generator) -> None:
     batch = bg.GpuCommandBatch(dev)
     out = batch.argmax(batch.upload(data))
     batch.execute()
-    np.testing.assert_array_equal(batch.read_sync(out), np.argmax(data, axis=-1))
+    np.testing.assert_array_equal(batch.read(out), np.argmax(data, axis=-1))
 
 
 def quantized_weights_read_dequantized(dev: bg.Device, gen: np.random.Generator) -> None:
@@ -151,7 +151,7 @@ def quantized_weights_read_dequantized(dev: bg.Device, gen: np.random.Generator)
     batch = bg.GpuCommandBatch(dev)
     batch.matmul(batch.upload(random_array(gen, (1, 64), np.float32)), w, transpose_b=True)
     batch.execute()
-    np.testing.assert_array_equal(batch.read_sync(w), expected)
+    np.testing.assert_array_equal(batch.read(w), expected)
 
 
 def resident_view_reads_through_the_batch(dev: bg.Device, gen: np.random.Generator) -> None:
@@ -163,9 +163,9 @@ def resident_view_reads_through_the_batch(dev: bg.Device, gen: np.random.Generat
     y = x + flat  # a resident tensor takes part in operators with batch tensors
     z = w + batch.reshape(x, (4, 6))  # ... on either side
     batch.execute()
-    np.testing.assert_array_equal(batch.read_sync(flat), data.reshape(-1))
-    assert_close(batch.read_sync(y), batch.read_sync(x) + data.reshape(-1))
-    assert_close(batch.read_sync(z), data + batch.read_sync(x).reshape(4, 6))
+    np.testing.assert_array_equal(batch.read(flat), data.reshape(-1))
+    assert_close(batch.read(y), batch.read(x) + data.reshape(-1))
+    assert_close(batch.read(z), data + batch.read(x).reshape(4, 6))
 
 
 def common_inputs_take_default_dtypes(dev: bg.Device, gen: np.random.Generator) -> None:
@@ -190,9 +190,9 @@ def common_inputs_take_default_dtypes(dev: bg.Device, gen: np.random.Generator) 
     total = batch.add(batch.mul(x, floats[0:1, 1:2] if False else 2.5), 0.0)
     both = batch.add(batch.reshape(ints, (2,)), 1)
     batch.execute()
-    assert_close(batch.read_sync(total), swapped.astype(np.float32) * np.float32(2.5))
-    np.testing.assert_array_equal(batch.read_sync(counts), np.arange(5))
-    np.testing.assert_array_equal(batch.read_sync(both), [4, -3])
+    assert_close(batch.read(total), swapped.astype(np.float32) * np.float32(2.5))
+    np.testing.assert_array_equal(batch.read(counts), np.arange(5))
+    np.testing.assert_array_equal(batch.read(both), [4, -3])
     np.testing.assert_array_equal(dev.read(floats), [[1.0, 2.5]])
 
 
@@ -206,8 +206,8 @@ def gelu_is_exact_by_default(dev: bg.Device, gen: np.random.Generator) -> None:
     t = batch.upload(x)
     out, approx = batch.gelu(t), batch.gelu(t, approximate="tanh")
     batch.execute()
-    np.testing.assert_allclose(batch.read_sync(out), exact, rtol=2e-6, atol=1e-37)
-    np.testing.assert_allclose(batch.read_sync(approx), tanh, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(batch.read(out), exact, rtol=2e-6, atol=1e-37)
+    np.testing.assert_allclose(batch.read(approx), tanh, rtol=2e-5, atol=2e-6)
 
 
 SILENT: dict[str, Callable[[bg.Device, np.random.Generator], None]] = {
@@ -291,7 +291,7 @@ BAD_INPUTS: dict[str, tuple[Callable[[Ctx], Any], type[bg.BatchError], tuple[str
         ("NaN", "int32"),
     ),
     "device.tensor string": (lambda c: c.dev.tensor("abc"), bg.DTypeError, ("str",)),
-    "device.tensor of a batch tensor": (lambda c: c.dev.tensor(c.p.x), bg.ArgumentError, ("probe_x", "read_sync")),
+    "device.tensor of a batch tensor": (lambda c: c.dev.tensor(c.p.x), bg.ArgumentError, ("probe_x", "batch.read")),
     "device.write quantized": (
         lambda c: c.dev.write(c.qw, np.ones((2, 32), np.float32)),
         bg.UnsupportedError,
@@ -349,7 +349,7 @@ BAD_INPUTS: dict[str, tuple[Callable[[Ctx], Any], type[bg.BatchError], tuple[str
         bg.ArgumentError,
         ("maximum", "b", "ndarray", "(7,)"),
     ),
-    "np.asarray of a tensor": (lambda c: np.asarray(c.p.x), bg.ArgumentError, ("probe_x", "read_sync")),
+    "np.asarray of a tensor": (lambda c: np.asarray(c.p.x), bg.ArgumentError, ("probe_x", "batch.read")),
     "resident operator without a batch": (
         lambda c: c.lone * 2,
         bg.ArgumentError,
@@ -430,9 +430,9 @@ BAD_INPUTS: dict[str, tuple[Callable[[Ctx], Any], type[bg.BatchError], tuple[str
         bg.DTypeError,
         ("probe_x", "int32", "float32"),
     ),
-    "read a non-tensor": (lambda c: c.b.read_sync(np.ones(3)), bg.ArgumentError, ("read", "ndarray")),
+    "read a non-tensor": (lambda c: c.b.read(np.ones(3)), bg.ArgumentError, ("read", "ndarray")),
     "read an unused resident": (
-        lambda c: c.b.read_sync(c.lone),
+        lambda c: c.b.read(c.lone),
         bg.BatchError,
         ("lone", "not used", "Device.read"),
     ),
@@ -479,30 +479,30 @@ t = ta = batch.upload(a)
 for _ in range(40):
     t = batch.matmul(t, ta)
 batch.execute()
-expected = batch.read_sync(t)
+expected = batch.read(t)
 
 async def cancelled_read():
     batch.execute()
     try:
-        await asyncio.wait_for(batch.read(t), 1e-4)
+        await asyncio.wait_for(batch.read_async(t), 1e-4)
         print("finished before the timeout")
     except asyncio.TimeoutError:
         print("cancelled")
 
 async def read():
-    return await batch.read(t)
+    return await batch.read_async(t)
 
 asyncio.run(cancelled_read())  # the loop closes with the read's map in flight
 assert np.array_equal(asyncio.run(read()), expected), "a later await on a new loop"
-assert np.array_equal(batch.read_sync(t), expected), "read_sync afterwards"
+assert np.array_equal(batch.read(t), expected), "read afterwards"
 
 async def cancel_then_await_again():
     batch.execute()
     try:
-        await asyncio.wait_for(batch.read(t), 1e-4)
+        await asyncio.wait_for(batch.read_async(t), 1e-4)
     except asyncio.TimeoutError:
         pass
-    return await batch.read(t)
+    return await batch.read_async(t)
 
 assert np.array_equal(asyncio.run(cancel_then_await_again()), expected), "a later await on the same loop"
 batch.execute()
@@ -514,7 +514,7 @@ async def abandon():
     await asyncio.sleep(0)
 
 asyncio.run(abandon())  # the loop closes while a read task is pending
-assert np.array_equal(batch.read_sync(t), expected), "read_sync after an abandoned task"
+assert np.array_equal(batch.read(t), expected), "read after an abandoned task"
 print("ok")
 """
 
@@ -534,7 +534,7 @@ async def test_cancelled_read_on_the_reference_executor(ref: bg.Device) -> None:
     x = batch.upload(np.arange(6, dtype=np.float32))
     y = batch.mul(x, 3.0)
     batch.execute()
-    assert_close(await asyncio.wait_for(batch.read(y), 5), np.arange(6, dtype=np.float32) * 3)
+    assert_close(await asyncio.wait_for(batch.read_async(y), 5), np.arange(6, dtype=np.float32) * 3)
 
 
 # readback larger than one staging buffer -------------------------------------------------------
@@ -550,11 +550,11 @@ def test_readback_split_over_staging_buffers(rng: np.random.Generator) -> None: 
     outs = [batch.neg(batch.upload(a)) for a in arrays] + [batch.add(batch.upload(arrays[0]), 1.0)]
     batch.execute()
     for out in outs:
-        batch.read_sync(out)  # every output joins the readback set of later executes
+        batch.read(out)  # every output joins the readback set of later executes
     before = dev.stats.buffers_created
     for _ in range(2):
         batch.execute()
-        got = [batch.read_sync(out) for out in outs]
+        got = [batch.read(out) for out in outs]
     for value, a in zip(got[:3], arrays):
         assert_close(value, -a)
     assert_close(got[3], arrays[0] + 1)

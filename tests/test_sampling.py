@@ -25,7 +25,7 @@ def run_sample(device, logits, params, top_k, keys) -> np.ndarray:
     arrays = (logits, np.asarray(params, np.float32), np.asarray(top_k, np.int32), np.asarray(keys, np.uint32))
     out = batch.sample(*(batch.upload(a) for a in arrays))
     batch.execute()
-    return batch.read_sync(out)
+    return batch.read(out)
 
 
 def settings(rows: int, temperature=1.0, top_p=1.0, min_p=0.0) -> np.ndarray:
@@ -86,7 +86,7 @@ def test_sampling_penalize_matches_float64_formula(gpu, ref, vocab, dtype):
         batch = bg.GpuCommandBatch(device)
         out = batch.penalize(*(batch.upload(a) for a in arrays))
         batch.execute()
-        result = batch.read_sync(out)
+        result = batch.read(out)
         assert result.dtype == dtype and result.shape == (rows, vocab)
         np.testing.assert_allclose(result.astype(np.float64), expected, **TOLERANCES[np.dtype(dtype)])
         np.testing.assert_array_equal(result[0], logits[0])
@@ -154,7 +154,7 @@ def test_sampling_count_tokens_on_a_batch_tensor(gpu, ref):
         batch.count_tokens(counts, *(batch.upload(a) for a in (slots, ids, reset)))
         batch.execute()
         batch.execute()  # the batch tensor keeps its device value: counted twice, rows 0 and 3 reset each time
-        results.append(batch.read_sync(counts))
+        results.append(batch.read(counts))
     expected = start.copy()
     valid = (slots >= 0) & (slots < 4) & (ids >= 0) & (ids < 1009)
     for _ in range(2):
@@ -263,7 +263,7 @@ def test_sample_draws_are_reproducible_and_keyed(gpu):
     draws = []
     for first_counter in (0, rows, 0):
         batch.execute({key_t: counters(rows, seed=5, first=first_counter)})
-        draws.append(batch.read_sync(out))
+        draws.append(batch.read(out))
     np.testing.assert_array_equal(draws[0], first)
     np.testing.assert_array_equal(draws[2], first)
     assert (draws[1] != draws[0]).mean() > 0.9
@@ -319,7 +319,7 @@ def test_sample_draws_stay_in_the_allowed_set(gpu, vocab):
         seen = np.zeros(vocab, np.int64)
         for first in range(0, draws, rows):
             batch.execute({keys: counters(rows, seed=vocab, first=first)})
-            np.add.at(seen, batch.read_sync(out), 1)
+            np.add.at(seen, batch.read(out), 1)
         assert seen[~allowed].sum() == 0, (top_k, top_p, min_p, np.flatnonzero(seen * ~allowed))
         assert (seen > 0).sum() >= min(2, allowed.sum())
 
@@ -363,7 +363,7 @@ def check_distribution(device: bg.Device, name: str, draws: int) -> None:
     observed = np.zeros(z.size, np.int64)
     for first in range(0, draws, rows):
         batch.execute({keys: counters(rows, seed=2024, first=first)})
-        np.add.at(observed, batch.read_sync(out), 1)
+        np.add.at(observed, batch.read(out), 1)
     assert observed[~allowed].sum() == 0
     expected = p[allowed] / p[allowed].sum() * draws
     assert expected.min() > 20  # the chi-square approximation holds

@@ -93,7 +93,7 @@ def test_greedy_ids(kind, quantized):
 def test_prefill_logits_match_float64(kind, quantized):
     m = model(kind, quantized)
     step = m.prefill(PROMPT)
-    logits = step.batch.read_sync(step.logits)[0].astype(np.float64)
+    logits = step.batch.read(step.logits)[0].astype(np.float64)
     expected = reference_logits()
     assert np.abs(logits - expected).max() <= 1e-5 * np.abs(expected).max()
 
@@ -106,9 +106,9 @@ def test_decode_step_dispatches(kind):
     m = model(kind, True)
     stats = m.device.stats
     step = m.prefill(PROMPT)
-    token = int(step.batch.read_sync(step.next_token)[0])
+    token = int(step.batch.read(step.next_token)[0])
     step = m.decode(token)
-    token = int(step.batch.read_sync(step.next_token)[0])
+    token = int(step.batch.read(step.next_token)[0])
     before = stats.dispatches
     m.decode(token)
     per_layer = 8  # qkv, rope_kv_write, attention, output, add_rms_norm, gate_up + swiglu, down, add_rms_norm
@@ -120,7 +120,7 @@ def test_unfused_model_gives_the_same_logits():
     logits = []
     for m in (model("reference", True), llama.Llama(bg.Device("reference"), max_context=64, fuse=False)):
         step = m.prefill(PROMPT)
-        logits.append(step.batch.read_sync(step.logits))
+        logits.append(step.batch.read(step.logits))
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-6, atol=1e-5 * np.abs(logits[1]).max())
 
 
@@ -128,14 +128,14 @@ def test_decode_step_is_one_submit_and_compiles_nothing():
     m = model("wgpu", True)
     stats = m.device.stats
     step = m.prefill(PROMPT)
-    token = int(step.batch.read_sync(step.next_token)[0])
+    token = int(step.batch.read(step.next_token)[0])
     step = m.decode(token)  # first decode step: records and compiles the decode batch
-    token = int(step.batch.read_sync(step.next_token)[0])
+    token = int(step.batch.read(step.next_token)[0])
     compiled = stats.pipelines_compiled
     for _ in range(3):
         submits = stats.submits
         step = m.decode(token)
-        token = int(step.batch.read_sync(step.next_token)[0])
+        token = int(step.batch.read(step.next_token)[0])
         assert stats.submits == submits + 1
     assert stats.pipelines_compiled == compiled
 
@@ -157,7 +157,7 @@ def test_decode_steps_submitted_ahead_give_the_round_trip_ids(kind):
     host = []
     step = m.prefill(PROMPT)
     for _ in range(6):
-        host.append(int(step.batch.read_sync(step.next_token)[0]))
+        host.append(int(step.batch.read(step.next_token)[0]))
         step = m.decode(host[-1])
     assert host == GREEDY[:6]
     for ahead in (0, 1, 3):

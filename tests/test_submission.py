@@ -28,8 +28,8 @@ def test_each_submission_reads_its_own_execute(device):
     submissions = [batch.execute({x: f}) for f in feeds]
     gc.collect()
     for submission, f in reversed(list(zip(submissions, feeds))):  # newest first: the old ones were kept
-        np.testing.assert_array_equal(submission.read_sync(y), np.maximum(f + np.float32(0.5), 0))
-    np.testing.assert_array_equal(batch.read_sync(y), np.maximum(feeds[-1] + np.float32(0.5), 0))
+        np.testing.assert_array_equal(submission.read(y), np.maximum(f + np.float32(0.5), 0))
+    np.testing.assert_array_equal(batch.read(y), np.maximum(feeds[-1] + np.float32(0.5), 0))
     first = asyncio.run(submissions[0].read(y))
     np.testing.assert_array_equal(first, np.maximum(feeds[0] + np.float32(0.5), 0))
 
@@ -44,7 +44,7 @@ def test_a_submission_survives_a_new_plan_and_many_executes(device):
     batch.outputs(y, z)
     for i in range(20):  # staging buffers are recycled by executes that nothing holds
         batch.execute({x: np.full(5, i, np.float32)})
-    np.testing.assert_array_equal(kept.read_sync(y), np.arange(5, dtype=np.float32) * 2)
+    np.testing.assert_array_equal(kept.read(y), np.arange(5, dtype=np.float32) * 2)
 
 
 def test_what_a_submission_did_not_copy_back_is_refused(device):
@@ -55,8 +55,8 @@ def test_what_a_submission_did_not_copy_back_is_refused(device):
     batch.outputs(y)
     submission = batch.execute()
     with pytest.raises(BatchError, match=r"read: .*exp\d+.* was not copied back by this execute"):
-        submission.read_sync(hidden)
+        submission.read(hidden)
     submission.release()
     with pytest.raises(BatchError, match="was not copied back"):
-        submission.read_sync(y)
-    np.testing.assert_allclose(batch.read_sync(y), -np.sqrt(np.exp(np.ones(4, np.float32))), rtol=1e-6)
+        submission.read(y)
+    np.testing.assert_allclose(batch.read(y), -np.sqrt(np.exp(np.ones(4, np.float32))), rtol=1e-6)

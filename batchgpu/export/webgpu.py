@@ -118,7 +118,7 @@ def export_webgpu(
     # execute updated an input in place (custom kernels write their buffers)
     inputs = view.inputs
     batch.execute({t: _as_array(initial[t.storage], t) for t in inputs}, scalars=scalar_values)
-    expected = [batch.read_sync(tensor) for tensor in output_tensors]
+    expected = [batch.read(tensor) for tensor in output_tensors]
 
     manifest, shader_sources = _manifest(view, layout, storages, initial, inputs, output_tensors, expected, tolerance)
     manifest["features"] = sorted(required)

@@ -349,7 +349,7 @@ class Engine:
 
     async def _complete(self, pending: Pending) -> None:
         try:
-            ids = await pending.submission.read(pending.next_ids)
+            ids = await pending.submission.read_async(pending.next_ids)
         except BatchError as exc:
             for request in pending.requests:
                 if not request.done:

@@ -379,7 +379,7 @@ class Llama:
         :func:`steps_ahead`)."""
         steps = self._pipeline(prompt, max_new_tokens, ahead)
         for submission, next_token in steps:
-            token = int(submission.read_sync(next_token)[0])
+            token = int(submission.read(next_token)[0])
             yield token
             if token in stop:
                 steps.close()
@@ -391,7 +391,7 @@ class Llama:
         """Async greedy decoding: awaits each read so other tasks run while the device works."""
         steps = self._pipeline(prompt, max_new_tokens, ahead)
         for submission, next_token in steps:
-            token = int((await submission.read(next_token))[0])
+            token = int((await submission.read_async(next_token))[0])
             yield token
             if token in stop:
                 steps.close()
