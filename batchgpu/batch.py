@@ -81,7 +81,7 @@ class GpuCommandBatch:
     """A recorded command graph on one device.
 
     Record ops (each returns a :class:`Tensor` handle), then ``execute()``: one command encoder, one
-    queue submit (readback copies included), returning once submitted. ``read``/``read`` return
+    queue submit (readback copies included), returning once submitted. ``read``/``read_async`` return
     numpy arrays. Re-execute with new inputs via ``execute({x: array})``: nothing is re-recorded and
     no pipeline is recompiled.
 

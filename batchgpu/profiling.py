@@ -1,9 +1,11 @@
 """Per-op timing of a batch: ``batch.execute(profile=True)``, ``batch.profile()``, ``batch.save_trace()``.
 
 A :class:`Session` is filled while one execute runs: the batch notes its record calls and planning,
-the executor its upload, encode and submit, and the GPU time of every dispatch (wgpu: timestamp
-queries around each dispatch inside the one compute pass, resolved into the same readback submit) or
-the host time of every op (the numpy reference executor). :meth:`Session.result` turns it into a
+the executor its upload, encode (CUDA/HIP: launch) and submit, and the GPU time of every dispatch
+(wgpu: timestamp queries around each dispatch inside the one compute pass, resolved into the same
+readback submit; CUDA/HIP: timing events recorded on the stream before the first launch and after
+each launch, issued eagerly instead of replaying the graph, :mod:`batchgpu.executors.native_timing`)
+or the host time of every op (the numpy reference executor). :meth:`Session.result` turns it into a
 :class:`Profile`: a table and a Chrome trace-event file (Perfetto, chrome://tracing).
 """
 

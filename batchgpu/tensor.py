@@ -46,7 +46,7 @@ class Tensor:
     """A typed, shaped view of a storage, recorded in a batch or resident on a device.
 
     Tensors are handles: they hold no data on the host. Read a batch tensor with
-    ``batch.read(t)`` / ``batch.read(t)`` and a resident tensor with ``device.read(t)``.
+    ``batch.read(t)`` / ``await batch.read_async(t)`` and a resident tensor with ``device.read(t)``.
     Resident tensors also export their memory without a copy through ``__dlpack__`` (reference,
     CUDA and HIP devices) and ``__cuda_array_interface__`` (CUDA).
     """

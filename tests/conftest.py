@@ -123,6 +123,7 @@ DEVICE_SUITES = (
     "test_fusion",
     "test_block_formats",
     "test_numpy_style",
+    "test_jit",
 )
 WGPU_ONLY = {
     "test_kv_cache_decode_with_position_scalar",  # compares results keyed by "wgpu"

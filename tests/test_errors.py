@@ -353,7 +353,7 @@ BAD_KEYS = [
     ((slice(1, 1),), "no elements", "slice(1, 1"),
     ((slice(None, None, 0),), "step", "0"),
     ((True,), "True", "unsupported"),
-    ((None,), "None", "unsupported"),
+    ((None, 7), "index 7", "axis 0"),  # a new axis is fine, the index after it is not
     (([0, 1],), "[0, 1]", "unsupported"),
     ((Ellipsis, Ellipsis), "Ellipsis", "one"),
 ]

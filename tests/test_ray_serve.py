@@ -1,0 +1,135 @@
+"""The engine on Ray Serve (batchgpu.llm.ray_serve): a local Ray cluster started here (127.0.0.1, stopped
+at the end) runs two engine replicas of a tiny Qwen3 model on the reference executor behind the
+OpenAI-compatible ingress. Concurrent streamed requests through the official ``openai`` client all end
+with the greedy ids a single engine gives; killing a replica mid-run loses no request that had not
+started streaming, and fails the streaming ones with a clear error instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+import batchgpu as bg
+
+ray = pytest.importorskip("ray", reason="Ray is an optional peer: pip install 'batchgpu[ray]'")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+from batchgpu.llm import Engine, SamplingParams  # noqa: E402
+from batchgpu.llm.ray_serve import EngineOptions, build_app  # noqa: E402
+
+from .test_llama_variants import VARIANTS, random_weights, write_gguf  # noqa: E402
+
+PROMPTS = [[3, 17, 42, 8], [5, 1, 29], [11, 12, 13, 14, 15], [40, 2], [7, 7, 7], [21, 33, 1, 9, 4, 6]]
+TOKENS = 40
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("ray") / "qwen3.gguf"
+    write_gguf(path, "qwen3", random_weights(VARIANTS["qwen3"], 4))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def greedy(model) -> list[list[int]]:
+    """Each prompt's greedy ids from one engine in this process."""
+    engine = Engine(model, bg.Device("reference"), max_batch=4, max_context=48, block_size=4)
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    return [engine.complete(prompt, params).token_ids for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def cluster(model):
+    """Ray on this machine with two engine replicas serving ``model``; its OpenAI base URL."""
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    options = EngineOptions(model=model, device="reference", max_batch=4, max_context=48)
+    serve.run(build_app(options, replicas=2, model_name="tiny", cpus_per_replica=1), name="batchgpu", blocking=False)
+    _wait_ready("batchgpu")
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _wait_ready(app: str, timeout: float = 120.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(app)
+        if status is not None and status.status == "RUNNING":
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"the Ray Serve application {app!r} did not start in {timeout} s")
+
+
+async def stream_ids(client, prompt: list[int], started: asyncio.Event | None = None) -> list[int]:
+    """The completion's token ids, streamed (via the text of a one-character-per-token vocabulary); sets
+    ``started`` at the first piece."""
+    stream = await client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    text = []
+    async for chunk in stream:
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+            if started is not None:
+                started.set()
+    return [_token_id(c) for c in "".join(text)]
+
+
+def _token_id(character: str) -> int:
+    return ord(character) - ord("A") if character <= "Z" else ord(character) - ord("a") + 26
+
+
+def test_concurrent_requests_through_two_replicas(cluster, greedy):
+    async def main() -> list[list[int]]:
+        client = openai.AsyncOpenAI(base_url=cluster, api_key="unused", timeout=120, max_retries=0)
+        try:
+            return await asyncio.gather(*(stream_ids(client, p) for p in PROMPTS * 2))
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == greedy * 2
+    replicas = serve.status().applications["batchgpu"].deployments["engine"].replica_states
+    assert replicas.get("RUNNING") == 2
+
+
+def test_a_replica_killed_mid_run(cluster, greedy):
+    """Requests not yet streaming when a replica dies finish on the other replica with the same ids;
+    streaming ones on the dead replica fail with an error saying so; none hangs."""
+
+    async def main() -> list:
+        client = openai.AsyncOpenAI(base_url=cluster, api_key="unused", timeout=120, max_retries=0)
+        started = asyncio.Event()
+        try:
+            tasks = [asyncio.create_task(stream_ids(client, p, started)) for p in PROMPTS * 4]
+            await asyncio.wait_for(started.wait(), 60)  # some requests stream, more wait for slots
+            replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "#engine#" in a["name"]]
+            ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=False)
+            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 180)
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    expected = greedy * 4
+    failed = [r for r in results if isinstance(r, BaseException)]
+    for result, want in zip(results, expected):
+        if not isinstance(result, BaseException):
+            assert result == want
+    assert failed, "the killed replica was streaming: its requests must fail"
+    for error in failed:
+        assert isinstance(error, openai.APIError) and "replica serving this request died" in str(error), error
+    assert len(failed) <= 4  # at most the dead replica's running slots (max_batch 4); the rest were served
