@@ -107,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-context", type=int, default=2048, help="prompt + output tokens (default 2048)")
     serve.add_argument("--fp32", action="store_true", help="dequantize weights to float32 (default: as stored)")
     serve.add_argument("--kv-f16", action="store_true", help="keep the KV cache in float16")
+    serve.add_argument("--ray", action="store_true", help="serve on Ray Serve: --replicas engines, one per device")
+    serve.add_argument("--replicas", type=int, default=1, help="engine replicas with --ray (default 1)")
+    serve.add_argument(
+        "--ray-address", help="a running Ray cluster (e.g. auto, or ray://head:10001); default: start a local one"
+    )
+    serve.add_argument(
+        "--gpus-per-replica", type=float, help="GPUs each replica holds with --ray (default: 1 if the cluster has GPUs)"
+    )
+    serve.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs each replica holds with --ray")
     return parser
 
 
@@ -479,6 +488,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .models.llama import smollm2_path
 
     path = Path(args.model) if args.model else smollm2_path()
+    if args.ray:
+        return serve_on_ray(args, path)
 
     def make_engine() -> Engine:
         import numpy as np
@@ -493,4 +504,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
 
     serve(make_engine, model_name=path.stem, host=args.host, port=args.port)
+    return 0
+
+
+def serve_on_ray(args: argparse.Namespace, path: Path) -> int:
+    """``serve --ray``: the engine as a Ray Serve application of ``--replicas`` replicas (one device each)."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        print(f'serve --ray: {exc}; install Ray with `pip install "batchgpu[ray]"`', file=sys.stderr)
+        return 2
+    from .llm.ray_serve import EngineOptions, build_app
+
+    ray.init(address=args.ray_address, include_dashboard=False)
+    gpus = args.gpus_per_replica
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    options = EngineOptions(
+        model=str(path),
+        device=args.device,
+        max_batch=args.max_batch,
+        max_context=args.max_context,
+        quantized=not args.fp32,
+        kv_dtype="float16" if args.kv_f16 else "float32",
+    )
+    serve.start(http_options={"host": args.host, "port": args.port})
+    resources = {"gpus_per_replica": gpus, "cpus_per_replica": args.cpus_per_replica}
+    app = build_app(options, replicas=args.replicas, model_name=path.stem, **resources)
+    serve.run(app, name="batchgpu", blocking=True)  # until interrupted
     return 0

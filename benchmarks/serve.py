@@ -3,6 +3,7 @@ per-request time to first token and inter-token latency (p50/p99) at several num
 requests, beside sequential ``Llama.generate`` on the same device in the same run.
 
     python benchmarks/serve.py [--device reference,wgpu] [--concurrency 1,4,16,32] [--tokens 64] [--json out.json]
+    python benchmarks/serve.py --ray --device reference --concurrency 16,32   # HTTP: one process vs Ray Serve
 
 Each request generates ``--tokens`` tokens greedily (end-of-sequence ignored) from its own short prompt;
 all of a level's requests are submitted at once. Timed: from submitting the requests to the last token;
@@ -101,8 +102,20 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16,32", help="comma-separated request counts")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per request")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--ray", action="store_true", help="over HTTP: the one-process server against Ray Serve, 1 and 2 replicas"
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.ray:
+        from serve_ray import run
+
+        print(f"date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}; load (1 min) {load_average():.2f}")
+        print("| device | server | concurrent requests | tokens/s |\n|---|---|---:|---:|")
+        rows = run(args.device.split(","), levels, args.tokens)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
     print(f"date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}; load (1 min) {load_average():.2f}")
     report = []
     for kind in args.device.split(","):

@@ -166,4 +166,4 @@ def test_unwritten_output_of_a_poisoned_device_reads_the_poison_byte(gpu):
     batch.execute()
     want = struct.unpack("<i", bytes([POISON_BYTE]) * 4)[0]
     assert (batch.read(state) == want).all()
-    assert (asyncio.run(batch.read(state)) == want).all()
+    assert (asyncio.run(batch.read_async(state)) == want).all()

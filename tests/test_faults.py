@@ -75,7 +75,7 @@ async def test_destroy_while_an_async_read_is_pending() -> None:
     batch.execute()
     batch.read(t)
     await batch.execute_async()
-    pending = asyncio.ensure_future(batch.read(t))
+    pending = asyncio.ensure_future(batch.read_async(t))
     await asyncio.sleep(0)
     dev.executor.device.destroy()
     with pytest.raises(bg.DeviceError, match=rf"read .*of batch 'pending'.*{LOST}"):

@@ -230,7 +230,7 @@ async def test_profile_after_an_async_read(gpu):
     batch = bg.GpuCommandBatch(gpu)
     _, _, out = record_mixed(batch, rng)
     batch.execute(profile=True)
-    reading = asyncio.ensure_future(batch.read(out))
+    reading = asyncio.ensure_future(batch.read_async(out))
     await asyncio.sleep(0)  # the read is mapping the staging buffer now
     batch.profile()  # does not break the read in flight (its GPU times may not be readable yet)
     await reading

@@ -7,7 +7,6 @@ started streaming, and fails the streaming ones with a clear error instead of ha
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
@@ -20,16 +19,11 @@ openai = pytest.importorskip("openai")
 from batchgpu.llm import Engine, SamplingParams  # noqa: E402
 from batchgpu.llm.ray_serve import EngineOptions, build_app  # noqa: E402
 
+from .servers import free_port  # noqa: E402
 from .test_llama_variants import VARIANTS, random_weights, write_gguf  # noqa: E402
 
 PROMPTS = [[3, 17, 42, 8], [5, 1, 29], [11, 12, 13, 14, 15], [40, 2], [7, 7, 7], [21, 33, 1, 9, 4, 6]]
 TOKENS = 40
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import queue
 import re
-import socket
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from .servers import batchgpu_server
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[^`\s]*)\s*$")
@@ -129,12 +127,6 @@ def test_exemptions_are_few_and_give_a_reason() -> None:
     assert len(skipped) <= MAX_SKIPS, [f"line {b.line}: {b.skip}" for b in skipped]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def readme_server() -> Iterator[str]:
     """``python -m batchgpu serve`` on 127.0.0.1 (reference executor, SmolLM2, a small context); its /v1 URL.
@@ -142,39 +134,9 @@ def readme_server() -> Iterator[str]:
     for module in ("openai", "starlette", "uvicorn"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is missing (test extra)")
-    port = _free_port()
-    command = [sys.executable, "-m", "batchgpu", "serve", "--device", "reference", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--max-batch", "1", "--max-context", "256"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert process.stderr is not None
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump(stream=process.stderr) -> None:  # uvicorn logs to stderr; drained so the server never blocks on it
-        for line in stream:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        deadline, seen = time.monotonic() + SERVER_STARTUP, []
-        while True:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError("the server did not start in time:\n" + "".join(seen)) from None
-            if line is None:
-                raise AssertionError(f"the server exited ({process.wait()}):\n" + "".join(seen))
-            seen.append(line)
-            if "Uvicorn running on" in line:
-                break
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=30)
+    options = ("--device", "reference", "--max-batch", "1", "--max-context", "256")
+    with batchgpu_server(*options, startup=SERVER_STARTUP) as url:
+        yield f"{url}/v1"
 
 
 def _check_example(out: str) -> None:

@@ -510,7 +510,7 @@ pending = None
 
 async def abandon():
     global pending
-    pending = asyncio.ensure_future(batch.read(t))
+    pending = asyncio.ensure_future(batch.read_async(t))
     await asyncio.sleep(0)
 
 asyncio.run(abandon())  # the loop closes while a read task is pending

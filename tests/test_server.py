@@ -8,16 +8,14 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from .servers import batchgpu_server
 
 pytestmark = pytest.mark.model
 
@@ -42,49 +40,12 @@ def _http(url: str, body: bytes | None = None) -> tuple[int, Any]:
         return error.code, json.loads(error.read())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "batchgpu",
-        "serve",
-        "--device",
-        "reference",
-        "--port",
-        str(port),
-        "--max-batch",
-        "4",
-        "--max-context",
-        "256",
-    ]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        lines = []
-        assert process.stderr is not None
-        for line in process.stderr:  # uvicorn logs to stderr; this blocks until it says it runs
-            lines.append(line)
-            if "Uvicorn running on" in line:
-                break
-            if time.monotonic() > deadline:
-                raise AssertionError("the server did not start:\n" + "".join(lines))
-        else:
-            raise AssertionError(f"the server exited ({process.wait()}):\n" + "".join(lines))
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    with batchgpu_server(
+        "--device", "reference", "--max-batch", "4", "--max-context", "256", startup=STARTUP_SECONDS
+    ) as url:
+        yield url
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ def test_each_submission_reads_its_own_execute(device):
     for submission, f in reversed(list(zip(submissions, feeds))):  # newest first: the old ones were kept
         np.testing.assert_array_equal(submission.read(y), np.maximum(f + np.float32(0.5), 0))
     np.testing.assert_array_equal(batch.read(y), np.maximum(feeds[-1] + np.float32(0.5), 0))
-    first = asyncio.run(submissions[0].read(y))
+    first = asyncio.run(submissions[0].read_async(y))
     np.testing.assert_array_equal(first, np.maximum(feeds[0] + np.float32(0.5), 0))
 
 

@@ -1,0 +1,58 @@
+"""Servers the tests start: ``python -m batchgpu serve`` on 127.0.0.1 at a free port, its stderr drained on
+a thread (so it never blocks on a full pipe), waited for with a deadline, and stopped at the end."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def batchgpu_server(*options: str, startup: float = 300.0) -> Iterator[str]:
+    """``python -m batchgpu serve OPTIONS --host 127.0.0.1 --port <free>``; yields its base URL (no /v1)
+    once uvicorn says it runs (AssertionError with its log if it exits or takes longer than ``startup``)."""
+    port = free_port()
+    command = [sys.executable, "-m", "batchgpu", "serve", *options, "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump(stream=process.stderr) -> None:  # uvicorn logs to stderr
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        deadline, seen = time.monotonic() + startup, []
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError("the server did not start in time:\n" + "".join(seen)) from None
+            if line is None:
+                raise AssertionError(f"the server exited ({process.wait()}):\n" + "".join(seen))
+            seen.append(line)
+            if "Uvicorn running on" in line:
+                break
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
