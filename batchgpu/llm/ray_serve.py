@@ -109,9 +109,12 @@ class RemoteEngine:
                 if attempt == 2 or not _replica_died(exc):
                     raise
                 continue
-            yield first
-            async for piece in _guarded(stream, first):
-                yield piece
+            try:
+                yield first
+                async for piece in _guarded(stream, first):
+                    yield piece
+            finally:  # a client gone (the ingress closes this generator): the replica cancels the request
+                stream.cancel()
             return
 
     async def status(self) -> dict[str, Any]:
