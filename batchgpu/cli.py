@@ -510,17 +510,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def serve_on_ray(args: argparse.Namespace, path: Path) -> int:
     """``serve --ray``: the engine as a Ray Serve application of ``--replicas`` replicas (one device each)."""
     try:
-        import ray
-        from ray import serve
+        from .llm.ray_serve import EngineOptions, run
     except ImportError as exc:
         print(f'serve --ray: {exc}; install Ray with `pip install "batchgpu[ray]"`', file=sys.stderr)
         return 2
-    from .llm.ray_serve import EngineOptions, build_app
-
-    ray.init(address=args.ray_address, include_dashboard=False)
-    gpus = args.gpus_per_replica
-    if gpus is None:
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
     options = EngineOptions(
         model=str(path),
         device=args.device,
@@ -529,8 +522,14 @@ def serve_on_ray(args: argparse.Namespace, path: Path) -> int:
         quantized=not args.fp32,
         kv_dtype="float16" if args.kv_f16 else "float32",
     )
-    serve.start(http_options={"host": args.host, "port": args.port})
-    resources = {"gpus_per_replica": gpus, "cpus_per_replica": args.cpus_per_replica}
-    app = build_app(options, replicas=args.replicas, model_name=path.stem, **resources)
-    serve.run(app, name="batchgpu", blocking=True)  # until interrupted
+    run(
+        options,
+        replicas=args.replicas,
+        model_name=path.stem,
+        host=args.host,
+        port=args.port,
+        address=args.ray_address,
+        gpus_per_replica=args.gpus_per_replica,
+        cpus_per_replica=args.cpus_per_replica,
+    )
     return 0

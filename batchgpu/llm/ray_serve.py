@@ -12,7 +12,8 @@ ingress.
 - A request whose replica dies before its first piece is retried once on another replica; one that dies
   after it fails with :class:`ReplicaLostError` (the stream ends with an error event: clients never hang).
 
-:func:`build_app` assembles the application; ``python -m batchgpu serve --ray --replicas N`` runs it.
+:func:`build_app` assembles the application, :func:`run` serves it (``python -m batchgpu serve --ray
+--replicas N``). Nothing else in batchgpu imports Ray.
 """
 
 from __future__ import annotations
@@ -192,3 +193,33 @@ def build_app(
     )
     ingress = serve.deployment(serve.ingress()(OpenAIIngress), name="openai", ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine.bind(asdict(options)), model_name)
+
+
+def run(
+    options: EngineOptions,
+    *,
+    replicas: int,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    address: str | None = None,
+    gpus_per_replica: float | None = None,
+    cpus_per_replica: float = 1.0,
+) -> None:
+    """Join (``address``) or start a Ray cluster and serve the application on ``host:port`` until
+    interrupted; ``gpus_per_replica`` defaults to 1 where the cluster has GPUs, else 0."""
+    import ray
+    from ray import serve
+
+    ray.init(address=address, include_dashboard=False)
+    if gpus_per_replica is None:
+        gpus_per_replica = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    serve.start(http_options={"host": host, "port": port})
+    app = build_app(
+        options,
+        replicas=replicas,
+        model_name=model_name,
+        gpus_per_replica=gpus_per_replica,
+        cpus_per_replica=cpus_per_replica,
+    )
+    serve.run(app, name="batchgpu", blocking=True)
