@@ -20,7 +20,7 @@ import numpy as np
 
 from .batch import GpuCommandBatch, Submission, default_device
 from .device import Device
-from .dtypes import host_array
+from .dtypes import SUPPORTED, host_array
 from .errors import ArgumentError
 from .tensor import Tensor
 
@@ -120,8 +120,9 @@ def jit(fn: Callable[..., Any] | None = None, *, device: Device | None = None, f
 def _signature(key: int | str, value: Any) -> Hashable:
     """What makes a new capture: an array's shape and dtype, a tensor's identity, another value itself."""
     if isinstance(value, np.ndarray):
-        array = host_array(value, what=f"jit argument {key}")  # refuses float64 / int64 as upload does
-        return ("array", array.shape, array.dtype.str)
+        if value.dtype.newbyteorder("=") not in SUPPORTED:
+            host_array(value, what=f"jit argument {key}")  # raises the upload's DTypeError (float64, int64, ...)
+        return ("array", value.shape, value.dtype.newbyteorder("=").str)
     if isinstance(value, Tensor):
         if not value.resident:
             raise ArgumentError(
