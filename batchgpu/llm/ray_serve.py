@@ -110,6 +110,9 @@ class RemoteEngine:
                 if attempt == 2 or not _replica_died(exc):
                     raise
                 continue
+            except BaseException:  # cancelled before the first piece (a client gone): so is the replica's work
+                stream.cancel()
+                raise
             try:
                 yield first
                 async for piece in _guarded(stream, first):
