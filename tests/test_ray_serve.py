@@ -7,6 +7,7 @@ started streaming, and fails the streaming ones with a clear error instead of ha
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -23,20 +24,21 @@ from .servers import free_port  # noqa: E402
 from .test_llama_variants import VARIANTS, random_weights, write_gguf  # noqa: E402
 
 PROMPTS = [[3, 17, 42, 8], [5, 1, 29], [11, 12, 13, 14, 15], [40, 2], [7, 7, 7], [21, 33, 1, 9, 4, 6]]
-TOKENS = 40
+TOKENS = 150  # long enough streams that a replica is killed while some of them run
+CONTEXT = 160
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("ray") / "qwen3.gguf"
-    write_gguf(path, "qwen3", random_weights(VARIANTS["qwen3"], 4))
+    write_gguf(path, "qwen3", random_weights(VARIANTS["qwen3"], 4), context_length=256)
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def greedy(model) -> list[list[int]]:
     """Each prompt's greedy ids from one engine in this process."""
-    engine = Engine(model, bg.Device("reference"), max_batch=4, max_context=48, block_size=4)
+    engine = Engine(model, bg.Device("reference"), max_batch=4, max_context=CONTEXT, block_size=16)
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     return [engine.complete(prompt, params).token_ids for prompt in PROMPTS]
 
@@ -47,7 +49,7 @@ def cluster(model):
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    options = EngineOptions(model=model, device="reference", max_batch=4, max_context=48)
+    options = EngineOptions(model=model, device="reference", max_batch=4, max_context=CONTEXT)
     serve.run(build_app(options, replicas=2, model_name="tiny", cpus_per_replica=1), name="batchgpu", blocking=False)
     _wait_ready("batchgpu")
     try:
@@ -69,18 +71,18 @@ def _wait_ready(app: str, timeout: float = 120.0) -> None:
     raise TimeoutError(f"the Ray Serve application {app!r} did not start in {timeout} s")
 
 
-async def stream_ids(client, prompt: list[int], started: asyncio.Event | None = None) -> list[int]:
-    """The completion's token ids, streamed (via the text of a one-character-per-token vocabulary); sets
-    ``started`` at the first piece."""
+async def stream_ids(client, prompt: list[int], streaming: set[int] | None = None, key: int = 0) -> list[int]:
+    """The completion's token ids, streamed (via the text of a one-character-per-token vocabulary); ``key``
+    joins ``streaming`` at the first piece."""
     stream = await client.completions.create(
         model="tiny", prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
-    text = []
+    text: list[str] = []
     async for chunk in stream:
         if chunk.choices:
+            if streaming is not None:
+                streaming.add(key)
             text.append(chunk.choices[0].text)
-            if started is not None:
-                started.set()
     return [_token_id(c) for c in "".join(text)]
 
 
@@ -102,28 +104,31 @@ def test_concurrent_requests_through_two_replicas(cluster, greedy):
 
 
 def test_a_replica_killed_mid_run(cluster, greedy):
-    """Requests not yet streaming when a replica dies finish on the other replica with the same ids;
-    streaming ones on the dead replica fail with an error saying so; none hangs."""
+    """A replica killed while requests stream: every request ends (none hangs) either with the single
+    engine's ids or, only if it had started streaming (its client saw a first piece), with an error saying
+    its replica died after some tokens; requests that had not started are retried on the other replica."""
 
-    async def main() -> list:
+    async def main() -> tuple[list, set[int]]:
         client = openai.AsyncOpenAI(base_url=cluster, api_key="unused", timeout=120, max_retries=0)
-        started = asyncio.Event()
+        streaming: set[int] = set()
         try:
-            tasks = [asyncio.create_task(stream_ids(client, p, started)) for p in PROMPTS * 4]
-            await asyncio.wait_for(started.wait(), 60)  # some requests stream, more wait for slots
+            prompts = PROMPTS * 4
+            tasks = [asyncio.create_task(stream_ids(client, p, streaming, i)) for i, p in enumerate(prompts)]
+            while not streaming:
+                await asyncio.sleep(0.01)
             replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "#engine#" in a["name"]]
             ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=False)
-            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 180)
+            results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 180)
+            return results, streaming
         finally:
             await client.close()
 
-    results = asyncio.run(main())
+    results, started = asyncio.run(main())  # started: requests whose client saw a first piece
     expected = greedy * 4
-    failed = [r for r in results if isinstance(r, BaseException)]
-    for result, want in zip(results, expected):
-        if not isinstance(result, BaseException):
+    for i, (result, want) in enumerate(zip(results, expected)):
+        if isinstance(result, BaseException):
+            assert i in started, f"request {i} had not started streaming, yet failed: {result!r}"
+            assert isinstance(result, openai.APIError), result
+            assert re.search(r"the replica serving this request died after [1-9]\d* tokens", str(result)), result
+        else:
             assert result == want
-    assert failed, "the killed replica was streaming: its requests must fail"
-    for error in failed:
-        assert isinstance(error, openai.APIError) and "replica serving this request died" in str(error), error
-    assert len(failed) <= 4  # at most the dead replica's running slots (max_batch 4); the rest were served

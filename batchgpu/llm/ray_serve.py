@@ -185,16 +185,22 @@ def build_app(
 
     if replicas < 1:
         raise RequestError(f"build_app: replicas must be at least 1, got {replicas}")
+    per_replica = max_ongoing_requests or 4 * options.max_batch
     engine = serve.deployment(
         EngineReplica,
         name="engine",
         num_replicas=replicas,
         ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": cpus_per_replica},
-        max_ongoing_requests=max_ongoing_requests or 4 * options.max_batch,
+        max_ongoing_requests=per_replica,
         health_check_period_s=5,
         health_check_timeout_s=30,
     )
-    ingress = serve.deployment(serve.ingress()(OpenAIIngress), name="openai", ray_actor_options={"num_cpus": 0})
+    ingress = serve.deployment(  # Ray's default (5 requests at once) would throttle every replica behind it
+        serve.ingress()(OpenAIIngress),
+        name="openai",
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=replicas * per_replica,
+    )
     return ingress.bind(engine.bind(asdict(options)), model_name)
 
 
