@@ -32,11 +32,14 @@ import textwrap
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__, cache, coldstart, profiling
 from .errors import UnsupportedError
 from .progress import progress
+
+if TYPE_CHECKING:
+    from .llm.options import EngineOptions
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 DEFAULT_OPS = (10, 100, 1000)
@@ -115,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--gpus-per-replica", type=float, help="GPUs each replica holds with --ray (default: 1 if the cluster has GPUs)"
     )
-    serve.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs each replica holds with --ray")
+    serve.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        help="CPUs each replica holds with --ray (default: 1 beside a GPU, else the CPUs split between replicas)",
+    )
     return parser
 
 
@@ -483,37 +490,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f'serve: {exc}; install the server with `pip install "batchgpu[serve]"`', file=sys.stderr)
         return 2
-    from .device import Device
-    from .llm import Engine
+    from .llm.options import EngineOptions
     from .models.llama import smollm2_path
 
     path = Path(args.model) if args.model else smollm2_path()
-    if args.ray:
-        return serve_on_ray(args, path)
-
-    def make_engine() -> Engine:
-        import numpy as np
-
-        return Engine(
-            path,
-            Device(args.device),
-            max_batch=args.max_batch,
-            max_context=args.max_context,
-            quantized=not args.fp32,
-            kv_dtype=np.float16 if args.kv_f16 else np.float32,
-        )
-
-    serve(make_engine, model_name=path.stem, host=args.host, port=args.port)
-    return 0
-
-
-def serve_on_ray(args: argparse.Namespace, path: Path) -> int:
-    """``serve --ray``: the engine as a Ray Serve application of ``--replicas`` replicas (one device each)."""
-    try:
-        from .llm.ray_serve import EngineOptions, run
-    except ImportError as exc:
-        print(f'serve --ray: {exc}; install Ray with `pip install "batchgpu[ray]"`', file=sys.stderr)
-        return 2
     options = EngineOptions(
         model=str(path),
         device=args.device,
@@ -522,10 +502,23 @@ def serve_on_ray(args: argparse.Namespace, path: Path) -> int:
         quantized=not args.fp32,
         kv_dtype="float16" if args.kv_f16 else "float32",
     )
+    if args.ray:
+        return serve_on_ray(args, options, model_name=path.stem)
+    serve(options.make, model_name=path.stem, host=args.host, port=args.port)
+    return 0
+
+
+def serve_on_ray(args: argparse.Namespace, options: EngineOptions, model_name: str) -> int:
+    """``serve --ray``: the engine as a Ray Serve application of ``--replicas`` replicas (one device each)."""
+    try:
+        from .llm.ray_serve import run
+    except ImportError as exc:
+        print(f'serve --ray: {exc}; install Ray with `pip install "batchgpu[ray]"`', file=sys.stderr)
+        return 2
     run(
         options,
         replicas=args.replicas,
-        model_name=path.stem,
+        model_name=model_name,
         host=args.host,
         port=args.port,
         address=args.ray_address,

@@ -4,6 +4,7 @@ requests, beside sequential ``Llama.generate`` on the same device in the same ru
 
     python benchmarks/serve.py [--device reference,wgpu] [--concurrency 1,4,16,32] [--tokens 64] [--json out.json]
     python benchmarks/serve.py --ray --device reference --concurrency 16,32   # HTTP: one process vs Ray Serve
+    python benchmarks/serve.py --ray --device reference --engine-cpus 1       # the engine on 1 core, 1 left for Ray
 
 Each request generates ``--tokens`` tokens greedily (end-of-sequence ignored) from its own short prompt;
 all of a level's requests are submitted at once. Timed: from submitting the requests to the last token;
@@ -103,6 +104,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="tokens per request")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument(
+        "--engine-cpus", type=int, help="with --ray: CPUs (BLAS threads) of the one-process and 1-replica engines"
+    )
+    parser.add_argument(
         "--ray", action="store_true", help="over HTTP: the one-process server against Ray Serve, 1 and 2 replicas"
     )
     args = parser.parse_args()
@@ -112,7 +116,7 @@ def main() -> None:
 
         print(f"date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}; load (1 min) {load_average():.2f}")
         print("| device | server | concurrent requests | tokens/s |\n|---|---|---:|---:|")
-        rows = run(args.device.split(","), levels, args.tokens)
+        rows = run(args.device.split(","), levels, args.tokens, args.engine_cpus)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return

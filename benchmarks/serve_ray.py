@@ -2,26 +2,23 @@
 the OpenAI client, by the single-process server (``python -m batchgpu serve``) and by the Ray Serve
 deployment (batchgpu.llm.ray_serve) with 1 and 2 replicas, at several numbers of concurrent streamed
 requests, in one run. Each server is started, warmed up by one request, measured, and stopped; Ray runs
-as a local cluster (127.0.0.1) started here. The Ray path's overhead is its 1-replica tokens/s against the
+as a local cluster (127.0.0.1) started here, each replica with an even share of the CPUs (Ray gives
+it as many BLAS threads). The Ray path's overhead is its 1-replica tokens/s against the
 single-process server's."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/servers.py
+from tests.servers import batchgpu_server, free_port
 
 PROMPTS = ["The capital of France is", "Once upon a time", "Water boils at", "My favourite book is"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def http_level(base_url: str, concurrency: int, tokens: int) -> float:
@@ -49,40 +46,23 @@ async def http_level(base_url: str, concurrency: int, tokens: int) -> float:
         await client.close()
 
 
-def wait_for(base_url: str, timeout: float = 600) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"{base_url}/models", timeout=5).read()
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"no server at {base_url} after {timeout} s")
+@contextmanager
+def single_process(device: str, max_batch: int, max_context: int, cpus: int | None) -> Iterator[str]:
+    """The one-process server; ``cpus``: its BLAS threads (None: numpy's default, every core)."""
+    options = ["--device", device, "--max-batch", str(max_batch), "--max-context", str(max_context)]
+    threads = {} if cpus is None else {"OMP_NUM_THREADS": str(cpus), "OPENBLAS_NUM_THREADS": str(cpus)}
+    with batchgpu_server(*options, startup=600, env=threads) as base_url:
+        yield f"{base_url}/v1"
 
 
 @contextmanager
-def single_process(device: str, max_batch: int, max_context: int) -> Iterator[str]:
-    port = free_port()
-    command = [sys.executable, "-m", "batchgpu", "serve", "--device", device, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--max-batch", str(max_batch), "--max-context", str(max_context)]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        base_url = f"http://127.0.0.1:{port}/v1"
-        wait_for(base_url)
-        yield base_url
-    finally:
-        server.terminate()
-        server.wait(30)
-
-
-@contextmanager
-def ray_cluster(device: str, replicas: int, max_batch: int, max_context: int) -> Iterator[str]:
+def ray_cluster(device: str, replicas: int, max_batch: int, max_context: int, cpus: int | None) -> Iterator[str]:
+    """A local Ray cluster serving ``replicas`` engines of ``cpus`` CPUs each (None: an even share)."""
     import ray
     from ray import serve
 
-    from batchgpu.llm.ray_serve import EngineOptions, build_app
+    from batchgpu.llm.options import EngineOptions
+    from batchgpu.llm.ray_serve import build_app
     from batchgpu.models.llama import smollm2_path
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
@@ -90,24 +70,25 @@ def ray_cluster(device: str, replicas: int, max_batch: int, max_context: int) ->
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         options = EngineOptions(model=str(smollm2_path()), device=device, max_batch=max_batch, max_context=max_context)
-        serve.run(build_app(options, replicas=replicas, model_name="m"), name="bench", blocking=False)
-        base_url = f"http://127.0.0.1:{port}/v1"
-        wait_for(base_url)
-        yield base_url
+        serve.run(
+            build_app(options, replicas=replicas, model_name="m", cpus_per_replica=cpus), name="bench"
+        )  # returns once it runs
+        yield f"http://127.0.0.1:{port}/v1"
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-def run(devices: list[str], levels: list[int], tokens: int) -> list[dict[str, object]]:
-    """One row per (device, server, concurrency)."""
+def run(devices: list[str], levels: list[int], tokens: int, engine_cpus: int | None) -> list[dict[str, object]]:
+    """One row per (device, server, concurrency); ``engine_cpus``: the CPUs (BLAS threads) of the
+    one-process server and of the 1-replica engine (None: all of them; the 2 replicas split them)."""
     rows: list[dict[str, object]] = []
     max_batch, max_context = max(levels), 32 + tokens
     for device in devices:
         servers = {
-            "single process": (single_process, (device, max_batch, max_context)),
-            "ray, 1 replica": (ray_cluster, (device, 1, max_batch, max_context)),
-            "ray, 2 replicas": (ray_cluster, (device, 2, max_batch, max_context)),
+            "single process": (single_process, (device, max_batch, max_context, engine_cpus)),
+            "ray, 1 replica": (ray_cluster, (device, 1, max_batch, max_context, engine_cpus)),
+            "ray, 2 replicas": (ray_cluster, (device, 2, max_batch, max_context, None)),
         }
         for label, (start, settings) in servers.items():
             with start(*settings) as base_url:

@@ -3,6 +3,7 @@ a thread (so it never blocks on a full pipe), waited for with a deadline, and st
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import subprocess
@@ -21,12 +22,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def batchgpu_server(*options: str, startup: float = 300.0) -> Iterator[str]:
-    """``python -m batchgpu serve OPTIONS --host 127.0.0.1 --port <free>``; yields its base URL (no /v1)
-    once uvicorn says it runs (AssertionError with its log if it exits or takes longer than ``startup``)."""
+def batchgpu_server(*options: str, startup: float = 300.0, env: dict[str, str] | None = None) -> Iterator[str]:
+    """``python -m batchgpu serve OPTIONS --host 127.0.0.1 --port <free>`` (``env``: variables set for it);
+    yields its base URL (no /v1) once uvicorn says it runs (AssertionError with its log if it exits or
+    takes longer than ``startup``)."""
     port = free_port()
     command = [sys.executable, "-m", "batchgpu", "serve", *options, "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    environment = {**os.environ, **(env or {})}
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment)
     assert process.stderr is not None
     lines: queue.Queue[str | None] = queue.Queue()
 

@@ -243,14 +243,19 @@ def test_a_chain_over_more_inputs_than_one_kernel_binds_is_split(gpu, ref):
 
 @pytest.mark.slow
 def test_fused_chain_above_one_dispatch_limit(gpu):
-    """A fused kernel with more workgroups than one grid dimension allows, with a broadcast input."""
+    """Kernels with more workgroups than one grid dimension allows, with a broadcast input: a fused
+    elementwise chain, and ``where`` over a comparison (comparisons and ``where`` run on their own: a
+    uint32 mask does not share a chain's compute type)."""
     n = gpu.limits.max_compute_workgroups_per_dimension * 256 + 999
     rng = np.random.default_rng(6)
     x = rng.standard_normal((n // 3, 3), dtype=np.float32)
     w = rng.standard_normal(3, dtype=np.float32)
-    (out,), ops = run(gpu, [x, w], lambda b, x, w: [b.add(b.relu(b.mul(x, w)), 1.5)])
-    assert ops == ["fused(mul+relu+add)"]
+    (out, picked), ops = run(
+        gpu, [x, w], lambda b, x, w: [b.add(b.relu(b.mul(x, w)), 1.5), b.where(x > w, x, b.mul(w, 2.0))]
+    )
+    assert ops == ["fused(mul+relu+add)", "greater", "mul", "where"], ops
     np.testing.assert_array_equal(out, np.maximum(x * w, 0) + np.float32(1.5))
+    np.testing.assert_array_equal(picked, np.where(x > w, x, w * np.float32(2.0)))
 
 
 # matmul epilogues ---------------------------------------------------------------------------------

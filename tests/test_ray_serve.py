@@ -18,7 +18,8 @@ serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
 from batchgpu.llm import Engine, SamplingParams  # noqa: E402
-from batchgpu.llm.ray_serve import EngineOptions, build_app  # noqa: E402
+from batchgpu.llm.options import EngineOptions  # noqa: E402
+from batchgpu.llm.ray_serve import build_app, cpu_share  # noqa: E402
 
 from .servers import free_port  # noqa: E402
 from .test_llama_variants import VARIANTS, random_weights, write_gguf  # noqa: E402
@@ -50,25 +51,12 @@ def cluster(model):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     options = EngineOptions(model=model, device="reference", max_batch=4, max_context=CONTEXT)
-    serve.run(build_app(options, replicas=2, model_name="tiny", cpus_per_replica=1), name="batchgpu", blocking=False)
-    _wait_ready("batchgpu")
+    serve.run(build_app(options, replicas=2, model_name="tiny"), name="batchgpu")  # returns once it runs
     try:
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         serve.shutdown()
         ray.shutdown()
-
-
-def _wait_ready(app: str, timeout: float = 120.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = serve.status().applications.get(app)
-        if status is not None and status.status == "RUNNING":
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"the Ray Serve application {app!r} did not start in {timeout} s")
 
 
 async def stream_ids(client, prompt: list[int], streaming: set[int] | None = None, key: int = 0) -> list[int]:
@@ -132,3 +120,9 @@ def test_a_replica_killed_mid_run(cluster, greedy):
             assert re.search(r"the replica serving this request died after [1-9]\d* tokens", str(result)), result
         else:
             assert result == want
+
+
+def test_replicas_on_cpus_share_the_cluster_cpus(cluster):
+    """4 CPUs (this cluster's): 1 replica takes them all, 2 take 2 each, 3 take 1 (Ray gives a replica
+    as many BLAS threads as CPUs: one CPU per replica would compute on one core)."""
+    assert [cpu_share(n) for n in (1, 2, 3, 4, 8)] == [4.0, 2.0, 1.0, 1.0, 1.0]

