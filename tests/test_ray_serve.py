@@ -7,7 +7,9 @@ started streaming, and fails the streaming ones with a clear error instead of ha
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import urllib.request
 
 import pytest
 
@@ -89,6 +91,9 @@ def test_concurrent_requests_through_two_replicas(cluster, greedy):
     assert asyncio.run(main()) == greedy * 2
     replicas = serve.status().applications["batchgpu"].deployments["engine"].replica_states
     assert replicas.get("RUNNING") == 2
+    with urllib.request.urlopen(f"{cluster}/engine", timeout=30) as response:  # one replica's engine, all states
+        status = json.load(response)
+    assert status["replicas"] == {"RUNNING": 2} and status["running"] == 0 and "memory" in status, status
 
 
 def test_a_replica_killed_mid_run(cluster, greedy):

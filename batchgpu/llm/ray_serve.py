@@ -18,6 +18,7 @@ ingress.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -110,8 +111,19 @@ class RemoteEngine:
             return
 
     async def status(self) -> dict[str, Any]:
-        """The status of the replica the router picks (``serve status`` shows them all)."""
-        return await self.handle.status.remote()
+        """The engine status of the replica the router picks, and under ``replicas`` how many of the
+        deployment's replicas are in each state (``{"RUNNING": 2}``)."""
+        status = await self.handle.status.remote()
+        states = await asyncio.to_thread(_replica_states, self.handle.app_name, self.handle.deployment_name)
+        return {**status, "replicas": states}
+
+
+def _replica_states(app: str, deployment: str) -> dict[str, int]:
+    """The replicas of ``app``'s ``deployment`` per state, from the Serve controller."""
+    from ray import serve
+
+    replicas = serve.status().applications[app].deployments[deployment].replica_states
+    return {str(state): count for state, count in replicas.items()}
 
 
 async def _guarded(stream: Any, first: Piece) -> AsyncIterator[Piece]:
