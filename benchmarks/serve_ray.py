@@ -1,9 +1,10 @@
 """``benchmarks/serve.py --ray``: aggregate generated tokens/s of SmolLM2-135M served over HTTP, through
 the OpenAI client, by the single-process server (``python -m batchgpu serve``) and by the Ray Serve
 deployment (batchgpu.llm.ray_serve) with 1 and 2 replicas, at several numbers of concurrent streamed
-requests, in one run. Each server is started, warmed up by one request, measured, and stopped; Ray runs
-as a local cluster (127.0.0.1) started here, each replica with an even share of the CPUs (Ray gives
-it as many BLAS threads). The Ray path's overhead is its 1-replica tokens/s against the
+requests, in one run. Each server is started, warmed up by an untimed round of the largest level (4
+tokens a request, so that every replica has run its steps before the timed rounds), measured, and
+stopped; Ray runs as a local cluster (127.0.0.1) started here, each replica with an even share of the
+CPUs (Ray gives it as many BLAS threads). The Ray path's overhead is its 1-replica tokens/s against the
 single-process server's."""
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def run(devices: list[str], levels: list[int], tokens: int, engine_cpus: int | N
         }
         for label, (start, settings) in servers.items():
             with start(*settings) as base_url:
-                asyncio.run(http_level(base_url, 1, 4))  # warm-up: recordings, compiles
+                asyncio.run(http_level(base_url, max(levels), 4))  # warm-up: every replica, every step size
                 for concurrency in levels:
                     tokens_per_s = asyncio.run(http_level(base_url, concurrency, tokens))
                     rows.append(dict(device=device, server=label, concurrency=concurrency, tokens_per_s=tokens_per_s))

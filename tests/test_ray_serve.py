@@ -131,3 +131,34 @@ def test_replicas_on_cpus_share_the_cluster_cpus(cluster):
     """4 CPUs (this cluster's): 1 replica takes them all, 2 take 2 each, 3 take 1 (Ray gives a replica
     as many BLAS threads as CPUs: one CPU per replica would compute on one core)."""
     assert [cpu_share(n) for n in (1, 2, 3, 4, 8)] == [4.0, 2.0, 1.0, 1.0, 1.0]
+
+
+def test_the_router_deals_a_burst_evenly_and_follows_completions():
+    """LeastLoadedRouter on its own (no cluster): a burst of requests is dealt out evenly, each round of
+    three covering the three replicas; a completion makes its replica the next choice."""
+    from ray.serve._private.common import DeploymentID, ReplicaID
+    from ray.serve.request_router import RequestRouter
+
+    from batchgpu.llm.ray_router import LeastLoadedRouter
+
+    class Replica:  # what choose_replicas reads of a RunningReplica
+        def __init__(self, name: str) -> None:
+            self.replica_id = ReplicaID(unique_id=name, deployment_id=DeploymentID(name="engine", app_name="t"))
+
+    router = LeastLoadedRouter.__new__(LeastLoadedRouter)  # its Ray-side state is not used by these methods
+    router.initialize_state()
+    replicas = [Replica("a"), Replica("b"), Replica("c")]
+
+    def route() -> str:
+        [[chosen]] = asyncio.run(router.choose_replicas(replicas))
+        router.on_request_routed(None, chosen.replica_id, None)
+        return chosen.replica_id.unique_id
+
+    assert issubclass(LeastLoadedRouter, RequestRouter)
+    burst = [route() for _ in range(9)]
+    assert all(sorted(burst[i : i + 3]) == ["a", "b", "c"] for i in (0, 3, 6)), burst
+    router.on_request_completed(replicas[1].replica_id, "request-1")
+    assert route() == "b"
+    router.on_request_completed(replicas[2].replica_id, "request-2")
+    router.on_request_completed(replicas[2].replica_id, "request-3")
+    assert [route(), route()] == ["c", "c"]

@@ -7,13 +7,13 @@ ingress.
   (``check_health``: the engine's scheduler must not have failed).
 - :class:`OpenAIIngress` (the ``openai`` deployment): the same routes and streaming as ``batchgpu serve``
   (:func:`batchgpu.llm.server.create_app`) over :class:`RemoteEngine`, which sends each request through
-  a Ray Serve handle: Ray's router picks the replica with fewer ongoing requests (power of two choices:
-  with two replicas, the less loaded one).
+  a Ray Serve handle to the replica with the fewest requests in flight
+  (:class:`batchgpu.llm.ray_router.LeastLoadedRouter`).
 - A request whose replica dies before its first piece is retried once on another replica; one that dies
   after it fails with :class:`ReplicaLostError` (the stream ends with an error event: clients never hang).
 
 :func:`build_app` assembles the application, :func:`run` serves it (``python -m batchgpu serve --ray
---replicas N``). Nothing else in batchgpu imports Ray.
+--replicas N``). Nothing else in batchgpu imports Ray but the router beside it.
 """
 
 from __future__ import annotations
@@ -182,6 +182,9 @@ def build_app(
     """The Ray Serve application: ``replicas`` engine replicas (each with ``gpus_per_replica`` GPUs and
     ``cpus_per_replica`` CPUs; None: 1 beside a GPU, else :func:`cpu_share`) behind the OpenAI ingress."""
     from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from .ray_router import LeastLoadedRouter
 
     if replicas < 1:
         raise RequestError(f"build_app: replicas must be at least 1, got {replicas}")
@@ -194,6 +197,7 @@ def build_app(
         num_replicas=replicas,
         ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": cpus_per_replica},
         max_ongoing_requests=per_replica,
+        request_router_config=RequestRouterConfig(request_router_class=LeastLoadedRouter),
         health_check_period_s=5,
         health_check_timeout_s=30,
     )
