@@ -377,20 +377,24 @@ def shrunk_bounds() -> Iterator[None]:
 
 
 def record_fusable_chains(batch: bg.GpuCommandBatch, x: Tensor, y: Tensor) -> list[Tensor]:
-    """For every elementwise op accepting ``x``'s dtype but comparisons, a chain holding it (an op before it, one after,
-    a broadcast ``y`` (x's last axis) as its second operand, log's inputs kept positive): what a fused
-    kernel runs, one output per chain (declare them with ``batch.outputs`` for them to fuse)."""
+    """For every elementwise op accepting ``x``'s dtype, a chain holding it (an op before it, one after: a
+    comparison's uint32 mask goes into ``where``; a broadcast ``y`` (x's last axis) as its second operand,
+    log's inputs kept positive): what a fused kernel runs, one output per chain (declare them with
+    ``batch.outputs`` for them to fuse)."""
     outputs = []
     floats = x.dtype.kind == "f"
     positive_y = batch.add(batch.abs(y), 0.5) if floats else y
     for op, row in EXPRESSIONS.items():
-        if not accepts(op, x.dtype) or row.mask:  # comparisons (uint32 masks) end chains: not fusable
+        if not accepts(op, x.dtype):
             continue
         first = batch.add(batch.abs(x), 0.5) if floats else batch.copy(x)
         if row.arity == 1:
             value = getattr(batch, op)(first)
         else:
             value = getattr(batch, op)(first, positive_y if op == "div" else y)
+        if row.mask:
+            outputs.append(batch.where(value, x, first))
+            continue
         outputs.append(batch.add(value, x) if op != "copy" else batch.neg(value) if x.dtype != np.uint32 else value)
     through_half = batch.cast(batch.cast(batch.add(x, x), np.float16), np.float32)  # an intermediate rounded
     outputs.append(batch.cast(through_half, x.dtype) if x.dtype != np.float32 else batch.mul(through_half, 3.0))

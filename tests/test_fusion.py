@@ -54,7 +54,7 @@ def test_every_elementwise_op_inside_a_fused_kernel(gpu, ref, dtype):
     rng = np.random.default_rng(1)
     arrays = [random_array(rng, (3, 37), dtype), random_array(rng, (37,), dtype)]
     ops = check_fused(gpu, ref, arrays, lambda b, x, y: record_fusable_chains(b, x, y))
-    wanted = sorted(op for op, row in EXPRESSIONS.items() if accepts(op, dtype) and not row.mask)
+    wanted = [*sorted(op for op in EXPRESSIONS if accepts(op, dtype)), "where"]
     inside = {name for op in ops if op.startswith("fused(") for name in op[6:-1].split("+")}
     assert set(wanted) <= inside, f"not fused: {set(wanted) - inside}"
 
@@ -71,7 +71,7 @@ SHAPES = [(1,), (7,), (3, 5), (2, 3, 11), (257,), (4, 1, 67), (5, 131)]
 
 def random_graph(seed: int) -> tuple[list[np.ndarray], Build]:
     """Random inputs and a random graph of elementwise ops over them: broadcast operands, Python scalars,
-    casts between dtypes, values read twice, a declared intermediate."""
+    casts between dtypes, comparisons into ``where``, values read twice, a declared intermediate."""
     rng = np.random.default_rng(seed)
     shape = SHAPES[rng.integers(len(SHAPES))]
     dtype = np.dtype([np.float32, np.float32, np.float16, np.int32, np.uint32][rng.integers(5)])
@@ -101,6 +101,9 @@ def random_graph(seed: int) -> tuple[list[np.ndarray], Build]:
             op = binary[(pick >> 5) % len(binary)]
             partners = [(t, e) for t, e in pool if t.dtype == x.dtype and t.ndim <= x.ndim + 1]
             y, y_exact = partners[(pick >> 9) % len(partners)] if (pick >> 7) % 4 else (3 if not floats else 0.5, True)
+            if roll > 0.8:  # a comparison's mask into where: the larger of the two (continuous where they flip)
+                pool.append((batch.where(x > y, x, y), exact and y_exact))
+                continue
             result = getattr(batch, op)(x, y)
             pool.append((result, exact and y_exact and op in EXACT))
             if (pick >> 13) % 7 == 0:
@@ -243,9 +246,8 @@ def test_a_chain_over_more_inputs_than_one_kernel_binds_is_split(gpu, ref):
 
 @pytest.mark.slow
 def test_fused_chain_above_one_dispatch_limit(gpu):
-    """Kernels with more workgroups than one grid dimension allows, with a broadcast input: a fused
-    elementwise chain, and ``where`` over a comparison (comparisons and ``where`` run on their own: a
-    uint32 mask does not share a chain's compute type)."""
+    """Fused kernels with more workgroups than one grid dimension allows, with a broadcast input: an
+    elementwise chain, and ``where`` over a comparison."""
     n = gpu.limits.max_compute_workgroups_per_dimension * 256 + 999
     rng = np.random.default_rng(6)
     x = rng.standard_normal((n // 3, 3), dtype=np.float32)
@@ -253,7 +255,7 @@ def test_fused_chain_above_one_dispatch_limit(gpu):
     (out, picked), ops = run(
         gpu, [x, w], lambda b, x, w: [b.add(b.relu(b.mul(x, w)), 1.5), b.where(x > w, x, b.mul(w, 2.0))]
     )
-    assert ops == ["fused(mul+relu+add)", "greater", "mul", "where"], ops
+    assert ops == ["fused(mul+relu+add)", "mul", "fused(greater+where)"], ops
     np.testing.assert_array_equal(out, np.maximum(x * w, 0) + np.float32(1.5))
     np.testing.assert_array_equal(picked, np.where(x > w, x, w * np.float32(2.0)))
 

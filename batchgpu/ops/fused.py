@@ -32,6 +32,9 @@ PLACEHOLDERS = ("FUNCTIONS", "BODY")
 CAST = "cast"
 """The program's name of a conversion (the ``cast`` op): no expression, the target type's conversion."""
 
+WHERE = "where"
+"""The ``where`` op (batchgpu.ops.select): in a program, ``where_<condition's compute type>``."""
+
 
 @dataclass(frozen=True)
 class Load:
@@ -162,17 +165,22 @@ def _let(index: int, wgsl_type: str, value: str, language: Language) -> str:
 
 
 def is_fusible(node: Node) -> bool:
-    """Whether ``node`` may join a fused chain: an op of the op-expression table (not a comparison) or a
-    cast, on plain tensors (quantized weights stay with their kernels)."""
+    """Whether ``node`` may join a fused chain: an op of the op-expression table, a cast or ``where``, on
+    plain tensors (quantized weights stay with their kernels)."""
     name = node.spec.name
-    if name in EXPRESSIONS and EXPRESSIONS[name].mask:
-        return False  # a mask's dtype is not its operands': the chain's one compute type would not hold
-    return (name in EXPRESSIONS or name == CAST) and all(type(t) is Tensor for t in (*node.inputs, *node.outputs))
+    return (name in EXPRESSIONS or name in (CAST, WHERE)) and all(
+        type(t) is Tensor for t in (*node.inputs, *node.outputs)
+    )
 
 
 def compute_type(node: Node) -> str | None:
-    """The compute type an op of a chain works in (None for a cast, which converts between two)."""
-    return None if node.spec.name == CAST else WGSL_COMPUTE_TYPE[node.inputs[0].dtype]
+    """The compute type an op of a chain works in: its operands' (a comparison's too, whose uint32 mask
+    the program converts to), ``where``'s values' (not its condition's); None for a cast, which converts
+    between two."""
+    if node.spec.name == CAST:
+        return None
+    operand = node.inputs[1] if node.spec.name == WHERE else node.inputs[0]
+    return WGSL_COMPUTE_TYPE[operand.dtype]
 
 
 def input_key(tensor: Tensor) -> tuple[Storage, tuple[int, ...]]:
@@ -200,6 +208,21 @@ class _Builder:
             self.values[key] = len(self.program) - 1
         return self.values[key]
 
+    def apply(self, member: Node, args: tuple[int, ...]) -> int:
+        """Append ``member`` of values ``args``; the index of its result."""
+        name, dtype = member.spec.name, member.output.dtype
+        if name == WHERE:  # the condition tested in its own type
+            name = f"{WHERE}_{self._ctype(args[0])}"
+        elif name in EXPRESSIONS and EXPRESSIONS[name].mask:  # 0/1 in the operands' type, held as uint32
+            operand = self._ctype(args[0])
+            self.program.append(Apply(name, args, operand, operand))
+            name, args = CAST, (len(self.program) - 1,)
+        self.program.append(Apply(name, args, WGSL_COMPUTE_TYPE[dtype], WGSL_TYPE[dtype]))
+        return len(self.program) - 1
+
+    def _ctype(self, value: int) -> str:
+        return self.program[value].ctype
+
 
 def fuse_nodes(members: Sequence[Node]) -> Node:
     """One node running ``members`` (a chain in recording order: every member but the last is read by one
@@ -209,10 +232,7 @@ def fuse_nodes(members: Sequence[Node]) -> Node:
     builder = _Builder(root.output.shape, [], [], {})
     for member in members:
         args = tuple(builder.operand(t, internal) for t in member.inputs)
-        op = CAST if member.spec.name == CAST else member.spec.name
-        dtype = member.output.dtype
-        builder.program.append(Apply(op, args, WGSL_COMPUTE_TYPE[dtype], WGSL_TYPE[dtype]))
-        builder.values[member.output.storage] = len(builder.program) - 1
+        builder.values[member.output.storage] = builder.apply(member, args)
     if len(builder.inputs) > MAX_FUSED_INPUTS:
         raise ValueError(f"fuse_nodes: {len(builder.inputs)} inputs, at most {MAX_FUSED_INPUTS}")
     name = "fused(" + "+".join(m.spec.name for m in members) + ")"
