@@ -1,6 +1,7 @@
-"""Elementwise fusion: chains of elementwise ops executed fused and unfused, interleaved in one run:
-dispatches and ms per execute. ``gelu-style``: a GELU-style activation with bias and residual, and a cast
-round trip; ``where``: a leaky ReLU and a clamp written with comparisons and ``where``.
+"""Elementwise fusion: chains of elementwise ops executed fused and unfused, interleaved in one run (each
+first in every other round): dispatches and ms per execute. ``gelu-style``: a GELU-style activation
+with bias and residual, and a cast round trip; ``where``: a leaky ReLU and a clamp written with
+comparisons and ``where``.
 
     python benchmarks/fusion.py [--device wgpu,reference] [--elements 1048576] [--repeat 20]
 """
@@ -72,8 +73,9 @@ def main() -> None:
             batch.execute()
             batch.read(out)
             dispatches[fusion] = device.stats.dispatches - before
-        for _ in range(args.repeat):
-            for fusion, (batch, out) in runs.items():
+        for round_ in range(args.repeat):  # which runs first alternates: the second of a pair ran slower
+            for fusion in (False, True) if round_ % 2 == 0 else (True, False):
+                batch, out = runs[fusion]
                 started = time.perf_counter()
                 batch.execute()
                 batch.read(out)
