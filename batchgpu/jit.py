@@ -120,9 +120,10 @@ def jit(fn: Callable[..., Any] | None = None, *, device: Device | None = None, f
 def _signature(key: int | str, value: Any) -> Hashable:
     """What makes a new capture: an array's shape and dtype, a tensor's identity, another value itself."""
     if isinstance(value, np.ndarray):
-        if value.dtype.newbyteorder("=") not in SUPPORTED:
+        dtype = value.dtype.newbyteorder("=")
+        if dtype not in SUPPORTED:
             host_array(value, what=f"jit argument {key}")  # raises the upload's DTypeError (float64, int64, ...)
-        return ("array", value.shape, value.dtype.newbyteorder("=").str)
+        return ("array", value.shape, dtype.str)
     if isinstance(value, Tensor):
         if not value.resident:
             raise ArgumentError(

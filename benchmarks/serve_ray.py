@@ -71,9 +71,8 @@ def ray_cluster(device: str, replicas: int, max_batch: int, max_context: int, cp
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         options = EngineOptions(model=str(smollm2_path()), device=device, max_batch=max_batch, max_context=max_context)
-        serve.run(
-            build_app(options, replicas=replicas, model_name="m", cpus_per_replica=cpus), name="bench"
-        )  # returns once it runs
+        app = build_app(options, replicas=replicas, model_name="m", cpus_per_replica=cpus)
+        serve.run(app, name="bench")  # returns once the application runs
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         serve.shutdown()

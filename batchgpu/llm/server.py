@@ -147,8 +147,7 @@ async def _events(
                 last = piece
                 yield chunk(piece, role=False)
         except RequestError as exc:  # failed mid-stream (a replica lost): an error event, then the end
-            error = {"message": str(exc), "type": type(exc).__name__, "param": None, "code": None}
-            yield f"data: {json.dumps({'error': error})}\n\n"
+            yield f"data: {json.dumps(_error_body(str(exc), type(exc).__name__))}\n\n"
             return
         if usage:
             summary = {"id": ident, "object": kind, "created": created, "model": model, "choices": []}
@@ -169,9 +168,12 @@ def _usage(piece: Piece) -> dict[str, int]:
 def _error(status: int, message: str) -> Any:
     from starlette.responses import JSONResponse
 
-    return JSONResponse(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}, status
-    )
+    return JSONResponse(_error_body(message, "invalid_request_error"), status)
+
+
+def _error_body(message: str, kind: str) -> dict[str, Any]:
+    """OpenAI's error object: the body of a refusal, and the last event of a stream that failed."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
 def _prompt(body: dict[str, Any]) -> str | list[int]:
