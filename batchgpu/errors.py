@@ -52,3 +52,9 @@ class RequestError(BatchError, ValueError):
 class ExportError(BatchError, BufferError):
     """A tensor cannot be shared through ``__dlpack__`` / ``__cuda_array_interface__`` (a BufferError,
     as DLPack consumers expect)."""
+
+
+class ModelFileError(BatchError, ValueError):
+    """A model file or directory that cannot be what it claims (a path outside the model directory, a
+    header or metadata field out of range, data past the end of the file): names the file and the field,
+    with expected vs actual, and is raised before anything sized by the bad value is allocated."""
