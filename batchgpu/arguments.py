@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ArgumentError
+from .promotion import scalar_value
 
 
 def flag(what: str, name: str, value: Any) -> bool:
@@ -18,10 +19,15 @@ def flag(what: str, name: str, value: Any) -> bool:
 
 
 def real(what: str, name: str, value: Any) -> float:
-    """A real number (int, float or a numpy number, not a bool) as a float."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    """A real number (int, float, a numpy integer or floating scalar or 0-d array, not a bool: the numbers
+    ops take, :func:`batchgpu.promotion.scalar_value`) as a float."""
+    number = scalar_value(value)
+    if number is None:
         raise ArgumentError(f"{what}: {name} must be a number, got {type(value).__name__} {value!r:.40}")
-    return float(value)
+    try:
+        return float(number)
+    except OverflowError:
+        raise ArgumentError(f"{what}: {name} = {number!r:.40}... is too large for a float") from None
 
 
 def positive_reals(what: str, name: str, value: Any) -> tuple[float, ...] | None:

@@ -35,7 +35,7 @@ from .limits import check_launch
 from .ops import OPS, Node, OpSpec
 from .ops.elementwise import EXPRESSIONS
 from .profiling import Profile, Session
-from .promotion import promote_types
+from .promotion import has_float_scalar, promote_types, scalar_value
 from .recording import Recording
 from .runner import Readback, Runner, Ticket
 from .scalars import MAX_SCALARS, SCALAR_FORMATS, Scalar, check_value
@@ -326,8 +326,8 @@ class GpuCommandBatch:
         values = [v for v in (a, b) if isinstance(v, Tensor)]
         if not values:
             raise ArgumentError("where: a or b must be a Tensor (a where of two scalars is a constant)")
-        python_float = any(isinstance(v, (float, np.floating)) for v in (a, b))
-        target = promote_types("where", [v.dtype for v in values], python_float=python_float)
+        a, b = (v if isinstance(v, Tensor) else _number_operand("where", k, v) for k, v in (("a", a), ("b", b)))
+        target = promote_types("where", [v.dtype for v in values], python_float=has_float_scalar((a, b)))
         stand_ins = [_retyped(v, target) if isinstance(v, Tensor) else _constant_stand_in(target) for v in (a, b)]
         OPS["where"].infer((cond, *stand_ins), {})  # refuse bad shapes before recording casts or constants
         a, b = (self._as_dtype(v, target) for v in (a, b))
@@ -348,7 +348,7 @@ class GpuCommandBatch:
         shape = as_shape(shape, what="full")
         array = host_copy(np.full(shape, value), dtype, what="full") if dtype is not None else None
         if array is None:
-            array = np.full(shape, value, np.float32 if isinstance(value, (float, np.floating)) else np.int32)
+            array = np.full(shape, value, np.float32 if isinstance(scalar_value(value), float) else np.int32)
         self.device.check_storable("full", array.shape, array.dtype)
         return self._new_tensor(array.shape, array.dtype, "const", name or f"const{self._recording.count}", array)
 
@@ -624,8 +624,9 @@ class GpuCommandBatch:
         constants: list[tuple[Storage, np.ndarray]],
         target: np.dtype | None = None,
     ) -> Tensor:
-        """``value`` as an input tensor of the op: a member tensor, or a Python scalar as a constant of the
-        partner tensor's dtype (of ``target``, the promoted dtype, where given)."""
+        """``value`` as an input tensor of the op: a member tensor, or a scalar (a Python number, a numpy
+        scalar or 0-d array) as a constant of the partner tensor's dtype (of ``target``, the promoted
+        dtype, where given)."""
         op = spec.name
         argument = spec.operand_name(index, len(operands))
         if isinstance(value, Tensor):
@@ -633,20 +634,14 @@ class GpuCommandBatch:
             return value
         if not spec.literal_operands:  # e.g. buffers written in place: a number would silently be a constant
             raise ArgumentError(f"{op}: {argument} must be a Tensor, got {type(value).__name__}")
-        if isinstance(value, np.ndarray) or hasattr(value, "__array__") or isinstance(value, (list, tuple)):
-            raise ArgumentError(
-                f"{op}: {argument} is a {type(value).__name__} of shape {np.shape(value)}, not a Tensor; upload it "
-                f"first: batch.upload(array) (a batch input) or Device.tensor(array) (resident weights)"
-            )
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-            raise ArgumentError(f"{op}: {argument} must be a Tensor or a Python scalar, got {type(value).__name__}")
+        number = _number_operand(op, argument, value)
         partner = next((o for o in operands if isinstance(o, Tensor)), None)
         if partner is None:
             raise ArgumentError(f"{op}: at least one operand must be a Tensor")
-        array = _scalar_array(op, argument, value, partner, target or partner.dtype)
+        array = _scalar_array(op, argument, number, partner, target or partner.dtype)
         storage = Storage(array.nbytes, "const", array.dtype)
         constants.append((storage, array))
-        return Tensor((), array.dtype, storage, device=self.device, batch=self, name=f"scalar {value!r}")
+        return Tensor((), array.dtype, storage, device=self.device, batch=self, name=f"scalar {number!r}")
 
     def _check_member(self, op: str, argument: str, tensor: Tensor) -> None:
         if tensor.device is not self.device:
@@ -1083,7 +1078,7 @@ def _promotion(op: str, operands: Sequence[Any]) -> np.dtype | None:
     tensors = [o for o in operands if isinstance(o, Tensor)]
     if not tensors:
         return None
-    python_float = any(isinstance(o, (float, np.floating)) for o in operands)
+    python_float = has_float_scalar(operands)
     floats_only = EXPRESSIONS[op].dtypes == "float"
     return promote_types(op, [t.dtype for t in tensors], python_float=python_float, floats_only=floats_only)
 
@@ -1091,6 +1086,24 @@ def _promotion(op: str, operands: Sequence[Any]) -> np.dtype | None:
 def _deprecated(old: str, new: str) -> None:
     warnings.warn(
         f"{old} is deprecated: use {new}() (a numpy array) or {new}_async() (a coroutine)", DeprecationWarning, 3
+    )
+
+
+def _number_operand(op: str, argument: str, value: Any) -> int | float:
+    """A scalar operand (:func:`batchgpu.promotion.scalar_value`) as its Python number; arrays with
+    dimensions, bools, complex numbers and other values raise ``ArgumentError``."""
+    number = scalar_value(value)
+    if number is not None:
+        return number
+    if isinstance(value, (list, tuple)) or (hasattr(value, "__array__") and np.ndim(value) > 0):
+        raise ArgumentError(
+            f"{op}: {argument} is a {type(value).__name__} of shape {np.shape(value)}, not a Tensor; upload it "
+            f"first: batch.upload(array) (a batch input) or Device.tensor(array) (resident weights)"
+        )
+    dtype = f" of dtype {value.dtype}" if isinstance(value, (np.ndarray, np.generic)) else ""
+    raise ArgumentError(
+        f"{op}: {argument} must be a Tensor or a number (int, float, a numpy integer or floating scalar), got "
+        f"{type(value).__name__}{dtype} {value!r:.40}"
     )
 
 

@@ -3,12 +3,12 @@ small uniform buffer written by every ``execute(scalars={...})``: no re-recordin
 
 from __future__ import annotations
 
-import numbers
 import struct
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from .errors import BatchError, DTypeError, LimitError
+from .promotion import scalar_value
 
 if TYPE_CHECKING:
     from .batch import GpuCommandBatch
@@ -43,17 +43,20 @@ class Scalar:
 
 
 def check_value(scalar: Scalar, value: object) -> int | float:
-    """Validate one execute-time value of ``scalar``; returns it as a Python number."""
+    """Validate one execute-time value of ``scalar``: a number as ops take them
+    (:func:`batchgpu.promotion.scalar_value`: Python or numpy, a 0-d array; no bools); returns it as a
+    Python number."""
+    given = scalar_value(value)
     if scalar.dtype == "f32":
-        if isinstance(value, bool) or (not isinstance(value, (int, float)) and not hasattr(value, "__float__")):
-            raise DTypeError(f"execute: scalar {scalar.name!r} (f32) got {value!r}")
-        return float(value)  # type: ignore[arg-type]
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value).is_integer():
-        raise DTypeError(f"execute: scalar {scalar.name!r} ({scalar.dtype}) needs an int, got {value!r}")
-    number = int(value)  # type: ignore[call-overload]
+        if given is None:
+            raise DTypeError(f"execute: scalar {scalar.name!r} (f32) got {type(value).__name__} {value!r:.40}")
+        return float(given)
+    if given is None or (isinstance(given, float) and not given.is_integer()):
+        raise DTypeError(f"execute: scalar {scalar.name!r} ({scalar.dtype}) needs an int, got {value!r:.40}")
+    number = int(given)
     low, high = (0, 2**32 - 1) if scalar.dtype == "u32" else (-(2**31), 2**31 - 1)
     if not low <= number <= high:
-        raise DTypeError(f"execute: scalar {scalar.name!r} = {number} is out of range for {scalar.dtype}")
+        raise DTypeError(f"execute: scalar {scalar.name!r} = {number!r:.40} is out of range for {scalar.dtype}")
     for largest, why in scalar.bounds:
         if number > largest:
             raise LimitError(f"execute: scalar {scalar.name!r} = {number} exceeds {largest}: {why}")

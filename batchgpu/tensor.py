@@ -94,8 +94,9 @@ class Tensor:
     def __repr__(self) -> str:
         return f"Tensor({self.describe()})"
 
-    # numpy defers to the Tensor's reflected operators (``array + t`` calls ``t.__radd__``), which
-    # refuse arrays with a clear error instead of numpy building an object array of Tensors.
+    # numpy defers to the Tensor's reflected operators (``array + t`` calls ``t.__radd__``, and so do numpy
+    # scalars: ``np.sqrt(d) * t``), which take numpy scalars and 0-d arrays as constants and refuse arrays
+    # with dimensions with a clear error instead of numpy building an object array of Tensors.
     __array_ufunc__ = None
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:

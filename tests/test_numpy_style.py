@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import batchgpu as bg
+from batchgpu.ops.elementwise import EXPRESSIONS
 
 from .conftest import assert_close, random_array
 
@@ -224,3 +225,225 @@ def test_where_refusals_leave_nothing_recorded(ref):
     with pytest.raises(bg.ArgumentError, match=r"where: a or b must be a Tensor"):
         batch.where(x, 1, 2)
     assert len(batch) == ops
+
+
+# numpy scalars and 0-d arrays are constants, with the rule of the Python number they hold ---------------
+
+BINARY_OPS = sorted(op for op, expression in EXPRESSIONS.items() if expression.arity == 2)  # new rows join
+NUMPY_SCALAR_TYPES = [np.float64, np.float32, np.float16, np.int64, np.int32, np.uint32]
+TENSOR_DTYPES = [np.float32, np.float16, np.int32, np.uint32]
+
+
+def numpy_scalars(rng: np.random.Generator) -> list:
+    """A random value of each numpy scalar type (floats of either sign, positive ints so that uint32
+    tensors take them), as a numpy scalar and as a 0-d array."""
+    values = []
+    for kind in NUMPY_SCALAR_TYPES:
+        if np.dtype(kind).kind == "f":
+            value = kind(rng.uniform(0.5, 3.0) * rng.choice([-1, 1]))
+        else:
+            value = kind(rng.integers(1, 50))
+        values += [value, np.asarray(value)]
+    return values
+
+
+def python_number(value) -> int | float:
+    """The Python number a numpy scalar or 0-d array holds."""
+    return value.item()
+
+
+def compute_dtype(op: str, tensor_dtype, value) -> np.dtype:
+    """The documented rule for a tensor with a scalar (README, mixed dtypes): a float tensor keeps its
+    dtype; an integer tensor keeps its own with an integer scalar, and computes in float32 with a float
+    scalar or in an op defined on floats only."""
+    tensor_dtype = np.dtype(tensor_dtype)
+    if tensor_dtype.kind == "f":
+        return tensor_dtype
+    floats_only = EXPRESSIONS[op].dtypes == "float"
+    return np.dtype(np.float32) if floats_only or np.asarray(value).dtype.kind == "f" else tensor_dtype
+
+
+def scalar_on_either_side(batch: bg.GpuCommandBatch, op: str, t: bg.Tensor, scalars: list) -> list[bg.Tensor]:
+    """``op`` of ``t`` with each scalar on the right, then on the left; then the same with their Python
+    numbers."""
+    record = getattr(batch, op)
+
+    def both_sides(values: list) -> list[bg.Tensor]:
+        return [record(t, v) for v in values] + [record(v, t) for v in values]
+
+    return both_sides(scalars) + both_sides([python_number(v) for v in scalars])
+
+
+@pytest.mark.parametrize("op", BINARY_OPS)
+def test_numpy_scalars_are_constants_in_every_binary_op(gpu, ref, op):
+    """Each binary op of the table with every numpy scalar type and 0-d arrays on either side: the
+    result (values and dtype) equals the op with the Python number, and numpy's at the promoted dtype."""
+    rng = np.random.default_rng(sum(map(ord, op)))
+    for dtype in TENSOR_DTYPES:
+        data = random_array(rng, (3, 5), dtype, "positive" if op == "pow" else "any")
+        scalars = [abs(v) if op == "pow" else v for v in numpy_scalars(rng)]  # no NaN of negative bases
+        for device in (gpu, ref):
+            results = run(device, [data], lambda batch, t, s=scalars: scalar_on_either_side(batch, op, t, s))
+            half = len(results) // 2
+            for index, (got, same) in enumerate(zip(results[:half], results[half:])):
+                value = scalars[index % len(scalars)]
+                compute = compute_dtype(op, dtype, value)
+                operands = [data.astype(compute), np.asarray(value, compute)]
+                with np.errstate(all="ignore"):
+                    want = EXPRESSIONS[op].reference(*(operands if index < len(scalars) else operands[::-1]))
+                assert got.dtype == same.dtype, (op, dtype, value)
+                np.testing.assert_array_equal(got, same, err_msg=f"{op} {np.dtype(dtype)} {value!r}")
+                assert_close(got, want.astype(got.dtype), compute if compute.kind == "f" else got.dtype, scale=2)
+
+
+@pytest.mark.parametrize("dtype", TENSOR_DTYPES)
+def test_numpy_scalars_in_operators_where_and_clip(gpu, ref, dtype):
+    """Operators on either side of a numpy scalar (numpy's scalars and arrays defer to the tensor's
+    reflected ones), where and clip: the same tensors as with the Python numbers."""
+    rng = np.random.default_rng(11)
+    data = random_array(rng, (4, 3), dtype)
+    scalars = numpy_scalars(rng)
+
+    def expressions(b, t, s):
+        lo, hi = sorted([s, s * 2], key=float) if np.asarray(s).dtype.kind != "u" else (s, s * 2)
+        arithmetic = [t + s, s + t, t - s, s - t, t * s, s * t, t / s, s / t, t < s, s < t, t <= s, s <= t]
+        arithmetic += [t > s, s > t, t >= s, s >= t, b.where(t > s, t, s), b.where(t < s, s, t), t.clip(lo, hi)]
+        if np.dtype(dtype).kind == "f":
+            arithmetic += [abs(t) ** s, s ** (t * 0.25)]
+        return arithmetic
+
+    for device in (gpu, ref):
+        for value, number in ((v, python_number(v)) for v in scalars):
+            got = run(device, [data], lambda b, t, s=value: expressions(b, t, s))
+            want = run(device, [data], lambda b, t, s=number: expressions(b, t, s))
+            for index, (a, b) in enumerate(zip(got, want)):
+                assert a.dtype == b.dtype, (index, value)
+                np.testing.assert_array_equal(a, b, err_msg=f"expression {index} with {value!r}")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value"),
+    [
+        (np.int32, np.int64(2**40)),
+        (np.int32, np.uint32(2**32 - 1)),
+        (np.uint32, np.int32(-1)),
+        (np.uint32, np.int64(-(2**40))),
+        (np.float32, np.float64(1e300)),
+        (np.float16, np.float32(1e6)),
+        (np.float32, np.float64(1e-300)),
+        (np.int32, np.float64(2.5)),
+        (np.int32, np.float64(np.nan)),
+        (np.uint32, np.float32(-np.inf)),
+        (np.float16, np.float64(-0.0)),
+    ],
+    ids=repr,
+)
+def test_numpy_scalars_out_of_range_follow_the_python_number(ref, dtype, value):
+    """What a Python number does in an op of a tensor (refused out of an integer dtype's range, rounded to
+    the float dtype, float scalars promoting integer tensors), its numpy scalar and 0-d array do too."""
+    data = random_array(np.random.default_rng(12), (6,), dtype)
+    for given in (value, np.asarray(value)):
+        outcomes = []
+        for scalar in (given, python_number(given)):
+            batch = bg.GpuCommandBatch(ref)
+            t = batch.upload(data)
+            try:
+                with np.errstate(over="ignore"):
+                    out = batch.mul(t, scalar)
+                batch.execute()
+                outcomes.append(batch.read(out))
+            except bg.BatchError as exc:
+                outcomes.append((type(exc), str(exc)))
+        if isinstance(outcomes[1], np.ndarray):
+            assert isinstance(outcomes[0], np.ndarray) and outcomes[0].dtype == outcomes[1].dtype, outcomes[0]
+            np.testing.assert_array_equal(outcomes[0], outcomes[1])
+            np.testing.assert_array_equal(np.signbit(outcomes[0]), np.signbit(outcomes[1]))
+        else:
+            assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [np.bool_(True), np.asarray(False), True, np.complex64(1 + 2j), 1j, np.timedelta64(3), np.str_("2"), "2"],
+    ids=repr,
+)
+def test_scalars_that_are_not_numbers_are_refused(ref, bad):
+    """bools (Python's and numpy's), complex numbers, timedeltas and strings: ArgumentError naming the
+    operand, in ops and where, nothing recorded, the batch still works."""
+    batch = bg.GpuCommandBatch(ref)
+    x = random_array(np.random.default_rng(13), (5,), np.float32)
+    t = batch.upload(x)
+    mask = t > 0
+    ops = len(batch)
+    for record in (lambda: batch.add(t, bad), lambda: bad * t, lambda: batch.where(mask, t, bad)):
+        with pytest.raises(bg.ArgumentError, match=r"(b|a) must be a Tensor or a number"):
+            record()
+        assert len(batch) == ops
+    out = t * np.float32(2)
+    batch.execute()
+    np.testing.assert_array_equal(batch.read(out), x * 2)
+
+
+def test_arrays_with_dimensions_are_still_refused_and_numpy_inputs_unchanged(ref):
+    """1-d and (1,)-shaped arrays stay refused (upload them); numpy ints still give shapes, numpy scalars
+    still feed 0-d inputs and per-execute scalars, a 0-d float array makes a float32 constant."""
+    batch = bg.GpuCommandBatch(ref)
+    t = batch.upload(np.arange(1, 7, dtype=np.float32).reshape(2, 3))
+    for bad in (np.ones(3, np.float32), np.ones(1, np.float32), [1.0]):
+        with pytest.raises(bg.ArgumentError, match=r"not a Tensor; upload it first"):
+            t * bad
+    half = batch.upload(np.float32(0.5))
+    pos = batch.scalar("pos", "i32")
+    shaped = batch.reshape(t * half, (np.int64(3), np.int32(2)))
+    filled = batch.full(np.int64(2), np.asarray(2.5))
+    assert filled.dtype == np.float32  # was int32 holding 2
+    batch.execute({half: np.float32(0.25)}, scalars={"pos": np.int64(4)})
+    np.testing.assert_array_equal(batch.read(shaped), np.arange(1, 7, dtype=np.float32).reshape(3, 2) * 0.25)
+    np.testing.assert_array_equal(batch.read(filled), [2.5, 2.5])
+    assert pos.name == "pos"
+
+
+def test_per_execute_scalars_take_the_numbers_ops_take(ref):
+    """``execute(scalars=...)`` values: numpy scalars and 0-d arrays as their Python number; bools,
+    timedeltas, numeric strings and arrays with dimensions refused with DTypeError, the batch unharmed."""
+    batch = bg.GpuCommandBatch(ref)
+    batch.scalar("pos", "i32")
+    batch.scalar("temperature", "f32")
+    t = batch.upload(random_array(np.random.default_rng(14), (3,), np.float32))
+    out = t * 2.0
+    accepted = [
+        ({"pos": np.int64(3), "temperature": np.float32(0.5)}, (3, 0.5)),
+        ({"pos": np.asarray(4), "temperature": np.asarray(0.25)}, (4, 0.25)),  # pos was refused
+        ({"pos": np.uint32(5), "temperature": np.int32(2)}, (5, 2.0)),
+    ]
+    for scalars, values in accepted:
+        batch.execute(scalars=scalars)
+        assert tuple(batch.view().scalar_values.values()) == values
+    refused = [np.True_, np.timedelta64(3), np.str_("3"), np.ones(1, np.float32), np.complex64(1)]
+    for bad in refused:  # f32 took all but the complex, the (1,) array with a TypeError
+        for name in ("pos", "temperature"):
+            with pytest.raises(bg.DTypeError, match=rf"execute: scalar {name!r}"):
+                batch.execute(scalars={name: bad})
+    with pytest.raises(bg.DTypeError, match=r"scalar 'pos' = 1358\d+ is out of range for i32"):
+        batch.execute(scalars={"pos": 2**1100})  # was OverflowError: int too large to convert to float
+    batch.execute()
+    assert tuple(batch.view().scalar_values.values()) == (5, 2.0)
+    np.testing.assert_array_equal(batch.read(out), batch.read(t) * 2)
+
+
+def test_number_parameters_take_numpy_scalars_and_0d_arrays(ref):
+    """eps, theta, scale: a numpy scalar or 0-d array is the number it holds; bools, timedeltas and ints
+    too large for a float are refused with ArgumentError."""
+    rng = np.random.default_rng(15)
+    x, w = random_array(rng, (3, 8), np.float32), random_array(rng, (8,), np.float32)
+    results = []
+    for eps in (1e-2, np.float64(1e-2), np.asarray(1e-2), np.asarray([1e-2])[0]):
+        results += run(ref, [x, w], lambda b, t, u, e=eps: b.rms_norm(t, u, e))
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+    batch = bg.GpuCommandBatch(ref)
+    t, u = batch.upload(x), batch.upload(w)
+    for bad in (np.True_, np.timedelta64(1), np.ones(1), 2**1100):  # the timedelta was 1.0, 2**1100 OverflowError
+        with pytest.raises(bg.ArgumentError, match=r"rms_norm: eps"):
+            batch.rms_norm(t, u, bad)
+    assert len(batch) == 0
