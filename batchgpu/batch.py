@@ -8,7 +8,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -707,15 +707,16 @@ class GpuCommandBatch:
             runner.profiled = session
         return Submission(self, runner.ticket())
 
-    async def execute_async(
+    def execute_async(
         self,
         feeds: Mapping[Tensor | str, Any] | Iterable[tuple[Tensor | str, Any]] | None = None,
         *,
         scalars: Mapping[str, int | float] | Iterable[tuple[str, int | float]] | None = None,
         profile: bool = False,
-    ) -> Submission:
-        """``execute()`` for asyncio code: submits and returns; await ``read`` for results."""
-        return self.execute(feeds, scalars=scalars, profile=profile)
+    ) -> Coroutine[Any, Any, Submission]:
+        """``execute()`` for asyncio code: submits when called, in call order with every other execute and
+        read of the batch (like ``execute``); the coroutine it returns gives the :class:`Submission`."""
+        return _ready(self.execute(feeds, scalars=scalars, profile=profile))
 
     def profile(self) -> Profile:
         """Timing of the latest ``execute(profile=True)``: per dispatch the op, kernel, shapes, workgroups,
@@ -792,16 +793,15 @@ class GpuCommandBatch:
 
     # readback --------------------------------------------------------------------------------
 
-    async def read_async(self, tensor: Tensor) -> np.ndarray:
-        """:meth:`read` awaiting the GPU without blocking the event loop (resident tensors and their views
-        are read with a blocking copy)."""
+    def read_async(self, tensor: Tensor) -> Coroutine[Any, Any, np.ndarray]:
+        """:meth:`read` for asyncio code. The read is requested when called: it returns the value after
+        the latest execute submitted before this call, whatever is submitted (or released) before the
+        coroutine is awaited or completes; awaiting waits for the device without blocking the event loop
+        (resident tensors and their views are copied at the call)."""
         storage = self._check_readable(tensor)
         if storage.kind == "resident":
-            return self._read_resident(tensor)
-        assert self._runner is not None
-        with _naming_read_errors(tensor, self.name):
-            flat = await self._runner.read(storage)
-        return self._finish_read(tensor, flat)
+            return _ready(self._read_resident(tensor))
+        return _read_held(tensor, self._bind_read(tensor), self.name)
 
     def read(self, tensor: Tensor) -> np.ndarray:
         """The tensor's value after the latest execute, as a numpy array (blocks until the device is done;
@@ -812,7 +812,8 @@ class GpuCommandBatch:
         assert self._runner is not None
         with _naming_read_errors(tensor, self.name):
             flat = self._runner.read_sync(storage)
-        return self._finish_read(tensor, flat)
+        self._readback.want(storage)
+        return _shaped(tensor, flat)
 
     def read_sync(self, tensor: Tensor) -> np.ndarray:
         """Deprecated name of :meth:`read` (kept for one release)."""
@@ -826,9 +827,14 @@ class GpuCommandBatch:
             return self.device.read(tensor)
         return _shaped(tensor, self.device.executor.read_resident(tensor.storage))
 
-    def _finish_read(self, tensor: Tensor, flat: np.ndarray) -> np.ndarray:
+    def _bind_read(self, tensor: Tensor) -> Ticket:
+        """A hold on ``tensor``'s value after the latest execute, taken now (the read is requested);
+        later executes copy it back in their own submit."""
+        assert self._runner is not None
+        with _naming_read_errors(tensor, self.name):
+            ticket = self._runner.bind(tensor.storage)
         self._readback.want(tensor.storage)
-        return _shaped(tensor, flat)
+        return ticket
 
     def _check_readable(self, tensor: Tensor) -> Storage:
         self._check_open("read")
@@ -894,7 +900,9 @@ class GpuCommandBatch:
         )
 
     def release(self) -> None:
-        """Free the batch's device buffers now; the batch can no longer be used."""
+        """Free the batch's device buffers now; the batch can no longer be used. Reads requested before
+        (pending ``read_async`` coroutines, awaited or not) still complete with their values, from the
+        staging buffers they hold; any later read raises BatchError."""
         if self._runner is not None:
             self._runner.drop_execution()
         self._runner = None
@@ -907,6 +915,21 @@ def _shaped(tensor: Tensor, flat: np.ndarray) -> np.ndarray:
     return flat[: tensor.size].reshape(tensor.shape).copy()
 
 
+async def _ready(value: Any) -> Any:
+    """A coroutine giving ``value``: the ``*_async`` methods act when called and return this."""
+    return value
+
+
+async def _read_held(tensor: Tensor, ticket: Ticket, batch_name: str) -> np.ndarray:
+    """Wait for the value ``ticket`` holds (a read requested earlier), then let the hold go, however the
+    await ends (a value, an error, a cancellation; never awaited: when the coroutine is collected)."""
+    try:
+        with _naming_read_errors(tensor, batch_name):
+            return _shaped(tensor, await ticket.read(tensor.storage))
+    finally:
+        ticket.release()
+
+
 @contextlib.contextmanager
 def _naming_read_errors(tensor: Tensor, batch_name: str) -> Iterator[None]:
     """Device errors of a read say which tensor of which batch was being read."""
@@ -917,10 +940,11 @@ def _naming_read_errors(tensor: Tensor, batch_name: str) -> Iterator[None]:
 
 
 class Submission:
-    """One ``execute`` of a batch: the tensors it copied back (declared outputs, or the tensors read so
-    far) stay readable from here after later executes, so a loop can submit step n + 1 before reading
-    step n (a decode loop whose next input is written on the device). Holding a submission keeps its
-    readback buffers; reading it or :meth:`release` lets them go."""
+    """One ``execute`` of a batch, a handle on its results: the tensors it copied back (declared outputs,
+    or the tensors read so far) read as they were after this execute, whatever was submitted since, so a
+    loop can submit step n + 1 before reading step n (a decode loop whose next input is written on the
+    device). The submission holds its staging buffers until :meth:`release` or until it is collected;
+    reads requested through it hold them on their own until they complete."""
 
     def __init__(self, batch: GpuCommandBatch, ticket: Ticket) -> None:
         self.batch = batch
@@ -933,12 +957,11 @@ class Submission:
             flat = self._ticket.read_sync(storage)
         return _shaped(tensor, flat)
 
-    async def read_async(self, tensor: Tensor) -> np.ndarray:
-        """:meth:`read` without blocking the event loop."""
-        storage = self._check(tensor)
-        with _naming_read_errors(tensor, self.batch.name):
-            flat = await self._ticket.read(storage)
-        return _shaped(tensor, flat)
+    def read_async(self, tensor: Tensor) -> Coroutine[Any, Any, np.ndarray]:
+        """:meth:`read` without blocking the event loop; requested when called (a :meth:`release` or a
+        batch ``release()`` before it is awaited does not take its value away)."""
+        self._check(tensor)
+        return _read_held(tensor, self._ticket.share(), self.batch.name)
 
     def read_sync(self, tensor: Tensor) -> np.ndarray:
         """Deprecated name of :meth:`read` (kept for one release)."""
@@ -946,7 +969,8 @@ class Submission:
         return self.read(tensor)
 
     def release(self) -> None:
-        """Give this execute's readback buffers back without reading them."""
+        """Let this execute's readback buffers go without reading them (reads already requested still
+        complete); later reads through this submission raise BatchError."""
         self._ticket.release()
 
     def _check(self, tensor: Tensor) -> Storage:

@@ -4,6 +4,7 @@ runner, which carries the old one's device state over; nothing is reset by hand.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +73,7 @@ class Runner:
         self.plan: Plan = executor.plan(
             fused.nodes, self.buffers.storages, tuple(recording.scalars.values()), aliases=self.buffers.aliases
         )
-        self.execution: Execution | None = None
+        self.execution: Execution | None = None  # the latest execution of the plan, held until the next
         self.ran = False  # an execute of this runner, or of one it replaced, succeeded
         self.profiled: Session | None = None  # the latest execute(profile=True), kept across runners
 
@@ -94,61 +95,87 @@ class Runner:
         scalar_values: Mapping[str, int | float],
         extra: Mapping[str, Any],
     ) -> None:
-        """Upload ``writes``, run the plan, copy ``readback`` back; the previous execution is dropped."""
+        """Upload ``writes``, run the plan, copy ``readback`` back; the hold on the previous execution goes
+        (Submissions and reads requested before keep their own)."""
         self.drop_execution()
-        self.execution = self.executor.run(self.plan, list(writes.items()), readback, scalar_values, **extra)
+        execution = self.executor.run(self.plan, list(writes.items()), readback, scalar_values, **extra)
+        _hold(execution)
+        self.execution = execution
         self.ran = True
 
     def drop_execution(self) -> None:
+        """Let the latest execution go (abandoned unless a Submission or a read holds it)."""
         if self.execution is not None:
             if self.profiled is not None:
                 self.profiled.settle()  # read its timestamps before its readback buffer is recycled
-            self.execution.superseded = True
-            if not self.execution.holders:
-                self.execution.abandon()
-            self.execution = None
+            execution, self.execution = self.execution, None
+            _let_go(execution)
 
     def ticket(self) -> Ticket:
-        """A handle on the latest execution that keeps what it copied back readable after newer ones."""
+        """A hold on the latest execution: what it copied back stays readable after newer ones."""
         assert self.execution is not None
-        return Ticket(self, self.execution)
+        return Ticket(self.executor, self.execution)
 
-    async def read(self, storage: Storage) -> np.ndarray:
-        assert self.execution is not None
-        return await self.executor.read(self.plan, self.execution, storage)
+    def bind(self, storage: Storage) -> Ticket:
+        """A hold on the contents ``storage`` has after the latest execution, taken now (a read requested):
+        the latest execution when it copied ``storage`` back, else a copy submitted now. Later executes do
+        not change what it reads."""
+        return Ticket(self.executor, self._holding(storage))
 
     def read_sync(self, storage: Storage) -> np.ndarray:
+        """``storage`` after the latest execution, blocking (nothing else runs meanwhile: no hold needed)."""
+        return self.executor.read_sync(self._holding(storage), storage)
+
+    def _holding(self, storage: Storage) -> Execution:
         assert self.execution is not None
-        return self.executor.read_sync(self.plan, self.execution, storage)
+        return self.executor.holding(self.plan, self.execution, storage)
 
 
 class Ticket:
-    """One execution of a runner's plan, held: the storages it copied back stay readable (its staging
-    buffers are not recycled) until read or released, whatever ran since."""
+    """A hold on one execution: the storages it copied back stay readable (its staging buffers are not
+    recycled) until every hold on it is let go, whatever ran since; the last hold to go abandons it.
 
-    def __init__(self, runner: Runner, execution: Execution) -> None:
-        self.runner = runner
+    The batch holds its latest execution itself (:class:`Runner`). A ticket's hold goes by :meth:`release`
+    or when the ticket is garbage-collected: a ``weakref.finalize`` callback, which keeps the execution
+    reachable from outside the ticket, so that even a ticket collected with a reference cycle lets go of an
+    execution whose buffers are intact (a ``__del__`` would run after theirs and pool dead buffers)."""
+
+    def __init__(self, executor: Executor, execution: Execution) -> None:
+        self.executor = executor
         self.execution: Execution | None = execution
-        execution.holders += 1
+        _hold(execution)
+        self._finalizer = weakref.finalize(self, _let_go, execution)
+        self._finalizer.atexit = False  # at interpreter exit the device goes too: nothing to give back
 
     def holds(self, storage: Storage) -> bool:
         return self.execution is not None and self.execution.holds(storage)
 
+    def share(self) -> Ticket:
+        """Another hold on the same execution, released on its own."""
+        assert self.execution is not None
+        return Ticket(self.executor, self.execution)
+
     def read_sync(self, storage: Storage) -> np.ndarray:
         assert self.execution is not None and self.execution.holds(storage)
-        return self.runner.executor.read_sync(self.runner.plan, self.execution, storage)
+        return self.executor.read_sync(self.execution, storage)
 
     async def read(self, storage: Storage) -> np.ndarray:
         assert self.execution is not None and self.execution.holds(storage)
-        return await self.runner.executor.read(self.runner.plan, self.execution, storage)
+        return await self.executor.read(self.execution, storage)
 
     def release(self) -> None:
-        """Let the execution go (abandoned if a newer execute superseded it and nothing else holds it)."""
-        execution, self.execution = self.execution, None
-        if execution is not None:
-            execution.holders -= 1
-            if execution.superseded and not execution.holders:
-                execution.abandon()
+        """Let the execution go (abandoned when this was the last hold on it); idempotent."""
+        self.execution = None
+        self._finalizer()
 
-    def __del__(self) -> None:
-        self.release()
+
+def _hold(execution: Execution) -> None:
+    """Keep ``execution``'s read-back results until the matching :func:`_let_go`."""
+    execution.holders += 1
+
+
+def _let_go(execution: Execution) -> None:
+    """End one hold on ``execution``; the last one abandons it (its staging buffers are recycled)."""
+    execution.holders -= 1
+    if not execution.holders:
+        execution.abandon()

@@ -124,6 +124,7 @@ DEVICE_SUITES = (
     "test_block_formats",
     "test_numpy_style",
     "test_jit",
+    "test_async_reads",
 )
 WGPU_ONLY = {
     "test_kv_cache_decode_with_position_scalar",  # compares results keyed by "wgpu"

@@ -33,7 +33,7 @@ import numpy as np
 
 import batchgpu as bg
 from batchgpu import cuda_source
-from batchgpu.executors.base import POISON_BYTE, Execution, Plan, Stats, plan_buffers
+from batchgpu.executors.base import POISON_BYTE, Plan, Stats, plan_buffers
 from batchgpu.executors.native import DeviceAttributes, check_native_launch
 from batchgpu.executors.reference import ReferenceExecution, ReferenceExecutor
 from batchgpu.kernels import Launch
@@ -358,20 +358,11 @@ class CudaOnCpuExecutor(ReferenceExecutor):
                 raise MemoryError(f"{label}: the CPU harness could not allocate thread stacks")
             self.stats.dispatches += 1
         self.stats.submits += 1
-        return ReferenceExecution({s: self._flat(plan, s) for s in readback})
+        return ReferenceExecution({s: self.snapshot(plan, s) for s in readback})
 
-    @staticmethod
-    def _flat(plan: CpuPlan, storage: Storage) -> np.ndarray:
+    def snapshot(self, plan: Plan, storage: Storage) -> np.ndarray:
+        assert isinstance(plan, CpuPlan)
         return plan.arrays[storage][: storage.nbytes].copy().view(storage.dtype)
-
-    def read_sync(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
-        assert isinstance(plan, CpuPlan) and isinstance(execution, ReferenceExecution)
-        if storage not in execution.results:
-            execution.results[storage] = self._flat(plan, storage)
-        return execution.results[storage]
-
-    async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
-        return self.read_sync(plan, execution, storage)
 
 
 def device(kernels: Kernels) -> bg.Device:

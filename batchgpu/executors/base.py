@@ -149,16 +149,16 @@ def plan_buffers(
 
 
 class Execution:
-    """One submitted execute: where its readback results will come from. ``holders``: handles that keep
-    it readable after a newer execute (:class:`batchgpu.runner.Ticket`); ``superseded``: a newer execute
-    replaced it (it is abandoned once no handle holds it)."""
+    """One submitted execute (or copy-only submit): where its readback results will come from.
+    ``holders`` counts the holds on it (:class:`batchgpu.runner.Ticket`: the batch's on its latest
+    execute, each :class:`~batchgpu.batch.Submission`'s, each read's from the moment it is requested until
+    it completes); when the last one goes it is abandoned."""
 
     holders = 0
-    superseded = False
 
     def abandon(self) -> None:
-        """Called when a newer execute supersedes this one and nothing holds it; frees what is no longer
-        needed."""
+        """Called once nothing holds this execution (its results will never be read again); frees what is
+        no longer needed."""
 
     def holds(self, storage: Storage) -> bool:
         """Whether this execute copied ``storage`` back (its value stays readable after later executes)."""
@@ -281,11 +281,17 @@ class Executor(ABC):
         into it."""
 
     @abstractmethod
-    async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
-        """The flat contents of ``storage`` after ``execution``, without blocking the event loop."""
+    def holding(self, plan: Plan, execution: Execution, storage: Storage) -> Execution:
+        """An execution holding the contents ``storage`` has after the work submitted so far, for a read
+        requested now: ``execution`` (the latest run of ``plan``) when it copied ``storage`` back, else
+        one that copies it now (ordered after that work; a later run does not change what it holds)."""
 
     @abstractmethod
-    def read_sync(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
+    async def read(self, execution: Execution, storage: Storage) -> np.ndarray:
+        """The flat contents of ``storage`` that ``execution`` holds, without blocking the event loop."""
+
+    @abstractmethod
+    def read_sync(self, execution: Execution, storage: Storage) -> np.ndarray:
         """Blocking version of :meth:`read`."""
 
     def describe(self) -> dict[str, Any]:
@@ -433,20 +439,23 @@ class DeviceExecutor(Executor):
         """The error to raise when :meth:`wait_staged` raised ``exc``; None re-raises ``exc``."""
         return None
 
-    def read_sync(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
-        return self.collect(self._execution_holding(plan, execution, storage))[storage]
-
-    async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
-        """Waits on the executor's worker thread, which keeps waiting if this await is cancelled (a later
-        read, on any event loop, or a blocking one gets the result)."""
-        return (await self.collect_async(self._execution_holding(plan, execution, storage)))[storage]
-
-    def _execution_holding(self, plan: Plan, execution: Execution, storage: Storage) -> StagedExecution:
-        """``execution``, or for a storage it did not copy back, an extra copy-only execution of it."""
+    def holding(self, plan: Plan, execution: Execution, storage: Storage) -> StagedExecution:
+        """``execution``, or for a storage it did not copy back, an extra copy-only execution of it
+        submitted now."""
         assert isinstance(execution, StagedExecution)
         if not execution.holds(storage):
             execution = self.submit_copies(ReadbackLayout.single(storage, plan.buffers[storage]))
         return execution
+
+    def read_sync(self, execution: Execution, storage: Storage) -> np.ndarray:
+        assert isinstance(execution, StagedExecution)
+        return self.collect(execution)[storage]
+
+    async def read(self, execution: Execution, storage: Storage) -> np.ndarray:
+        """Waits on the executor's worker thread, which keeps waiting if this await is cancelled (a later
+        read, on any event loop, or a blocking one gets the result)."""
+        assert isinstance(execution, StagedExecution)
+        return (await self.collect_async(execution))[storage]
 
     def collect(self, execution: StagedExecution) -> dict[Storage, np.ndarray]:
         """The execution's results, waiting for the device (blocking); an asyncio read's wait in flight is

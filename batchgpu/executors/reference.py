@@ -115,7 +115,14 @@ class ReferenceExecutor(Executor):
         if profile is not None:
             run_node.done()
         self.stats.submits += 1
-        return ReferenceExecution({s: plan.arrays[s].copy() for s in readback})
+        return ReferenceExecution({s: self.snapshot(plan, s) for s in readback})
+
+    def snapshot(self, plan: Plan, storage: Storage) -> np.ndarray:
+        """A copy of ``storage``'s flat contents in ``plan`` now (what a readback copy lands)."""
+        assert isinstance(plan, ReferencePlan)
+        if storage not in plan.arrays:
+            raise NotExecutedError(f"read: {storage} is not part of this batch's plan")
+        return plan.arrays[storage].copy()
 
     def _run_node(self, plan: ReferencePlan, node: Node, scalars: Mapping[str, int | float]) -> None:
         if node.spec.view:
@@ -145,17 +152,19 @@ class ReferenceExecutor(Executor):
             cached = self._dequant_cache[tensor.storage.id] = np.asfortranarray(rows)
         return cached
 
-    async def read(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
-        return self.read_sync(plan, execution, storage)
+    def holding(self, plan: Plan, execution: Execution, storage: Storage) -> ReferenceExecution:
+        """``execution``, or for a storage it did not copy back, its contents copied now."""
+        assert isinstance(execution, ReferenceExecution)
+        if execution.holds(storage):
+            return execution
+        return ReferenceExecution({storage: self.snapshot(plan, storage)})
 
-    def read_sync(self, plan: Plan, execution: Execution, storage: Storage) -> np.ndarray:
-        assert isinstance(plan, ReferencePlan) and isinstance(execution, ReferenceExecution)
-        if storage in execution.results:
-            data = execution.results[storage]
-        elif storage in plan.arrays:
-            data = plan.arrays[storage].copy()
-        else:
-            raise NotExecutedError(f"read: {storage} is not part of this batch's plan")
+    async def read(self, execution: Execution, storage: Storage) -> np.ndarray:
+        return self.read_sync(execution, storage)
+
+    def read_sync(self, execution: Execution, storage: Storage) -> np.ndarray:
+        assert isinstance(execution, ReferenceExecution)
+        data = execution.results[storage]
         self.stats.bytes_read += data.nbytes
         return data
 

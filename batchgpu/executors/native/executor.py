@@ -450,7 +450,7 @@ class NativeExecutor(DeviceExecutor):
     def wait_staged(self, execution: StagedExecution) -> None:
         assert isinstance(execution, NativeExecution)
         if execution.event is None:
-            raise DeviceError(f"{self.kind}: read of an execute that a newer execute superseded")
+            raise DeviceError(f"{self.kind}: read of an execute nothing holds any more (every read holds its own)")
         self.make_current()
         execution.event.synchronize("waiting for the execute")
 
