@@ -155,18 +155,24 @@ def test_gguf_tensors_of_every_format_load(tmp_path, gpu):
     rng = np.random.default_rng(11)
     path = tmp_path / "formats.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in (("block_count", 1), ("embedding_length", 64), ("attention.head_count", 2),
-                       ("attention.head_count_kv", 2), ("feed_forward_length", 128), ("vocab_size", 10),
-                       ("rope.freq_base", 10000.0), ("attention.layer_norm_rms_epsilon", 1e-5)):  # fmt: skip
+    rows, k, layers = 3, 256, len(quant.FORMATS)  # a whole model: one format per layer's up projection (3, 256)
+    for key, value in (("block_count", layers), ("embedding_length", k), ("attention.head_count", 2),
+                       ("attention.head_count_kv", 2), ("attention.key_length", 2), ("feed_forward_length", rows),
+                       ("vocab_size", 10), ("rope.freq_base", 10000.0),
+                       ("attention.layer_norm_rms_epsilon", 1e-5)):  # fmt: skip
         (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(f"llama.{key}", value)
     expected = {}
-    for layer, name in enumerate(quant.FORMATS):  # one format per layer's up projection
-        rows, k = 3, 256
+    float_shapes = {"attn_norm": (k,), "ffn_norm": (k,), "attn_q": (4, k), "attn_k": (4, k), "attn_v": (4, k),
+                    "attn_output": (k, 4), "ffn_gate": (rows, k), "ffn_down": (k, rows)}  # fmt: skip
+    for layer, name in enumerate(quant.FORMATS):
         raw = random_blocks(rng, name, rows, k).reshape(rows, -1)
         kind = getattr(gguf.GGMLQuantizationType, name.upper())
         writer.add_tensor(f"blk.{layer}.ffn_up.weight", raw, raw_dtype=kind)
         expected[f"blk.{layer}.ffn_up.weight"] = (name, gguf_dequantized(raw.reshape(-1), name, (rows, k)))
-    vector = rng.standard_normal(64).astype(np.float32)
+        for tensor, shape in float_shapes.items():
+            writer.add_tensor(f"blk.{layer}.{tensor}.weight", rng.standard_normal(shape).astype(np.float32))
+    writer.add_tensor("token_embd.weight", rng.standard_normal((10, k)).astype(np.float32))
+    vector = rng.standard_normal(k).astype(np.float32)
     writer.add_tensor("output_norm.weight", vector.astype(np.float16))
     expected["output_norm.weight"] = (None, vector.astype(np.float16).astype(np.float32))
     writer.write_header_to_file()

@@ -16,6 +16,7 @@ import pytest
 
 import batchgpu as bg
 from batchgpu.llm.text import TextCodec
+from batchgpu.models.gguf_reader import GGUFFile
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
@@ -59,7 +60,7 @@ def write_vocabulary(path, model: str, tokens, *, scores=None, types=None, merge
 
 
 def codec_of(path) -> TextCodec:
-    return TextCodec.from_gguf(gguf.GGUFReader(str(path)))
+    return TextCodec.from_gguf(GGUFFile(path))
 
 
 @pytest.fixture(scope="module")

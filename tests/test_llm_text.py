@@ -22,7 +22,7 @@ def codec() -> TextCodec:
         path = smollm2_path()
     except Exception as exc:
         pytest.skip(str(exc))
-    return TextCodec.from_gguf(GGUFWeights(path).reader)
+    return TextCodec.from_gguf(GGUFWeights(path).file)
 
 
 def test_control_tokens_are_single_tokens(codec: TextCodec) -> None:

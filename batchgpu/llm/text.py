@@ -3,13 +3,17 @@ detokenization that never splits a UTF-8 character and holds back text that may 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import BatchError, RequestError
+from ..errors import BatchError, ModelFileError, RequestError
+from ..models.fields import Fields
+from ..models.files import optional_file, read_json, read_text
+
+if TYPE_CHECKING:
+    from ..models.gguf_reader import GGUFFile
 
 REPLACEMENT = "\ufffd"  # what a decoder makes of an incomplete UTF-8 sequence
 
@@ -35,45 +39,46 @@ class TextCodec:
         self.chat_template = chat_template
 
     @classmethod
-    def from_gguf(cls, reader: Any) -> TextCodec:
-        """The codec of a ``gguf.GGUFReader``'s ``tokenizer.*`` metadata."""
-        from ..models.gguf_tokenizer import gguf_tokenizer
+    def from_gguf(cls, file: GGUFFile) -> TextCodec:
+        """The codec of a GGUF file's ``tokenizer.*`` metadata."""
+        from ..models.gguf_tokenizer import gguf_tokenizer, token_id
 
-        fields = reader.fields
-        tokens = fields["tokenizer.ggml.tokens"].contents()
-        eos, bos = _field(fields, "tokenizer.ggml.eos_token_id"), _field(fields, "tokenizer.ggml.bos_token_id")
+        fields = file.fields()
+        vocabulary = fields.under("tokenizer.ggml.")
+        tokenizer = gguf_tokenizer(vocabulary)
+        tokens = vocabulary.texts("tokens")
+        eos, bos = token_id(vocabulary, "eos_token_id", tokens), token_id(vocabulary, "bos_token_id", tokens)
         return cls(
-            gguf_tokenizer(fields),
+            tokenizer,
             eos_ids=[eos] if eos is not None else [],
             bos_token=tokens[bos] if bos is not None else "",
             eos_token=tokens[eos] if eos is not None else "",
-            chat_template=_field(fields, "tokenizer.chat_template"),
+            chat_template=fields.text("tokenizer.chat_template", None),
         )
 
     @classmethod
     def from_hf(cls, directory: Path) -> TextCodec:
         """The codec of a Hugging Face model directory: ``tokenizer.json``, ``tokenizer_config.json`` (special
         tokens, chat template; or ``chat_template.jinja``) and the end tokens of ``generation_config.json``
-        or ``config.json``."""
-        from tokenizers import Tokenizer
-
-        if not (directory / "tokenizer.json").is_file():
+        or ``config.json``. Each file is read only inside the directory (links resolved) and checked as
+        it is read (ModelFileError naming the file and the key)."""
+        tokenizer_file = optional_file(directory, "tokenizer.json")
+        if tokenizer_file is None:
             raise BatchError(f"{directory}: no tokenizer.json (the model's tokenizer) in the directory")
-        tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-        settings = _json(directory / "tokenizer_config.json")
-        template = settings.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if (directory / "chat_template.jinja").is_file():
-            template = (directory / "chat_template.jinja").read_text()
-        bos, eos = (_token_text(settings.get(name)) for name in ("bos_token", "eos_token"))
-        ends = _json(directory / "generation_config.json").get("eos_token_id")
+        tokenizer = _tokenizer(tokenizer_file)
+        settings = _settings(directory, "tokenizer_config.json")
+        template = _chat_template(settings)
+        jinja = optional_file(directory, "chat_template.jinja")
+        if jinja is not None:
+            template = read_text(jinja)
+        bos, eos = (_token_text(settings, name) for name in ("bos_token", "eos_token"))
+        vocabulary = {"low": 0, "high": tokenizer.get_vocab_size() - 1, "single": True}
+        ends = _settings(directory, "generation_config.json").integers("eos_token_id", None, **vocabulary)
         if ends is None:
-            ends = _json(directory / "config.json").get("eos_token_id")
-        if ends is None and eos:
-            ends = tokenizer.token_to_id(eos)
-        ends = [ends] if isinstance(ends, int) else list(ends or [])
-        return cls(tokenizer, eos_ids=ends, bos_token=bos, eos_token=eos, chat_template=template)
+            ends = _settings(directory, "config.json").integers("eos_token_id", None, **vocabulary)
+        if ends is None:
+            ends = [tokenizer.token_to_id(eos)] if eos and tokenizer.token_to_id(eos) is not None else []
+        return cls(tokenizer, eos_ids=[int(end) for end in ends], bos_token=bos, eos_token=eos, chat_template=template)
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of ``text``; ``special``: with the tokens the tokenizer adds around a text (a
@@ -106,19 +111,46 @@ class TextCodec:
         )
 
 
-def _field(fields: Mapping[str, Any], name: str) -> Any:
-    return fields[name].contents() if name in fields else None
+def _tokenizer(file: Path) -> Any:
+    """A ``tokenizers`` Tokenizer from its JSON file; ModelFileError where the library refuses it."""
+    from tokenizers import Tokenizer
+
+    text = read_text(file)
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as error:  # the tokenizers library raises plain Exceptions
+        raise ModelFileError(f"{file}: not a tokenizer the tokenizers library reads: {error}") from None
 
 
-def _json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+def _settings(directory: Path, name: str) -> Fields:
+    """The fields of the directory's JSON object file ``name`` (none where there is no such file)."""
+    file = optional_file(directory, name)
+    return Fields(read_json(file) if file is not None else {}, file or directory / name)
 
 
-def _token_text(token: Any) -> str:
-    """A special token of tokenizer_config.json: a str, or an AddedToken's dict."""
-    if isinstance(token, Mapping):
-        return str(token.get("content", ""))
-    return token or ""
+def _chat_template(settings: Fields) -> str | None:
+    """tokenizer_config.json's chat template: a string, or named templates (the one named default)."""
+    template = settings.raw("chat_template", None)
+    if template is None or isinstance(template, str):
+        return template
+    if not isinstance(template, list) or not all(isinstance(t, Mapping) for t in template):
+        raise settings.refuse("chat_template", "a string or an array of {name, template} objects", template)
+    named = {}
+    for i, entry in enumerate(template):
+        fields = Fields(entry, settings.source, f"chat_template[{i}].")
+        named[fields.text("name")] = fields.text("template")
+    return named.get("default")
+
+
+def _token_text(settings: Fields, name: str) -> str:
+    """A special token of tokenizer_config.json: a str, or an AddedToken's object (its ``content``)."""
+    token = settings.raw(name, "")
+    if isinstance(token, str):
+        return token
+    inner = settings.mapping(name) if isinstance(token, Mapping) else None
+    if inner is None:
+        raise settings.refuse(name, "a string or an object with a string content", token)
+    return inner.text("content", "")
 
 
 def _chat_environment() -> Any:

@@ -12,7 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BatchError
+from ..errors import BatchError, ModelFileError
+from .fields import INT32_MAX, REQUIRED, Fields
+from .files import describe
+from .gguf_reader import GGUFFile
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 """GGUF ``general.architecture`` values this decoder runs: Llama (and the Llama-layout SmolLM2 and
@@ -62,119 +65,172 @@ class LlamaConfig:
             )
 
     @classmethod
-    def from_gguf(cls, reader: Any) -> LlamaConfig:
-        """The config from a ``gguf.GGUFReader``'s metadata (and its ``rope_freqs`` tensor, Llama 3)."""
-        fields = reader.fields
-        architecture = fields["general.architecture"].contents() if "general.architecture" in fields else "llama"
+    def from_gguf(cls, file: GGUFFile) -> LlamaConfig:
+        """The config from a GGUF file's metadata (and its ``rope_freqs`` tensor, Llama 3)."""
+        fields = file.fields()
+        architecture = fields.text("general.architecture", "llama")
         if architecture not in ARCHITECTURES:
             raise BatchError(
-                f"GGUF architecture {architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+                f"{file.source}: GGUF architecture {architecture!r} is not supported; "
+                f"supported: {', '.join(ARCHITECTURES)}"
             )
-
-        def field(name: str, default: Any = None) -> Any:
-            key = f"{architecture}.{name}"
-            if key in fields:
-                return fields[key].contents()
-            if default is None:
-                raise BatchError(f"GGUF metadata {key!r} is missing")
-            return default
-
-        tensors = {t.name: t for t in reader.tensors}
-        if f"{architecture}.vocab_size" in fields:
-            vocab = int(field("vocab_size"))
-        elif "token_embd.weight" in tensors:
-            vocab = int(tensors["token_embd.weight"].shape[-1])
-        else:
-            raise BatchError(f"GGUF: neither {architecture}.vocab_size nor token_embd.weight is in the file")
-        hidden, heads = int(field("embedding_length")), int(field("attention.head_count"))
-        head_size = int(field("attention.key_length", hidden // heads))
+        metadata = fields.under(f"{architecture}.")
+        embedding = file.tensors.get("token_embd.weight")
+        sizes = read_sizes(metadata, "gguf", {"vocab": embedding.shape[0] if embedding else REQUIRED})
+        head_size = sizes["head_size"]
         for key in ("attention.value_length", "rope.dimension_count"):
-            if int(field(key, head_size)) != head_size:
+            if metadata.integer(key, head_size) != head_size:
                 raise BatchError(
-                    f"GGUF {architecture} model: {architecture}.{key} other than the key length "
-                    f"{head_size} (partial rotary or unequal head sizes) is not supported"
+                    f"{file.source}: {metadata.name(key)} other than the key length {head_size} "
+                    "(partial rotary or unequal head sizes) is not supported"
                 )
-        scaling = field("rope.scaling.type", "none")
-        if "rope_freqs.weight" in tensors:
-            factors = tuple(float(f) for f in np.asarray(tensors["rope_freqs.weight"].data, np.float32).ravel())
+        scaling = metadata.text("rope.scaling.type", "none")
+        if "rope_freqs.weight" in file.tensors:
+            factors = gguf_rope_factors(file, head_size)
         elif scaling == "linear":
-            factors = (float(field("rope.scaling.factor")),) * (head_size // 2)
+            factors = (metadata.number("rope.scaling.factor", positive=True),) * (head_size // 2)
         elif scaling == "none":
             factors = None
         else:
             raise BatchError(
-                f"GGUF {architecture} model: RoPE scaling {scaling!r} is not supported; "
+                f"{file.source}: RoPE scaling {scaling!r} is not supported; "
                 "supported: none, linear, Llama 3 (rope_freqs)"
             )
         return cls(
-            layers=int(field("block_count")),
-            hidden=hidden,
-            heads=heads,
-            kv_heads=int(field("attention.head_count_kv", heads)),
-            ffn=int(field("feed_forward_length")),
-            vocab=vocab,
-            eps=float(field("attention.layer_norm_rms_epsilon")),
-            theta=float(field("rope.freq_base", 10000.0)),
-            context=int(field("context_length", 0)),
+            **sizes,
+            eps=metadata.number("attention.layer_norm_rms_epsilon", positive=True),
+            theta=metadata.number("rope.freq_base", 10000.0, positive=True),
             architecture=architecture,
-            head_size=head_size,
             rope_factors=factors,
-            sliding_window=int(field("attention.sliding_window", 0)),
         )
 
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> LlamaConfig:
-        """The config from a Hugging Face ``config.json`` (transformers 4's ``rope_theta`` /
-        ``rope_scaling`` or 5's ``rope_parameters``)."""
-        model_type = config.get("model_type")
+    def from_hf(cls, config: Mapping[str, Any], source: str = "config.json") -> LlamaConfig:
+        """The config from a Hugging Face ``config.json`` object read from ``source`` (transformers 4's
+        ``rope_theta`` / ``rope_scaling`` or 5's ``rope_parameters``)."""
+        if not isinstance(config, Mapping):
+            raise ModelFileError(f"{source}: must be a JSON object, got {describe(config)}")
+        fields = Fields(config, source)
+        model_type = fields.text("model_type")
         if model_type not in HF_MODEL_TYPES:
             raise BatchError(
-                f"Hugging Face model_type {model_type!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}"
+                f"{source}: Hugging Face model_type {model_type!r} is not supported; "
+                f"supported: {', '.join(HF_MODEL_TYPES)}"
             )
-        if config.get("hidden_act", "silu") != "silu":
-            raise BatchError(f"{model_type} model: hidden_act {config['hidden_act']!r} is not supported (silu only)")
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        head_size = int(config.get("head_dim") or hidden // heads)
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-        window = config.get("sliding_window") or 0
-        if not config.get("use_sliding_window", True) and "sliding_attention" not in config.get("layer_types", ()):
-            window = 0  # Qwen2/3 carry a window they do not use
+        if fields.text("hidden_act", "silu") != "silu":
+            raise BatchError(
+                f"{source}: {model_type} model: hidden_act {config['hidden_act']!r} is not supported (silu only)"
+            )
+        sizes = read_sizes(fields, "hf", {})
+        rope = (
+            fields.mapping("rope_parameters") or fields.mapping("rope_scaling") or Fields({}, source, "rope_scaling.")
+        )
+        theta = rope.number("rope_theta", fields.number("rope_theta", 10000.0, positive=True), positive=True)
+        layer_types = fields.texts("layer_types", [])
+        if not fields.flag("use_sliding_window", True) and "sliding_attention" not in layer_types:
+            sizes["sliding_window"] = 0  # Qwen2/3 carry a window they do not use
         return cls(
-            layers=int(config["num_hidden_layers"]),
-            hidden=hidden,
-            heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            ffn=int(config["intermediate_size"]),
-            vocab=int(config["vocab_size"]),
-            eps=float(config.get("rms_norm_eps", 1e-6)),
+            **sizes,
+            eps=fields.number("rms_norm_eps", 1e-6, positive=True),
             theta=theta,
-            context=int(config.get("max_position_embeddings", 0)),
             architecture=HF_MODEL_TYPES[model_type],
-            head_size=head_size,
-            rope_factors=hf_rope_factors(rope, head_size, theta),
-            sliding_window=int(window),
+            rope_factors=hf_rope_factors(rope, sizes["head_size"], theta),
         )
 
 
-def hf_rope_factors(rope: Mapping[str, Any], head_dim: int, theta: float) -> tuple[float, ...] | None:
+@dataclass(frozen=True)
+class Size:
+    """One integer of the config: its key in GGUF metadata (after ``<architecture>.``) and in config.json,
+    and its range."""
+
+    gguf: str
+    hf: str
+    low: int
+    high: int
+
+
+SIZES = {
+    "hidden": Size("embedding_length", "hidden_size", 1, 1 << 17),
+    "heads": Size("attention.head_count", "num_attention_heads", 1, 1 << 10),
+    "kv_heads": Size("attention.head_count_kv", "num_key_value_heads", 1, 1 << 10),
+    "head_size": Size("attention.key_length", "head_dim", 2, 1 << 12),
+    "layers": Size("block_count", "num_hidden_layers", 1, 1 << 10),
+    "ffn": Size("feed_forward_length", "intermediate_size", 1, 1 << 20),
+    "vocab": Size("vocab_size", "vocab_size", 1, 1 << 23),
+    "context": Size("context_length", "max_position_embeddings", 0, INT32_MAX),
+    "sliding_window": Size("attention.sliding_window", "sliding_window", 0, INT32_MAX),
+}
+"""The config's integers, read by :func:`read_sizes` from either file. The upper bounds are several times
+those of any released model (Llama 3.1 405B: 126 layers, 16384 wide, 128 heads, an FFN of 53248;
+vocabularies to 262144): they keep what is computed from a config before its tensors are checked against
+it small (RoPE factors, the tensor name map, the table of expected shapes). The tensors, which must have
+the shapes the config implies and lie inside their file, bound everything else."""
+
+
+def read_sizes(fields: Fields, source: str, defaults: Mapping[str, Any]) -> dict[str, int]:
+    """The :data:`SIZES` values from ``fields`` by their ``source`` (``"gguf"`` / ``"hf"``) keys, with
+    ``defaults`` where absent (besides: kv heads = heads, head size = hidden / heads, no context length,
+    no window); ModelFileError naming the key where one is out of range or they do not fit together."""
+
+    def key(name: str) -> str:
+        return getattr(SIZES[name], source)
+
+    def read(name: str, default: Any = REQUIRED) -> int:
+        return fields.integer(key(name), default, low=SIZES[name].low, high=SIZES[name].high)
+
+    hidden, heads = read("hidden"), read("heads")
+    if not fields.has(key("head_size")) and hidden % (2 * heads):
+        raise fields.refuse(
+            key("hidden"),
+            f"a multiple of 2 x {fields.name(key('heads'))} {heads} (no {key('head_size')} given)",
+            hidden,
+        )
+    implied = {"kv_heads": heads, "head_size": hidden // heads, "context": 0, "sliding_window": 0, **defaults}
+    sizes = {"hidden": hidden, "heads": heads}
+    sizes.update({name: read(name, implied.get(name, REQUIRED)) for name in SIZES if name not in sizes})
+    if heads % sizes["kv_heads"]:
+        raise fields.refuse(key("kv_heads"), f"a divisor of {fields.name(key('heads'))} {heads}", sizes["kv_heads"])
+    if sizes["head_size"] % 2:
+        raise fields.refuse(key("head_size"), "even (RoPE rotates pairs)", sizes["head_size"])
+    return sizes
+
+
+def gguf_rope_factors(file: GGUFFile, head_size: int) -> tuple[float, ...]:
+    """Llama 3's ``rope_freqs`` tensor: float32, one finite positive divisor per rotation pair."""
+    tensor = file.tensors["rope_freqs.weight"]
+    if tensor.kind != "F32" or tensor.shape != (head_size // 2,):
+        raise ModelFileError(
+            f"{file.source}: tensor 'rope_freqs.weight' must be F32 of shape ({head_size // 2},) (a factor per "
+            f"rotation pair), got {tensor.kind} of shape {tensor.shape}"
+        )
+    factors = file.data(tensor).view("<f4").astype(np.float64)
+    if not (np.isfinite(factors) & (factors > 0)).all():
+        raise ModelFileError(f"{file.source}: tensor 'rope_freqs.weight' must hold finite factors above 0")
+    return tuple(factors.tolist())
+
+
+def hf_rope_factors(rope: Fields, head_dim: int, theta: float) -> tuple[float, ...] | None:
     """Per-pair frequency divisors for a transformers RoPE config: None (default), the factor
     everywhere (linear), or Llama 3's band-wise factors (as llama.cpp's converter writes ``rope_freqs``)."""
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = rope.text("rope_type", rope.text("type", "default"))
     if kind == "default":
         return None
     if kind == "linear":
-        return (float(rope["factor"]),) * (head_dim // 2)
+        return (rope.number("factor", positive=True),) * (head_dim // 2)
     if kind == "llama3":
+        low = rope.number("low_freq_factor", positive=True)
+        high = rope.number("high_freq_factor", positive=True)
+        if high <= low:
+            raise rope.refuse("high_freq_factor", f"above low_freq_factor {low}", high)
         return llama3_rope_factors(
             head_dim,
             theta,
-            factor=float(rope["factor"]),
-            low=float(rope["low_freq_factor"]),
-            high=float(rope["high_freq_factor"]),
-            original_context=int(rope["original_max_position_embeddings"]),
+            factor=rope.number("factor", positive=True),
+            low=low,
+            high=high,
+            original_context=rope.integer("original_max_position_embeddings", low=1),
         )
-    raise BatchError(f"RoPE scaling {kind!r} is not supported; supported: default, linear, llama3")
+    raise BatchError(f"{rope.source}: RoPE scaling {kind!r} is not supported; supported: default, linear, llama3")
 
 
 def llama3_rope_factors(

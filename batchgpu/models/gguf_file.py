@@ -1,6 +1,6 @@
-"""Weights from a GGUF file (llama.cpp's format, read with the ``gguf`` package): tensors kept in their
-block format, float16 / bfloat16 vectors read as float32, and llama.cpp's q/k row permutation undone where
-its converter applied it."""
+"""Weights from a GGUF file (llama.cpp's format, read and checked by batchgpu/models/gguf_reader.py): tensors
+kept in their block format, float16 / bfloat16 vectors read as float32, and llama.cpp's q/k row permutation
+undone where its converter applied it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from .config import LlamaConfig
-from .weights import FLOAT_TYPES, Raw, Weights, block_format, refuse_unused
+from .gguf_reader import GGUFFile
+from .weights import Raw, Weights, block_format, check_tensors, check_vocabulary
 
 PERMUTED_TENSORS = ("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")
 
@@ -23,41 +24,48 @@ def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 class GGUFWeights(Weights):
-    """The GGUF tensors by name, as (rows, K) blocks or float32 arrays, with the q/k fix applied."""
+    """The GGUF tensors by name, as (rows, K) blocks or float32 arrays, with the q/k fix applied. Opening
+    checks the file's layout, its config and every tensor's shape and type against the config."""
 
     def __init__(self, path: Path | str) -> None:
-        import gguf
-
         self.path = Path(path)
-        self.reader = gguf.GGUFReader(str(path))
-        self.config = LlamaConfig.from_gguf(self.reader)
-        self._tensors = {t.name: t for t in self.reader.tensors}
-        refuse_unused(f"GGUF {self.config.architecture} model", self._tensors)
+        self.file = GGUFFile(self.path)
+        self.config = LlamaConfig.from_gguf(self.file)
+        self._tensors = self.file.tensors
+        check_tensors(self.config, {n: t.shape for n, t in self._tensors.items()}, self.describe, str(self.path))
+        for name in self._tensors:
+            self.layout(name)  # a type nobody here reads is refused now, not halfway through an upload
+
+    def describe(self, name: str) -> str:
+        """The tensor as messages name it."""
+        return f"{self.path}: tensor {name!r}"
 
     def names(self) -> list[str]:
         return [name for name in self._tensors if name != "rope_freqs.weight"]  # in the config already
 
     def layout(self, name: str) -> tuple[str | None, tuple[int, ...]]:
         tensor = self._tensors[name]
-        shape = tuple(int(e) for e in reversed(tensor.shape))  # GGUF lists dims innermost first
-        return block_format(tensor.tensor_type.name, shape, f"GGUF tensor {name}"), shape
+        return block_format(tensor.kind, tensor.shape, self.describe(name)), tensor.shape
 
     def raw(self, name: str) -> Raw:
         qtype, shape = self.layout(name)
         tensor = self._tensors[name]
-        data = np.asarray(tensor.data)
-        if qtype is None and tensor.tensor_type.name in FLOAT_TYPES[1:]:
-            from gguf import quants
+        data = self.file.data(tensor)
+        if qtype is None and tensor.kind != "F32":  # float16 / bfloat16 vectors and rows of partial blocks
+            from gguf import GGMLQuantizationType, quants
 
-            data = quants.dequantize(data, tensor.tensor_type)
+            data = quants.dequantize(data, GGMLQuantizationType[tensor.kind])
+        elif qtype is None:
+            data = data.view("<f4")
+        rows = data.reshape(shape[0], -1)
         if self.config.permuted and name.endswith(PERMUTED_TENSORS):
             heads = self.config.heads if "attn_q" in name else self.config.kv_heads
-            data = unpermute_rows(data.reshape(shape[0], -1), heads)
+            rows = unpermute_rows(rows, heads)
         if qtype is None:
-            return data.reshape(shape).astype(np.float32), None, shape
-        return data.view(np.uint8), qtype, shape
+            return rows.reshape(shape).astype(np.float32), None, shape
+        return rows, qtype, shape
 
     def codec(self) -> Any:
         from ..llm.text import TextCodec
 
-        return TextCodec.from_gguf(self.reader)
+        return check_vocabulary(TextCodec.from_gguf(self.file), self.config, f"{self.path}: tokenizer.ggml.tokens")

@@ -4,82 +4,82 @@ with the ``gguf`` package's own name map and read one at a time from memory-mapp
 about one tensor in host memory beyond what the device keeps; 2-D float16 / bfloat16 weights go to the
 device as they are (``f16`` / ``bf16`` blocks), everything else as float32.
 
-The safetensors header (8 bytes of length, then JSON naming each tensor's dtype, shape and byte range) is
-read here because the ``safetensors`` package's numpy reader has no bfloat16."""
+Every file is read as untrusted input (batchgpu/models/files.py): the index may name only plain file names
+that resolve inside the directory, and must list exactly the tensors its shards hold; each shard's header is
+checked against its file (batchgpu/models/safetensors_file.py); no tensor is in two shards; the config's
+sizes are checked (batchgpu/models/config.py) and every tensor's shape against them."""
 
 from __future__ import annotations
 
-import json
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import BatchError
+from ..errors import BatchError, ModelFileError
 from .config import LlamaConfig
-from .weights import Raw, Weights, block_format, refuse_unused
+from .fields import Fields
+from .files import model_file, optional_file, read_json
+from .safetensors_file import Stored, read_header
+from .weights import Raw, Weights, block_format, check_tensors, check_vocabulary
 
-STORED_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
-"""safetensors dtypes read here -> the numpy type their bytes are mapped as (bfloat16: raw 16-bit words)."""
-
+INDEX = "model.safetensors.index.json"
 RECOMPUTED = ("rotary_emb.inv_freq",)
 """Buffers some checkpoints carry that the decoder computes itself."""
 
 
-@dataclass(frozen=True)
-class Stored:
-    """Where one tensor's bytes are: its file, dtype, shape and absolute byte offset."""
-
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-
-    def array(self) -> np.ndarray:
-        """The tensor's bytes, memory-mapped (read when touched)."""
-        count = int(np.prod(self.shape, dtype=np.int64))
-        if count == 0:
-            return np.zeros(self.shape, STORED_TYPES[self.dtype])
-        return np.memmap(self.file, STORED_TYPES[self.dtype], "r", self.offset, self.shape)
-
-
-def read_header(file: Path) -> dict[str, Stored]:
-    """The tensors of one safetensors file, by their name in the file."""
-    with file.open("rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if entry["dtype"] not in STORED_TYPES:
-            raise BatchError(
-                f"{file.name}: tensor {name} has dtype {entry['dtype']}; supported: {', '.join(STORED_TYPES)}"
-            )
-        tensors[name] = Stored(file, entry["dtype"], tuple(entry["shape"]), 8 + length + entry["data_offsets"][0])
-    return tensors
+def shard_files(directory: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """The checkpoint's safetensors files, and the tensor -> file map of its index where it has one (else
+    its files are every ``*.safetensors`` of the directory)."""
+    index_file = optional_file(directory, INDEX)
+    if index_file is None:
+        files = [
+            model_file(directory, file.name, directory, "file") for file in sorted(directory.glob("*.safetensors"))
+        ]
+        if not files:
+            raise BatchError(f"{directory}: no *.safetensors files (a Hugging Face checkpoint in safetensors format)")
+        return files, None
+    weight_map = Fields(read_json(index_file), index_file).mapping("weight_map")
+    if weight_map is None:
+        raise ModelFileError(f"{index_file}: weight_map is missing")
+    places = {
+        tensor: model_file(directory, shard, index_file, f"weight_map[{tensor!r}]")
+        for tensor, shard in weight_map.values.items()
+    }
+    return sorted(set(places.values())), places
 
 
-def shard_files(directory: Path) -> list[Path]:
-    """The checkpoint's safetensors files: those its index names, else every ``*.safetensors``."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted({directory / shard for shard in json.loads(index.read_text())["weight_map"].values()})
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise BatchError(f"{directory}: no *.safetensors files (a Hugging Face checkpoint in safetensors format)")
-    return files
+def read_checkpoint(directory: Path) -> dict[str, Stored]:
+    """Every tensor of the checkpoint by its name, each in one file, as its index (if any) says."""
+    files, places = shard_files(directory)
+    stored: dict[str, Stored] = {}
+    for file in files:
+        for name, tensor in read_header(file).items():
+            if name in stored:
+                raise ModelFileError(
+                    f"{file}: tensor {name!r} is in two shards: {stored[name].file.name} and {file.name}"
+                )
+            stored[name] = tensor
+    if places is not None:
+        index = directory / INDEX
+        for name, place in places.items():
+            if name not in stored or stored[name].file != place:
+                where = f"in {stored[name].file.name}" if name in stored else "in no shard"
+                raise ModelFileError(f"{index}: weight_map[{name!r}] is {place.name}, but the tensor is {where}")
+        for name, tensor in stored.items():
+            if name not in places:
+                raise ModelFileError(f"{index}: weight_map lacks tensor {name!r} of {tensor.file.name}")
+    return stored
 
 
 def gguf_names(config: LlamaConfig, names: list[str]) -> dict[str, str]:
     """GGUF name -> the checkpoint's name, by the ``gguf`` package's tensor name map; a name it does not map
-    is kept as it is (and refused as unused)."""
+    is kept as it is (and refused as unused). The map covers at most as many layers as there are tensors
+    (a layer index past that cannot have all its tensors)."""
     import gguf
 
     architecture = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == config.architecture)
-    name_map = gguf.get_tensor_name_map(architecture, config.layers)
+    name_map = gguf.get_tensor_name_map(architecture, min(config.layers, len(names)))
     renamed = {}
     for name in names:
         if name.endswith(RECOMPUTED):
@@ -93,27 +93,36 @@ class SafetensorsWeights(Weights):
 
     def __init__(self, directory: Path | str) -> None:
         self.path = Path(directory)
-        config_file = self.path / "config.json"
-        if not config_file.is_file():
+        config_file = optional_file(self.path, "config.json")
+        if config_file is None:
             raise BatchError(f"{self.path}: no config.json (a Hugging Face model directory has one)")
-        self.settings: dict[str, Any] = json.loads(config_file.read_text())
-        self.config = LlamaConfig.from_hf(self.settings)
-        stored: dict[str, Stored] = {}
-        for file in shard_files(self.path):
-            stored.update(read_header(file))
-        self._stored = {gguf: stored[name] for gguf, name in gguf_names(self.config, list(stored)).items()}
-        refuse_unused(f"{self.path.name} ({self.settings['model_type']})", self._stored)
-        if "output.weight" in self._stored and self.settings.get("tie_word_embeddings"):
+        self.settings: dict[str, Any] = read_json(config_file)
+        self.config = LlamaConfig.from_hf(self.settings, str(config_file))
+        stored = read_checkpoint(self.path)
+        self._names = gguf_names(self.config, list(stored))
+        self._stored = {gguf: stored[name] for gguf, name in self._names.items()}
+        settings = Fields(self.settings, config_file)
+        tied = settings.flag("tie_word_embeddings", False) if settings.has("tie_word_embeddings") else None
+        if "output.weight" in self._stored and tied:
             del self._stored["output.weight"]  # tied: the embedding is the head
-        if "output.weight" not in self._stored and self.settings.get("tie_word_embeddings") is False:
-            raise BatchError(f"{self.path.name}: tie_word_embeddings is false but the checkpoint has no lm_head")
+        if "output.weight" not in self._stored and tied is False:
+            raise ModelFileError(f"{config_file}: tie_word_embeddings is false but the checkpoint has no lm_head")
+        shapes = {name: tensor.shape for name, tensor in self._stored.items()}
+        check_tensors(self.config, shapes, self.describe, f"{self.path} (by {config_file.name})")
+        for name in self._stored:
+            self.layout(name)
+
+    def describe(self, name: str) -> str:
+        """The tensor as messages name it: its file and its name there (and GGUF's)."""
+        stored_name = self._names[name]
+        return f"{self._stored[name].file}: tensor {stored_name!r}" + (f" ({name})" if stored_name != name else "")
 
     def names(self) -> list[str]:
         return list(self._stored)
 
     def layout(self, name: str) -> tuple[str | None, tuple[int, ...]]:
         stored = self._stored[name]
-        return block_format(stored.dtype, stored.shape, f"{self.path.name}: tensor {name}"), stored.shape
+        return block_format(stored.dtype, stored.shape, self.describe(name)), stored.shape
 
     def raw(self, name: str) -> Raw:
         qtype, shape = self.layout(name)
@@ -127,4 +136,4 @@ class SafetensorsWeights(Weights):
     def codec(self) -> Any:
         from ..llm.text import TextCodec
 
-        return TextCodec.from_hf(self.path)
+        return check_vocabulary(TextCodec.from_hf(self.path), self.config, f"{self.path / 'tokenizer.json'}")

@@ -4,15 +4,14 @@ on the device) or a float32 array. :func:`open_weights` opens a GGUF file or a H
 
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import BatchError
+from ..errors import BatchError, ModelFileError
 from ..quant import BLOCK, FORMATS, dequantize_words, to_device_words
 from .config import LlamaConfig
 
@@ -20,13 +19,33 @@ BLOCK_TYPES = {name.upper(): name for name in FORMATS}
 """Tensor types (GGUF's and safetensors' names) kept as blocks on the device (batchgpu/quant.py)."""
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
-MODEL_TENSORS = re.compile(
-    r"token_embd\.weight|output_norm\.weight|output\.weight|rope_freqs\.weight"
-    r"|blk\.\d+\.(attn_norm|ffn_norm|attn_output|ffn_gate|ffn_up|ffn_down|attn_q_norm|attn_k_norm)\.weight"
-    r"|blk\.\d+\.attn_[qkv]\.(weight|bias)"
-)
-"""Every tensor the decoder computes with (``rope_freqs``: the config's RoPE factors); a file holding others
-(biases elsewhere, a model of another shape) is refused rather than run without them."""
+MODEL_TENSORS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "token_embd.weight": (("vocab", "hidden"), True),
+    "output_norm.weight": (("hidden",), True),
+    "output.weight": (("vocab", "hidden"), False),
+    "rope_freqs.weight": (("rope_pairs",), False),
+}
+LAYER_TENSORS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "attn_norm.weight": (("hidden",), True),
+    "ffn_norm.weight": (("hidden",), True),
+    "attn_q.weight": (("q_rows", "hidden"), True),
+    "attn_k.weight": (("kv_rows", "hidden"), True),
+    "attn_v.weight": (("kv_rows", "hidden"), True),
+    "attn_output.weight": (("hidden", "q_rows"), True),
+    "ffn_gate.weight": (("ffn", "hidden"), True),
+    "ffn_up.weight": (("ffn", "hidden"), True),
+    "ffn_down.weight": (("hidden", "ffn"), True),
+    "attn_q.bias": (("q_rows",), False),
+    "attn_k.bias": (("kv_rows",), False),
+    "attn_v.bias": (("kv_rows",), False),
+    "attn_q_norm.weight": (("head_dim",), False),
+    "attn_k_norm.weight": (("head_dim",), False),
+}
+"""Every tensor the decoder computes with, per model and per layer (``blk.<i>.``): its shape in the
+config's terms and whether every model has it (``rope_freqs``: the config's RoPE factors). A file holding
+others (biases elsewhere, layers past the config's count) is refused rather than run without them."""
+PAIRED = ("attn_q_norm.weight", "attn_k_norm.weight")
+"""Per-layer tensors a layer has all of or none of."""
 
 Raw = tuple[np.ndarray, "str | None", tuple[int, ...]]
 
@@ -34,23 +53,76 @@ Raw = tuple[np.ndarray, "str | None", tuple[int, ...]]
 def block_format(kind: str, shape: tuple[int, ...], name: str) -> str | None:
     """The device format of a tensor of type ``kind`` (GGUF or safetensors spelling): None (float32) for
     F32, for vectors and for float16 / bfloat16 rows that are not whole blocks, else its block format;
-    BatchError naming the tensor for types nobody here reads."""
+    BatchError naming the tensor for types nobody here reads, ModelFileError for a block-quantized tensor
+    that is not a matrix."""
     if kind == "F32" or (kind in FLOAT_TYPES and (len(shape) != 2 or shape[1] % BLOCK)):
         return None
     if kind not in BLOCK_TYPES:
         supported = ", ".join(["F32", *BLOCK_TYPES])
-        raise BatchError(f"tensor {name}: block format {kind} is not supported; supported: {supported}")
+        raise BatchError(f"{name}: block format {kind} is not supported; supported: {supported}")
+    if len(shape) != 2:
+        raise ModelFileError(f"{name}: a tensor in block format {kind} must be a matrix, got shape {shape}")
     return BLOCK_TYPES[kind]
 
 
-def refuse_unused(source: str, names: Iterable[str]) -> None:
-    """BatchError naming the first tensor the decoder would not use (the file is not the model it runs)."""
-    extra = sorted(name for name in names if not MODEL_TENSORS.fullmatch(name))
-    if extra:
-        raise BatchError(
-            f"{source}: tensor {extra[0]!r} is not used by this decoder (and {len(extra) - 1} more); "
-            "refusing rather than computing without it"
+def expected_tensors(config: LlamaConfig) -> dict[str, tuple[tuple[int, ...], str, bool]]:
+    """Tensor name -> (shape, the shape in the config's terms, required) for a model of ``config``."""
+    sizes = {
+        "vocab": config.vocab,
+        "hidden": config.hidden,
+        "ffn": config.ffn,
+        "head_dim": config.head_dim,
+        "rope_pairs": config.head_dim // 2,
+        "q_rows": config.heads * config.head_dim,
+        "kv_rows": config.kv_heads * config.head_dim,
+    }
+
+    def entry(dims: tuple[str, ...], required: bool) -> tuple[tuple[int, ...], str, bool]:
+        return tuple(sizes[d] for d in dims), " x ".join(f"{d} {sizes[d]}" for d in dims), required
+
+    tensors = {name: entry(*spec) for name, spec in MODEL_TENSORS.items()}
+    for layer in range(config.layers):
+        tensors.update({f"blk.{layer}.{name}": entry(*spec) for name, spec in LAYER_TENSORS.items()})
+    return tensors
+
+
+def check_tensors(
+    config: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], describe: Callable[[str], str], model: str
+) -> None:
+    """ModelFileError unless the tensors (GGUF name -> shape) are those a model of ``config`` computes with,
+    each of the shape the config implies and every required one present; ``describe(name)`` names a
+    tensor's file and name in it, ``model`` the model's files (for a missing tensor)."""
+    expected = expected_tensors(config)
+    unused = sorted(name for name in shapes if name not in expected)
+    if unused:
+        raise ModelFileError(
+            f"{describe(unused[0])} is not used by this decoder (and {len(unused) - 1} more; the config's layer "
+            f"count is {config.layers}); refusing rather than computing without it"
         )
+    for name, (shape, terms, required) in expected.items():
+        if name not in shapes:
+            if required:
+                raise ModelFileError(f"{model}: tensor {name!r} ({terms}) is missing")
+            continue
+        if tuple(shapes[name]) != shape:
+            raise ModelFileError(
+                f"{describe(name)} must have the shape the config implies, ({terms}) = {shape}, got {shapes[name]}"
+            )
+    for layer in range(config.layers):
+        present = [f"blk.{layer}.{name}" for name in PAIRED if f"blk.{layer}.{name}" in shapes]
+        if present and len(present) != len(PAIRED):
+            missing = next(f"blk.{layer}.{name}" for name in PAIRED if f"blk.{layer}.{name}" not in shapes)
+            raise ModelFileError(f"{describe(present[0])} comes without tensor {missing!r}")
+
+
+def check_vocabulary(codec: Any, config: LlamaConfig, source: str) -> Any:
+    """``codec`` where its tokenizer's ids are all rows of the model's embedding; ModelFileError otherwise."""
+    if codec.vocab_size > config.vocab:
+        raise ModelFileError(
+            f"{source} has {codec.vocab_size} tokens, more than the model's vocabulary of {config.vocab} "
+            "(token_embd.weight rows)"
+        )
+    return codec
 
 
 class Weights(ABC):
