@@ -41,7 +41,13 @@ prepare() {
     "$PY" -m pip download -q "${GPU_PYTHON[@]}" -d "$tmp" "${pins[@]}" || { say "pip download failed"; exit 1; }
     rm -rf .whl .gl .model && mkdir -p .whl .gl .model
     find "$tmp" -name '*.whl' ! -name 'numpy-*' -exec mv {} .whl/ \;
-    printf '%s\n' "${pins[@]}" > .whl/requirements.txt
+    "$PY" - "${PACKAGES[@]}" > .whl/requirements.txt <<'EOF'  # what the project asks of them (pyproject.toml)
+import re, sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+specs = project["dependencies"] + [s for extra in project["optional-dependencies"].values() for s in extra]
+for name in sys.argv[1:]:
+    print(next(s for s in specs if re.match(rf"{re.escape(name)}\b(?![-\[])", s)).split(";")[0].split("#")[0].strip())
+EOF
     rm -rf "$tmp"
     (cd .gl && apt-get download "${DEBS[@]}" 2>/dev/null) || say "apt-get download failed (apt-get update first?)"
     local gguf
@@ -61,7 +67,8 @@ prepare() {
 
 install_wheels() {
     [[ -f .whl/requirements.txt ]] || return 0
-    # pip resolves against what is installed: only missing or too old packages come from .whl
+    # pip resolves the project's requirements against what is installed: only what is missing or does not
+    # satisfy them comes from .whl
     if "$PY" -m pip install -q --no-index --find-links .whl --no-cache-dir --disable-pip-version-check \
         -r .whl/requirements.txt; then
         say "installed (or already there): $(tr '\n' ' ' < .whl/requirements.txt)"
