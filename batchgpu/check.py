@@ -265,10 +265,13 @@ def stop_group(process: subprocess.Popen, grace_s: float) -> None:
 
 
 def node_id(case: ElementTree.Element) -> str:
-    """pytest's node id of a junit ``testcase`` (xunit1: the file is an attribute)."""
-    module = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+    """pytest's node id of a junit ``testcase`` (xunit1: the file is an attribute); a collection error's
+    case has no file, at most the module's dotted name."""
+    module = case.get("file") or (case.get("classname", "").replace(".", "/") + ".py" if case.get("classname") else "")
+    if not module:
+        return case.get("name") or "(collecting a test file)"
     parts = case.get("classname", "").split(".")
-    owner = f"{parts[-1]}::" if parts and parts[-1][:1].isupper() else ""  # a test class
+    owner = f"{parts[-1]}::" if parts[-1][:1].isupper() else ""  # a test class
     return f"{module}::{owner}{case.get('name')}"
 
 
@@ -328,7 +331,7 @@ def run_suite(options: Options, clock: Clock, scratch: Path) -> dict[str, Any]:
     del result["outcomes"]  # thousands of ids: the counts, failures and skips say it
     result["slowest"] = re.findall(r"^\d+\.\d+s (?:setup|call|teardown) .*$", result["output"], re.MULTILINE)
     options.say(f"check: test suite {describe_counts(result['counts'])} in {result['wall_s']:.0f} s")
-    failed = [f["test"] for f in result["failures"]][:RERUN_LIMIT]
+    failed = [f["test"] for f in result["failures"] if "::" in f["test"]][:RERUN_LIMIT]  # tests, not collections
     timeout = clock.timeout(120.0)
     if failed and timeout is not None and "-n" in result["command"]:
         options.say(f"check: {len(failed)} failed test(s) again, alone ...")

@@ -48,18 +48,20 @@ def run_check(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 def test_check_end_to_end_writes_json_and_markdown(tmp_path):
     pytest.importorskip("xdist", reason="pytest-xdist is in the test extra")
-    sample = tmp_path / "test_sample.py"
+    sample, broken = tmp_path / "test_sample.py", tmp_path / "test_broken.py"
     sample.write_text(SAMPLE_TESTS)
+    broken.write_text("import a_module_nobody_wrote\n")  # a collection error: counted, not run again
     out = tmp_path / "report"
-    done = run_check("--allow-cpu", "--quick", "--tests", str(sample), "--workers", "2", "--bench", "fusion",
-                     "--out", str(out))  # fmt: skip
+    done = run_check("--allow-cpu", "--quick", "--tests", f"{sample} {broken}", "--workers", "2", "--bench",
+                     "fusion", "--out", str(out))  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr  # two tests failed
     report = json.loads((out / "check.json").read_text())
     suite = report["suite"]
-    assert suite["counts"] == {"passed": 1, "failed": 2, "skipped": 1}
+    assert suite["counts"] == {"passed": 1, "failed": 2, "skipped": 1, "error": 1}
     assert suite["skips"] == [{"reason": "nothing to see", "count": 1}]
     failed = {f["test"].split("::")[-1]: f["message"] for f in suite["failures"]}
-    assert set(failed) == {"test_fails", "test_fails_only_with_workers"} and "two and two" in failed["test_fails"]
+    assert set(failed) == {"test_fails", "test_fails_only_with_workers", "(collecting a test file)"}
+    assert "two and two" in failed["test_fails"] and failed["(collecting a test file)"] == "collection failure"
     alone = {t["test"].split("::")[-1]: t["alone"] for t in suite["rerun"]["tests"]}
     assert alone == {"test_fails": "failed", "test_fails_only_with_workers": "passed"}
     (fusion,) = report["benchmarks"]
