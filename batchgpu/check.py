@@ -276,17 +276,21 @@ def node_id(case: ElementTree.Element) -> str:
 
 
 def read_junit(path: Path) -> dict[str, Any]:
-    """Each test's outcome, outcome counts, each failure (id, message), skip reasons with counts and counts
-    per file."""
+    """Each test's outcome (passed, failed, error, skipped, or unfinished when pytest was stopped during it),
+    outcome counts, each failure (id, message), skip reasons with counts and counts per file."""
     counts: Counter[str] = Counter()
     failures, skips, by_file, outcomes = [], Counter(), {}, {}
-    if not path.is_file():
-        return {"outcomes": {}, "counts": {}, "failures": [], "skips": [], "by_file": {}}
-    for case in ElementTree.parse(path).iter("testcase"):
+    try:
+        cases = list(ElementTree.parse(path).iter("testcase"))
+    except (OSError, ElementTree.ParseError):  # not written (pytest killed, or it never started)
+        cases = []
+    for case in cases:
         ident = node_id(case)
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
         skipped = case.find("skipped")
         outcome = "failed" if bad is not None and bad.tag == "failure" else "error" if bad is not None else "passed"
+        if not case.get("name") and not len(case):  # the placeholder of a test running when pytest was stopped
+            outcome = "unfinished"
         if skipped is not None and bad is None:
             outcome = "skipped"
             skips[skipped.get("message", "")] += 1

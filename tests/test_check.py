@@ -90,6 +90,24 @@ def test_check_passes_and_exits_0_when_everything_does(tmp_path):
     assert "**passed**" in (out / "check.md").read_text()
 
 
+def test_a_hung_suite_is_stopped_at_its_timeout_with_the_results_so_far(tmp_path):
+    pytest.importorskip("xdist", reason="pytest-xdist is in the test extra (its junit file names the unfinished test)")
+    sample = tmp_path / "test_hangs.py"
+    sample.write_text("import time\n\ndef test_quick():\n    pass\n\ndef test_hangs():\n    time.sleep(300)\n")
+    out = tmp_path / "report"
+    done = run_check("--allow-cpu", "--tests", str(sample), "--workers", "1", "--bench", "none", "--suite-timeout", "8",
+                     "--out", str(out))  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads((out / "check.json").read_text())
+    suite = report["suite"]
+    assert suite["timed_out"] and suite["returncode"] is None and suite["wall_s"] < 8 + check.GRACE_S + 5
+    assert suite["counts"] == {"passed": 1, "unfinished": 1}  # pytest stopped by SIGINT still wrote its junit file
+    assert (
+        "1 passed, 1 unfinished in" in (out / "check.md").read_text()
+        and "(timed out)" in (out / "check.md").read_text()
+    )
+
+
 def test_the_gpu_plan_runs_every_benchmark_on_every_gpu_executor():
     done = run_check("--dry-run", "--executors", "wgpu,cuda", "--tests", "none")
     assert done.returncode == 0, done.stderr
