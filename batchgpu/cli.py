@@ -1,5 +1,5 @@
 """The command line, ``python -m batchgpu`` or the ``batchgpu`` console script: ``info``, ``bench``,
-``profile`` and ``serve``.
+``profile``, ``serve`` and ``check``.
 
 - ``info``: wgpu adapters (backend, type, limits, features) and the one ``Device()`` picks, the cache
   dir, and whether the CUDA/HIP drivers behind ``bg.Device("cuda")``/``("hip")`` load, and why not.
@@ -11,6 +11,9 @@
   batch's per-op table for its latest execute (``--top N``: the N slowest dispatches and a per-kernel
   summary; ``--trace`` writes a Chrome trace of them all).
 - ``serve``: an OpenAI-compatible HTTP server of a GGUF or Hugging Face model (:mod:`batchgpu.llm.server`).
+- ``check``: on a machine with a GPU, the test suite with one pytest-xdist worker per CPU and the GPU
+  benchmarks on every GPU executor present, into one Markdown report and one JSON file
+  (:mod:`batchgpu.check`; needs the source checkout).
 
 The help texts the user sees are plain strings (:data:`DESCRIPTION` and the ``help=`` of each option),
 not this docstring.
@@ -34,7 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from . import __version__, cache, coldstart, profiling
+from . import __version__, cache, check, coldstart, profiling
 from .errors import UnsupportedError
 from .progress import progress
 
@@ -52,7 +55,8 @@ QUICK_OPS = (10, 50)
 
 DESCRIPTION = (
     "batchgpu command line: list adapters and devices (info), run the benchmark suite (bench), profile "
-    "every batch of a script (profile) or serve a model over an OpenAI-compatible HTTP API (serve)."
+    "every batch of a script (profile), serve a model over an OpenAI-compatible HTTP API (serve), or run the "
+    "test suite and the GPU benchmarks into one report (check)."
 )
 VERBOSE_HELP = "log compiles (-v) and cache hits (-vv); accepted before and after the command, counts add up"
 
@@ -123,7 +127,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="CPUs each replica holds with --ray (default: 1 beside a GPU, else the CPUs split between replicas)",
     )
+    add_check_command(command("check", "the test suite and the GPU benchmarks on every GPU executor: one report"))
     return parser
+
+
+def add_check_command(check_parser: argparse.ArgumentParser) -> None:
+    """The options of ``check`` (:class:`batchgpu.check.Options`)."""
+    add = check_parser.add_argument
+    add(
+        "--out", default="batchgpu-check", help="folder for check.md, check.json and junit.xml (default batchgpu-check)"
+    )
+    add("--tests", default="tests", help="pytest arguments selecting the tests (default: tests; none: no tests)")
+    add("--workers", type=int, default=0, help="pytest-xdist workers (default: one per CPU)")
+    names = ", ".join(dict.fromkeys(bench.name for bench in check.BENCHMARKS))
+    add("--bench", default="all", help=f"comma-separated benchmarks ({names}), all (default) or none")
+    add("--executors", default="", help="comma-separated executors to benchmark (default: the GPU executors found)")
+    add("--quick", action="store_true", help="small benchmark sizes (a smoke run, e.g. on a CPU)")
+    add("--allow-cpu", action="store_true", help="run without a GPU: on the CPU adapter (lavapipe) or the reference")
+    add("--budget", type=float, default=470.0, help="seconds for the whole check; each step's timeout is cut to fit "
+                                                    "(default 470)")  # fmt: skip
+    add("--suite-timeout", type=float, default=300.0, help="seconds for the test suite (default 300)")
+    add("--dry-run", action="store_true", help="print the commands it would run, run nothing")
 
 
 def log_level(args: argparse.Namespace) -> int | None:
@@ -138,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     level = log_level(args)
     if level is not None:
         logging.basicConfig(level=level, format="%(name)s: %(message)s")
-    commands = {"info": cmd_info, "bench": cmd_bench, "profile": cmd_profile, "serve": cmd_serve}
+    commands = {"info": cmd_info, "bench": cmd_bench, "profile": cmd_profile, "serve": cmd_serve, "check": cmd_check}
     return commands[args.command](args)
 
 
@@ -526,3 +550,23 @@ def serve_on_ray(args: argparse.Namespace, options: EngineOptions, model_name: s
         cpus_per_replica=args.cpus_per_replica,
     )
     return 0
+
+
+# check ------------------------------------------------------------------------------------------
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    options = check.Options(
+        out=Path(args.out),
+        tests=args.tests,
+        workers=args.workers,
+        benchmarks=args.bench,
+        executors=args.executors,
+        quick=args.quick,
+        allow_cpu=args.allow_cpu,
+        budget_s=args.budget,
+        suite_timeout_s=args.suite_timeout,
+        dry_run=args.dry_run,
+        say=lambda line: print(line, flush=True),
+    )
+    return check.main(options)

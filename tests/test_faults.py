@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -61,12 +62,20 @@ def test_destroy_after_execute_fails_the_read_and_later_use() -> None:
     check_new_device_works(rng)
 
 
-@pytest.mark.asyncio
-async def test_destroy_while_an_async_read_is_pending() -> None:
-    """The map may resolve after the destroy; reading its mapped range would abort the process inside
-    wgpu-native, so the executor checks the device first."""
-    rng = np.random.default_rng(72)
-    dev = bg.Device("wgpu")
+def hold_readback_waits(dev: bg.Device) -> threading.Event:
+    """Queue a job that blocks until the returned event is set on the executor's worker for asyncio reads
+    (``executor.waits``, which runs its jobs in order): a read started now stays pending however fast the
+    device is. Without it, a GPU that finishes a small batch within microseconds can have the read's map
+    resolved and its result returned before the reading task first yields (the race seen on an H100
+    under 16 pytest workers; lavapipe's matmuls take milliseconds, so it rarely shows there)."""
+    gate = threading.Event()
+    dev.executor.waits.submit(gate.wait)
+    return gate
+
+
+async def start_pending_read(dev: bg.Device, rng: np.random.Generator) -> asyncio.Future:
+    """An executed batch of ``dev`` named 'pending' and an asyncio read of its result, started and waiting
+    behind :func:`hold_readback_waits`' gate (the caller opens it)."""
     a = (random_array(rng, (256, 256), np.float32) / 256).astype(np.float32)
     batch = bg.GpuCommandBatch(dev, name="pending")
     t = ta = batch.upload(a)
@@ -76,7 +85,37 @@ async def test_destroy_while_an_async_read_is_pending() -> None:
     batch.read(t)
     await batch.execute_async()
     pending = asyncio.ensure_future(batch.read_async(t))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the read has queued its wait behind the gate
+    assert not pending.done()
+    return pending
+
+
+@pytest.mark.asyncio
+async def test_destroy_while_an_async_read_is_pending() -> None:
+    """Destroyed before the read's staging buffer is mapped: the map is never attempted on the destroyed
+    device (mapping there aborts the process inside wgpu-native); the read fails naming the batch."""
+    rng = np.random.default_rng(72)
+    dev = bg.Device("wgpu")
+    gate = hold_readback_waits(dev)
+    pending = await start_pending_read(dev, rng)
+    dev.executor.device.destroy()
+    gate.set()
+    with pytest.raises(bg.DeviceError, match=rf"read .*of batch 'pending'.*{LOST}"):
+        await asyncio.wait_for(pending, 60)
+    check_new_device_works(rng)
+
+
+@pytest.mark.asyncio
+async def test_destroy_after_an_async_reads_map_resolved() -> None:
+    """The map resolved before the destroy and the read resumes after it: reading the mapped range would
+    abort the process inside wgpu-native, so the executor checks the device first."""
+    rng = np.random.default_rng(74)
+    dev = bg.Device("wgpu")
+    gate = hold_readback_waits(dev)
+    pending = await start_pending_read(dev, rng)
+    gate.set()
+    dev.executor.waits.submit(lambda: None).result(timeout=60)  # the read's map, queued before it, is done
+    assert not pending.done()  # and the event loop has not resumed the read yet
     dev.executor.device.destroy()
     with pytest.raises(bg.DeviceError, match=rf"read .*of batch 'pending'.*{LOST}"):
         await asyncio.wait_for(pending, 60)

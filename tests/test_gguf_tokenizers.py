@@ -4,8 +4,9 @@
   (byte fallback, no normalization, as Llama's), its pieces, scores and types written into a GGUF file; our
   ids (BOS first) and text equal sentencepiece's own, including characters it never saw (byte fallback).
 - byte-level BPE ("gpt2") with pre-tokenizer splits of the table, a vocabulary trained here with the
-  ``tokenizers`` package: text round-trips, control tokens stay whole, and where transformers and torch are
-  installed our ids equal those of transformers' own GGUF tokenizer conversion of the same file.
+  ``tokenizers`` package: text round-trips, control tokens stay whole, numbers split as llama.cpp's
+  pre-tokenizers split them, and where transformers and torch are installed our ids equal those of
+  transformers' own GGUF tokenizer conversion of the same file.
 Unknown tokenizer models and pre-tokenizers are refused by name."""
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ TEXTS = [
 ]
 
 
-def write_vocabulary(path, model: str, tokens, *, scores=None, types=None, merges=None, pre=None, **ids) -> None:
-    writer = gguf.GGUFWriter(str(path), "llama")
+def write_vocabulary(
+    path, model: str, tokens, *, scores=None, types=None, merges=None, pre=None, architecture="llama", **ids
+) -> None:
+    writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_tokenizer_model(model)
     if pre is not None:
         writer.add_tokenizer_pre(pre)
@@ -133,20 +136,56 @@ def byte_level_vocabulary() -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-@pytest.mark.parametrize("pre", ["default", "qwen2", "llama-bpe", "smollm"])
-def test_byte_level_vocabulary_tokenizes_as_transformers(tmp_path, pre):
+def write_byte_level(path, pre: str, architecture: str = "llama") -> list[str]:
+    """A GGUF file of the trained byte-level vocabulary with ``pre``; returns its tokens. It names BOS and EOS
+    ids, as llama.cpp's converter writes them for these models."""
     tokens, merges = byte_level_vocabulary()
-    path = tmp_path / "bpe.gguf"
     types = [3 if token.startswith("<|") else 1 for token in tokens]
-    write_vocabulary(path, "gpt2", tokens, types=types, merges=merges, pre=pre, eos=0)
-    codec = codec_of(path)
+    bos, eos = tokens.index("<|im_start|>"), tokens.index("<|endoftext|>")
+    write_vocabulary(
+        path, "gpt2", tokens, types=types, merges=merges, pre=pre, architecture=architecture, bos=bos, eos=eos
+    )
+    return tokens
+
+
+NUMBERS = ["numbers 1234567 and 3.14", "x  12345 y\r\n  z", "DON'T stop, we've 100s"]
+DIGIT_RUN = {"llama-bpe": 3, "qwen2": 1}
+"""Longest run of digits one token may hold: llama.cpp's pre-tokenizers split numbers into runs of at
+most three digits (``\\p{N}{1,3}``, Llama 3) or single digits (``\\p{N}``, Qwen2), apart from the
+space or letters before them; GPT-2's split (``default``, ``smollm``) keeps `` 1234567`` whole, and the
+trained vocabulary has tokens such as ``Ġ1234`` and ``14159``."""
+
+
+@pytest.mark.parametrize("pre", ["default", "qwen2", "llama-bpe", "smollm"])
+def test_byte_level_vocabulary_round_trips_and_splits_numbers(tmp_path, pre):
+    tokens = write_byte_level(tmp_path / "bpe.gguf", pre)
+    codec = codec_of(tmp_path / "bpe.gguf")
     assert codec.encode("<|im_start|>hi there<|endoftext|>")[0] == tokens.index("<|im_start|>")
-    for text in TEXTS:
+    for text in [*TEXTS, *NUMBERS]:
         assert codec.decode(codec.encode(text)) == text
-    pytest.importorskip("torch", reason="transformers' GGUF tokenizer is the reference (installed with torch)")
+    if pre in DIGIT_RUN:
+        pieces = [codec.decode([i]) for text in NUMBERS for i in codec.encode(text)]
+        with_digits = [piece for piece in pieces if any(c.isdigit() for c in piece)]
+        assert with_digits and all(p.isdigit() and len(p) <= DIGIT_RUN[pre] for p in with_digits), with_digits
+
+
+# transformers (5.x) converts a GGUF vocabulary by the file's architecture and ignores tokenizer.ggml.pre:
+# "llama" gets GPT-2's split, "qwen2" Qwen2's. So it is a reference for these pairs only; Llama 3's split
+# (llama-bpe) has none there. Its llama converter reads bos_token_id whenever the file has an EOS id
+# (``proto.tokens[proto.bos_token_id] if getattr(proto, "eos_token_id", None) ...``), so a file without a
+# BOS id fails there with AttributeError; write_byte_level writes both, as real files have.
+TRANSFORMERS_ARCHITECTURE = {"default": "llama", "smollm": "llama", "qwen2": "qwen2"}
+
+
+@pytest.mark.parametrize("pre", sorted(TRANSFORMERS_ARCHITECTURE))
+def test_byte_level_vocabulary_tokenizes_as_transformers(tmp_path, pre):
+    pytest.importorskip("torch", reason="transformers' GGUF tokenizer is the reference (it needs torch)")
     transformers = pytest.importorskip("transformers", reason="transformers' GGUF tokenizer is the reference")
+    path = tmp_path / "bpe.gguf"
+    write_byte_level(path, pre, TRANSFORMERS_ARCHITECTURE[pre])
+    codec = codec_of(path)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
-    for text in [*TEXTS, "x  12345 y\r\n  z", "DON'T stop, we've 100s"]:
+    for text in dict.fromkeys([*TEXTS, *NUMBERS]):
         assert codec.encode(text) == theirs.encode(text, add_special_tokens=False), (pre, text)
 
 
