@@ -101,8 +101,8 @@ def render(placeholder: str, text: str, language: Language) -> str:
         ops = sorted({i.op for i in program if isinstance(i, Apply) and i.op != CAST})
         return (" " if language == "cuda" else "\n").join(_function(op, language) for op in ops)
     if placeholder == "BODY":
-        lines = [_statement(j, instruction, language) for j, instruction in enumerate(program)]
         last = len(program) - 1
+        lines = [_statement(j, instruction, language, rounded=j < last) for j, instruction in enumerate(program)]
         lines.append(f"let result = v{last};" if language == "wgsl" else f"auto result = v{last};")
         return (" " if language == "cuda" else "\n    ").join(lines)
     raise KeyError(f"fused family: no placeholder {placeholder!r}")
@@ -137,7 +137,14 @@ def _function(op: str, language: Language) -> str:
     return f"__device__ __forceinline__ C op_{op}({parameters}) {{ return ({expression}); }}"
 
 
-def _statement(index: int, instruction: Instruction, language: Language) -> str:
+ROUND_FLOAT16: dict[Language, str] = {"wgsl": "round_f16", "cuda": "bg_round_f16"}
+"""The function rounding an intermediate float32 value to float16 (shaders/wgsl/lib/half.wgsl, the CUDA
+prelude) as the unfused op stores it: never a conversion to float16 and back, which a compiler may fold."""
+
+
+def _statement(index: int, instruction: Instruction, language: Language, *, rounded: bool) -> str:
+    """Value ``index`` of the program; an op's result rounded through its storage type where that is
+    float16 and ``rounded`` (every value but the last, which the kernel's store converts)."""
     wgsl = language == "wgsl"
     if isinstance(instruction, Load):
         k, mode = instruction.slot, instruction.mode
@@ -146,8 +153,8 @@ def _statement(index: int, instruction: Instruction, language: Language) -> str:
         return _let(index, instruction.ctype, value, language)
     args = ", ".join(f"v{a}" for a in instruction.args)
     value = _convert(args, instruction.ctype, language) if instruction.op == CAST else f"op_{instruction.op}({args})"
-    if instruction.stype != instruction.ctype:  # float16: round as the unfused op stores it
-        value = _convert(_convert(value, instruction.stype, language), instruction.ctype, language)
+    if rounded and instruction.stype != instruction.ctype:  # float16 (computed in f32): as the unfused op stores it
+        value = f"{ROUND_FLOAT16[language]}({value})"
     return _let(index, instruction.ctype, value, language)
 
 
@@ -286,8 +293,6 @@ def program_launch(
         flat[k * MAX_DIMS : k * MAX_DIMS + len(input_strides)] = input_strides
     types = [(f"I{k}", WGSL_TYPE[inputs[k].dtype] if k < len(inputs) else "f32") for k in range(MAX_FUSED_INPUTS)]
     types += [("O", WGSL_TYPE[out.dtype]), ("C", ctype)]
-    if any(isinstance(i, Apply) and i.stype == "f16" for i in program):
-        types.append(("H", "f16"))  # enables f16 for an intermediate's rounding
     text = program_text(program)
     return FUSED.launch(
         label=name,

@@ -35,6 +35,11 @@ __device__ __forceinline__ bg_half bg_f2h(float f) {
 }
 #endif
 
+// float16 rounding of a float value, kept as float (a fused kernel's float16 intermediate; mirrors round_f16
+// of shaders/wgsl/lib/half.wgsl): PTX's cvt.rn.f16.f32 (to nearest even, overflow to inf) is an explicit
+// instruction in inline assembly that no compiler folds; on HIP a C cast to _Float16, which C requires to round.
+__device__ __forceinline__ float bg_round_f16(float v) { return bg_h2f(bg_f2h(v)); }
+
 // CVT(T, x): WGSL's T(x) conversion. float -> int truncates toward zero (saturating on NVIDIA, as
 // cvt.rzi does); anything -> float16 goes through float.
 template <typename T> struct bg_conv {
