@@ -102,7 +102,7 @@ def render(placeholder: str, text: str, language: Language) -> str:
         return (" " if language == "cuda" else "\n").join(_function(op, language) for op in ops)
     if placeholder == "BODY":
         last = len(program) - 1
-        lines = [_statement(j, instruction, language, rounded=j < last) for j, instruction in enumerate(program)]
+        lines = [_statement(j, program, language, rounded=j < last) for j in range(len(program))]
         lines.append(f"let result = v{last};" if language == "wgsl" else f"auto result = v{last};")
         return (" " if language == "cuda" else "\n    ").join(lines)
     raise KeyError(f"fused family: no placeholder {placeholder!r}")
@@ -142,9 +142,15 @@ ROUND_FLOAT16: dict[Language, str] = {"wgsl": "round_f16", "cuda": "bg_round_f16
 prelude) as the unfused op stores it: never a conversion to float16 and back, which a compiler may fold."""
 
 
-def _statement(index: int, instruction: Instruction, language: Language, *, rounded: bool) -> str:
-    """Value ``index`` of the program; an op's result rounded through its storage type where that is
-    float16 and ``rounded`` (every value but the last, which the kernel's store converts)."""
+FLOAT_TO_INT = {"i32": "f32_to_i32", "u32": "f32_to_u32"}
+"""WGSL's cast of an f32 value to an integer type, as batchgpu's cast defines it (shaders/wgsl/lib/convert.wgsl:
+toward zero, saturating, NaN to 0; CUDA's ``CVT`` converts so itself)."""
+
+
+def _statement(index: int, program: Sequence[Instruction], language: Language, *, rounded: bool) -> str:
+    """Value ``index`` of ``program``; an op's result rounded through its storage type where that is float16
+    and ``rounded`` (every value but the last, which the kernel's store converts)."""
+    instruction = program[index]
     wgsl = language == "wgsl"
     if isinstance(instruction, Load):
         k, mode = instruction.slot, instruction.mode
@@ -152,7 +158,10 @@ def _statement(index: int, instruction: Instruction, language: Language, *, roun
         value = _convert(f"in{k}[{at[mode]}]", instruction.ctype, language)
         return _let(index, instruction.ctype, value, language)
     args = ", ".join(f"v{a}" for a in instruction.args)
-    value = _convert(args, instruction.ctype, language) if instruction.op == CAST else f"op_{instruction.op}({args})"
+    value = f"op_{instruction.op}({args})"
+    if instruction.op == CAST:
+        to_int = wgsl and program[instruction.args[0]].ctype == "f32" and instruction.ctype in FLOAT_TO_INT
+        value = f"{FLOAT_TO_INT[instruction.ctype]}({args})" if to_int else _convert(args, instruction.ctype, language)
     if rounded and instruction.stype != instruction.ctype:  # float16 (computed in f32): as the unfused op stores it
         value = f"{ROUND_FLOAT16[language]}({value})"
     return _let(index, instruction.ctype, value, language)

@@ -4,7 +4,8 @@
 // op-expression table, in the compute type C); BODY loads each input (at the output index, as a
 // broadcast scalar, or through its strides: input_offset), applies the ops in recording order, rounds
 // every intermediate through its own dtype as the unfused ops would store it (float16: round_f16 of
-// lib/half.wgsl), and names the last value `result`. IS_FLOAT (lib/nan.wgsl): C is a float type.
+// lib/half.wgsl; a float cast to an integer type: lib/convert.wgsl), and names the last value `result`.
+// IS_FLOAT (lib/nan.wgsl): C is a float type.
 
 //!interface
 
@@ -15,6 +16,8 @@
 //!include math
 
 //!include half
+
+//!include convert
 
 ${FUNCTIONS}
 
