@@ -109,12 +109,13 @@ def render(placeholder: str, text: str, language: Language) -> str:
 
 
 SELECTS: dict[str, tuple[str, str]] = {
-    "where_f32": ("x != 0.0 || is_nan_f32(x)", "x != 0.0f || bg_is_nan(x)"),
+    "where_f32": ("(bitcast<u32>(x) & 0x7fffffffu) != 0u", "(__float_as_uint(x) & 0x7fffffffu) != 0u"),
     "where_i32": ("x != 0", "x != 0"),
     "where_u32": ("x != 0u", "x != 0u"),
 }
 """``where(cond, a, b)`` per compute type of the condition: its truth test (non-zero, NaN included, as numpy's
-``bool``) in WGSL and CUDA; the values are of the program's compute type ``C``."""
+``bool``) in WGSL and CUDA; the values are of the program's compute type ``C``. A float condition is tested
+on its bits: WGSL may flush a subnormal to zero and assume no NaN or inf in a comparison."""
 
 
 def _select_function(op: str, language: Language) -> str:
