@@ -4,7 +4,7 @@ with bias and residual, and a cast round trip; ``where``: a leaky ReLU and a cla
 comparisons and ``where``.
 
 ``--rounding``: instead, the forms of rounding a float32 value to float16 inside a kernel (a fused
-kernel's float16 intermediate), as custom wgpu kernels applying one form 32 times per element, interleaved:
+kernel's float16 intermediate), as custom wgpu kernels applying one form 128 times per element, interleaved:
 ms per execute and the ratio to the kernel without rounding. ``conversion pair`` is ``f32(f16(v))``, which
 NVIDIA's Vulkan compiler folds to nothing; ``pack/unpack`` (``unpack2x16float(pack2x16float(...))``, whose
 result WGSL leaves indeterminate past float16's range and NaN, handled by selects) and ``bits + round`` /
@@ -77,8 +77,7 @@ ROUNDINGS: dict[str, str] = {
 }
 """Forms of rounding a float32 value to float16, kept as float32 (see the module doc)."""
 
-ROUNDING_KERNEL = """enable f16;
-struct P { n: u32 }
+ROUNDING_KERNEL = """struct P { n: u32 }
 @group(0) @binding(0) var<storage, read_write> x: array<f32>;
 @group(0) @binding(1) var<storage, read_write> y: array<f32>;
 @group(0) @binding(2) var<uniform> p: P;
@@ -87,7 +86,7 @@ FORM
 fn main(@builtin(global_invocation_id) id: vec3<u32>) {
     if id.x >= p.n { return; }
     var v = x[id.x];
-    for (var k = 0u; k < 32u; k++) { v = rounded(v * 1.125 + 0.5); }
+    for (var k = 0u; k < 128u; k++) { v = rounded(v * 1.125 + 0.5); }
     y[id.x] = v;
 }"""
 
@@ -97,9 +96,12 @@ def rounding_forms(device: bg.Device, x: np.ndarray, repeat: int) -> None:
     n = x.size
     runs = {}
     for form, text in ROUNDINGS.items():
+        if "f16(" in text and "shader-f16" not in device.features:
+            continue
         batch = bg.GpuCommandBatch(device)
         out = batch.upload(np.zeros(n, np.float32))
-        kernel = bg.Kernel(wgsl=ROUNDING_KERNEL.replace("FORM", text), entry="main")
+        source = ("enable f16;\n" if "f16(" in text else "") + ROUNDING_KERNEL.replace("FORM", text)
+        kernel = bg.Kernel(wgsl=source, entry="main")
         batch.launch(kernel, grid=(n + 255) // 256, buffers=[batch.upload(x.ravel()), out], scalars=[n])
         runs[form] = (batch, out)
     times: dict[str, list[float]] = {form: [] for form in runs}
@@ -116,12 +118,26 @@ def rounding_forms(device: bg.Device, x: np.ndarray, repeat: int) -> None:
     for form in ("pack/unpack", "bits only"):
         np.testing.assert_array_equal(runs[form][0].read(runs[form][1]), want)
     base = statistics.median(times["none"])
+    pair = statistics.median(times["conversion pair"]) if "conversion pair" in times else float("nan")
     print("| device | form | ms | / none | / conversion pair |")
     print("|---|---|---:|---:|---:|")
     for form, spans in times.items():
         ms = statistics.median(spans)
-        pair = ms / statistics.median(times["conversion pair"])
-        print(f"| {device.name} | {form} | {ms * 1e3:.2f} | {ms / base:.2f} | {pair:.2f} |")
+        print(f"| {device.name} | {form} | {ms * 1e3:.2f} | {ms / base:.2f} | {ms / pair:.2f} |")
+
+
+def check(fused: np.ndarray, unfused: np.ndarray) -> None:
+    """Fused equals unfused, except that a driver may fuse a multiply and an add of two ops into one
+    rounding (WGSL and NVRTC allow it), which can move a value across a float16 rounding boundary: at most
+    one element in a thousand may differ, by one float16 ulp."""
+    got, want = fused.ravel(), unfused.ravel()
+    differ = np.flatnonzero(got != want)
+    ulp = np.spacing(np.abs(want[differ]).astype(np.float16)).astype(np.float32)
+    within = np.abs(got[differ] - want[differ]) <= ulp
+    assert differ.size <= fused.size // 1000 and within.all(), (
+        f"fused differs from unfused at {differ.size} of {fused.size} elements, {np.sum(~within)} by more than "
+        "a float16 ulp"
+    )
 
 
 def record(
@@ -169,7 +185,7 @@ def main() -> None:
                 batch.execute()
                 batch.read(out)
                 times[fusion].append(time.perf_counter() - started)
-        np.testing.assert_allclose(runs[True][0].read(runs[True][1]), runs[False][0].read(runs[False][1]))
+        check(runs[True][0].read(runs[True][1]), runs[False][0].read(runs[False][1]))
         plain, fused = statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
         counts = f"{dispatches[False]} | {dispatches[True]}"
         print(f"| {device.name} | {chain} | {counts} | {plain:.2f} | {fused:.2f} | {fused / plain:.2f} |")

@@ -43,17 +43,24 @@ def run(
 
 
 def check_fused(
-    gpu: bg.Device, ref: bg.Device, arrays: Sequence[np.ndarray], build: Build, scale: float = 1.0
+    gpu: bg.Device,
+    ref: bg.Device,
+    arrays: Sequence[np.ndarray],
+    build: Build,
+    scale: float = 1.0,
+    tolerance: np.dtype | None = None,
 ) -> list[str]:
     """Fused on ``gpu`` == unfused on ``gpu`` == the reference: integers exactly, floats within the dtype's
-    tolerance (the module doc's contract; ``scale`` widens it for sums); returns the fused run's ops."""
+    tolerance (the module doc's contract; ``scale`` widens it for sums; ``tolerance``: the float results'
+    tolerance is this dtype's instead); returns the fused run's ops."""
     fused, ops = run(gpu, arrays, build)
     unfused, unfused_ops = run(gpu, arrays, build, fusion=False)
     expected, _ = run(ref, arrays, build, fusion=False)
     assert not any(op.startswith("fused(") for op in unfused_ops)
     for got, plain, want in zip(fused, unfused, expected):
-        assert_close(got, plain, scale=scale)
-        assert_close(got, want, scale=scale)
+        dtype = tolerance if tolerance is not None and want.dtype.kind == "f" else None
+        assert_close(got, plain, dtype, scale=scale)
+        assert_close(got, want, dtype, scale=scale)
     return ops
 
 
@@ -171,9 +178,12 @@ EXACT = {"neg", "abs", "relu", "copy", "add", "sub", "maximum", "minimum"}  # no
 SHAPES = [(1,), (7,), (3, 5), (2, 3, 11), (257,), (4, 1, 67), (5, 131)]
 
 
-def random_graph(seed: int) -> tuple[list[np.ndarray], Build]:
+def random_graph(seed: int) -> tuple[list[np.ndarray], Build, bool]:
     """Random inputs and a random graph of elementwise ops over them: broadcast operands, Python scalars,
-    casts between dtypes, comparisons into ``where``, values read twice, a declared intermediate."""
+    casts between dtypes, comparisons into ``where``, values read twice, a declared intermediate; and
+    whether the graph rounds an inexactly computed float32 value to float16 (which can land one float16
+    ulp apart where that value differs in its last bits: a driver fusing a multiply and an add, the
+    reference's tanh): such graphs compare with float16's tolerance."""
     rng = np.random.default_rng(seed)
     shape = SHAPES[rng.integers(len(SHAPES))]
     dtype = np.dtype([np.float32, np.float32, np.float16, np.int32, np.uint32][rng.integers(5)])
@@ -181,8 +191,10 @@ def random_graph(seed: int) -> tuple[list[np.ndarray], Build]:
     arrays = [random_array(rng, shape, dtype), random_array(rng, broadcast, dtype), random_array(rng, shape, dtype)]
     choices = rng.random(64).tolist()
     picks = rng.integers(0, 1 << 30, 64).tolist()
+    through_half = []  # one entry per inexact float32 value cast to float16
 
     def build(batch: bg.GpuCommandBatch, *inputs: bg.Tensor) -> list[bg.Tensor]:
+        through_half.clear()
         pool: list[tuple[bg.Tensor, bool]] = [(t, True) for t in inputs]  # (tensor, exact so far)
         kept: list[bg.Tensor] = []
         for step in range(int(4 + picks[0] % 9)):
@@ -191,6 +203,8 @@ def random_graph(seed: int) -> tuple[list[np.ndarray], Build]:
             floats = x.dtype.kind == "f"
             if roll > 0.9:  # a cast, and back where the dtype's ops need it
                 pool.append(_cast(batch, x, exact))
+                if x.dtype == np.float32 and not exact:
+                    through_half.append(x)
                 continue
             unary = (FLOAT_OPS if floats else INT_OPS) if (pick >> 3) % 2 else None
             if x.dtype == np.uint32 and unary:
@@ -212,7 +226,9 @@ def random_graph(seed: int) -> tuple[list[np.ndarray], Build]:
                 kept.append(result)
         return [pool[-1][0], *kept]
 
-    return arrays, build
+    recording = bg.GpuCommandBatch(bg.Device("reference"))
+    build(recording, *[recording.upload(a) for a in arrays])  # records only: what the graph holds
+    return arrays, build, bool(through_half)
 
 
 def _cast(batch: bg.GpuCommandBatch, x: bg.Tensor, exact: bool) -> tuple[bg.Tensor, bool]:
@@ -227,13 +243,13 @@ def _cast(batch: bg.GpuCommandBatch, x: bg.Tensor, exact: bool) -> tuple[bg.Tens
 
 @pytest.mark.parametrize("seed", range(16))
 def test_random_graphs_fused_unfused_and_reference_agree(gpu, ref, seed):
-    arrays, build = random_graph(seed)
-    check_fused(gpu, ref, arrays, build)
+    arrays, build, through_half = random_graph(seed)
+    check_fused(gpu, ref, arrays, build, tolerance=np.dtype(np.float16) if through_half else None)
 
 
 def test_random_graphs_do_fuse(ref):
     """Most random graphs hold a chain: the property tests above exercise fused kernels."""
-    fused = sum(any(op.startswith("fused(") for op in run(ref, *random_graph(seed))[1]) for seed in range(16))
+    fused = sum(any(op.startswith("fused(") for op in run(ref, *random_graph(seed)[:2])[1]) for seed in range(16))
     assert fused >= 12
 
 
@@ -375,6 +391,9 @@ MATMUL_SHAPES = {
 @pytest.mark.parametrize("form", sorted(MATMUL_SHAPES))
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32], ids=lambda d: np.dtype(d).name)
 def test_bias_and_activation_fold_into_the_matmul(gpu, ref, form, dtype):
+    """The folded epilogue against the unfused matmul, add and activation: integers equal, floats within ten
+    times the dtype's tolerance (sums of 24 to 40 products; the epilogue keeps product, bias and activation
+    in float32, where the unfused graph stores a float16 product and sum)."""
     a_shape, b_shape, transpose_b = MATMUL_SHAPES[form]
     rng = np.random.default_rng(7)
     n = b_shape[0] if transpose_b else b_shape[-1]
