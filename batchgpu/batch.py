@@ -378,7 +378,8 @@ class GpuCommandBatch:
         return self._named(self._record("concat", _sequence("concat", "tensors", tensors), axis=axis), name)
 
     def cast(self, x: Tensor, dtype: Any, *, name: str = "") -> Tensor:
-        """Convert to ``dtype`` (float to int truncates toward zero; out-of-range values saturate on GPU)."""
+        """Convert to ``dtype`` (float to int truncates toward zero, saturates at the int type's bounds and
+        gives 0 for NaN, on every executor)."""
         return self._named(self._record("cast", (x,), dtype=as_dtype(dtype, what="cast")), name)
 
     def swiglu(self, x: Tensor, *, name: str = "") -> Tensor:

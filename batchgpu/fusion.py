@@ -15,7 +15,11 @@ the op that reads its output when that output
 
 and nothing between the chain's first op and its reader writes the chain's inputs in place. A chain reads
 at most ``MAX_FUSED_INPUTS`` inputs (fewer where the device allows fewer storage buffers per stage).
-Results match the unfused graph: every intermediate is rounded through its own dtype.
+Results match the unfused graph: every intermediate is rounded through its own dtype (float16 as numpy
+rounds, by integer arithmetic that no compiler may fold: :data:`batchgpu.ops.fused.ROUND_FLOAT16`), so
+integers are equal and floats agree within their dtype's tolerance (a driver may fuse a multiply and an
+add of two ops into one rounding, as WGSL and NVRTC allow; a folded matmul epilogue keeps product, bias
+and activation in float32).
 
 ``BATCHGPU_FUSION=off`` (or ``GpuCommandBatch(fusion=False)``) turns the pass off for debugging.
 """

@@ -136,6 +136,8 @@ static inline void __syncthreads() {
     bg_yield();
 }
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+static inline float __fmul_rn(float x, float y) { return x * y; }  // C++ rounds each operation here
+static inline float __fdiv_rn(float x, float y) { return x / y; }
 static inline unsigned __float_as_uint(float x) { unsigned u; __builtin_memcpy(&u, &x, 4); return u; }
 static inline float __uint_as_float(unsigned u) { float x; __builtin_memcpy(&x, &u, 4); return x; }
 // A lane exchange as a block-wide step: every thread of the block must take part (bg_warp_sum's rule

@@ -113,6 +113,29 @@ def test_every_specialization_compiles_to_ptx(nvrtc, arch):
     assert not failures, "\n\n".join(failures)
 
 
+ROPE_FORMS = {"rope", "rope_positions", "rope_kv_write", "rope_kv_scatter"}
+
+
+def test_every_rope_form_spells_out_its_roundings(nvrtc):
+    """rope_kv_write / rope_kv_scatter give the bits of rope + kv_write / scatter_rows on CUDA (the contract
+    of tests/test_llm_ops.py's fused_and_unfused): the rotation spells out every rounding (mul.rn, div.rn,
+    fma.rn), so the PTX of the four rope entries holds no plain f32 add or sub, which ptxas may contract
+    with a product into an fma differently in each kernel (it did: rope_kv_write was 1 ulp from rope on an
+    H100), and each entry has the same sequence of f32 arithmetic."""
+    sequences: dict[tuple[str, ...], set[str]] = {}
+    for source, (name, entries) in SOURCES.items():
+        if not ROPE_FORMS & entries:
+            continue
+        ptx = nvrtc.compile(source, name, "sm_90", ["-default-device"], target="ptx").decode(errors="replace")
+        for entry in ROPE_FORMS & entries:
+            body = re.split(rf"\.entry\s+{entry}\s*\(", ptx)[1].split(".entry")[0]
+            ops = tuple(re.findall(r"^\s+((?:add|sub|mul|div|fma|neg)[.\w]*\.f32)\s", body, re.MULTILINE))
+            plain = [op for op in ops if op in ("add.f32", "sub.f32")]
+            assert not plain, f"{name} {entry}: {plain} may be contracted by ptxas: {' '.join(ops)}"
+            sequences.setdefault(ops, set()).add(entry)
+    assert len(sequences) == 1 and set().union(*sequences.values()) == ROPE_FORMS, sequences
+
+
 def test_cubin_for_sm_90_and_disk_cache(tmp_path):
     try:
         first = Nvrtc(ModuleCache(tmp_path))

@@ -195,10 +195,13 @@ def test_comparisons_with_nan_match_numpy(gpu, ref):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32])
 def test_where_matches_numpy(gpu, ref, dtype):
+    """A float condition is true as numpy's ``bool``: NaN, inf and subnormals count, both zeros do not. The
+    kernels test its bits (WGSL may flush a subnormal to zero and assume no NaN or inf in a comparison)."""
     rng = np.random.default_rng(10)
     x, y = random_array(rng, (3, 1, 5), dtype), random_array(rng, (4, 5), dtype)
     flags = rng.integers(-1, 2, (4, 1)).astype(np.int32)
-    nan_flags = np.array([np.nan, 0.0, -0.0, 2.5, 0.0], np.float32)  # NaN counts as true, as bool(nan)
+    classes = [np.nan, -np.nan, 0.0, -0.0, 2.5, np.inf, -np.inf, 1e-40, -1e-40, 1e-45, -0.0, 0.0]
+    nan_flags = np.array(classes + [0.0, 1.0] * 4, np.float32).reshape(4, 5)
     check(
         gpu,
         ref,

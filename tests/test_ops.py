@@ -295,6 +295,36 @@ def test_cast(gpu, ref, src, dst):
     check(gpu, ref, [x], lambda b, t: b.cast(t, dst), dst)
 
 
+CAST_EDGES = [np.nan, -np.nan, np.inf, -np.inf, 1e20, -1e20, 2147483520.0, 2147483648.0, -2147483648.0]
+CAST_EDGES += [-2147483904.0, 4294967040.0, 4294967296.0, 65504.0, -0.5, -1.0, 0.999, 3.7, -3.7, 0.0, -0.0]
+
+
+@pytest.mark.parametrize("src", [np.float32, np.float16])
+@pytest.mark.parametrize("dst", [np.int32, np.uint32])
+def test_float_to_int_cast_truncates_saturates_and_maps_nan_to_zero(gpu, ref, src, dst):
+    """The contract of ``cast`` from float to int on every executor, alone and inside a fused kernel: toward
+    zero, saturating at the integer type's bounds (inf included), NaN to 0 (CUDA's cvt.rzi, Rust's ``as``).
+    numpy leaves these undefined, WGSL's conversion leaves NaN indeterminate and saturates at the nearest
+    float32 (2147483520 for int32), C++ makes them undefined behaviour: the kernels test the bits first."""
+    rng = np.random.default_rng(16)
+    with np.errstate(over="ignore"):
+        x = np.concatenate([CAST_EDGES, rng.standard_normal(100) * 1e3, rng.standard_normal(100) * 1e10]).astype(src)
+    info = np.iinfo(dst)
+    wide = x.astype(np.float64)
+    want = np.where(np.isnan(wide), 0, np.clip(np.trunc(np.nan_to_num(wide, nan=0.0)), info.min, info.max))
+    for device in (gpu, ref):
+        for fused in (False, True):
+            batch = bg.GpuCommandBatch(device, fusion=fused)
+            t = batch.upload(x)
+            out = batch.cast(batch.neg(batch.neg(t)) if fused else t, dst)  # neg twice: a chain, exactly x
+            batch.outputs(out)
+            batch.execute(profile=True)
+            assert any(row.op.startswith("fused(") for row in batch.profile().rows) == fused
+            got = batch.read(out)
+            wrong = np.flatnonzero(got != want.astype(dst))
+            assert not wrong.size, f"{device.kind} fused={fused}: {x[wrong]} gave {got[wrong]}, not {want[wrong]}"
+
+
 def test_chain_of_ops_matches_numpy(gpu, ref):
     """A small layer through several families in one batch: also checks intermediate plumbing."""
     rng = np.random.default_rng(15)

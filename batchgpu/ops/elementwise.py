@@ -293,13 +293,26 @@ def _cast_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple
     return inputs[0].shape, as_dtype(params["dtype"], what="cast")
 
 
+def _cast_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
+    """numpy's astype, except from float to an integer type (undefined in numpy past the type's range and
+    for NaN): toward zero, saturating at the type's bounds, NaN to 0, as the kernels convert."""
+    x, dtype = arrays[0], np.dtype(params["dtype"])
+    if x.dtype.kind != "f" or dtype.kind not in "iu":
+        return x.astype(dtype)
+    info = np.iinfo(dtype)
+    wide = x.astype(np.float64)
+    return np.clip(np.where(np.isnan(wide), 0.0, wide), info.min, info.max).astype(dtype)
+
+
 CAST = OpSpec(
     name="cast",
     infer=_cast_infer,
-    reference=lambda arrays, params: arrays[0].astype(np.dtype(params["dtype"])),
-    # copy's expression (x): the conversion is the kernel's own, from A through C to O
+    reference=_cast_reference,
+    # copy's expression (x): the conversion is the kernel's own, from A through C to O (float to an integer
+    # type: lib/convert.wgsl, the CUDA prelude's CVT)
     lower=lambda node: _unary_launch(node, "copy"),
-    doc="convert to another dtype (float to int truncates toward zero)",
+    doc="convert to another dtype (float to int truncates toward zero, saturates at the int type's bounds, "
+    "NaN gives 0)",
 )
 
 

@@ -101,20 +101,21 @@ def render(placeholder: str, text: str, language: Language) -> str:
         ops = sorted({i.op for i in program if isinstance(i, Apply) and i.op != CAST})
         return (" " if language == "cuda" else "\n").join(_function(op, language) for op in ops)
     if placeholder == "BODY":
-        lines = [_statement(j, instruction, language) for j, instruction in enumerate(program)]
         last = len(program) - 1
+        lines = [_statement(j, program, language, rounded=j < last) for j in range(len(program))]
         lines.append(f"let result = v{last};" if language == "wgsl" else f"auto result = v{last};")
         return (" " if language == "cuda" else "\n    ").join(lines)
     raise KeyError(f"fused family: no placeholder {placeholder!r}")
 
 
 SELECTS: dict[str, tuple[str, str]] = {
-    "where_f32": ("x != 0.0 || is_nan_f32(x)", "x != 0.0f || bg_is_nan(x)"),
+    "where_f32": ("(bitcast<u32>(x) & 0x7fffffffu) != 0u", "(__float_as_uint(x) & 0x7fffffffu) != 0u"),
     "where_i32": ("x != 0", "x != 0"),
     "where_u32": ("x != 0u", "x != 0u"),
 }
 """``where(cond, a, b)`` per compute type of the condition: its truth test (non-zero, NaN included, as numpy's
-``bool``) in WGSL and CUDA; the values are of the program's compute type ``C``."""
+``bool``) in WGSL and CUDA; the values are of the program's compute type ``C``. A float condition is tested
+on its bits: WGSL may flush a subnormal to zero and assume no NaN or inf in a comparison."""
 
 
 def _select_function(op: str, language: Language) -> str:
@@ -137,7 +138,20 @@ def _function(op: str, language: Language) -> str:
     return f"__device__ __forceinline__ C op_{op}({parameters}) {{ return ({expression}); }}"
 
 
-def _statement(index: int, instruction: Instruction, language: Language) -> str:
+ROUND_FLOAT16: dict[Language, str] = {"wgsl": "round_f16", "cuda": "bg_round_f16"}
+"""The function rounding an intermediate float32 value to float16 (shaders/wgsl/lib/half.wgsl, the CUDA
+prelude) as the unfused op stores it: never a conversion to float16 and back, which a compiler may fold."""
+
+
+FLOAT_TO_INT = {"i32": "f32_to_i32", "u32": "f32_to_u32"}
+"""WGSL's cast of an f32 value to an integer type, as batchgpu's cast defines it (shaders/wgsl/lib/convert.wgsl:
+toward zero, saturating, NaN to 0; CUDA's ``CVT`` converts so itself)."""
+
+
+def _statement(index: int, program: Sequence[Instruction], language: Language, *, rounded: bool) -> str:
+    """Value ``index`` of ``program``; an op's result rounded through its storage type where that is float16
+    and ``rounded`` (every value but the last, which the kernel's store converts)."""
+    instruction = program[index]
     wgsl = language == "wgsl"
     if isinstance(instruction, Load):
         k, mode = instruction.slot, instruction.mode
@@ -145,9 +159,12 @@ def _statement(index: int, instruction: Instruction, language: Language) -> str:
         value = _convert(f"in{k}[{at[mode]}]", instruction.ctype, language)
         return _let(index, instruction.ctype, value, language)
     args = ", ".join(f"v{a}" for a in instruction.args)
-    value = _convert(args, instruction.ctype, language) if instruction.op == CAST else f"op_{instruction.op}({args})"
-    if instruction.stype != instruction.ctype:  # float16: round as the unfused op stores it
-        value = _convert(_convert(value, instruction.stype, language), instruction.ctype, language)
+    value = f"op_{instruction.op}({args})"
+    if instruction.op == CAST:
+        to_int = wgsl and program[instruction.args[0]].ctype == "f32" and instruction.ctype in FLOAT_TO_INT
+        value = f"{FLOAT_TO_INT[instruction.ctype]}({args})" if to_int else _convert(args, instruction.ctype, language)
+    if rounded and instruction.stype != instruction.ctype:  # float16 (computed in f32): as the unfused op stores it
+        value = f"{ROUND_FLOAT16[language]}({value})"
     return _let(index, instruction.ctype, value, language)
 
 
@@ -286,8 +303,6 @@ def program_launch(
         flat[k * MAX_DIMS : k * MAX_DIMS + len(input_strides)] = input_strides
     types = [(f"I{k}", WGSL_TYPE[inputs[k].dtype] if k < len(inputs) else "f32") for k in range(MAX_FUSED_INPUTS)]
     types += [("O", WGSL_TYPE[out.dtype]), ("C", ctype)]
-    if any(isinstance(i, Apply) and i.stype == "f16" for i in program):
-        types.append(("H", "f16"))  # enables f16 for an intermediate's rounding
     text = program_text(program)
     return FUSED.launch(
         label=name,

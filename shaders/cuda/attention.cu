@@ -21,26 +21,38 @@ struct Rotation {
     float c, s;
 };
 
+// The rope arithmetic every form (rope, rope_positions, rope_kv_write, rope_kv_scatter) shares, with each
+// rounding spelled out: __fmul_rn / __fdiv_rn (PTX mul.rn / div.rn, which are never contracted) and fmaf
+// (fma.rn) where the sums are. Plain a * b + c lets NVRTC (-fmad=true) and ptxas contract either product
+// into an fma, and they chose differently in rope_kv_write than in rope: 1 ulp apart. Written out, the
+// fused and unfused forms give the same bits.
+
 // cos and sin of the rotation of pair j at position `at` (see the WGSL twin: the f32 angle, reduced by
 // whole turns with 2 pi in two parts).
 __device__ __forceinline__ Rotation rotation(const float* table, unsigned j, float at) {
-    float angle = at * table[j];
-    float turns = rintf(angle / TWO_PI);
-    float reduced = (angle - turns * TWO_PI_HI) - turns * TWO_PI_LO;
+    float angle = __fmul_rn(at, table[j]);
+    float turns = rintf(__fdiv_rn(angle, TWO_PI));
+    float reduced = fmaf(-turns, TWO_PI_LO, fmaf(-turns, TWO_PI_HI, angle));
     return Rotation{cosf(reduced), sinf(reduced)};
+}
+
+struct Pair {
+    float first, second;
+};
+
+// The pair (x1, x2) rotated by r: (x1 c - x2 s, x2 c + x1 s), each an fma of a rounded product.
+__device__ __forceinline__ Pair rotated(float x1, float x2, Rotation r) {
+    return Pair{fmaf(x1, r.c, -__fmul_rn(x2, r.s)), fmaf(x2, r.c, __fmul_rn(x1, r.s))};
 }
 
 // Rotates the pair (j, j + half) of row `row` (token * heads + head) of x by position `at`.
 __device__ __forceinline__ void rotate(const A* src, const float* table, A* dst, const Params& p, unsigned row,
                                        unsigned j, float at) {
     unsigned half = p.head_dim / 2u;
-    Rotation r = rotation(table, j, at);
-    float c = r.c, s = r.s;
     unsigned base = row * p.head_dim;
-    float x1 = CVT(float, src[base + j]);
-    float x2 = CVT(float, src[base + j + half]);
-    dst[base + j] = CVT(A, x1 * c - x2 * s);
-    dst[base + j + half] = CVT(A, x2 * c + x1 * s);
+    Pair out = rotated(CVT(float, src[base + j]), CVT(float, src[base + j + half]), rotation(table, j, at));
+    dst[base + j] = CVT(A, out.first);
+    dst[base + j + half] = CVT(A, out.second);
 }
 
 extern "C" __global__ void rope(BG_ARGS) {
@@ -88,16 +100,15 @@ __device__ __forceinline__ void rope_kv(const A* src, const float* table, A* dst
         values_out[out + j + half] = CVT(B, x2);
         return;
     }
-    Rotation r = rotation(table, j, at);
-    float r1 = x1 * r.c - x2 * r.s, r2 = x2 * r.c + x1 * r.s;
+    Pair r = rotated(x1, x2, rotation(table, j, at));
     if (head < p.heads) {  // q
         unsigned out = (token * p.heads + head) * p.head_dim;
-        dst[out + j] = CVT(A, r1);
-        dst[out + j + half] = CVT(A, r2);
+        dst[out + j] = CVT(A, r.first);
+        dst[out + j + half] = CVT(A, r.second);
     } else if (target < p.cache_len) {  // k
         unsigned out = (target * p.kv_heads + head - p.heads) * p.head_dim;
-        keys_out[out + j] = CVT(B, r1);
-        keys_out[out + j + half] = CVT(B, r2);
+        keys_out[out + j] = CVT(B, r.first);
+        keys_out[out + j + half] = CVT(B, r.second);
     }
 }
 

@@ -35,11 +35,42 @@ __device__ __forceinline__ bg_half bg_f2h(float f) {
 }
 #endif
 
-// CVT(T, x): WGSL's T(x) conversion. float -> int truncates toward zero (saturating on NVIDIA, as
-// cvt.rzi does); anything -> float16 goes through float.
+// float16 rounding of a float value, kept as float (a fused kernel's float16 intermediate; mirrors round_f16
+// of shaders/wgsl/lib/half.wgsl): PTX's cvt.rn.f16.f32 (to nearest even, overflow to inf) is an explicit
+// instruction in inline assembly that no compiler folds; on HIP a C cast to _Float16, which C requires to round.
+__device__ __forceinline__ float bg_round_f16(float v) { return bg_h2f(bg_f2h(v)); }
+
+// float -> int and unsigned as batchgpu's cast defines it (PTX's cvt.rzi, Rust's `as`; mirrors
+// shaders/wgsl/lib/convert.wgsl): toward zero, saturating at the type's bounds (inf included), NaN to 0.
+// The bits are tested first: C++'s conversion of a value out of range is undefined behaviour.
+__device__ __forceinline__ int bg_f2i(float x) {
+    unsigned bits = __float_as_uint(x), magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return 0;                                            // NaN
+    if (magnitude >= 0x4f000000u) return bits != magnitude ? -2147483647 - 1 : 2147483647;  // |x| >= 2^31
+    return (int)x;
+}
+__device__ __forceinline__ unsigned bg_f2u(float x) {
+    unsigned bits = __float_as_uint(x);
+    if (bits > 0x7f800000u) return 0u;            // NaN and every negative value (-0 and above -1 included)
+    if (bits >= 0x4f800000u) return 0xffffffffu;  // 2^32 and up, inf
+    return (unsigned)x;
+}
+
+// CVT(T, x): WGSL's T(x) conversion, except float -> int and unsigned: bg_f2i / bg_f2u; anything ->
+// float16 goes through float.
 template <typename T> struct bg_conv {
     template <typename S> static __device__ __forceinline__ T from(S x) { return (T)x; }
     static __device__ __forceinline__ T from(bg_half x) { return (T)bg_h2f(x); }
+};
+template <> struct bg_conv<int> {
+    template <typename S> static __device__ __forceinline__ int from(S x) { return (int)x; }
+    static __device__ __forceinline__ int from(float x) { return bg_f2i(x); }
+    static __device__ __forceinline__ int from(bg_half x) { return bg_f2i(bg_h2f(x)); }
+};
+template <> struct bg_conv<unsigned> {
+    template <typename S> static __device__ __forceinline__ unsigned from(S x) { return (unsigned)x; }
+    static __device__ __forceinline__ unsigned from(float x) { return bg_f2u(x); }
+    static __device__ __forceinline__ unsigned from(bg_half x) { return bg_f2u(bg_h2f(x)); }
 };
 template <> struct bg_conv<bg_half> {
     template <typename S> static __device__ __forceinline__ bg_half from(S x) { return bg_f2h((float)x); }

@@ -44,14 +44,10 @@ fn rope_pair(gid: vec3<u32>, groups: vec3<u32>) -> vec3<u32> {
 // Rotates the pair (j, j + half) of row `row` (token * heads + head) of x by position `at`.
 fn rotate(row: u32, j: u32, at: f32) {
     let half = p.head_dim / 2u;
-    let cs = rotation(j, at);
-    let c = cs.x;
-    let s = cs.y;
     let base = row * p.head_dim;
-    let x1 = f32(src[base + j]);
-    let x2 = f32(src[base + j + half]);
-    dst[base + j] = A(x1 * c - x2 * s);
-    dst[base + j + half] = A(x2 * c + x1 * s);
+    let r = rotated(f32(src[base + j]), f32(src[base + j + half]), rotation(j, at));
+    dst[base + j] = A(r.x);
+    dst[base + j + half] = A(r.y);
 }
 
 @compute @workgroup_size(WG)
@@ -78,6 +74,13 @@ fn rotation(j: u32, at: f32) -> vec2<f32> {
     return vec2<f32>(cos(reduced), sin(reduced));
 }
 
+// The pair (x1, x2) rotated by cs = (cos, sin): (x1 c - x2 s, x2 c + x1 s), for every rope form. WGSL lets
+// an implementation fuse a product with the sum (and reassociate), so unlike the CUDA twin (each rounding
+// spelled out) two kernels may round a rotation differently: the forms agree within a few ulps here.
+fn rotated(x1: f32, x2: f32, cs: vec2<f32>) -> vec2<f32> {
+    return vec2<f32>(x1 * cs.x - x2 * cs.y, x2 * cs.x + x1 * cs.y);
+}
+
 // rope_kv_write / rope_kv_scatter: src is a fused projection (tokens, heads + 2 kv_heads, head_dim): q heads,
 // then k, then v. One invocation per (token, head of src, pair j): a q head's pair is rotated into dst
 // (tokens, heads, head_dim); a k head's pair is rotated into row `cache_row` of keys_out, a v head's copied
@@ -100,17 +103,15 @@ fn rope_kv(row: u32, j: u32, at: f32, cache_row: u32) {
         values_out[out + j + half] = B(x2);
         return;
     }
-    let cs = rotation(j, at);
-    let r1 = x1 * cs.x - x2 * cs.y;
-    let r2 = x2 * cs.x + x1 * cs.y;
+    let r = rotated(x1, x2, rotation(j, at));
     if head < p.heads {                          // q
         let out = (token * p.heads + head) * p.head_dim;
-        dst[out + j] = A(r1);
-        dst[out + j + half] = A(r2);
+        dst[out + j] = A(r.x);
+        dst[out + j + half] = A(r.y);
     } else if cache_row < p.cache_len {          // k
         let out = (cache_row * p.kv_heads + head - p.heads) * p.head_dim;
-        keys_out[out + j] = B(r1);
-        keys_out[out + j + half] = B(r2);
+        keys_out[out + j] = B(r.x);
+        keys_out[out + j + half] = B(r.y);
     }
 }
 

@@ -12,6 +12,16 @@
 
 //!include math
 
+//!include convert
+
+// x in the output type: a cast from float to an integer type converts as lib/convert.wgsl defines it.
+fn output(x: C) -> O {
+    let to_integer = IS_FLOAT && O(0.5f) == O(0i);
+    if to_integer && O(-1i) < O(0i) { return O(f32_to_i32(bitcast<f32>(x))); }
+    if to_integer { return O(f32_to_u32(bitcast<f32>(x))); }
+    return O(x);
+}
+
 fn unary_op(x: C) -> C {
     return ${UNARY};
 }
@@ -39,7 +49,7 @@ fn broadcast_offsets(i: u32) -> vec2<u32> {
 fn unary(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
     let i = gid.x + gid.y * groups.x * WG;
     if i >= p.n { return; }
-    out[i] = O(unary_op(C(a[i])));
+    out[i] = output(unary_op(C(a[i])));
 }
 
 @compute @workgroup_size(WG)

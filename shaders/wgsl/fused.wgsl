@@ -3,8 +3,9 @@
 // dtypes (aliases I0..I5). The FUNCTIONS placeholder is one function per op of the program (its expression from the
 // op-expression table, in the compute type C); BODY loads each input (at the output index, as a
 // broadcast scalar, or through its strides: input_offset), applies the ops in recording order, rounds
-// every intermediate through its own dtype as the unfused ops would store it, and names the last value
-// `result`. IS_FLOAT (lib/nan.wgsl): C is a float type.
+// every intermediate through its own dtype as the unfused ops would store it (float16: round_f16 of
+// lib/half.wgsl; a float cast to an integer type: lib/convert.wgsl), and names the last value `result`.
+// IS_FLOAT (lib/nan.wgsl): C is a float type.
 
 //!interface
 
@@ -13,6 +14,10 @@
 //!include gelu
 
 //!include math
+
+//!include half
+
+//!include convert
 
 ${FUNCTIONS}
 
