@@ -3,6 +3,8 @@ detokenization that never splits a UTF-8 character and holds back text that may 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +17,10 @@ from .control import ControlTokens
 from .params import brief
 
 REPLACEMENT = "\ufffd"  # what a decoder makes of an incomplete UTF-8 sequence
+
+LARGE_TEXT = 1 << 20
+"""Characters of text after whose encoding the freed heap goes back to the operating system (the
+tokenizer's working memory is about 150 bytes per character)."""
 
 
 class TextCodec:
@@ -89,7 +95,10 @@ class TextCodec:
         ``add_special_tokens``. Safe to call from another thread: the tokenizer runs without holding
         Python's GIL."""
         _check_text(text, "prompt")
-        return list(self.tokenizer.encode_batch_fast([text], add_special_tokens=special)[0].ids)
+        ids = self.tokenizer.encode_batch_fast([text], add_special_tokens=special)[0].ids
+        if len(text) >= LARGE_TEXT:
+            release_freed_memory()
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; control tokens (``<|im_end|>``) are left out, as in a chat reply."""
@@ -126,7 +135,27 @@ class TextCodec:
         _check_messages(messages)
         if trusted:
             return self.encode(self.render_chat(messages), special=False)
-        return self.control.encode(messages, self.render_chat)
+        ids = self.control.encode(messages, self.render_chat)
+        if len(ids) >= LARGE_TEXT // 8:
+            release_freed_memory()
+        return ids
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None (another C library)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand the heap memory freed since to the operating system (glibc keeps freed memory for reuse: after a
+    large text's encoding that is hundreds of MB the process would hold on to; elsewhere nothing)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
