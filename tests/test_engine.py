@@ -335,3 +335,11 @@ def test_chat_messages_cannot_forge_control_tokens() -> None:
     assert (plain.count(im_start), trusted.count(im_start)) == (3, 4)  # the template's system, user, assistant
     assert eng.complete(forged, greedy(1)).prompt_tokens == len(plain)
     assert eng.complete(forged, greedy(1), trusted=True).prompt_tokens == len(trusted)
+
+
+def test_a_vanishing_temperature_is_greedy() -> None:
+    """Logits divided by a temperature of 1e-40 overflow float32 (the sampler then drew token 0 every
+    time): temperatures below 1e-5 are greedy, as in vLLM."""
+    eng = engine("reference")
+    params = SamplingParams(max_tokens=4, temperature=1e-40, seed=3, ignore_eos=True)
+    assert eng.complete(PROMPT, params).token_ids == GREEDY[:4]

@@ -229,6 +229,8 @@ BAD_PARAMS = [
     ({"stop_token_ids": "12"}, "stop_token_ids"),
     ({"stop_token_ids": {3: 4}}, "stop_token_ids"),
     ({"top_k": 2**31}, "top_k"),
+    ({"temperature": 1e39}, "temperature"),  # past float32: the device would divide by inf
+    ({"repetition_penalty": 1e39}, "repetition_penalty"),
 ]
 
 
@@ -242,6 +244,9 @@ def test_bad_sampling_params_are_refused(values: dict, name: str) -> None:
 def test_sampling_params_normalize() -> None:
     params = SamplingParams(stop="end", stop_token_ids=[7], temperature=0)
     assert params.stop == ("end",) and params.stop_token_ids == (7,) and params.greedy
+    for tiny in (1e-40, 1e-300, 9e-6):  # logits / 1e-40 overflow float32: below 1e-5 is greedy, as in vLLM
+        assert SamplingParams(temperature=tiny).temperature == 0.0 and SamplingParams(temperature=tiny).greedy
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
 
 
 def test_block_pool_hands_out_and_takes_back_blocks() -> None:

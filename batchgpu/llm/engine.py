@@ -205,7 +205,7 @@ class Engine:
         """Stream the generation of ``prompt`` as :class:`Piece` s. Usable from many tasks at once;
         stopping the iteration (or cancelling the task) cancels the request and frees its slot. Chat
         messages get control tokens from the chat template alone (text in them that spells one is plain
-        text, :meth:`TextCodec.encode_chat <batchgpu.llm.text.TextCodec.encode_chat>`); ``trusted``: the
+        text, :meth:`batchgpu.llm.text.TextCodec.encode_chat`); ``trusted``: the
         messages' control-token text is control too. A text prompt is the caller's whole prompt: control
         tokens wherever their text appears."""
         params = params if params is not None else SamplingParams()

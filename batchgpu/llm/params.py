@@ -7,18 +7,28 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..errors import RequestError
 
 INT32_MAX = 2**31 - 1
 """The largest ``top_k``: it goes to the device as an int32 (any value above the vocabulary keeps every
 token, as 0 does)."""
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""The largest temperature and repetition penalty: they go to the device as float32."""
+
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature`` 0 is greedy (the first most likely token). Otherwise tokens are drawn from
+    ``temperature`` 0 is greedy (the first most likely token), and so is any temperature below
+    :data:`GREEDY_BELOW` (as in vLLM: logits divided by a smaller one overflow float32). Otherwise tokens
+    are drawn from
     softmax(logits / temperature) restricted to the ``top_k`` most likely (0: all), the smallest set
     reaching probability ``top_p`` (1: all) and those at least ``min_p`` times the most likely (0: all):
     the three sets are intersected, each measured on the whole distribution (vLLM and transformers
@@ -46,11 +56,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _whole("max_tokens", self.max_tokens, 1)
-        _real("temperature", self.temperature, 0.0, math.inf)
+        _real("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         _whole("top_k", self.top_k, 0, INT32_MAX)
         _real("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _real("min_p", self.min_p, 0.0, 1.0)
-        _real("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
+        _real("repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX, low_open=True)
         _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.seed is not None:

@@ -159,7 +159,7 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         prompt=prompt,
         params=_sampling(values),
         stream=stream,
-        include_usage=options.get("include_usage", False),
+        include_usage=bool(options.get("include_usage")),
     )
 
 
@@ -170,7 +170,12 @@ def _sampling(values: dict[str, Any]) -> SamplingParams:
     stop = settings.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise RequestError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS}", "stop")
-    return SamplingParams(**settings)
+    try:
+        return SamplingParams(**settings)
+    except RequestError as exc:
+        if exc.param == "max_tokens" and "max_completion_tokens" in values:
+            exc.param = "max_completion_tokens"
+        raise
 
 
 def _prompt(prompt: Any) -> str | list[int]:
