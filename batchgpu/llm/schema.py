@@ -106,6 +106,12 @@ class ParsedRequest:
     include_usage: bool
 
 
+def read_request(body: bytes, endpoint: str) -> ParsedRequest:
+    """The request that the JSON ``body`` makes to ``endpoint``: :func:`parse_json`, then
+    :func:`parse_request` (both proportional to the body's size: run them off the event loop)."""
+    return parse_request(parse_json(body), endpoint)
+
+
 def parse_json(body: bytes) -> dict[str, Any]:
     """The request body as a JSON object: UTF-8, at most :data:`MAX_DEPTH` levels deep (measured before
     parsing, so no depth reaches the parser's recursion), without NaN or Infinity."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import RequestError
 from .engine import Engine, Piece
-from .schema import CHAT, COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, parse_json, parse_request
+from .schema import CHAT, COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, read_request
 
 
 def create_app(
@@ -74,7 +74,7 @@ def create_app(
         except ClientDisconnect:
             return Response(status_code=400)  # nobody to answer
         try:
-            call = parse_request(await asyncio.to_thread(parse_json, body), endpoint)
+            call = await asyncio.to_thread(read_request, body, endpoint)
         except RequestError as exc:
             return _error(400, str(exc), param=exc.param)
         if call.model is not None and call.model != model_name:
