@@ -8,9 +8,9 @@ cancellation), freeing its slot and blocks. Prefill chunks and decode steps alte
 does not stall the others. Sampling happens on the device; only the sampled ids come back.
 
 The scheduler is plain Python over small arrays, run as one asyncio task per event loop; ``generate``
-may be called from many tasks of that loop, ``generate_sync``/``complete`` from synchronous code. Prompts
-are tokenized (and chat templates rendered) on a thread of the engine's own, one prompt at a time, so a
-large prompt does not stall the loop that streams the other requests' tokens.
+may be called from many tasks of that loop, ``generate_sync``/``complete`` from synchronous code. Large
+prompts are tokenized (and chat templates rendered) on a thread of the engine's own, one prompt at a time,
+so they do not stall the loop that streams the other requests' tokens; small ones at once.
 """
 
 from __future__ import annotations
@@ -41,6 +41,20 @@ from .text import TextStream
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 """A text prompt, token ids, or chat messages (``[{"role": "user", "content": "..."}]``)."""
+
+INLINE_PROMPT = 2048
+"""Prompts up to this size (:func:`prompt_size`) are tokenized on the event loop (a millisecond or two);
+larger ones on the engine's tokenizing thread."""
+
+
+def prompt_size(prompt: Any) -> int:
+    """The characters of a text prompt or of chat messages' strings, or the count of token ids."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if not isinstance(prompt, (list, tuple, np.ndarray)):
+        return 0
+    strings = (v for m in prompt if isinstance(m, Mapping) for v in m.values() if isinstance(v, str))
+    return len(prompt) + sum(len(s) for s in strings)
 
 
 @dataclass
@@ -211,8 +225,10 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
-        loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(self._tokenizing, self._prompt_ids, prompt, trusted)
+        if prompt_size(prompt) <= INLINE_PROMPT:
+            ids = self._prompt_ids(prompt, trusted)  # quicker than a hop to the thread
+        else:
+            ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompt_ids, prompt, trusted)
         request = self._request(ids, params)
         self._start()
         self.waiting.append(request)
