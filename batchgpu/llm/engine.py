@@ -8,7 +8,9 @@ cancellation), freeing its slot and blocks. Prefill chunks and decode steps alte
 does not stall the others. Sampling happens on the device; only the sampled ids come back.
 
 The scheduler is plain Python over small arrays, run as one asyncio task per event loop; ``generate``
-may be called from many tasks of that loop, ``generate_sync``/``complete`` from synchronous code.
+may be called from many tasks of that loop, ``generate_sync``/``complete`` from synchronous code. Large
+prompts are tokenized (and chat templates rendered) on a thread of the engine's own, one prompt at a time,
+so they do not stall the loop that streams the other requests' tokens; small ones at once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,20 @@ from .text import TextStream
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 """A text prompt, token ids, or chat messages (``[{"role": "user", "content": "..."}]``)."""
+
+INLINE_PROMPT = 2048
+"""Prompts up to this size (:func:`prompt_size`) are tokenized on the event loop (a millisecond or two);
+larger ones on the engine's tokenizing thread."""
+
+
+def prompt_size(prompt: Any) -> int:
+    """The characters of a text prompt or of chat messages' strings, or the count of token ids."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if not isinstance(prompt, (list, tuple, np.ndarray)):
+        return 0
+    strings = (v for m in prompt if isinstance(m, Mapping) for v in m.values() if isinstance(v, str))
+    return len(prompt) + sum(len(s) for s in strings)
 
 
 @dataclass
@@ -175,6 +192,8 @@ class Engine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._prefill_turn = True
+        # one thread: a prompt's tokenizer memory (about 150 bytes per character) is held once at a time
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgpu-tokenize")
 
     def _record(self, *, rows: int, samples: int, name: str, prompt: bool = False) -> Step:
         """Record a step; in the ``max_batch`` decode step sample ``i`` is slot ``i``'s."""
@@ -194,10 +213,23 @@ class Engine:
 
     # the public API -------------------------------------------------------------------------------------
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[Piece]:
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False
+    ) -> AsyncIterator[Piece]:
         """Stream the generation of ``prompt`` as :class:`Piece` s. Usable from many tasks at once;
-        stopping the iteration (or cancelling the task) cancels the request and frees its slot."""
-        request = self._request(prompt, params or SamplingParams())
+        stopping the iteration (or cancelling the task) cancels the request and frees its slot. Chat
+        messages get control tokens from the chat template alone (text in them that spells one is plain
+        text, :meth:`batchgpu.llm.text.TextCodec.encode_chat`); ``trusted``: the
+        messages' control-token text is control too. A text prompt is the caller's whole prompt: control
+        tokens wherever their text appears."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
+        if prompt_size(prompt) <= INLINE_PROMPT:
+            ids = self._prompt_ids(prompt, trusted)  # quicker than a hop to the thread
+        else:
+            ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompt_ids, prompt, trusted)
+        request = self._request(ids, params)
         self._start()
         self.waiting.append(request)
         assert self._wake is not None
@@ -216,10 +248,12 @@ class Engine:
                 if self._wake is not None:
                     self._wake.set()
 
-    def generate_sync(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[Piece]:
+    def generate_sync(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False
+    ) -> Iterator[Piece]:
         """:meth:`generate` for synchronous code (runs the engine on a private event loop meanwhile)."""
         loop = asyncio.new_event_loop()
-        stream = self.generate(prompt, params)
+        stream = self.generate(prompt, params, trusted=trusted)
         try:
             while True:
                 try:
@@ -231,10 +265,10 @@ class Engine:
             self._stop(loop)
             loop.close()
 
-    def complete(self, prompt: Prompt, params: SamplingParams | None = None) -> Piece:
+    def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False) -> Piece:
         """The whole generation as one :class:`Piece` (synchronous)."""
         text, ids, last = [], [], Piece("", [])
-        for piece in self.generate_sync(prompt, params):
+        for piece in self.generate_sync(prompt, params, trusted=trusted):
             text.append(piece.text)
             ids += piece.token_ids
             last = piece
@@ -278,37 +312,40 @@ class Engine:
 
     # requests ------------------------------------------------------------------------------------------
 
-    def _request(self, prompt: Prompt, params: SamplingParams) -> Request:
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        ids = self._prompt_ids(prompt)
+    def _request(self, ids: list[int], params: SamplingParams) -> Request:
         if not ids:
-            raise RequestError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
         if len(ids) + params.max_tokens > self.max_context:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceed the engine's max_context "
-                f"({self.max_context})"
+                f"({self.max_context})",
+                "prompt",
             )
         if self.pool.needed(len(ids) + params.max_tokens) > self.pool.blocks:
             raise RequestError(
                 f"the request needs {self.pool.needed(len(ids) + params.max_tokens)} KV blocks; the cache has "
-                f"{self.pool.blocks}"
+                f"{self.pool.blocks}",
+                "max_tokens",
             )
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         return Request(next(self._ids), ids, params, TextStream(self.codec, params.stop), seed)
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def _prompt_ids(self, prompt: Prompt, trusted: bool) -> list[int]:
+        """The prompt's token ids (run on the tokenizing thread)."""
         if isinstance(prompt, str):
             return self.codec.encode(prompt)
-        items = list(prompt)
-        if all(isinstance(m, Mapping) for m in items) and items:
-            return self.codec.encode(self.codec.render_chat(items), special=False)  # the template has them
-        if all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
+        items = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
+        if items and all(isinstance(m, Mapping) for m in items):
+            return self.codec.encode_chat(items, trusted=trusted)
+        if items is not None and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
             bad = [t for t in items if not 0 <= t < self.config.vocab]
             if bad:
-                raise RequestError(f"prompt token ids out of [0, {self.config.vocab}): {bad[:5]}")
+                raise RequestError(f"prompt token ids out of [0, {self.config.vocab}): {bad[:5]}", "prompt")
             return [int(t) for t in items]
-        raise RequestError("prompt must be a str, a list of token ids, or a list of chat messages")
+        raise RequestError(
+            f"prompt must be a str, a list of token ids or a list of chat messages, got {type(prompt).__name__}",
+            "prompt",
+        )
 
     # the scheduler -------------------------------------------------------------------------------------
 
@@ -326,6 +363,19 @@ class Engine:
             self._task = None
 
     async def _run(self) -> None:
+        """The scheduler task: :meth:`_schedule`; an error that ends it fails every request it holds (which
+        would otherwise wait forever) and the next request starts a new task."""
+        try:
+            await self._schedule()
+        except Exception as exc:
+            error = exc if isinstance(exc, BatchError) else BatchError(f"the engine's scheduler failed: {exc!r}")
+            for request in [*self.waiting, *(r for r in self.slots if r is not None)]:
+                if not request.done:
+                    self._finish(request, error)
+            self.waiting.clear()
+            raise
+
+    async def _schedule(self) -> None:
         """Submit steps while fewer than ``ahead + 1`` are in flight, then read the oldest and deliver its
         tokens; wait when there is nothing to run."""
         assert self._wake is not None
@@ -350,9 +400,10 @@ class Engine:
     def _submit(self, kind: str, requests: list[Request]) -> Pending | None:
         try:
             return self._prefill(requests) if kind == "prefill" else self._decode(requests)
-        except BatchError as exc:  # the device failed: every request in the step fails, the engine goes on
+        except Exception as exc:  # the device or the feeds failed: every request in the step fails, the engine goes on
+            error = exc if isinstance(exc, BatchError) else BatchError(f"the {kind} step failed: {exc!r}")
             for request in requests:
-                self._finish(request, exc)
+                self._finish(request, error)
             return None
 
     async def _complete(self, pending: Pending) -> None:
@@ -502,9 +553,9 @@ class Engine:
         if eos or stop_token or delta.stopped:
             reason = "stop"
         elif len(request.output) >= params.max_tokens:
-            reason = "length"
-            tail = request.stream.finish()
+            tail = request.stream.finish()  # the text held back, up to a stop string it completes
             delta.text += tail.text
+            reason = "stop" if tail.stopped else "length"
         piece = Piece(delta.text, [token])
         if reason is not None:
             piece.finish_reason = reason

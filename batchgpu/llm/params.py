@@ -7,14 +7,28 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..errors import RequestError
+
+INT32_MAX = 2**31 - 1
+"""The largest ``top_k``: it goes to the device as an int32 (any value above the vocabulary keeps every
+token, as 0 does)."""
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""The largest temperature and repetition penalty: they go to the device as float32."""
+
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature`` 0 is greedy (the first most likely token). Otherwise tokens are drawn from
+    ``temperature`` 0 is greedy (the first most likely token), and so is any temperature below
+    :data:`GREEDY_BELOW` (as in vLLM: logits divided by a smaller one overflow float32). Otherwise tokens
+    are drawn from
     softmax(logits / temperature) restricted to the ``top_k`` most likely (0: all), the smallest set
     reaching probability ``top_p`` (1: all) and those at least ``min_p`` times the most likely (0: all):
     the three sets are intersected, each measured on the whole distribution (vLLM and transformers
@@ -42,40 +56,56 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _whole("max_tokens", self.max_tokens, 1)
-        _real("temperature", self.temperature, 0.0, math.inf)
-        _whole("top_k", self.top_k, 0)
+        _real("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        _whole("top_k", self.top_k, 0, INT32_MAX)
         _real("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _real("min_p", self.min_p, 0.0, 1.0)
-        _real("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
+        _real("repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX, low_open=True)
         _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.seed is not None:
             _whole("seed", self.seed, 0, 2**32 - 1)
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if not all(isinstance(s, str) for s in stop):
-            raise RequestError(f"stop must be a str or a list of str, got {self.stop!r:.80}")
-        object.__setattr__(self, "stop", stop)
-        ids = tuple(self.stop_token_ids)
-        for token in ids:
-            _whole("stop_token_ids[]", token, 0)
-        object.__setattr__(self, "stop_token_ids", ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise RequestError(f"stop must be a str or a list of str, got {brief(self.stop)}", "stop")
+        object.__setattr__(self, "stop", tuple(stop))
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            shown = brief(self.stop_token_ids)
+            raise RequestError(f"stop_token_ids must be a list of int, got {shown}", "stop_token_ids")
+        for token in self.stop_token_ids:
+            _whole("stop_token_ids", token, 0)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
-            raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+            raise RequestError(f"ignore_eos must be true or false, got {brief(self.ignore_eos)}", "ignore_eos")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
+def brief(value: object) -> str:
+    """``value`` for an error message, short whatever it is: a number or the start of a string as written,
+    anything else by its type (the repr of a large or deeply nested value is not computed)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"an int of {value.bit_length()} bits"
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value[:60]) + ("..." if len(value) > 60 else "")
+    return f"a {type(value).__name__}"
+
+
 def _whole(name: str, value: object, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise RequestError(f"{name} must be an int {bounds}, got {value!r}")
+        raise RequestError(f"{name} must be an int {bounds}, got {brief(value)}", name)
 
 
 def _real(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError(f"{name} must be a finite number, got {value!r}")
+        raise RequestError(f"{name} must be a finite number, got {brief(value)}", name)
     if value < low or value > high or (low_open and value == low):
         interval = f"{'(' if low_open else '['}{low}, {high}]"
-        raise RequestError(f"{name} must be in {interval}, got {value!r}")
+        raise RequestError(f"{name} must be in {interval}, got {brief(value)}", name)

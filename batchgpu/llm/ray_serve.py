@@ -27,6 +27,7 @@ from ..errors import RequestError
 from .engine import Piece, Prompt
 from .options import EngineOptions
 from .params import SamplingParams
+from .schema import DEFAULT_MAX_REQUEST_BYTES
 
 
 class ReplicaLostError(RequestError):
@@ -64,8 +65,8 @@ class EngineReplica:
         settings = EngineOptions(**options)
         self.engine = settings.make(adapter=assigned_adapter(settings.device))
 
-    async def generate(self, prompt: Prompt, params: SamplingParams) -> AsyncIterator[Piece]:
-        async for piece in self.engine.generate(prompt, params):
+    async def generate(self, prompt: Prompt, params: SamplingParams, trusted: bool = False) -> AsyncIterator[Piece]:
+        async for piece in self.engine.generate(prompt, params, trusted=trusted):
             yield piece
 
     def status(self) -> dict[str, Any]:
@@ -85,11 +86,11 @@ class RemoteEngine:
         self.handle = handle
         self.streaming = handle.options(stream=True)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams) -> AsyncIterator[Piece]:
+    async def generate(self, prompt: Prompt, params: SamplingParams, *, trusted: bool = False) -> AsyncIterator[Piece]:
         """The request's pieces from one replica; retried once on another when the first dies before
-        answering."""
+        answering (``trusted``: as :meth:`Engine.generate`)."""
         for attempt in (1, 2):
-            stream = self.streaming.generate.remote(prompt, params)
+            stream = self.streaming.generate.remote(prompt, params, trusted)
             try:
                 first = await stream.__anext__()
             except StopAsyncIteration:
@@ -160,14 +161,15 @@ def _reraise_request_error(exc: BaseException) -> None:
 class OpenAIIngress:
     """The HTTP ingress: batchgpu's OpenAI-compatible app over the replicas."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: Any, model_name: str, settings: dict[str, Any] | None = None) -> None:
         self.remote = RemoteEngine(engine)
         self.model_name = model_name
+        self.settings = settings or {}  # create_app's keywords: max_request_bytes, trusted_messages
 
     def __serve_build_asgi_app__(self) -> Any:
         from .server import create_app
 
-        return create_app(lambda: self.remote, self.model_name)
+        return create_app(lambda: self.remote, self.model_name, **self.settings)
 
 
 def build_app(
@@ -178,9 +180,12 @@ def build_app(
     gpus_per_replica: float = 0.0,
     cpus_per_replica: float | None = None,
     max_ongoing_requests: int | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    trusted_messages: bool = False,
 ) -> Any:
     """The Ray Serve application: ``replicas`` engine replicas (each with ``gpus_per_replica`` GPUs and
-    ``cpus_per_replica`` CPUs; None: 1 beside a GPU, else :func:`cpu_share`) behind the OpenAI ingress."""
+    ``cpus_per_replica`` CPUs; None: 1 beside a GPU, else :func:`cpu_share`) behind the OpenAI ingress
+    (``max_request_bytes``, ``trusted_messages``: as :func:`batchgpu.llm.server.create_app`)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -207,7 +212,8 @@ def build_app(
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=replicas * per_replica,
     )
-    return ingress.bind(engine.bind(asdict(options)), model_name)
+    settings = {"max_request_bytes": max_request_bytes, "trusted_messages": trusted_messages}
+    return ingress.bind(engine.bind(asdict(options)), model_name, settings)
 
 
 def run(
@@ -220,10 +226,12 @@ def run(
     address: str | None = None,
     gpus_per_replica: float | None = None,
     cpus_per_replica: float | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    trusted_messages: bool = False,
 ) -> None:
     """Join (``address``) or start a Ray cluster and serve the application on ``host:port`` until
     interrupted; ``gpus_per_replica`` defaults to 1 where the cluster has GPUs, else 0 (and then each
-    replica gets an even share of the CPUs, :func:`cpu_share`)."""
+    replica gets an even share of the CPUs, :func:`cpu_share`); the other settings as :func:`build_app`."""
     import ray
     from ray import serve
 
@@ -237,5 +245,7 @@ def run(
         model_name=model_name,
         gpus_per_replica=gpus_per_replica,
         cpus_per_replica=cpus_per_replica,
+        max_request_bytes=max_request_bytes,
+        trusted_messages=trusted_messages,
     )
     serve.run(app, name="batchgpu", blocking=True)

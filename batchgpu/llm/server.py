@@ -2,49 +2,45 @@
 ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed over server-sent
 events with ``"stream": true``. A client that disconnects mid-stream cancels its request (its slot is
 freed at the next step). The engine is made in the server's event-loop thread (a Device belongs to one
-thread)."""
+thread); request bodies are parsed, and prompts tokenized, on other threads, so a large request does not
+stall the streams of the others."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 from ..errors import RequestError
 from .engine import Engine, Piece
-from .params import SamplingParams
-
-SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-)
-"""Request fields that become :class:`SamplingParams` (``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``: vLLM's extensions of the OpenAI API)."""
-
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None}
-"""Request fields accepted only at these values."""
+from .schema import CHAT, COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, read_request
 
 
-def create_app(make_engine: Callable[[], Any], model_name: str) -> Any:
+def create_app(
+    make_engine: Callable[[], Any],
+    model_name: str,
+    *,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    trusted_messages: bool = False,
+) -> Any:
     """The ASGI app; ``make_engine`` runs once at startup, in the server's thread, and returns an
     :class:`Engine` or anything with its ``generate`` (async iterator of pieces) and ``status`` (a dict,
-    or an awaitable of one): :class:`batchgpu.llm.ray_serve.RemoteEngine` serves replicas on Ray."""
+    or an awaitable of one): :class:`batchgpu.llm.ray_serve.RemoteEngine` serves replicas on Ray.
+
+    Every request is checked before it runs (:mod:`batchgpu.llm.schema`): a body over ``max_request_bytes``
+    is refused with 413 as soon as its Content-Length (or what was read of it) says so, a bad field with
+    400 naming it, a ``model`` other than ``model_name`` with 404 (``model_not_found``; a request without
+    one gets this model); unknown paths and methods get 404 and 405. Every refusal carries OpenAI's error
+    body. ``trusted_messages``: control-token text in chat messages is control (only where every client
+    is trusted; by default it is plain text, :meth:`Engine.generate`)."""
     from starlette.applications import Starlette
-    from starlette.requests import Request
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
@@ -65,32 +61,38 @@ def create_app(make_engine: Callable[[], Any], model_name: str) -> Any:
         return JSONResponse(await status if inspect.isawaitable(status) else status)
 
     async def completions(request: Request) -> Response:
-        return await _serve(request, chat=False)
+        return await _serve(request, COMPLETIONS)
 
     async def chat_completions(request: Request) -> Response:
-        return await _serve(request, chat=True)
+        return await _serve(request, CHAT)
 
-    async def _serve(request: Request, *, chat: bool) -> Response:
+    async def _serve(request: Request, endpoint: str) -> Response:
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise RequestError("the request body must be a JSON object")
-            prompt = _messages(body) if chat else _prompt(body)
-            params = _sampling(body)
-        except (RequestError, ValueError) as exc:
-            return _error(400, str(exc))
-        engine = state["engine"]
+            body = await _read_body(request, max_request_bytes)
+        except RequestError as exc:  # over the limit
+            return _error(413, str(exc), code="request_too_large")
+        except ClientDisconnect:
+            return Response(status_code=400)  # nobody to answer
+        try:
+            call = await asyncio.to_thread(read_request, body, endpoint)
+        except RequestError as exc:
+            return _error(400, str(exc), param=exc.param)
+        if call.model is not None and call.model != model_name:
+            message = f"The model `{call.model[:100]}` does not exist (this server serves `{model_name}`)"
+            return _error(404, message, param="model", code="model_not_found")
+        chat = endpoint == CHAT
         kind = "chat.completion" if chat else "text_completion"
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        pieces = engine.generate(prompt, params)
+        pieces = state["engine"].generate(call.prompt, call.params, trusted=trusted_messages)
         try:
             first = await pieces.__anext__()  # refusals (too long, bad ids) become HTTP errors, not streams
         except RequestError as exc:
-            return _error(400, str(exc))
-        if body.get("stream"):
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            events = _events(first, pieces, chat=chat, ident=ident, created=created, model=model_name, usage=usage)
+            return _error(400, str(exc), param=exc.param)
+        if call.stream:
+            events = _events(
+                first, pieces, chat=chat, ident=ident, created=created, model=model_name, usage=call.include_usage
+            )
             return StreamingResponse(events, media_type="text/event-stream")
         text, last = [first.text], first
         async for piece in pieces:
@@ -112,13 +114,39 @@ def create_app(make_engine: Callable[[], Any], model_name: str) -> Any:
             }
         )
 
+    async def http_error(request: Request, exc: Exception) -> Response:
+        """404 (no such path) and 405 (a method the path does not take), with OpenAI's error body."""
+        assert isinstance(exc, HTTPException)
+        where = f"{request.method} {request.url.path[:200]}"
+        message = f"Invalid URL ({where})" if exc.status_code == 404 else f"{exc.detail} ({where})"
+        return _error(exc.status_code, message, headers=exc.headers)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return _error(500, "the server failed on this request", kind="server_error")
+
     routes = [
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/engine", engine_status, methods=["GET"]),  # not OpenAI's: running/waiting requests, KV blocks
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    handlers = {HTTPException: http_error, Exception: server_error}
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+
+
+async def _read_body(request: Any, limit: int) -> bytes:
+    """The request body, refused (RequestError) as soon as its Content-Length or the bytes read so far
+    exceed ``limit``: a larger body is never held whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"the request body is {int(declared)} bytes; this server takes at most {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"the request body is over {limit} bytes, the most this server takes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _events(
@@ -165,54 +193,37 @@ def _usage(piece: Piece) -> dict[str, int]:
     }
 
 
-def _error(status: int, message: str) -> Any:
+def _error(
+    status: int,
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Any:
     from starlette.responses import JSONResponse
 
-    return JSONResponse(_error_body(message, "invalid_request_error"), status)
+    return JSONResponse(_error_body(message, kind, param=param, code=code), status, headers=headers)
 
 
-def _error_body(message: str, kind: str) -> dict[str, Any]:
+def _error_body(message: str, kind: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """OpenAI's error object: the body of a refusal, and the last event of a stream that failed."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _prompt(body: dict[str, Any]) -> str | list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
-        return prompt
-    raise RequestError("prompt must be a string or a list of token ids (one prompt per request)")
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list")
-    out = []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):  # content parts: the text ones, joined
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-        out.append({"role": message.get("role") if isinstance(message, dict) else None, "content": content})
-    return out
-
-
-def _sampling(body: dict[str, Any]) -> SamplingParams:
-    for name, allowed in UNSUPPORTED.items():
-        if body.get(name, allowed) not in (allowed, None):
-            raise RequestError(f"{name}={body[name]!r} is not supported (only {allowed!r})")
-    values = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
-    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
-        values["max_tokens"] = body["max_completion_tokens"]
-    try:
-        return SamplingParams(**values)
-    except TypeError as exc:
-        raise RequestError(str(exc)) from None
-
-
-def serve(make_engine: Callable[[], Engine], *, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run the server until interrupted (uvicorn, one worker: one engine owns the device)."""
+def serve(
+    make_engine: Callable[[], Engine],
+    *,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    trusted_messages: bool = False,
+) -> None:
+    """Run the server until interrupted (uvicorn, one worker: one engine owns the device); see
+    :func:`create_app` for ``max_request_bytes`` and ``trusted_messages``."""
     import uvicorn
 
-    uvicorn.run(create_app(make_engine, model_name), host=host, port=port, log_level="info")
+    app = create_app(make_engine, model_name, max_request_bytes=max_request_bytes, trusted_messages=trusted_messages)
+    uvicorn.run(app, host=host, port=port, log_level="info")

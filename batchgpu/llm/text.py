@@ -3,19 +3,28 @@ detokenization that never splits a UTF-8 character and holds back text that may 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BatchError, ModelFileError, RequestError
 from ..models.fields import Fields
 from ..models.files import optional_file, read_json, read_text
+from .control import ControlTokens
+from .params import brief
 
 if TYPE_CHECKING:
     from ..models.gguf_reader import GGUFFile
 
 REPLACEMENT = "\ufffd"  # what a decoder makes of an incomplete UTF-8 sequence
+
+LARGE_TEXT = 1 << 20
+"""Characters of text after whose encoding the freed heap goes back to the operating system (the
+tokenizer's working memory is about 150 bytes per character)."""
 
 
 class TextCodec:
@@ -80,10 +89,21 @@ class TextCodec:
             ends = [tokenizer.token_to_id(eos)] if eos and tokenizer.token_to_id(eos) is not None else []
         return cls(tokenizer, eos_ids=[int(end) for end in ends], bos_token=bos, eos_token=eos, chat_template=template)
 
+    @cached_property
+    def control(self) -> ControlTokens:
+        """The tokenizer's control (special) tokens, kept apart from message text in :meth:`encode_chat`."""
+        return ControlTokens(self.tokenizer)
+
     def encode(self, text: str, *, special: bool = True) -> list[int]:
-        """Token ids of ``text``; ``special``: with the tokens the tokenizer adds around a text (a
-        SentencePiece model's BOS), as transformers' ``add_special_tokens``."""
-        return list(self.tokenizer.encode(text, add_special_tokens=special).ids)
+        """Token ids of ``text``, a control token wherever its text appears; ``special``: with the tokens
+        the tokenizer adds around a text (a SentencePiece model's BOS), as transformers'
+        ``add_special_tokens``. Safe to call from another thread: the tokenizer runs without holding
+        Python's GIL."""
+        _check_text(text, "prompt")
+        ids = self.tokenizer.encode_batch_fast([text], add_special_tokens=special)[0].ids
+        if len(text) >= LARGE_TEXT:
+            release_freed_memory()
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; control tokens (``<|im_end|>``) are left out, as in a chat reply."""
@@ -91,24 +111,81 @@ class TextCodec:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The prompt for ``messages`` (``[{"role": ..., "content": ...}, ...]``) through the model's own
-        chat template, with the assistant's turn opened."""
+        chat template, with the assistant's turn opened; a template that refuses the messages
+        (``raise_exception``, or an error on them) raises RequestError."""
         if not self.chat_template:
-            raise RequestError("chat: this model's files have no chat template; send a prompt instead")
-        for i, message in enumerate(messages):
-            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-                raise RequestError(f"chat: messages[{i}] must be a mapping with a str 'role', got {message!r:.80}")
-            if not isinstance(message.get("content"), str):
-                raise RequestError(f"chat: messages[{i}]['content'] must be a str")
-        return (
-            _chat_environment()
-            .from_string(self.chat_template)
-            .render(
+            raise RequestError("chat: this model's files have no chat template; send a prompt instead", "messages")
+        _check_messages(messages)
+        try:
+            template = _chat_environment().from_string(self.chat_template)
+        except Exception as exc:  # the model file's template, not the request, is at fault
+            raise BatchError(f"chat: the model's chat template does not compile: {exc}") from exc
+        try:
+            return template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-        )
+        except Exception as exc:  # raise_exception, or the template failing on these messages
+            raise RequestError(f"chat: the chat template refused the messages: {exc}", "messages") from None
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, trusted: bool = False) -> list[int]:
+        """Token ids of :meth:`render_chat`'s prompt. Control tokens come from the template alone: text in
+        the messages that spells a special token (``<|im_end|>``) is encoded as plain text, so a message
+        cannot open a turn of another role (:mod:`batchgpu.llm.control`); otherwise the ids equal those of
+        the rendered prompt encoded as one string, as ``transformers`` and vLLM encode it. ``trusted``:
+        special-token text in the messages is control too (that one-string encoding; for messages the
+        application itself wrote)."""
+        _check_messages(messages)
+        if trusted:
+            return self.encode(self.render_chat(messages), special=False)
+        ids = self.control.encode(messages, self.render_chat)
+        if len(ids) >= LARGE_TEXT // 8:
+            release_freed_memory()
+        return ids
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None (another C library)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand the heap memory freed since to the operating system (glibc keeps freed memory for reuse: after a
+    large text's encoding that is hundreds of MB the process would hold on to; elsewhere nothing)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            shown = brief(message)
+            raise RequestError(f"chat: messages[{i}] must be a mapping with a str 'role', got {shown}", "messages")
+        if not isinstance(message.get("content"), str):
+            raise RequestError(f"chat: messages[{i}]['content'] must be a str", "messages")
+        for key, value in message.items():
+            if isinstance(value, str):
+                _check_text(value, f"messages[{i}].{key}", "messages")
+
+
+def _check_text(text: Any, what: str, param: str = "prompt") -> None:
+    """Text the tokenizer can take: a str of Unicode scalar values (JSON's ``\\ud800`` escapes give a lone
+    surrogate, which is not one)."""
+    if not isinstance(text, str):
+        raise RequestError(f"{what} must be a str, got {brief(text)}", param)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            where = f"a lone surrogate {text[exc.start]!r} at character {exc.start}"
+            raise RequestError(f"{what} is not valid Unicode: {where}", param) from None
 
 
 def _tokenizer(file: Path) -> Any:
@@ -176,11 +253,14 @@ class Delta:
 
 class TextStream:
     """Incremental detokenization of one generation: :meth:`push` takes each new token id and returns the
-    text that is now final. Each token is decoded with the few before it (a window from the last point
-    where the text was whole), so a stream costs about the same per token however long it gets. Text is
-    held back while the newest tokens end in an incomplete UTF-8 character (their decoding ends in
-    U+FFFD) or while it could still be the start of a stop string; a stop string ends the stream, its text
-    and anything after it left out (as OpenAI's API does)."""
+    text that is now final; :meth:`finish` returns the rest when the generation ends. Each token is decoded
+    with the few before it (a window from the last point where the text was whole), so a stream costs about
+    the same per token however long it gets. Text is held back while the newest tokens end in an
+    incomplete UTF-8 character (their decoding ends in U+FFFD) or while it could still be the start of a
+    stop string; a stop string ends the stream, its text and anything after it left out (as OpenAI's API
+    does). Nothing is lost: the pushed pieces and :meth:`finish` together are ``decode`` of all the ids, up
+    to the stop string that ended the stream (U+FFFD included, where the ids end in invalid or unfinished
+    UTF-8)."""
 
     def __init__(self, codec: TextCodec, stop: Sequence[str] = ()) -> None:
         self.codec = codec
@@ -189,7 +269,7 @@ class TextStream:
         self.ids: list[int] = []
         self.prefix = 0  # the decoding window starts here ...
         self.read = 0  # ... and its text up to here is already in ``text``
-        self.text = ""  # the generation's text so far (whole characters only)
+        self.text = ""  # the generation's text so far (whole characters only, until finish)
         self.sent = 0  # characters of ``text`` already returned
         self.stopped = False
 
@@ -197,9 +277,22 @@ class TextStream:
         if self.stopped:
             return Delta("", True)
         self.ids.append(token)
+        return self._advance(final=False)
+
+    def finish(self) -> Delta:
+        """Everything still held back when the generation ends for another reason (EOS, max_tokens): the
+        text of a character the ids left unfinished (U+FFFD, as ``decode`` gives it) and the text that could
+        have begun a stop string (cut at a stop string that this completes)."""
+        if self.stopped:
+            return Delta("", True)
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> Delta:
+        """Take the window's new text into ``text`` (not while it ends in an unfinished character, unless
+        ``final``) and release what can no longer be part of a stop string."""
         known = self.codec.decode(self.ids[self.prefix : self.read])
         window = self.codec.decode(self.ids[self.prefix :])
-        if window.endswith(REPLACEMENT) or len(window) <= len(known):
+        if not final and (window.endswith(REPLACEMENT) or len(window) <= len(known)):
             return Delta("")  # a character split over tokens (or nothing visible yet): wait
         searched_from = max(0, len(self.text) - self.holdback)
         self.text += window[len(known) :]
@@ -208,13 +301,7 @@ class TextStream:
         if found:
             self.stopped = True
             return self._release(min(found), stopped=True)
-        return self._release(len(self.text) - self.holdback)
-
-    def finish(self) -> Delta:
-        """The text still held back when the generation ends for another reason (EOS, max_tokens)."""
-        if self.stopped:
-            return Delta("", True)
-        return self._release(len(self.text))
+        return self._release(len(self.text) if final else len(self.text) - self.holdback)
 
     def _release(self, end: int, *, stopped: bool = False) -> Delta:
         piece = self.text[self.sent : end] if end > self.sent else ""

@@ -1,0 +1,262 @@
+"""The OpenAI request bodies the server takes, checked before anything runs: the JSON text (nesting depth,
+no NaN or Infinity) and then every field against one table, :data:`FIELDS` (its JSON type, the endpoints
+that have it, and the values served where the server has only some of OpenAI's). A refusal is a
+RequestError naming the field (OpenAI's error ``param``). The ranges of the sampling fields are
+:class:`SamplingParams`' own checks; fields outside the table are refused, as OpenAI refuses them."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import RequestError
+from .params import SamplingParams, brief
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+"""The largest request body the server reads by default (``serve --max-request-bytes``): 4 MiB, hundreds
+of times the text of a long context's prompt; a larger body is refused (413) before it is read."""
+
+MAX_DEPTH = 32
+"""JSON nesting a body may have (a chat request with content parts needs 5); deeper is refused before it
+is parsed."""
+
+MAX_STOP_STRINGS = 16
+"""Stop strings one request may have (each one is searched for in every new piece of text)."""
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The message roles of OpenAI's chat API (the model's chat template decides what it makes of them)."""
+
+JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+CHAT, COMPLETIONS = "chat", "completions"
+BOTH = (CHAT, COMPLETIONS)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One request field: its JSON ``types``, the ``endpoints`` that have it, where it goes (``sampling``:
+    the :class:`SamplingParams` field it sets) and, for OpenAI fields served at some values only, ``only``
+    (the values accepted; null is always accepted, as the field left out)."""
+
+    types: tuple[str, ...]
+    endpoints: tuple[str, ...] = BOTH
+    sampling: str | None = None
+    only: tuple[Any, ...] | None = None
+
+
+FIELDS: dict[str, Field] = {
+    "model": Field(("string",)),
+    "prompt": Field(("string", "array"), (COMPLETIONS,)),
+    "messages": Field(("array",), (CHAT,)),
+    "stream": Field(("boolean",)),
+    "stream_options": Field(("object",)),
+    "max_tokens": Field(("integer",), sampling="max_tokens"),
+    "max_completion_tokens": Field(("integer",), (CHAT,), sampling="max_tokens"),
+    "temperature": Field(("number",), sampling="temperature"),
+    "top_p": Field(("number",), sampling="top_p"),
+    "top_k": Field(("integer",), sampling="top_k"),  # vLLM's
+    "min_p": Field(("number",), sampling="min_p"),  # vLLM's
+    "repetition_penalty": Field(("number",), sampling="repetition_penalty"),  # vLLM's
+    "presence_penalty": Field(("number",), sampling="presence_penalty"),
+    "frequency_penalty": Field(("number",), sampling="frequency_penalty"),
+    "seed": Field(("integer",), sampling="seed"),
+    "stop": Field(("string", "array"), sampling="stop"),
+    "stop_token_ids": Field(("array",), sampling="stop_token_ids"),  # vLLM's
+    "ignore_eos": Field(("boolean",), sampling="ignore_eos"),  # vLLM's
+    "user": Field(("string",)),  # an end-user id: accepted, not used
+    "n": Field(("integer",), only=(1,)),
+    "best_of": Field(("integer",), (COMPLETIONS,), only=(1,)),
+    "echo": Field(("boolean",), (COMPLETIONS,), only=(False,)),
+    "suffix": Field(("string",), (COMPLETIONS,), only=()),
+    "logprobs": Field(("integer", "boolean"), only=(False,)),
+    "top_logprobs": Field(("integer",), (CHAT,), only=(0,)),
+    "logit_bias": Field(("object",), only=({},)),
+    "response_format": Field(("object",), (CHAT,), only=({"type": "text"},)),
+    "tools": Field(("array",), (CHAT,), only=([],)),
+    "tool_choice": Field(("string", "object"), (CHAT,), only=("none",)),
+    "parallel_tool_calls": Field(("boolean",), (CHAT,)),  # without tools: nothing to do
+}
+"""The request fields of ``/v1/completions`` and ``/v1/chat/completions``."""
+
+STREAM_OPTIONS = {"include_usage": "boolean"}
+MESSAGE_FIELDS = {"role": "string", "content": "string or array", "name": "string"}
+
+
+@dataclass
+class ParsedRequest:
+    """What a valid request asks for: the model name (None: not given), the prompt (text, token ids or
+    chat messages), the sampling parameters, and how to answer (streamed; with a usage event)."""
+
+    model: str | None
+    prompt: str | list[int] | list[dict[str, Any]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+def read_request(body: bytes, endpoint: str) -> ParsedRequest:
+    """The request that the JSON ``body`` makes to ``endpoint``: :func:`parse_json`, then
+    :func:`parse_request` (both proportional to the body's size: run them off the event loop)."""
+    return parse_request(parse_json(body), endpoint)
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object: UTF-8, at most :data:`MAX_DEPTH` levels deep (measured before
+    parsing, so no depth reaches the parser's recursion), without NaN or Infinity."""
+    depth = json_depth(body)
+    if depth > MAX_DEPTH:
+        raise RequestError(f"the request body is JSON nested {depth} levels deep; the limit is {MAX_DEPTH}")
+    try:
+        value = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+    except ValueError as exc:  # not UTF-8, not JSON, an integer too long to convert
+        raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise RequestError(f"the request body must be a JSON object, got {_json_type(value)}")
+    return value
+
+
+JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # unrolled: no alternation per character
+NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+BRACKET_STEPS = np.zeros(256, np.int8)
+BRACKET_STEPS[[ord("["), ord("{")]], BRACKET_STEPS[[ord("]"), ord("}")]] = 1, -1
+
+
+def json_depth(body: bytes) -> int:
+    """The deepest nesting of arrays and objects in the JSON text ``body`` (exact for valid JSON): its
+    strings taken out, then the running count of opening less closing brackets, vectorized."""
+    brackets = np.frombuffer(JSON_STRING.sub(b"", body).translate(None, NOT_BRACKETS), np.uint8)
+    return int(np.cumsum(BRACKET_STEPS[brackets], dtype=np.int64).max(initial=0))
+
+
+def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
+    """Check every field of ``body`` (a request to ``endpoint``: :data:`CHAT` or :data:`COMPLETIONS`)
+    against :data:`FIELDS` and make the request of it."""
+    values = {name: value for name, value in body.items() if value is not None}
+    for name, value in values.items():
+        field = FIELDS.get(name)
+        if field is None or endpoint not in field.endpoints:
+            raise RequestError(f"unrecognized request argument supplied: {name}", name)
+        if not any(JSON_TYPES[kind](value) for kind in field.types):
+            expected = " or ".join(field.types)
+            raise RequestError(f"{name} must be {_article(expected)}, got {_json_type(value)}", name)
+        if field.only is not None and not any(_same(value, served) for served in field.only):
+            served = " or ".join(json.dumps(v) for v in field.only) or "null"
+            raise RequestError(f"{name}={json.dumps(value)[:80]} is not supported (only {served})", name)
+    stream = values.get("stream", False)
+    options = values.get("stream_options", {})
+    if "stream_options" in values and not stream:
+        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
+    _check_keys(options, STREAM_OPTIONS, "stream_options")
+    prompt = _messages(values.get("messages")) if endpoint == CHAT else _prompt(values.get("prompt"))
+    return ParsedRequest(
+        model=values.get("model"),
+        prompt=prompt,
+        params=_sampling(values),
+        stream=stream,
+        include_usage=bool(options.get("include_usage")),
+    )
+
+
+def _sampling(values: dict[str, Any]) -> SamplingParams:
+    settings = {FIELDS[name].sampling: value for name, value in values.items() if FIELDS[name].sampling}
+    if "max_completion_tokens" in values:  # chat: OpenAI's newer name wins
+        settings["max_tokens"] = values["max_completion_tokens"]
+    stop = settings.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS}", "stop")
+    try:
+        return SamplingParams(**settings)
+    except RequestError as exc:
+        if exc.param == "max_tokens" and "max_completion_tokens" in values:
+            exc.param = "max_completion_tokens"
+        raise
+
+
+def _prompt(prompt: Any) -> str | list[int]:
+    """A string or token ids, alone or as a batch of one (OpenAI's ``["text"]``, ``[[1, 2]]``)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(JSON_TYPES["integer"](t) for t in prompt)):
+        return prompt
+    got = "nothing" if prompt is None else _json_type(prompt)
+    raise RequestError(f"prompt must be a string or a list of token ids (one prompt per request), got {got}", "prompt")
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """The chat messages, each ``{"role", "content"[, "name"]}`` with text content (content parts: their
+    texts joined); other message fields (``tool_calls``, ...) only as null."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty array of messages", "messages")
+    return [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+
+
+def _message(message: Any, where: str) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise RequestError(f"{where} must be an object, got {_json_type(message)}", "messages")
+    fields = {key: value for key, value in message.items() if value is not None}
+    for key in fields:
+        if key not in MESSAGE_FIELDS:
+            raise RequestError(f"{where}.{key} is not supported", "messages")
+    role, content = fields.get("role"), fields.get("content")
+    if role not in ROLES:
+        raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {brief(role)}", "messages")
+    if isinstance(content, list):
+        content = "".join(_text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content))
+    if not isinstance(content, str):
+        got = "nothing" if content is None else _json_type(content)
+        raise RequestError(f"{where}.content must be a string or an array of text parts, got {got}", "messages")
+    if "name" in fields and not isinstance(fields["name"], str):
+        raise RequestError(f"{where}.name must be a string, got {_json_type(fields['name'])}", "messages")
+    return {**fields, "role": role, "content": content}
+
+
+def _text_part(part: Any, where: str) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        kind = brief(part.get("type")) if isinstance(part, dict) else _json_type(part)
+        raise RequestError(f"{where} must be a text part ({{'type': 'text', 'text': ...}}), got {kind}", "messages")
+    _check_keys(part, {"type": "string", "text": "string"}, where, param="messages")
+    if not isinstance(part.get("text"), str):
+        raise RequestError(f"{where}.text must be a string, got {_json_type(part.get('text'))}", "messages")
+    return part["text"]
+
+
+def _check_keys(value: dict[str, Any], types: dict[str, str], where: str, param: str | None = None) -> None:
+    """The keys of the object ``value`` are among ``types`` and their values of those JSON types (or null)."""
+    for key, item in value.items():
+        if key not in types:
+            raise RequestError(f"{where}.{key} is not supported", param or where)
+        if item is not None and not JSON_TYPES[types[key]](item):
+            raise RequestError(f"{where}.{key} must be {_article(types[key])}, got {_json_type(item)}", param or where)
+
+
+def _same(value: Any, served: Any) -> bool:
+    """``value`` is ``served`` as JSON sees it (``0`` is not ``false``)."""
+    return type(value) is type(served) and value == served
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type of a parsed value, and a scalar's value."""
+    if value is None:
+        return "null"
+    kind = next((name for name, check in JSON_TYPES.items() if check(value)), type(value).__name__)
+    return _article(kind) if kind in ("array", "object") else f"{_article(kind)} ({brief(value)})"
+
+
+def _article(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value")
