@@ -1,5 +1,6 @@
-"""Every CUDA kernel specialization the op table produces compiles with NVRTC for sm_80 and sm_90,
-and with hipRTC for AMD's gfx90a (CDNA2, wave64) and gfx1030 (RDNA2, wave32).
+"""Every CUDA kernel specialization the op table produces compiles with NVRTC for sm_90 and with hipRTC
+for AMD's gfx90a (CDNA2, wave64); one source per kernel entry compiles for sm_80 and gfx1030 (RDNA2,
+wave32).
 
 Needs no GPU, only NVRTC (the ``nvidia-cuda-nvrtc`` wheel, in the ``test`` extra) and hipRTC (Debian's
 ``libamdhip64-5``, ROCm 5.2, with ``libhiprtc-builtins5`` and ``rocm-device-libs``). Launches are
@@ -9,8 +10,10 @@ executors would compile for those ops.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -27,6 +30,9 @@ from .conftest import random_array
 from .op_examples import record_all, record_fusable_chains, shrunk_bounds
 
 ARCHS = ("sm_80", "sm_90")
+EVERY_SPECIALIZATION = ("sm_90", "gfx90a")
+"""Targets every specialization compiles for (the GPUs the suite runs on, and AMD's wave64); the others
+compile one source per kernel entry, to keep CI short."""
 HIP_ARCHS = ("gfx90a", "gfx1030")
 DTYPES = (np.float32, np.float16, np.int32, np.uint32)
 
@@ -98,10 +104,27 @@ def test_every_family_and_entry_is_covered():
     assert entries == wgsl_entries | NATIVE_ONLY_ENTRIES
 
 
+def sources_for(arch: str) -> dict[str, tuple[str, set[str]]]:
+    """Every source for the targets of :data:`EVERY_SPECIALIZATION`, else one source per kernel entry."""
+    return SOURCES if arch in EVERY_SPECIALIZATION else _one_source_per_entry()
+
+
+def _one_source_per_entry() -> dict[str, tuple[str, set[str]]]:
+    chosen: dict[str, tuple[str, set[str]]] = {}
+    seen: set[tuple[str, str]] = set()
+    for source, (name, entries) in SOURCES.items():
+        fresh = {(name, entry) for entry in entries} - seen
+        if fresh:
+            chosen[source] = (name, entries)
+            seen |= fresh
+    return chosen
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_specialization_compiles_to_ptx(nvrtc, arch):
+    """sm_90: every specialization; sm_80: one source per kernel entry (:func:`sources_for`)."""
     failures = []
-    for source, (name, entries) in SOURCES.items():
+    for source, (name, entries) in sources_for(arch).items():
         try:
             ptx = nvrtc.compile(source, name, arch, ["-default-device"], target="ptx").decode(errors="replace")
         except CompileError as exc:
@@ -188,34 +211,38 @@ def test_custom_kernel_without_cuda_source_is_refused():
 # hipRTC ------------------------------------------------------------------------------------------
 
 
-def _one_source_per_entry() -> dict[str, tuple[str, set[str]]]:
-    chosen: dict[str, tuple[str, set[str]]] = {}
-    seen: set[tuple[str, str]] = set()
-    for source, (name, entries) in SOURCES.items():
-        fresh = {(name, entry) for entry in entries} - seen
-        if fresh:
-            chosen[source] = (name, entries)
-            seen |= fresh
-    return chosen
+def hiprtc_compile_all(arch: str, items: list[tuple[str, tuple[str, set[str]]]]) -> list[str]:
+    """Compile ``items`` (source, (name, entries)) for ``arch`` with a hipRTC of this process; the failures.
+    Run in worker processes by the test below (module-level, so a spawned worker can import it)."""
+    compiler = Hiprtc(None)
+    failures = []
+    for source, (name, entries) in items:
+        try:
+            code = compiler.compile(source, name, arch, [], target="code")
+        except CompileError as exc:
+            failures.append(str(exc)[:2000])
+            continue
+        if code[:4] != b"\x7fELF":
+            failures.append(f"{name}: not an AMDGPU code object")
+        missing = [entry for entry in entries if f"{entry}.kd".encode() not in code]
+        if missing:
+            failures.append(f"{name}: no kernel descriptor for {missing} in the {arch} code object")
+    return failures
 
 
 @pytest.mark.parametrize("arch", HIP_ARCHS)
 def test_every_specialization_compiles_with_hiprtc(hiprtc, arch):
-    """gfx90a: every specialization; gfx1030 (wave32): one source per kernel entry, to keep CI short.
-    One at a time: ROCm 5.2's hipRTC crashes under concurrent compiles (Hiprtc serializes them)."""
-    sources = SOURCES if arch == "gfx90a" else _one_source_per_entry()
-
-    def compile_one(item: tuple[str, tuple[str, set[str]]]) -> str | None:
-        source, (name, entries) = item
-        try:
-            code = hiprtc.compile(source, name, arch, [], target="code")
-        except CompileError as exc:
-            return str(exc)[:2000]
-        assert code[:4] == b"\x7fELF", f"{name}: not an AMDGPU code object"
-        missing = [entry for entry in entries if f"{entry}.kd".encode() not in code]
-        return f"{name}: no kernel descriptor for {missing} in the {arch} code object" if missing else None
-
-    failures = [failure for failure in map(compile_one, sources.items()) if failure]
+    """gfx90a: every specialization; gfx1030 (wave32): one source per kernel entry (:func:`sources_for`).
+    ROCm 5.2's hipRTC crashes under concurrent compiles in one process (Hiprtc serializes them), so the
+    sources are dealt to one spawned process per CPU."""
+    items = list(sources_for(arch).items())
+    workers = max(1, min(os.cpu_count() or 1, 4, len(items) // 16))
+    chunks = [items[k::workers] for k in range(workers)]
+    if workers == 1:
+        failures = hiprtc_compile_all(arch, items)
+    else:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            failures = [f for part in pool.map(hiprtc_compile_all, [arch] * workers, chunks) for f in part]
     assert not failures, "\n\n".join(failures)
 
 

@@ -12,6 +12,7 @@ Unknown tokenizer models and pre-tokenizers are refused by name."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 
@@ -92,10 +93,9 @@ def piece_type(processor, i: int) -> int:
     return 5 if processor.is_unused(i) else 1
 
 
-def test_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path, sentencepiece_model):
-    sp = sentencepiece_model
+def write_sentencepiece_vocabulary(path, sp) -> Path:
+    """A GGUF file holding the SentencePiece model ``sp``'s vocabulary (pieces, scores, types, BOS/EOS/UNK)."""
     n = sp.get_piece_size()
-    path = tmp_path / "spm.gguf"
     write_vocabulary(
         path,
         "llama",
@@ -106,7 +106,12 @@ def test_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path, sentencep
         eos=sp.eos_id(),
         unk=sp.unk_id(),
     )
-    codec = codec_of(path)
+    return path
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path, sentencepiece_model):
+    sp = sentencepiece_model
+    codec = codec_of(write_sentencepiece_vocabulary(tmp_path / "spm.gguf", sp))
     assert codec.eos_ids == {sp.eos_id()}
     for text in TEXTS:
         expected = sp.encode(text)
@@ -294,19 +299,7 @@ def test_sentencepiece_chat_control_tokens_come_from_the_template(tmp_path, sent
     """Llama 2's template over a SentencePiece vocabulary (BOS and EOS written by the template, a ``▁``
     prefix on each piece of text between control tokens); a turn out of order is the template's refusal."""
     sp = sentencepiece_model
-    n = sp.get_piece_size()
-    path = tmp_path / "spm.gguf"
-    write_vocabulary(
-        path,
-        "llama",
-        [sp.id_to_piece(i) for i in range(n)],
-        scores=[sp.get_score(i) for i in range(n)],
-        types=[piece_type(sp, i) for i in range(n)],
-        bos=sp.bos_id(),
-        eos=sp.eos_id(),
-        unk=sp.unk_id(),
-    )
-    codec = codec_of(path)
+    codec = codec_of(write_sentencepiece_vocabulary(tmp_path / "spm.gguf", sp))
     codec.chat_template = LLAMA2_TEMPLATE
     check_chat_ids(codec, (codec.bos_token, codec.eos_token))
     with pytest.raises(bg.RequestError, match="must alternate"):
