@@ -13,7 +13,8 @@ import numpy as np
 
 from ..batch import GpuCommandBatch, Submission
 from ..device import Device
-from ..models.llama import LlamaConfig, feed_forward, linear, project_heads, rope_settings
+from ..models.config import LlamaConfig
+from ..models.decoder import PagedKV, record_decoder, record_logits
 from ..tensor import Tensor
 
 
@@ -106,7 +107,6 @@ def record_step(
       the tokens they sample.
     Output: ``next_ids`` (samples,) int32.
     """
-    cfg = config
     batch = GpuCommandBatch(device, name=name)
     slots = cache.seen.shape[0]
 
@@ -132,38 +132,19 @@ def record_step(
         inputs["count_slots"] = inp("count_slots", (rows,), np.int32)
         inputs["reset"] = inp("reset", (slots,), np.int32)
     x = inputs
-    w = weights
     ids = x["ids"] if prompt else batch.reshape(batch.embedding(x["token_slots"], cache.tokens), (rows,))
-    h = batch.embedding(ids, w["token_embd.weight"])
-    normed = batch.rms_norm(h, w["blk.0.attn_norm.weight"], cfg.eps)
-    rope = rope_settings(cfg)
-    for layer in range(cfg.layers):
-        block = f"blk.{layer}."
-        key_pool, value_pool = cache.keys[layer], cache.values[layer]
-        if block + "attn_qkv.weight" in w:  # one GEMV, then rope + both pool writes in one kernel
-            width = (rows, cfg.heads + 2 * cfg.kv_heads, cfg.head_dim)
-            qkv = batch.reshape(linear(batch, normed, w, block + "attn_qkv.weight"), width)
-            q = batch.rope_kv_write(qkv, key_pool, value_pool, x["positions"], rows=x["kv_rows"], **rope)
-        else:
-            q, k, v = project_heads(batch, normed, w, block, cfg, rows)
-            q = batch.rope(q, x["positions"], **rope)
-            k = batch.rope(k, x["positions"], **rope)
-            if key_pool.dtype != k.dtype:
-                k, v = batch.cast(k, key_pool.dtype), batch.cast(v, value_pool.dtype)
-            batch.scatter_rows(key_pool, x["kv_rows"], k)
-            batch.scatter_rows(value_pool, x["kv_rows"], v)
-        attended = batch.paged_attention(
-            q, key_pool, value_pool, x["block_tables"], x["seq"], x["lengths"], block_size=cache.block_size
-        )
-        out = batch.matmul(
-            batch.reshape(attended, (rows, cfg.heads * cfg.head_dim)), w[block + "attn_output.weight"], transpose_b=True
-        )
-        normed, h = batch.add_rms_norm(out, h, w[block + "ffn_norm.weight"], cfg.eps)
-        ffn = feed_forward(batch, normed, w, block)
-        after = f"blk.{layer + 1}.attn_norm.weight" if layer + 1 < cfg.layers else "output_norm.weight"
-        normed, h = batch.add_rms_norm(ffn, h, w[after], cfg.eps)
-    head = w.get("output.weight", w["token_embd.weight"])  # untied head where the file has one
-    logits = batch.matmul(batch.embedding(x["sample_rows"], normed), head, transpose_b=True)
+    kv = PagedKV(
+        cache.keys,
+        cache.values,
+        positions=x["positions"],
+        rows=x["kv_rows"],
+        block_tables=x["block_tables"],
+        seq=x["seq"],
+        lengths=x["lengths"],
+        block_size=cache.block_size,
+    )
+    normed = record_decoder(batch, config, weights, ids, kv)
+    logits = record_logits(batch, weights, batch.embedding(x["sample_rows"], normed))
     if prompt:  # prompt tokens count before this step's sampling (HF's repetition penalty covers the prompt)
         batch.count_tokens(cache.seen, x["count_slots"], x["ids"], x["reset"])
         no_tokens = batch.upload(np.full(1, -1, np.int32), name="no_tokens")

@@ -24,6 +24,7 @@ from ..progress import Stages
 from ..scalars import Scalar
 from ..tensor import Tensor
 from .config import LlamaConfig
+from .decoder import ContiguousKV, architecture, check_parts, record_decoder, record_logits
 from .gguf_file import GGUFWeights
 from .weights import Weights, open_weights
 
@@ -91,6 +92,7 @@ def upload_weights(
     the tensors is the next phase of ``stages`` (a load's display, :func:`loading`), or of a display of its
     own that stays when done (shown on a terminal or with ``BATCHGPU_PROGRESS=1``)."""
     names = weights.names()
+    check_parts(weights.config, set(names), weights.path)
     label = "loading weights" if quantized else "loading + dequantizing weights"
     if progress is not None:
         return _upload(device, weights, progress(names), quantized=quantized, fuse=fuse)
@@ -145,6 +147,7 @@ def _fused_groups(weights: Weights) -> list[FusedGroup]:
     """Per layer, the joined weights whose parts all exist with one block format and row length; a joined
     bias only beside its joined weight; no joined q/k/v where q and k are normed before RoPE (Qwen3)."""
     present = set(weights.names())
+    row = architecture(weights.config)
     groups = []
     for layer in range(weights.config.layers):
         block = f"blk.{layer}."
@@ -155,50 +158,12 @@ def _fused_groups(weights: Weights) -> list[FusedGroup]:
                 continue
             if fused.endswith(".bias") and fused.removesuffix("bias") + "weight" not in joined:
                 continue
-            if fused.startswith("attn_qkv") and block + "attn_q_norm.weight" in present:
+            if fused.startswith("attn_qkv") and row.has("qk_norms", present, block):
                 continue
             if len({(qtype, shape[1:]) for qtype, shape in map(weights.layout, parts)}) == 1:
                 groups.append(FusedGroup(block + fused, parts, interleaved))
                 joined.add(fused)
     return groups
-
-
-def linear(batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], name: str) -> Tensor:
-    """``x @ w[name].T``, plus the matching ``.bias`` where the file has one (Qwen2's q/k/v)."""
-    return batch.matmul(x, w[name], transpose_b=True, bias=w.get(name.removesuffix("weight") + "bias"))
-
-
-def rope_settings(config: LlamaConfig) -> dict[str, Any]:
-    """The ``theta`` and ``factors`` keywords of ``rope`` / ``rope_kv_write`` for the model."""
-    return {"theta": config.theta, "factors": config.rope_factors}
-
-
-def project_heads(
-    batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], block: str, config: LlamaConfig, rows: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The layer's q, k and v heads (rows, heads, head_dim) from separate projections, q and k RMS-normed
-    per head where the model has q/k norms (Qwen3), before RoPE."""
-
-    def project(name: str, heads: int) -> Tensor:
-        return batch.reshape(linear(batch, x, w, block + name), (rows, heads, config.head_dim))
-
-    q, k = project("attn_q.weight", config.heads), project("attn_k.weight", config.kv_heads)
-    if block + "attn_q_norm.weight" in w:
-        q = batch.rms_norm(q, w[block + "attn_q_norm.weight"], config.eps)
-        k = batch.rms_norm(k, w[block + "attn_k_norm.weight"], config.eps)
-    return q, k, project("attn_v.weight", config.kv_heads)
-
-
-def feed_forward(batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], block: str) -> Tensor:
-    """The layer's MLP, (silu(x @ gate.T) * (x @ up.T)) @ down.T: gate and up one GEMV with the swiglu
-    epilogue where the weights are fused (interleaved rows), else two GEMVs and ``silu_mul``."""
-    if block + "ffn_gate_up.weight" in w:
-        hidden = batch.matmul(x, w[block + "ffn_gate_up.weight"], transpose_b=True, epilogue="swiglu")
-    else:
-        gate = batch.matmul(x, w[block + "ffn_gate.weight"], transpose_b=True)
-        up = batch.matmul(x, w[block + "ffn_up.weight"], transpose_b=True)
-        hidden = batch.silu_mul(gate, up)
-    return batch.matmul(hidden, w[block + "ffn_down.weight"], transpose_b=True)
 
 
 def steps_ahead(device: Device, ahead: int | None, what: str) -> int:
@@ -271,45 +236,18 @@ class Llama:
         caches and yields the greedy next token (argmax of the last token's logits), which it also writes
         into :attr:`token`. ``from_device``: the one token is read from :attr:`token` (a decode step)
         instead of an ``ids`` input."""
-        cfg, w = self.config, self.params
         batch = GpuCommandBatch(self.device, name=f"llama_{tokens}")
         pos = batch.scalar("pos")
         ids = None if from_device else batch.upload(np.zeros(tokens, np.int32), name="ids")
-        h = batch.embedding(batch.reshape(self.token, (1,)) if ids is None else ids, w["token_embd.weight"])
-        normed = batch.rms_norm(h, w["blk.0.attn_norm.weight"], cfg.eps)
-        for i in range(cfg.layers):
-            block = f"blk.{i}."
-            attn = self._attention(batch, normed, i, pos, tokens)
-            normed, h = batch.add_rms_norm(attn, h, w[block + "ffn_norm.weight"], cfg.eps)
-            ffn_out = feed_forward(batch, normed, w, block)
-            next_norm = f"blk.{i + 1}.attn_norm.weight" if i + 1 < cfg.layers else "output_norm.weight"
-            normed, h = batch.add_rms_norm(ffn_out, h, w[next_norm], cfg.eps)  # residual add fused in
+        tokens_in = batch.reshape(self.token, (1,)) if ids is None else ids
+        normed = record_decoder(batch, self.config, self.params, tokens_in, ContiguousKV(self.caches, pos))
         last = batch.slice(normed, (slice(tokens - 1, tokens),)) if tokens > 1 else normed
-        head = w.get("output.weight", w["token_embd.weight"])  # untied where the file has an output head
-        logits = batch.matmul(last, head, transpose_b=True)
+        logits = record_logits(batch, self.params, last)
         next_token = batch.argmax(logits)
         row = batch.upload(np.zeros(1, np.int32), name="token_row")
         batch.scatter_rows(self.token, row, batch.reshape(next_token, (1, 1)))  # the next decode's input
         batch.outputs(next_token, logits)  # every other activation shares buffers (batchgpu.memory)
         return StepBatch(batch, ids, pos, next_token, logits)
-
-    def _attention(self, batch: GpuCommandBatch, x: Tensor, layer: int, pos: Scalar, tokens: int) -> Tensor:
-        cfg, w = self.config, self.params
-        block = f"blk.{layer}."
-        k_cache, v_cache = self.caches[layer]
-
-        rope = rope_settings(cfg)
-        if block + "attn_qkv.weight" in w:  # one GEMV, then rope + both cache writes in one kernel
-            width = (tokens, cfg.heads + 2 * cfg.kv_heads, cfg.head_dim)
-            qkv = batch.reshape(linear(batch, x, w, block + "attn_qkv.weight"), width)
-            q = batch.rope_kv_write(qkv, k_cache, v_cache, pos, **rope)
-        else:
-            q, k, v = project_heads(batch, x, w, block, cfg, tokens)
-            q = batch.rope(q, pos, **rope)
-            batch.kv_write(k_cache, batch.rope(k, pos, **rope), pos)
-            batch.kv_write(v_cache, v, pos)
-        out = batch.reshape(batch.attention(q, k_cache, v_cache, pos), (tokens, cfg.heads * cfg.head_dim))
-        return batch.matmul(out, w[block + "attn_output.weight"], transpose_b=True)
 
     # running ----------------------------------------------------------------------------------
 
