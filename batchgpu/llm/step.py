@@ -8,6 +8,7 @@ keys; only the sampled ids come back."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -232,25 +233,28 @@ class StepRunner:
     ) -> None:
         self.cache, self.max_batch = cache, max_batch
         record = functools.partial(record_step, device, config, weights, cache, max_blocks=max_blocks)
-        decode = {
-            size: record(
-                rows=size, samples=size, table_rows=size, name=f"decode{size}", prompt=False, by_slot=size == max_batch
-            )
-            for size in step_sizes(max_batch)
+        self.recorded = {
+            StepKind.DECODE: self.ladder(record, StepKind.DECODE, max_batch),
+            StepKind.PREFILL: self.ladder(record, StepKind.PREFILL, prefill_chunk),
         }
-        prefill = {}
-        for size in step_sizes(prefill_chunk):
-            samples = min(max_batch, size)
-            prefill[size] = record(
-                rows=size, samples=samples, table_rows=samples, name=f"prefill{size}", prompt=True, by_slot=False
-            )
-        self.steps = {StepKind.DECODE: decode, StepKind.PREFILL: prefill}
-        self.runs = {kind: dict.fromkeys(steps, 0) for kind, steps in self.steps.items()}
+        self.runs = {kind: dict.fromkeys(steps, 0) for kind, steps in self.recorded.items()}
         self.counts = dict.fromkeys((kind.value for kind in StepKind), 0)
+
+    def ladder(self, record: Callable[..., Step], kind: StepKind, largest: int) -> dict[int, Step]:
+        """Steps of ``kind`` recorded at each row count of :func:`step_sizes` (``largest``)."""
+        prompt = kind is StepKind.PREFILL
+        steps = {}
+        for size in step_sizes(largest):
+            samples = min(self.max_batch, size)
+            steps[size] = record(
+                rows=size, samples=samples, table_rows=samples, name=f"{kind.value}{size}", prompt=prompt,
+                by_slot=not prompt and samples == self.max_batch,
+            )  # fmt: skip
+        return steps
 
     def run(self, plan: StepPlan) -> Submitted:
         """Pack ``plan`` into the smallest recorded step of its kind that holds its rows and submit it."""
-        steps = self.steps[plan.kind]
+        steps = self.recorded[plan.kind]
         size = next(size for size in steps if size >= plan.rows)
         step = steps[size]
         if plan.kind is StepKind.PREFILL:
