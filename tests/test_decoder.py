@@ -115,10 +115,12 @@ def test_engine_steps_record_the_ops_they_always_recorded(variant_files, variant
         kv_dtype=kv_dtype,
     )
     float16_pool = kv_dtype == np.float16
-    for size, step in engine.decode_steps.items():
+    from batchgpu.llm.scheduler import StepKind
+
+    for size, step in engine.runner.recorded[StepKind.DECODE].items():
         expected = expected_step(d, fuse=fuse, prompt=False, by_slot=size == 3, float16_pool=float16_pool)
         assert [label(node) for node in step.batch.nodes] == expected, size
-    for size, step in engine.prefill_steps.items():
+    for size, step in engine.runner.recorded[StepKind.PREFILL].items():
         expected = expected_step(d, fuse=fuse, prompt=True, by_slot=False, float16_pool=float16_pool)
         assert [label(node) for node in step.batch.nodes] == expected, size
 

@@ -3,7 +3,21 @@ and each sequence's block table (as vLLM's PagedAttention). Memory follows actua
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import RequestError
+
+
+def pool_rows(table: list[int], positions: int | np.ndarray, block_size: int) -> np.ndarray:
+    """The pool rows of token ``positions`` (one, or an array) of the sequence whose blocks are ``table``."""
+    return np.asarray(table)[positions // block_size] * block_size + positions % block_size
+
+
+def default_blocks(max_batch: int, max_context: int, block_size: int) -> int:
+    """An engine's KV blocks when not given: room for every slot at a quarter of ``max_context``, and at
+    least for one whole context."""
+    per_context = -(-max_context // block_size)
+    return max(per_context, max_batch * per_context // 4)
 
 
 class BlockPool:
@@ -18,10 +32,12 @@ class BlockPool:
 
     @property
     def free(self) -> int:
+        """Blocks no sequence holds."""
         return len(self._free)
 
     @property
     def used(self) -> int:
+        """Blocks the sequences hold."""
         return self.blocks - len(self._free)
 
     def needed(self, tokens: int) -> int:
@@ -46,4 +62,4 @@ class BlockPool:
 
     def row(self, table: list[int], position: int) -> int:
         """The pool row of token ``position`` of the sequence owning ``table``."""
-        return table[position // self.block_size] * self.block_size + position % self.block_size
+        return int(pool_rows(table, position, self.block_size))

@@ -7,6 +7,8 @@ keys; only the sampled ids come back."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +18,8 @@ from ..device import Device
 from ..models.config import LlamaConfig
 from ..models.decoder import PagedKV, record_decoder, record_logits
 from ..tensor import Tensor
+from .blocks import pool_rows
+from .scheduler import Chunk, StepKind, StepPlan
 
 
 @dataclass
@@ -163,3 +167,150 @@ def record_step(
     batch.scatter_rows(cache.tokens, x["sampled_slots"], batch.reshape(next_ids, (samples, 1)))
     batch.outputs(next_ids)
     return Step(batch, rows, samples, inputs, next_ids)
+
+
+# running a plan ------------------------------------------------------------------------------------------
+
+
+def step_sizes(largest: int) -> list[int]:
+    """The row counts a step is recorded at: powers of two below ``largest``, and ``largest``. A step
+    runs the smallest that holds its rows, so one request decodes in a one-row step and a short prompt
+    runs in a short prefill step (vLLM captures its CUDA graphs at a like ladder of batch sizes)."""
+    return sorted({1 << i for i in range(largest.bit_length()) if 1 << i < largest} | {largest})
+
+
+@dataclass
+class Submitted:
+    """A plan's step, submitted: ``next_ids[token_rows[i]]`` is the token of ``plan.chunks[i]``."""
+
+    plan: StepPlan
+    submission: Submission
+    next_ids: Tensor
+    token_rows: list[int]
+
+    async def read_async(self) -> list[int]:
+        """The step's token for each chunk of its plan (awaits the device)."""
+        ids = await self.submission.read_async(self.next_ids)
+        return [int(ids[row]) for row in self.token_rows]
+
+
+class StepRunner:
+    """An engine's recorded steps, decode and prefill, each at the row counts :func:`step_sizes` up to
+    ``max_batch`` and ``prefill_chunk`` (a prefill step samples for at most ``max_batch`` prompts; in the
+    ``max_batch`` decode step sample ``i`` is slot ``i``'s), and how a :class:`StepPlan` runs on them: in
+    the smallest step of its kind that holds its rows, with feeds packed from the plan. ``runs``: steps
+    run so far per kind and row count; ``counts``: per kind (``"prefill"``, ``"decode"``)."""
+
+    def __init__(
+        self,
+        device: Device,
+        config: LlamaConfig,
+        weights: dict[str, Tensor],
+        cache: KVCache,
+        *,
+        max_batch: int,
+        prefill_chunk: int,
+        max_blocks: int,
+    ) -> None:
+        self.cache, self.max_batch = cache, max_batch
+        record = functools.partial(record_step, device, config, weights, cache, max_blocks=max_blocks)
+        self.recorded = {
+            StepKind.DECODE: self.ladder(record, StepKind.DECODE, max_batch),
+            StepKind.PREFILL: self.ladder(record, StepKind.PREFILL, prefill_chunk),
+        }
+        self.runs = {kind: dict.fromkeys(steps, 0) for kind, steps in self.recorded.items()}
+        self.counts = dict.fromkeys((kind.value for kind in StepKind), 0)
+
+    def ladder(self, record: Callable[..., Step], kind: StepKind, largest: int) -> dict[int, Step]:
+        """Steps of ``kind`` recorded at each row count of :func:`step_sizes` (``largest``)."""
+        prompt = kind is StepKind.PREFILL
+        steps = {}
+        for size in step_sizes(largest):
+            samples = min(self.max_batch, size)
+            steps[size] = record(
+                rows=size, samples=samples, table_rows=samples, name=f"{kind.value}{size}", prompt=prompt,
+                by_slot=not prompt and samples == self.max_batch,
+            )  # fmt: skip
+        return steps
+
+    def run(self, plan: StepPlan) -> Submitted:
+        """Pack ``plan`` into the smallest recorded step of its kind that holds its rows and submit it."""
+        steps = self.recorded[plan.kind]
+        size = next(size for size in steps if size >= plan.rows)
+        step = steps[size]
+        if plan.kind is StepKind.PREFILL:
+            token_rows = list(range(len(plan.chunks)))
+            feeds = prefill_feeds(step, plan.chunks, self.cache.block_size)
+        else:
+            by_slot = size == self.max_batch
+            token_rows = [c.sequence.slot for c in plan.chunks] if by_slot else list(range(len(plan.chunks)))
+            feeds = decode_feeds(step, plan.chunks, token_rows, self.cache.block_size)
+        submission = step.run(feeds)
+        self.runs[plan.kind][size] += 1
+        self.counts[plan.kind.value] += 1
+        return Submitted(plan, submission, step.next_ids, token_rows)
+
+
+def idle_feeds(step: Step) -> dict[str, np.ndarray]:
+    """Every input of ``step`` as an idle step: no rows written, attended or counted."""
+    feeds = {name: np.zeros(t.shape, t.dtype) for name, t in step.inputs.items()}
+    for name in ("kv_rows", "count_slots", "sampled_slots"):
+        if name in feeds:
+            feeds[name][:] = -1
+    feeds["sampling"][:, 1] = 1.0  # top_p off
+    feeds["penalties"][:, 0] = 1.0  # repetition penalty off
+    return feeds
+
+
+def prefill_feeds(step: Step, chunks: list[Chunk], block_size: int) -> dict[str, np.ndarray]:
+    """A prefill step's feeds: each chunk's prompt piece a contiguous run of rows, in order; chunk ``i``
+    samples from its last row (a real token only where its piece ends its prompt)."""
+    feeds = idle_feeds(step)
+    start = 0
+    for index, chunk in enumerate(chunks):
+        sequence = chunk.sequence
+        rows = slice(start, start + chunk.count)
+        positions = np.arange(chunk.start, chunk.start + chunk.count, dtype=np.int32)
+        feeds["ids"][rows] = sequence.prompt[chunk.start : chunk.start + chunk.count]
+        feeds["positions"][rows] = positions
+        feeds["kv_rows"][rows] = pool_rows(sequence.blocks, positions, block_size)
+        feeds["seq"][rows] = index
+        feeds["lengths"][rows] = positions + 1
+        feeds["block_tables"][index, : len(sequence.blocks)] = sequence.blocks
+        feeds["count_slots"][rows] = sequence.slot
+        if chunk.start == 0:
+            feeds["reset"][sequence.slot] = 1
+        sampling_feeds(feeds, index, chunk, row=start + chunk.count - 1)
+        feeds["sampled_slots"][index] = sequence.slot if chunk.sampled else -1
+        start += chunk.count
+    return feeds
+
+
+def decode_feeds(step: Step, chunks: list[Chunk], rows: list[int], block_size: int) -> dict[str, np.ndarray]:
+    """A decode step's feeds: row ``rows[i]`` decodes chunk ``i``'s sequence at its position, from the token
+    the step before left in its slot, and samples its next token."""
+    feeds = idle_feeds(step)
+    for row, chunk in zip(rows, chunks):
+        sequence, position = chunk.sequence, chunk.start
+        feeds["token_slots"][row] = sequence.slot  # its latest token, where the step before left it
+        feeds["positions"][row] = position
+        feeds["kv_rows"][row] = pool_rows(sequence.blocks, position, block_size)
+        feeds["seq"][row] = row
+        feeds["lengths"][row] = position + 1
+        feeds["block_tables"][row, : len(sequence.blocks)] = sequence.blocks
+        sampling_feeds(feeds, row, chunk, row=row)
+        feeds["sampled_slots"][row] = sequence.slot
+    return feeds
+
+
+def sampling_feeds(feeds: dict[str, np.ndarray], index: int, chunk: Chunk, *, row: int) -> None:
+    """Sample ``index`` of a step: from ``row``'s logits, with its sequence's parameters, penalty counts
+    (its slot's) and seeded key."""
+    sequence = chunk.sequence
+    params = sequence.params
+    feeds["sample_rows"][index] = row
+    feeds["sample_slots"][index] = sequence.slot
+    feeds["penalties"][index] = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+    feeds["sampling"][index] = (params.temperature, params.top_p, params.min_p, 0.0)
+    feeds["top_k"][index] = params.top_k
+    feeds["keys"][index] = (sequence.seed, chunk.draw)
