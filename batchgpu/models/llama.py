@@ -25,7 +25,8 @@ from ..scalars import Scalar
 from ..tensor import Tensor
 from .config import LlamaConfig
 from .gguf_file import GGUFWeights
-from .weights import Weights, open_weights
+from .loader import open_weights
+from .weights import Weights
 
 __all__ = ["GGUFWeights", "Llama", "LlamaConfig", "Weights", "load_tokenizer", "open_weights", "smollm2_path"]
 
