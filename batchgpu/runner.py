@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 class Readback:
     """Which storages each execute copies back: the declared outputs (``batch.outputs``: every execute's
-    :class:`~batchgpu.batch.Submission` can read any of them), else the ones read so far, else the
+    :class:`~batchgpu.runtime.Submission` can read any of them), else the ones read so far, else the
     recording's sinks (outputs written and never consumed)."""
 
     def __init__(self) -> None:

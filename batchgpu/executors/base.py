@@ -151,7 +151,7 @@ def plan_buffers(
 class Execution:
     """One submitted execute (or copy-only submit): where its readback results will come from.
     ``holders`` counts the holds on it (:class:`batchgpu.runner.Ticket`: the batch's on its latest
-    execute, each :class:`~batchgpu.batch.Submission`'s, each read's from the moment it is requested until
+    execute, each :class:`~batchgpu.runtime.Submission`'s, each read's from the moment it is requested until
     it completes); when the last one goes it is abandoned."""
 
     holders = 0
