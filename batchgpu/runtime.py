@@ -224,7 +224,7 @@ class BatchRuntime:
             return self._read_resident(tensor)
         assert self._runner is not None
         with _naming_read_errors(tensor, self.name):
-            flat = self._runner.read_sync(storage)
+            flat = self._runner.read(storage)
         self._readback.want(storage)
         return _shaped(tensor, flat)
 
@@ -302,7 +302,7 @@ class Submission:
         """The tensor's value after this execute (blocks until the device is done with it)."""
         storage = self._check(tensor)
         with _naming_read_errors(tensor, self.batch.name):
-            flat = self._ticket.read_sync(storage)
+            flat = self._ticket.read(storage)
         return _shaped(tensor, flat)
 
     def read_async(self, tensor: Tensor) -> Coroutine[Any, Any, np.ndarray]:
@@ -374,7 +374,7 @@ class BatchView:
             return None
         if not self._runtime._recording.recorded_before(storage, runner.count):
             return None
-        return runner.read_sync(storage)
+        return runner.read(storage)
 
     def check_feeds(self, feeds: Any) -> dict[Storage, np.ndarray]:
         """``execute``'s validation of input feeds (``{tensor: array}`` or pairs): storage -> host copy."""
@@ -405,7 +405,7 @@ async def _read_held(tensor: Tensor, ticket: Ticket, batch_name: str) -> np.ndar
     await ends (a value, an error, a cancellation; never awaited: when the coroutine is collected)."""
     try:
         with _naming_read_errors(tensor, batch_name):
-            return _shaped(tensor, await ticket.read(tensor.storage))
+            return _shaped(tensor, await ticket.read_async(tensor.storage))
     finally:
         ticket.release()
 
