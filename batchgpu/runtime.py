@@ -11,7 +11,7 @@ import time
 import warnings
 from collections.abc import Coroutine, Iterable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from .errors import (
 )
 from .executors.base import Execution, Plan
 from .ops import Node
-from .profiling import Profile, Session
+from .profiling import Profile, ProfiledBatch, Session
 from .recording import Recording
 from .runner import Readback, Runner, Ticket
 from .scalars import Scalar
@@ -47,12 +47,17 @@ def default_device() -> Device:
     return _default_device
 
 
+class RuntimeBatch(TensorBatch, ProfiledBatch, Protocol):
+    """The batch a runtime executes: a :class:`~batchgpu.GpuCommandBatch` (a layer above this module), as its
+    tensors carry it and profiling reads it."""
+
+
 class BatchRuntime:
     """The execute-and-read side of one batch: its :attr:`recording` (the batch records ops into it), the
     plan of its latest execute and the storages each execute copies back. Each public method is the
     :class:`~batchgpu.GpuCommandBatch` method of the same name (documented there)."""
 
-    def __init__(self, batch: TensorBatch, device: Device, *, fusion: bool) -> None:
+    def __init__(self, batch: RuntimeBatch, device: Device, *, fusion: bool) -> None:
         self.batch = batch  # the GpuCommandBatch: its tensors carry it, errors name it
         self.device = device
         self.fusion = fusion

@@ -463,12 +463,12 @@ class DeviceExecutor(Executor):
         waited for, not repeated."""
         if execution.results is None:
             self.check_readable()
-            with self._collecting(execution):
+            with self._waiting():
                 if execution.waiting is not None:
                     execution.waiting.result()
                 else:
                     self.wait_staged(execution)
-        return execution.results
+        return self._results(execution)
 
     async def collect_async(self, execution: StagedExecution) -> dict[Storage, np.ndarray]:
         """:meth:`collect` without blocking the event loop: the wait runs on the ``waits`` worker and goes
@@ -477,15 +477,14 @@ class DeviceExecutor(Executor):
             self.check_readable()
             if execution.waiting is None:
                 execution.waiting = self.waits.submit(self.wait_staged, execution)
-            with self._collecting(execution):
+            with self._waiting():
                 await wait_future(execution.waiting)
-        return execution.results
+        return self._results(execution)
 
     @contextlib.contextmanager
-    def _collecting(self, execution: StagedExecution) -> Iterator[None]:
-        """What :meth:`collect` and :meth:`collect_async` share around their wait (the one step they do
-        differently): a failed wait raises :meth:`wait_failed`'s error; a finished one has its results
-        copied out, once."""
+    def _waiting(self) -> Iterator[None]:
+        """Around the wait, the one step :meth:`collect` and :meth:`collect_async` do differently: a failed
+        wait raises :meth:`wait_failed`'s error."""
         try:
             yield
         except Exception as exc:
@@ -493,8 +492,12 @@ class DeviceExecutor(Executor):
             if failure is None:
                 raise
             raise failure from None
+
+    def _results(self, execution: StagedExecution) -> dict[Storage, np.ndarray]:
+        """The results of a waited-for execution, copied out of its staging buffers the first time."""
         if execution.results is None:
             execution.results = self._copy_out(execution)
+        return execution.results
 
     def _copy_out(self, execution: StagedExecution) -> dict[Storage, np.ndarray]:
         """Per-storage flat arrays from the execution's staging buffers, each then given back."""
