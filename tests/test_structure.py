@@ -8,7 +8,8 @@
 - imports go one way: every module sits on one of the layers of ``LAYERS`` (bottom to top) and imports only
   from its own layer and the ones below, with no cycle among the modules, counting imports under
   ``TYPE_CHECKING`` and inside functions. A lower module that needs a type from above declares a
-  ``typing.Protocol`` of what it uses instead (``tensor.Recorder``, ``profiling.Profiled``)."""
+  ``typing.Protocol`` of what it uses instead (``tensor.TensorBatch``, ``profiling.ProfiledBatch``);
+- sync/async pairs are named alike at every level: ``x`` blocks, ``x_async`` awaits."""
 
 from __future__ import annotations
 
