@@ -1,5 +1,6 @@
 """Checks of plain arguments of the public calls (flags, numbers, names), raising ``ArgumentError`` that
-names the call and the argument instead of whatever Python error a bad value would cause later."""
+names the call and the argument instead of whatever Python error a bad value would cause later; and
+:func:`brief`, a value shown short in any error message."""
 
 from __future__ import annotations
 
@@ -45,3 +46,15 @@ def text(what: str, name: str, value: Any) -> str:
     if not isinstance(value, str):
         raise ArgumentError(f"{what}: {name} must be a str, got {type(value).__name__} {value!r:.40}")
     return value
+
+
+def brief(value: object) -> str:
+    """``value`` for an error message, short whatever it is: a number or the start of a string as written,
+    anything else by its type (the repr of a large or deeply nested value is not computed)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"an int of {value.bit_length()} bits"
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value[:60]) + ("..." if len(value) > 60 else "")
+    return f"a {type(value).__name__}"

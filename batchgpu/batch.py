@@ -2,58 +2,34 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import os
 import time
-import warnings
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
-from . import arguments, profiling
+from . import arguments
 from .device import Device
 from .dtypes import FLOATS, as_dtype, host_copy
-from .errors import (
-    ArgumentError,
-    BatchError,
-    DeviceError,
-    DeviceMismatchError,
-    DTypeError,
-    LimitError,
-    NotExecutedError,
-    ShapeError,
-)
-from .executors.base import Execution, Plan
+from .errors import ArgumentError, BatchError, DeviceMismatchError, DTypeError, LimitError, ShapeError
 from .fusion import enabled_by_environment
 from .kernels import Kernel
 from .limits import check_launch
 from .ops import OPS, Node, OpSpec
 from .ops.elementwise import EXPRESSIONS
-from .profiling import Profile, Session
+from .profiling import Profile
 from .promotion import has_float_scalar, promote_types, scalar_value
 from .recording import Recording
-from .runner import Readback, Runner, Ticket
+from .runtime import BatchRuntime, BatchView, Submission, default_device, warn_deprecated
 from .scalars import MAX_SCALARS, SCALAR_FORMATS, Scalar, check_value
-from .scalars import resolve as resolve_scalars
 from .tensor import QuantTensor, Storage, StorageKind, Tensor, as_shape
 
 Number = int | float | np.number
 Operand = Tensor | Number
-
-_default_device: Device | None = None
-
-
-def default_device() -> Device:
-    """The process-wide default Device, created on first use."""
-    global _default_device
-    if _default_device is None:
-        _default_device = Device()
-    return _default_device
 
 
 def _unary(op: str) -> Callable[..., Tensor]:
@@ -101,12 +77,7 @@ class GpuCommandBatch:
         self.device = device if device is not None else default_device()
         self.name = arguments.text("GpuCommandBatch", "name", name) or f"batch{next(self._names)}"
         self.fusion = arguments.flag("GpuCommandBatch", "fusion", fusion) and enabled_by_environment()
-        self._recording = Recording()
-        self._readback = Readback()
-        self._runner: Runner | None = None  # the plan of the latest execute (or of a failed one after it)
-        self._stale = True  # the recording changed since the runner's plan: the next execute plans anew
-        self._released = False
-        self._uploads: list[Tensor] = []  # the batch's inputs, for feeds by name
+        self._runtime = BatchRuntime(self, self.device, fusion=self.fusion)  # executes and reads back
 
     def __repr__(self) -> str:
         return f"GpuCommandBatch({self.name!r}, {len(self._recording.nodes)} ops, {self.device!r})"
@@ -122,12 +93,16 @@ class GpuCommandBatch:
     @property
     def released(self) -> bool:
         """Whether ``release()`` was called."""
-        return self._released
+        return self._runtime.released
+
+    @property
+    def _recording(self) -> Recording:
+        """What this batch recorded, kept by its runtime."""
+        return self._runtime.recording
 
     def view(self) -> BatchView:
         """A read-only view of what was recorded and executed (for the export, profiling and tools)."""
-        self._check_open("view")
-        return BatchView(self)
+        return self._runtime.view()
 
     # inputs ----------------------------------------------------------------------------------
 
@@ -140,7 +115,7 @@ class GpuCommandBatch:
         array = host_copy(data, dtype, what=f"upload {name}".strip())  # later edits of data don't leak in
         self.device.check_storable(f"upload {name}".strip(), array.shape, array.dtype)
         tensor = self._new_tensor(array.shape, array.dtype, "input", name or f"input{self._recording.count}", array)
-        self._uploads.append(tensor)
+        self._runtime.uploads.append(tensor)
         return tensor
 
     def empty(self, shape: Sequence[int] | int, dtype: Any = np.float32, *, name: str = "") -> Tensor:
@@ -168,7 +143,7 @@ class GpuCommandBatch:
         declared = Scalar(name, kind, len(scalars), self)
         self._recording.scalar_values[name] = check_value(declared, value)
         scalars[name] = declared
-        self._stale = True  # the plan sizes its scalar uniform by the declared scalars
+        self._changed()  # the plan sizes its scalar uniform by the declared scalars
         return declared
 
     def _new_tensor(
@@ -181,8 +156,7 @@ class GpuCommandBatch:
 
     def _changed(self) -> None:
         """The recording grew: the next execute plans anew, and the default readback may differ."""
-        self._stale = True
-        self._readback.recording_changed()
+        self._runtime.recording_changed()
 
     # ops -------------------------------------------------------------------------------------
 
@@ -645,25 +619,12 @@ class GpuCommandBatch:
         return Tensor((), array.dtype, storage, device=self.device, batch=self, name=f"scalar {number!r}")
 
     def _check_member(self, op: str, argument: str, tensor: Tensor) -> None:
-        if tensor.device is not self.device:
-            default = " (the default device: GpuCommandBatch() without one)" if self.device is _default_device else ""
-            raise DeviceMismatchError(
-                f"{op}: {argument} {tensor.describe()} lives on {tensor.device!r}, but batch {self.name!r} records "
-                f"on {self.device!r}{default}; create the batch on the tensor's device, GpuCommandBatch(dev), or "
-                "read the tensor back and upload it to this device"
-            )
-        if tensor.batch is not None and tensor.batch is not self:
-            raise DeviceMismatchError(
-                f"{op}: {argument} {tensor.describe()} belongs to batch {tensor.batch.name!r}, not {self.name!r}; "
-                f"read it back and upload it, or make it resident with Device.tensor"
-            )
+        self._runtime.check_member(op, argument, tensor)
 
     def _check_open(self, op: str) -> None:
-        if self._released:
-            raise BatchError(f"{op}: batch {self.name!r} was released")
-        self.device.check_thread(op)
+        self._runtime.check_open(op)
 
-    # execution -------------------------------------------------------------------------------
+    # execution and readback (batchgpu/runtime.py) --------------------------------------------
 
     def execute(
         self,
@@ -678,35 +639,7 @@ class GpuCommandBatch:
         ``profile=True`` also times every dispatch (see :meth:`profile`). The returned
         :class:`Submission` reads this execute's outputs even after later executes (submit ahead, read
         behind)."""
-        self._check_open("execute")
-        session = profiling.start(self, arguments.flag("execute", "profile", profile))
-        fed = self._validate_feeds(feeds)
-        scalar_values = self._scalar_values(scalars)
-        recording = self._recording
-        runner = self._runner
-        if runner is None or self._stale:  # a new plan: inputs and constants are uploaded, state carried over
-            planning = time.perf_counter()
-            fresh = Runner(self.device.executor, recording, self._readback.declared, fusion=self.fusion)
-            carried = fresh.carry_from(runner, recording) if runner is not None else frozenset()
-            if runner is not None:
-                runner.drop_execution()
-            self._runner, self._stale, runner = fresh, False, fresh
-            writes = {**{s: a for s, a in recording.host.items() if s not in carried}, **recording.pending, **fed}
-            if session is not None:
-                session.span("plan", planning)
-        else:
-            writes = {**recording.pending, **fed}
-        if session is not None:
-            session.nodes = list(runner.nodes)
-        readback = self._readback.storages(recording)
-        runner.run(writes, readback, scalar_values, profiling.run_kwargs(self.device.executor, session))
-        recording.scalar_values = scalar_values
-        recording.host.update(writes)
-        recording.pending.clear()
-        if session is not None:
-            session.finish()
-            runner.profiled = session
-        return Submission(self, runner.ticket())
+        return self._runtime.execute(feeds, scalars=scalars, profile=profile)
 
     def execute_async(
         self,
@@ -717,159 +650,48 @@ class GpuCommandBatch:
     ) -> Coroutine[Any, Any, Submission]:
         """``execute()`` for asyncio code: submits when called, in call order with every other execute and
         read of the batch (like ``execute``); the coroutine it returns gives the :class:`Submission`."""
-        return _ready(self.execute(feeds, scalars=scalars, profile=profile))
+        return self._runtime.execute_async(feeds, scalars=scalars, profile=profile)
 
     def profile(self) -> Profile:
         """Timing of the latest ``execute(profile=True)``: per dispatch the op, kernel, shapes, workgroups,
         GPU µs (wgpu timestamp queries) or host µs (reference executor) and share of the total, plus
         host spans. ``print()`` it for a table. Waits for the GPU."""
-        self._check_open("profile")
-        session = self._runner.profiled if self._runner is not None else None
-        if session is None:
-            raise NotExecutedError(
-                f"profile: batch {self.name!r} has no profiled execute; call execute(profile=True) first"
-            )
-        return session.result()
+        return self._runtime.profile()
 
     def save_trace(self, path: Any) -> Any:
         """Write the latest profiled execute as a Chrome trace-event JSON file (Perfetto, chrome://tracing):
         one track for host recording/encoding, one for the GPU ops. Returns the path."""
         return self.profile().save_trace(path)
 
-    def _scalar_values(self, given: Any) -> dict[str, int | float]:
-        """Every scalar's value for an execute: the current ones updated by the validated ``given``."""
-        recording = self._recording
-        return resolve_scalars(recording.scalars, recording.scalar_values, _as_mapping(given, "execute: scalars"))
-
-    def _validate_feeds(self, feeds: Any) -> dict[Storage, np.ndarray]:
-        validated = {}
-        for key, data in _as_mapping(feeds, "execute: feeds").items():
-            tensor = self._input_named(key) if isinstance(key, str) else key
-            if not isinstance(tensor, Tensor) or tensor.batch is not self or tensor.storage.kind != "input":
-                raise ArgumentError(f"execute: feed key {key!r} is not an input (from upload) of batch {self.name!r}")
-            array = host_copy(data, what=f"execute feed {tensor.name}")  # later edits of data don't leak in
-            if array.dtype != tensor.dtype:
-                raise DTypeError(
-                    f"execute: feed for {tensor.describe()} has dtype {array.dtype.name}, expected {tensor.dtype.name}"
-                )
-            if array.shape != tensor.shape:
-                raise ShapeError(
-                    f"execute: feed for {tensor.describe()} has shape {array.shape}, expected {tensor.shape}"
-                )
-            validated[tensor.storage] = array
-        return validated
-
-    def _input_named(self, name: str) -> Tensor:
-        """The batch's input called ``name`` (a feed given by name), or ArgumentError naming the inputs."""
-        matches = [t for t in self._uploads if t.name == name]
-        if len(matches) != 1:
-            names = ", ".join(repr(t.name) for t in self._uploads) or "none"
-            problem = "names no input" if not matches else f"names {len(matches)} inputs"
-            raise ArgumentError(f"execute: feed {name!r} {problem} of batch {self.name!r} (its inputs: {names})")
-        return matches[0]
-
     def outputs(self, *tensors: Tensor) -> None:
         """Declare the batch tensors read after ``execute`` (and the only ones copied back); every other
         intermediate may then share device memory with intermediates whose lifetimes do not overlap
         (see :mod:`batchgpu.memory`), and reading one raises BatchError. Inputs stay readable. Call
         again to change the declaration; with no tensors, every tensor is readable again (no sharing)."""
-        self._check_open("outputs")
-        for tensor in tensors:
-            if not isinstance(tensor, Tensor):
-                raise ArgumentError(f"outputs: expected Tensors, got {type(tensor).__name__}")
-            self._check_member("outputs", "tensor", tensor)
-            if tensor.resident:
-                raise BatchError(f"outputs: {tensor.describe()} is resident (read it with Device.read), not an output")
-        self._readback.declare([t.storage for t in tensors] if tensors else None)
-        self._stale = True  # buffer sharing follows the declaration
+        self._runtime.outputs(*tensors)
 
     def memory(self) -> dict[str, int]:
         """Bytes of the batch's own device buffers in the current plan (``planned``, in ``buffers``
         buffers), beside what they would take with a buffer per tensor (``unshared``); 0 before the
         first execute."""
-        if self._runner is None:
-            return {"planned": 0, "unshared": 0, "buffers": 0}
-        plan = self._runner.buffers
-        return {"planned": plan.nbytes, "unshared": plan.unshared_bytes, "buffers": len(plan.storages)}
-
-    # readback --------------------------------------------------------------------------------
+        return self._runtime.memory()
 
     def read_async(self, tensor: Tensor) -> Coroutine[Any, Any, np.ndarray]:
         """:meth:`read` for asyncio code. The read is requested when called: it returns the value after
         the latest execute submitted before this call, whatever is submitted (or released) before the
         coroutine is awaited or completes; awaiting waits for the device without blocking the event loop
         (resident tensors and their views are copied at the call)."""
-        storage = self._check_readable(tensor)
-        if storage.kind == "resident":
-            return _ready(self._read_resident(tensor))
-        return _read_held(tensor, self._bind_read(tensor), self.name)
+        return self._runtime.read_async(tensor)
 
     def read(self, tensor: Tensor) -> np.ndarray:
         """The tensor's value after the latest execute, as a numpy array (blocks until the device is done;
         :meth:`read_async` in asyncio code)."""
-        storage = self._check_readable(tensor)
-        if storage.kind == "resident":
-            return self._read_resident(tensor)
-        assert self._runner is not None
-        with _naming_read_errors(tensor, self.name):
-            flat = self._runner.read_sync(storage)
-        self._readback.want(storage)
-        return _shaped(tensor, flat)
+        return self._runtime.read(tensor)
 
     def read_sync(self, tensor: Tensor) -> np.ndarray:
         """Deprecated name of :meth:`read` (kept for one release)."""
-        _deprecated("GpuCommandBatch.read_sync", "read")
+        warn_deprecated("GpuCommandBatch.read_sync", "read")
         return self.read(tensor)
-
-    def _read_resident(self, tensor: Tensor) -> np.ndarray:
-        """A resident tensor, or a batch view of one (``reshape(w)``): its device contents now, which
-        follow every execute submitted so far."""
-        if tensor.resident:
-            return self.device.read(tensor)
-        return _shaped(tensor, self.device.executor.read_resident(tensor.storage))
-
-    def _bind_read(self, tensor: Tensor) -> Ticket:
-        """A hold on ``tensor``'s value after the latest execute, taken now (the read is requested);
-        later executes copy it back in their own submit."""
-        assert self._runner is not None
-        with _naming_read_errors(tensor, self.name):
-            ticket = self._runner.bind(tensor.storage)
-        self._readback.want(tensor.storage)
-        return ticket
-
-    def _check_readable(self, tensor: Tensor) -> Storage:
-        self._check_open("read")
-        if not isinstance(tensor, Tensor):
-            raise ArgumentError(f"read: expected a Tensor, got {type(tensor).__name__}")
-        self._check_member("read", "tensor", tensor)
-        runner = self._runner
-        if tensor.storage.kind == "resident":
-            if not self._recording.uses(tensor.storage):
-                raise BatchError(f"read: {tensor.describe()} is not used by batch {self.name!r}; use Device.read")
-            if runner is None or not runner.ran:
-                raise NotExecutedError(f"read: batch {self.name!r} was never executed; call execute() first")
-            return tensor.storage
-        if runner is None or not runner.ran:
-            raise NotExecutedError(
-                f"read: {tensor.describe()} was not executed: batch {self.name!r} was never executed; "
-                f"call execute() first"
-            )
-        if tensor.storage in runner.buffers.shareable:  # by the executed plan, whatever outputs() says since
-            raise BatchError(
-                f"read: {tensor.describe()} is an intermediate of batch {self.name!r}, not kept since "
-                f"batch.outputs(...) was declared (other intermediates reuse its buffer, or its op runs fused "
-                f"into the next); add it to batch.outputs (and execute) to read it"
-            )
-        if not self._recording.recorded_before(tensor.storage, runner.count):
-            raise NotExecutedError(
-                f"read: {tensor.describe()} was recorded after the last execute() of batch {self.name!r}; execute again"
-            )
-        if runner.execution is None:
-            raise NotExecutedError(
-                f"read: the last execute() of batch {self.name!r} failed, so {tensor.describe()} has no value; "
-                f"execute again"
-            )
-        return tensor.storage
 
     def export_webgpu(
         self,
@@ -904,143 +726,7 @@ class GpuCommandBatch:
         """Free the batch's device buffers now; the batch can no longer be used. Reads requested before
         (pending ``read_async`` coroutines, awaited or not) still complete with their values, from the
         staging buffers they hold; any later read raises BatchError."""
-        if self._runner is not None:
-            self._runner.drop_execution()
-        self._runner = None
-        self._recording = Recording()
-        self._released = True
-
-
-def _shaped(tensor: Tensor, flat: np.ndarray) -> np.ndarray:
-    """A tensor's value from the flat contents of its storage (a copy the caller owns)."""
-    return flat[: tensor.size].reshape(tensor.shape).copy()
-
-
-async def _ready(value: Any) -> Any:
-    """A coroutine giving ``value``: the ``*_async`` methods act when called and return this."""
-    return value
-
-
-async def _read_held(tensor: Tensor, ticket: Ticket, batch_name: str) -> np.ndarray:
-    """Wait for the value ``ticket`` holds (a read requested earlier), then let the hold go, however the
-    await ends (a value, an error, a cancellation; never awaited: when the coroutine is collected)."""
-    try:
-        with _naming_read_errors(tensor, batch_name):
-            return _shaped(tensor, await ticket.read(tensor.storage))
-    finally:
-        ticket.release()
-
-
-@contextlib.contextmanager
-def _naming_read_errors(tensor: Tensor, batch_name: str) -> Iterator[None]:
-    """Device errors of a read say which tensor of which batch was being read."""
-    try:
-        yield
-    except DeviceError as exc:
-        raise DeviceError(f"read {tensor.describe()} of batch {batch_name!r}: {exc}") from None
-
-
-class Submission:
-    """One ``execute`` of a batch, a handle on its results: the tensors it copied back (declared outputs,
-    or the tensors read so far) read as they were after this execute, whatever was submitted since, so a
-    loop can submit step n + 1 before reading step n (a decode loop whose next input is written on the
-    device). The submission holds its staging buffers until :meth:`release` or until it is collected;
-    reads requested through it hold them on their own until they complete."""
-
-    def __init__(self, batch: GpuCommandBatch, ticket: Ticket) -> None:
-        self.batch = batch
-        self._ticket = ticket
-
-    def read(self, tensor: Tensor) -> np.ndarray:
-        """The tensor's value after this execute (blocks until the device is done with it)."""
-        storage = self._check(tensor)
-        with _naming_read_errors(tensor, self.batch.name):
-            flat = self._ticket.read_sync(storage)
-        return _shaped(tensor, flat)
-
-    def read_async(self, tensor: Tensor) -> Coroutine[Any, Any, np.ndarray]:
-        """:meth:`read` without blocking the event loop; requested when called (a :meth:`release` or a
-        batch ``release()`` before it is awaited does not take its value away)."""
-        self._check(tensor)
-        return _read_held(tensor, self._ticket.share(), self.batch.name)
-
-    def read_sync(self, tensor: Tensor) -> np.ndarray:
-        """Deprecated name of :meth:`read` (kept for one release)."""
-        _deprecated("Submission.read_sync", "read")
-        return self.read(tensor)
-
-    def release(self) -> None:
-        """Let this execute's readback buffers go without reading them (reads already requested still
-        complete); later reads through this submission raise BatchError."""
-        self._ticket.release()
-
-    def _check(self, tensor: Tensor) -> Storage:
-        self.batch._check_open("read")
-        if not isinstance(tensor, Tensor):
-            raise ArgumentError(f"read: expected a Tensor, got {type(tensor).__name__}")
-        self.batch._check_member("read", "tensor", tensor)
-        if not self._ticket.holds(tensor.storage):
-            raise BatchError(
-                f"read: {tensor.describe()} was not copied back by this execute of batch {self.batch.name!r} "
-                f"(released, resident, or not among its outputs: declare it with batch.outputs before executing)"
-            )
-        return tensor.storage
-
-
-class BatchView:
-    """What a batch recorded and last executed, read-only: the seam the WebGPU export, profiling and the
-    CLI use instead of the batch's internals. Taken at one moment; take a new one after recording or
-    executing."""
-
-    def __init__(self, batch: GpuCommandBatch) -> None:
-        recording, runner = batch._recording, batch._runner
-        self.name = batch.name
-        self.device = batch.device
-        self.nodes: tuple[Node, ...] = tuple(recording.nodes)
-        self.storages: tuple[Storage, ...] = tuple(recording.storages)
-        """The batch's own storages (inputs, constants, outputs, scratch) in recording order."""
-        self.inputs: tuple[Tensor, ...] = recording.input_tensors()
-        """One tensor per input storage some op uses, in upload order."""
-        self.host: Mapping[Storage, np.ndarray] = MappingProxyType(dict(recording.host))
-        """The latest host values of inputs and constants (what a new plan uploads)."""
-        self.scalars: tuple[Scalar, ...] = tuple(recording.scalars.values())
-        self.scalar_values: Mapping[str, int | float] = MappingProxyType(dict(recording.scalar_values))
-        self.readback: tuple[Storage, ...] = batch._readback.storages(recording)
-        """The storages the next execute copies back."""
-        self.stateful: frozenset[Storage] = recording.stateful()
-        """Storages whose device contents live from one execute to the next."""
-        self.record_spans: tuple[tuple[float, float], ...] = tuple(recording.record_spans)
-        self.plan: Plan | None = runner.plan if runner is not None else None
-        """The executor's plan of the latest execute (None before the first)."""
-        self.execution: Execution | None = runner.execution if runner is not None else None
-        self.profiled: Session | None = runner.profiled if runner is not None else None
-        """The latest ``execute(profile=True)``."""
-        self._batch = batch
-        self._runner = runner
-
-    def device_value(self, storage: Storage) -> np.ndarray | None:
-        """The flat device contents of one of the batch's storages after the latest execute, which the next
-        execute starts from (a new plan carries them over); None when that execute failed or the storage
-        was recorded after it."""
-        runner = self._runner
-        if runner is None or runner.execution is None:
-            return None
-        if not self._batch._recording.recorded_before(storage, runner.count):
-            return None
-        return runner.read_sync(storage)
-
-    def check_feeds(self, feeds: Any) -> dict[Storage, np.ndarray]:
-        """``execute``'s validation of input feeds (``{tensor: array}`` or pairs): storage -> host copy."""
-        return self._batch._validate_feeds(feeds)
-
-    def check_scalars(self, scalars: Any) -> dict[str, int | float]:
-        """``execute``'s validation of scalar values: every scalar's value with ``scalars`` applied."""
-        return self._batch._scalar_values(scalars)
-
-    def check_member(self, op: str, argument: str, tensor: Tensor) -> None:
-        """Raise DeviceMismatchError unless ``tensor`` may be used by this batch (``op`` and ``argument``
-        name it in the message)."""
-        self._batch._check_member(op, argument, tensor)
+        self._runtime.release()
 
 
 def _check_quantized_operands(spec: OpSpec, inputs: Sequence[Tensor]) -> None:
@@ -1081,20 +767,6 @@ def _sequence(op: str, argument: str, value: Any) -> tuple:
     return tuple(value)
 
 
-def _as_mapping(value: Any, what: str) -> Mapping:
-    """``value`` as a mapping: a mapping itself, None (empty) or (key, value) pairs."""
-    if value is None:
-        return {}
-    if isinstance(value, Mapping):
-        return value
-    try:
-        return dict(value)
-    except (TypeError, ValueError):
-        raise ArgumentError(
-            f"{what} must be a mapping or (key, value) pairs, got {type(value).__name__} {value!r:.80}"
-        ) from None
-
-
 def _promotion(op: str, operands: Sequence[Any]) -> np.dtype | None:
     """The dtype an elementwise op's operands are cast to (:mod:`batchgpu.promotion`), None for other ops
     and for operands without a tensor (refused later)."""
@@ -1106,12 +778,6 @@ def _promotion(op: str, operands: Sequence[Any]) -> np.dtype | None:
     python_float = has_float_scalar(operands)
     floats_only = EXPRESSIONS[op].dtypes == "float"
     return promote_types(op, [t.dtype for t in tensors], python_float=python_float, floats_only=floats_only)
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(
-        f"{old} is deprecated: use {new}() (a numpy array) or {new}_async() (a coroutine)", DeprecationWarning, 3
-    )
 
 
 def _number_operand(op: str, argument: str, value: Any) -> int | float:

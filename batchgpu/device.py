@@ -17,7 +17,7 @@ from .executors import Executor, Stats, create_executor
 from .interop import device_name, foreign_array, foreign_device
 from .limits import Limits
 from .quant import block_bytes, dequantize_words, to_device_words
-from .tensor import QuantTensor, Storage, Tensor, as_shape
+from .tensor import QuantTensor, Storage, Tensor, TensorDevice, as_shape
 
 ENV_DEVICE = "BATCHGPU_DEVICE"
 
@@ -110,7 +110,7 @@ class Device:
         self.executor.alloc_resident(storage, array)
         return Tensor(array.shape, array.dtype, storage, device=self, name=name)
 
-    def _same_native_kind(self, other: Device) -> bool:
+    def _same_native_kind(self, other: TensorDevice) -> bool:
         return self.kind in ("cuda", "hip") and other.kind == self.kind
 
     @staticmethod

@@ -18,7 +18,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -182,7 +182,7 @@ class Jit:
         if self.device is not None:
             return self.device
         resident = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor) and v.resident]
-        return resident[0].device if resident else default_device()
+        return cast(Device, resident[0].device) if resident else default_device()  # a Device: it made the tensor
 
 
 def jit(

@@ -17,17 +17,65 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from .batch import GpuCommandBatch
     from .kernels import Launch
     from .ops import Node
 
+
+class LaunchForms(Protocol):
+    """A device's executor, as profiling reads it: the form it runs each recorded launch in."""
+
+    def form(self, launch: Launch) -> Launch: ...
+
+
+class ProfiledDevice(Protocol):
+    """A batch's device, as profiling reads it: a :class:`~batchgpu.Device` (a layer above this module)."""
+
+    kind: str
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def executor(self) -> LaunchForms: ...
+
+
+class RecordedView(Protocol):
+    """What a batch recorded and last executed, as profiling reads it: a
+    :class:`~batchgpu.runtime.BatchView` (a layer above this module)."""
+
+    @property
+    def nodes(self) -> tuple[Node, ...]: ...
+
+    @property
+    def record_spans(self) -> tuple[tuple[float, float], ...]: ...
+
+    @property
+    def profiled(self) -> Session | None: ...
+
+
+class ProfiledBatch(Protocol):
+    """A batch, as profiling reads it: a :class:`~batchgpu.GpuCommandBatch` (a layer above this module)."""
+
+    name: str
+
+    @property
+    def device(self) -> ProfiledDevice: ...
+
+    @property
+    def released(self) -> bool: ...
+
+    def view(self) -> RecordedView: ...
+
+    def profile(self) -> Profile: ...
+
+
 _profile_all = False
-_profiled_batches: list[GpuCommandBatch] = []
+_profiled_batches: list[ProfiledBatch] = []
 
 
 def profile_all(enabled: bool = True) -> None:
@@ -38,12 +86,12 @@ def profile_all(enabled: bool = True) -> None:
         _profiled_batches.clear()
 
 
-def profiled_batches() -> list[GpuCommandBatch]:
+def profiled_batches() -> list[ProfiledBatch]:
     """Batches executed with profiling since :func:`profile_all` was turned on, in first-execute order."""
     return list(_profiled_batches)
 
 
-def start(batch: GpuCommandBatch, requested: bool) -> Session | None:
+def start(batch: ProfiledBatch, requested: bool) -> Session | None:
     """A session for one execute of ``batch`` when profiling was requested (or is on globally)."""
     if not (requested or _profile_all):
         return None
@@ -84,7 +132,7 @@ def _grid(groups: int | Sequence[int]) -> tuple[int, int, int]:
 class Session:
     """What one profiled execute measured; executors fill in the device side."""
 
-    def __init__(self, batch: GpuCommandBatch) -> None:
+    def __init__(self, batch: ProfiledBatch) -> None:
         self.started = time.perf_counter()
         self.batch_name = batch.name
         self.device = batch.device.name

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 class Readback:
     """Which storages each execute copies back: the declared outputs (``batch.outputs``: every execute's
-    :class:`~batchgpu.batch.Submission` can read any of them), else the ones read so far, else the
+    :class:`~batchgpu.runtime.Submission` can read any of them), else the ones read so far, else the
     recording's sinks (outputs written and never consumed)."""
 
     def __init__(self) -> None:
@@ -122,9 +122,9 @@ class Runner:
         not change what it reads."""
         return Ticket(self.executor, self._holding(storage))
 
-    def read_sync(self, storage: Storage) -> np.ndarray:
+    def read(self, storage: Storage) -> np.ndarray:
         """``storage`` after the latest execution, blocking (nothing else runs meanwhile: no hold needed)."""
-        return self.executor.read_sync(self._holding(storage), storage)
+        return self.executor.read(self._holding(storage), storage)
 
     def _holding(self, storage: Storage) -> Execution:
         assert self.execution is not None
@@ -155,13 +155,15 @@ class Ticket:
         assert self.execution is not None
         return Ticket(self.executor, self.execution)
 
-    def read_sync(self, storage: Storage) -> np.ndarray:
+    def read(self, storage: Storage) -> np.ndarray:
+        """What the execution copied back of ``storage``, waiting for the device (blocking)."""
         assert self.execution is not None and self.execution.holds(storage)
-        return self.executor.read_sync(self.execution, storage)
+        return self.executor.read(self.execution, storage)
 
-    async def read(self, storage: Storage) -> np.ndarray:
+    async def read_async(self, storage: Storage) -> np.ndarray:
+        """:meth:`read` without blocking the event loop."""
         assert self.execution is not None and self.execution.holds(storage)
-        return await self.executor.read(self.execution, storage)
+        return await self.executor.read_async(self.execution, storage)
 
     def release(self) -> None:
         """Let the execution go (abandoned when this was the last hold on it); idempotent."""

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .errors import BatchError, DTypeError, LimitError
 from .promotion import scalar_value
-
-if TYPE_CHECKING:
-    from .batch import GpuCommandBatch
 
 SCALAR_FORMATS = {"u32": "I", "i32": "i", "f32": "f"}
 MAX_SCALARS = 64
@@ -22,12 +19,19 @@ NO_SLOT = 0xFFFFFFFF
 """Slot value telling a kernel to use the literal instead of a scalar."""
 
 
+class ScalarBatch(Protocol):
+    """The batch that declares a scalar, as scalars use it: a :class:`~batchgpu.GpuCommandBatch` (a layer
+    above this module), named in errors."""
+
+    name: str
+
+
 class Scalar:
     """A named per-execute value of a batch, created by ``batch.scalar(name, dtype)``."""
 
     __slots__ = ("name", "dtype", "slot", "batch", "bounds")
 
-    def __init__(self, name: str, dtype: str, slot: int, batch: GpuCommandBatch) -> None:
+    def __init__(self, name: str, dtype: str, slot: int, batch: ScalarBatch) -> None:
         self.name = name
         self.dtype = dtype
         self.slot = slot

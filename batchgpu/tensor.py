@@ -5,16 +5,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from .errors import ArgumentError, ExportError, ShapeError
 from .interop import KDL_CPU, to_dlpack_capsule
-
-if TYPE_CHECKING:
-    from .batch import GpuCommandBatch
-    from .device import Device
 
 _storage_ids = itertools.count()
 
@@ -42,6 +38,42 @@ class Storage:
         return f"Storage#{self.id}({self.kind}, {self.nbytes} B)"
 
 
+class TensorBatch(Protocol):
+    """The batch a tensor belongs to, as tensors use it: a :class:`~batchgpu.GpuCommandBatch` (a layer above
+    this module). Its name, and the ops that operators and methods record (``x + y`` is ``batch.add(x, y)``;
+    those named in strings are looked up with ``getattr``)."""
+
+    name: str
+
+    def slice(self, x: Tensor, key: Any, *, name: str = "") -> Tensor: ...
+
+    def cast(self, x: Tensor, dtype: Any, *, name: str = "") -> Tensor: ...
+
+
+class MemoryExporter(Protocol):
+    """A device's executor, as a resident tensor exports its memory through it (DLPack, CUDA array interface)."""
+
+    kind: str
+
+    def dlpack_device(self) -> tuple[int, int]: ...
+
+    def export_resident(self, storage: Storage, *, copy: bool = False) -> tuple[int, Any]: ...
+
+
+class TensorDevice(Protocol):
+    """The device a tensor lives on, as tensors use it: a :class:`~batchgpu.Device` (a layer above this
+    module). Its owning thread, its executor's memory export, and reads of resident tensors."""
+
+    kind: str
+
+    @property
+    def executor(self) -> MemoryExporter: ...
+
+    def check_thread(self, what: str) -> None: ...
+
+    def read(self, tensor: Tensor) -> np.ndarray: ...
+
+
 class Tensor:
     """A typed, shaped view of a storage, recorded in a batch or resident on a device.
 
@@ -59,8 +91,8 @@ class Tensor:
         dtype: np.dtype,
         storage: Storage,
         *,
-        device: Device,
-        batch: GpuCommandBatch | None = None,
+        device: TensorDevice,
+        batch: TensorBatch | None = None,
         name: str = "",
     ) -> None:
         self.shape = shape
@@ -114,7 +146,7 @@ class Tensor:
             "batch.concat) or write rows with batch.scatter_rows"
         )
 
-    def _require_batch(self, op: str, other: Any = None) -> GpuCommandBatch:
+    def _require_batch(self, op: str, other: Any = None) -> TensorBatch:
         """The batch that records ``op``: this tensor's, else the other operand's."""
         batch = self.batch if self.batch is not None else (other.batch if isinstance(other, Tensor) else None)
         if batch is None:
@@ -158,7 +190,7 @@ class Tensor:
         return self._binary("matmul", other)
 
     def __neg__(self) -> Tensor:
-        return self._require_batch("neg").neg(self)
+        return self._method("neg")
 
     def __pow__(self, other: Any) -> Tensor:
         return self._binary("pow", other)
@@ -349,7 +381,9 @@ class QuantTensor(Tensor):
 
     __slots__ = ("qtype",)
 
-    def __init__(self, shape: tuple[int, ...], storage: Storage, qtype: str, *, device: Device, name: str = "") -> None:
+    def __init__(
+        self, shape: tuple[int, ...], storage: Storage, qtype: str, *, device: TensorDevice, name: str = ""
+    ) -> None:
         super().__init__(shape, np.dtype(np.float32), storage, device=device, name=name)
         self.qtype = qtype
 

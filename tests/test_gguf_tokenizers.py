@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import batchgpu as bg
-from batchgpu.llm.text import TextCodec
+from batchgpu.models.codec import TextCodec
 from batchgpu.models.gguf_reader import GGUFFile
 
 gguf = pytest.importorskip("gguf")

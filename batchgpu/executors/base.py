@@ -14,9 +14,10 @@ executors (wgpu, CUDA/HIP) share.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -151,7 +152,7 @@ def plan_buffers(
 class Execution:
     """One submitted execute (or copy-only submit): where its readback results will come from.
     ``holders`` counts the holds on it (:class:`batchgpu.runner.Ticket`: the batch's on its latest
-    execute, each :class:`~batchgpu.batch.Submission`'s, each read's from the moment it is requested until
+    execute, each :class:`~batchgpu.runtime.Submission`'s, each read's from the moment it is requested until
     it completes); when the last one goes it is abandoned."""
 
     holders = 0
@@ -287,12 +288,12 @@ class Executor(ABC):
         one that copies it now (ordered after that work; a later run does not change what it holds)."""
 
     @abstractmethod
-    async def read(self, execution: Execution, storage: Storage) -> np.ndarray:
-        """The flat contents of ``storage`` that ``execution`` holds, without blocking the event loop."""
+    def read(self, execution: Execution, storage: Storage) -> np.ndarray:
+        """The flat contents of ``storage`` that ``execution`` holds, waiting for the device (blocking)."""
 
     @abstractmethod
-    def read_sync(self, execution: Execution, storage: Storage) -> np.ndarray:
-        """Blocking version of :meth:`read`."""
+    async def read_async(self, execution: Execution, storage: Storage) -> np.ndarray:
+        """:meth:`read` without blocking the event loop."""
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "name": self.name, "features": sorted(self.features)}
@@ -447,11 +448,11 @@ class DeviceExecutor(Executor):
             execution = self.submit_copies(ReadbackLayout.single(storage, plan.buffers[storage]))
         return execution
 
-    def read_sync(self, execution: Execution, storage: Storage) -> np.ndarray:
+    def read(self, execution: Execution, storage: Storage) -> np.ndarray:
         assert isinstance(execution, StagedExecution)
         return self.collect(execution)[storage]
 
-    async def read(self, execution: Execution, storage: Storage) -> np.ndarray:
+    async def read_async(self, execution: Execution, storage: Storage) -> np.ndarray:
         """Waits on the executor's worker thread, which keeps waiting if this await is cancelled (a later
         read, on any event loop, or a blocking one gets the result)."""
         assert isinstance(execution, StagedExecution)
@@ -462,19 +463,12 @@ class DeviceExecutor(Executor):
         waited for, not repeated."""
         if execution.results is None:
             self.check_readable()
-            try:
+            with self._waiting():
                 if execution.waiting is not None:
                     execution.waiting.result()
                 else:
                     self.wait_staged(execution)
-            except Exception as exc:
-                failure = self.wait_failed(exc)
-                if failure is None:
-                    raise
-                raise failure from None
-            if execution.results is None:
-                execution.results = self._copy_out(execution)
-        return execution.results
+        return self._results(execution)
 
     async def collect_async(self, execution: StagedExecution) -> dict[Storage, np.ndarray]:
         """:meth:`collect` without blocking the event loop: the wait runs on the ``waits`` worker and goes
@@ -483,15 +477,26 @@ class DeviceExecutor(Executor):
             self.check_readable()
             if execution.waiting is None:
                 execution.waiting = self.waits.submit(self.wait_staged, execution)
-            try:
+            with self._waiting():
                 await wait_future(execution.waiting)
-            except Exception as exc:
-                failure = self.wait_failed(exc)
-                if failure is None:
-                    raise
-                raise failure from None
-            if execution.results is None:
-                execution.results = self._copy_out(execution)
+        return self._results(execution)
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Around the wait, the one step :meth:`collect` and :meth:`collect_async` do differently: a failed
+        wait raises :meth:`wait_failed`'s error."""
+        try:
+            yield
+        except Exception as exc:
+            failure = self.wait_failed(exc)
+            if failure is None:
+                raise
+            raise failure from None
+
+    def _results(self, execution: StagedExecution) -> dict[Storage, np.ndarray]:
+        """The results of a waited-for execution, copied out of its staging buffers the first time."""
+        if execution.results is None:
+            execution.results = self._copy_out(execution)
         return execution.results
 
     def _copy_out(self, execution: StagedExecution) -> dict[Storage, np.ndarray]:

@@ -17,13 +17,34 @@ from __future__ import annotations
 import ctypes
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from .base import Execution
+
 if TYPE_CHECKING:
     from ..profiling import Session
-    from .native import Driver, Event, NativeExecution, NativeExecutor, NativePlan
+    from .native.driver import Driver
+    from .native.memory import Event
+
+
+class TimedExecutor(Protocol):
+    """The native executor, as its timer uses it: :class:`~batchgpu.executors.native.NativeExecutor` (which
+    imports this module): the driver and stream, a launch, and binding the device to the calling thread."""
+
+    driver: Driver
+    stream: int
+
+    def launch(self, packed: Any) -> None: ...
+
+    def make_current(self) -> None: ...
+
+
+class TimedPlan(Protocol):
+    """A native plan, as its timer uses it: the packed launches (each with its ``grid``)."""
+
+    launches: list[Any]
 
 
 class _Events:
@@ -35,13 +56,13 @@ class _Events:
         self.handles: list[Event] = [Event(driver, timing=True) for _ in range(count)]
 
 
-_events: weakref.WeakKeyDictionary[NativePlan, _Events] = weakref.WeakKeyDictionary()
+_events: weakref.WeakKeyDictionary[TimedPlan, _Events] = weakref.WeakKeyDictionary()
 
 
 class EventTimer:
     """Hooks ``NativeExecutor.run`` calls while enqueuing a profiled execute (shaped like wgpu's GpuTimer)."""
 
-    def __init__(self, executor: NativeExecutor, plan: NativePlan, session: Session, started: float) -> None:
+    def __init__(self, executor: TimedExecutor, plan: TimedPlan, session: Session, started: float) -> None:
         self.executor = executor
         self.session = session
         self.cursor = started
@@ -58,7 +79,7 @@ class EventTimer:
     def uploaded(self) -> None:
         self.cursor = self.session.span("upload", self.cursor)
 
-    def launch_all(self, plan: NativePlan) -> None:
+    def launch_all(self, plan: TimedPlan) -> None:
         """Every launch eagerly, an event before the first and after each."""
         assert self.events is not None
         stream, handles = self.executor.stream, self.events.handles
@@ -69,7 +90,7 @@ class EventTimer:
             event.record(stream, "timing event record")
         self.cursor = self.session.span("launch", self.cursor)
 
-    def submitted(self, execution: NativeExecution) -> None:
+    def submitted(self, execution: Execution) -> None:
         """After the readback copies are enqueued: note the span and hand the session its GPU times."""
         self.session.span("submit", self.cursor)
         events = self.events
@@ -77,7 +98,7 @@ class EventTimer:
             self.session.gpu_fetch = lambda: elapsed_ns(self.executor, events.handles)
 
 
-def elapsed_ns(executor: NativeExecutor, handles: list[Event]) -> np.ndarray:
+def elapsed_ns(executor: TimedExecutor, handles: list[Event]) -> np.ndarray:
     """(len(handles) - 1, 2) start/end nanoseconds of each launch after the first event; waits for the last."""
     drv = executor.driver
     executor.make_current()

@@ -159,14 +159,14 @@ class ReferenceExecutor(Executor):
             return execution
         return ReferenceExecution({storage: self.snapshot(plan, storage)})
 
-    async def read(self, execution: Execution, storage: Storage) -> np.ndarray:
-        return self.read_sync(execution, storage)
-
-    def read_sync(self, execution: Execution, storage: Storage) -> np.ndarray:
+    def read(self, execution: Execution, storage: Storage) -> np.ndarray:
         assert isinstance(execution, ReferenceExecution)
         data = execution.results[storage]
         self.stats.bytes_read += data.nbytes
         return data
+
+    async def read_async(self, execution: Execution, storage: Storage) -> np.ndarray:
+        return self.read(execution, storage)
 
 
 def _view(arrays: dict[Storage, np.ndarray], tensor: Tensor) -> np.ndarray:

@@ -12,17 +12,36 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ..tensor import Storage
+from .base import StagedExecution
 
 if TYPE_CHECKING:
     from ..profiling import Session
-    from .wgpu import WgpuExecution, WgpuExecutor, WgpuPlan
 
 log = logging.getLogger("batchgpu")
+
+
+class TimedExecutor(Protocol):
+    """The wgpu executor, as its timer uses it: :class:`~batchgpu.executors.wgpu.WgpuExecutor` (which imports
+    this module): wgpu-py, the device, its name and features, and blocking reads of an execution."""
+
+    wgpu: Any
+    device: Any
+    name: str
+    features: frozenset[str]
+
+    def collect(self, execution: StagedExecution) -> dict[Storage, np.ndarray]: ...
+
+
+class TimedPlan(Protocol):
+    """A wgpu plan, as its timer uses it: the dispatches, each (pipeline, bind group, x, y, z)."""
+
+    dispatches: list[tuple]
+
 
 MAX_QUERIES = 4096  # wgpu's limit on queries per query set
 _U64 = np.dtype(np.uint64)
@@ -31,7 +50,7 @@ _U64 = np.dtype(np.uint64)
 class _Queries:
     """Query sets and their resolve buffer for one plan, reused by its profiled executes."""
 
-    def __init__(self, executor: WgpuExecutor, count: int) -> None:
+    def __init__(self, executor: TimedExecutor, count: int) -> None:
         wgpu = executor.wgpu
         self.count = count
         self.sets = [
@@ -45,10 +64,10 @@ class _Queries:
         self.storage = Storage(nbytes, "scratch", _U64)
 
 
-_queries: weakref.WeakKeyDictionary[WgpuPlan, _Queries] = weakref.WeakKeyDictionary()
+_queries: weakref.WeakKeyDictionary[TimedPlan, _Queries] = weakref.WeakKeyDictionary()
 
 
-def timestamp_period(executor: WgpuExecutor) -> float:
+def timestamp_period(executor: TimedExecutor) -> float:
     """Nanoseconds per timestamp tick (wgpu-native normalizes to 1.0; older versions may not)."""
     try:
         from wgpu.backends.wgpu_native._ffi import lib
@@ -61,7 +80,7 @@ def timestamp_period(executor: WgpuExecutor) -> float:
 class GpuTimer:
     """Hooks ``WgpuExecutor.run`` calls while encoding a profiled execute."""
 
-    def __init__(self, executor: WgpuExecutor, plan: WgpuPlan, session: Session, started: float) -> None:
+    def __init__(self, executor: TimedExecutor, plan: TimedPlan, session: Session, started: float) -> None:
         self.executor = executor
         self.session = session
         self.cursor = started
@@ -115,7 +134,7 @@ class GpuTimer:
     def encoded(self) -> None:
         self.cursor = self.session.span("encode", self.cursor)
 
-    def submitted(self, execution: WgpuExecution) -> None:
+    def submitted(self, execution: StagedExecution) -> None:
         self.session.span("submit", self.cursor)
         self.session.gpu_anchor = time.perf_counter()
         if not self.mode:

@@ -31,7 +31,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -39,11 +39,9 @@ from ..errors import BatchError, ExportError, UnsupportedError
 from ..executors.base import POISON_BYTE, padded
 from ..executors.wgpu_plan import LaunchLayout, WgpuLayout, plan_launches
 from ..kernels import Launch
+from ..runtime import BatchView
 from ..scalars import SCALAR_BYTES
 from ..tensor import Storage, Tensor
-
-if TYPE_CHECKING:
-    from ..batch import BatchView, GpuCommandBatch
 
 FORMAT = "batchgpu-webgpu/1"
 PARAMS_ALIGN = 256
@@ -62,8 +60,19 @@ _EXTENSION_FEATURES = {"f16": "shader-f16", "subgroups": "subgroups", "clip_dist
 FLOAT_TOLERANCE = {"float32": (1e-3, 1e-3), "float16": (1e-2, 1e-2)}
 
 
+class ExportedBatch(Protocol):
+    """A batch, as the export uses it: a :class:`~batchgpu.GpuCommandBatch` (a layer above this module): what
+    it recorded, and one execute with the exported inputs whose outputs it reads."""
+
+    def view(self) -> BatchView: ...
+
+    def execute(self, feeds: Mapping[Tensor | str, Any], *, scalars: Mapping[str, int | float]) -> object: ...
+
+    def read(self, tensor: Tensor) -> np.ndarray: ...
+
+
 def export_webgpu(
-    batch: GpuCommandBatch,
+    batch: ExportedBatch,
     out_dir: str | Path,
     feeds: Mapping[Tensor, Any] | None = None,
     scalars: Mapping[str, int | float] | None = None,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..arguments import brief
 from ..errors import RequestError
 
 INT32_MAX = 2**31 - 1
@@ -83,18 +84,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def brief(value: object) -> str:
-    """``value`` for an error message, short whatever it is: a number or the start of a string as written,
-    anything else by its type (the repr of a large or deeply nested value is not computed)."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
-        return f"an int of {value.bit_length()} bits"
-    if value is None or isinstance(value, (bool, int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return repr(value[:60]) + ("..." if len(value) > 60 else "")
-    return f"a {type(value).__name__}"
 
 
 def _whole(name: str, value: object, low: int, high: int | None = None) -> None:

@@ -5,10 +5,10 @@ undone where its converter applied it."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from .codec import TextCodec
 from .config import LlamaConfig
 from .gguf_reader import GGUFFile
 from .weights import Raw, Weights, block_format, check_tensors, check_vocabulary
@@ -65,7 +65,5 @@ class GGUFWeights(Weights):
             return rows.reshape(shape).astype(np.float32), None, shape
         return rows, qtype, shape
 
-    def codec(self) -> Any:
-        from ..llm.text import TextCodec
-
+    def codec(self) -> TextCodec:
         return check_vocabulary(TextCodec.from_gguf(self.file), self.config, f"{self.path}: tokenizer.ggml.tokens")

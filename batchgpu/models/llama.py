@@ -26,7 +26,8 @@ from ..tensor import Tensor
 from .config import LlamaConfig
 from .decoder import ContiguousKV, architecture, check_parts, record_decoder, record_logits
 from .gguf_file import GGUFWeights
-from .weights import Weights, open_weights
+from .loader import open_weights
+from .weights import Weights
 
 __all__ = ["GGUFWeights", "Llama", "LlamaConfig", "Weights", "load_tokenizer", "open_weights", "smollm2_path"]
 

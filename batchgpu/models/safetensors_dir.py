@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BatchError, ModelFileError
+from .codec import TextCodec
 from .config import LlamaConfig
 from .fields import Fields
 from .files import model_file, optional_file, read_json
@@ -133,7 +134,5 @@ class SafetensorsWeights(Weights):
             return (data.astype(np.uint32) << 16).view(np.float32), None, shape
         return np.asarray(data, np.float32), None, shape
 
-    def codec(self) -> Any:
-        from ..llm.text import TextCodec
-
+    def codec(self) -> TextCodec:
         return check_vocabulary(TextCodec.from_hf(self.path), self.config, f"{self.path / 'tokenizer.json'}")

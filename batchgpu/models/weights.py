@@ -1,18 +1,19 @@
 """A model's weights as the decoder reads them, whatever file they come from: tensors by GGUF name
 (``blk.0.attn_q.weight``), each either block bytes per row in a format of batchgpu/quant.py (kept that way
-on the device) or a float32 array. :func:`open_weights` opens a GGUF file or a Hugging Face directory."""
+on the device) or a float32 array, whichever file format they come from (:func:`batchgpu.models.loader.open_weights`
+opens either)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from ..errors import BatchError, ModelFileError
 from ..quant import BLOCK, FORMATS, dequantize_words, to_device_words
+from .codec import TextCodec
 from .config import LlamaConfig
 
 BLOCK_TYPES = {name.upper(): name for name in FORMATS}
@@ -115,7 +116,7 @@ def check_tensors(
             raise ModelFileError(f"{describe(present[0])} comes without tensor {missing!r}")
 
 
-def check_vocabulary(codec: Any, config: LlamaConfig, source: str) -> Any:
+def check_vocabulary(codec: TextCodec, config: LlamaConfig, source: str) -> TextCodec:
     """``codec`` where its tokenizer's ids are all rows of the model's embedding; ModelFileError otherwise."""
     if codec.vocab_size > config.vocab:
         raise ModelFileError(
@@ -151,19 +152,5 @@ class Weights(ABC):
         return dequantize_words(to_device_words(data, qtype, shape), qtype, shape)
 
     @abstractmethod
-    def codec(self) -> Any:
-        """The model's :class:`~batchgpu.llm.text.TextCodec` (tokenizer, end token, chat template)."""
-
-
-def open_weights(path: Path | str) -> Weights:
-    """The weights of a GGUF file, or of a Hugging Face directory (``config.json`` + ``*.safetensors``)."""
-    path = Path(path)
-    if path.is_dir():
-        from .safetensors_dir import SafetensorsWeights
-
-        return SafetensorsWeights(path)
-    if not path.is_file():
-        raise BatchError(f"model {str(path)!r}: no such file or directory")
-    from .gguf_file import GGUFWeights
-
-    return GGUFWeights(path)
+    def codec(self) -> TextCodec:
+        """The model's :class:`~batchgpu.models.codec.TextCodec` (tokenizer, end token, chat template)."""

@@ -20,7 +20,7 @@ Modules:
   :class:`~batchgpu.executors.base.DeviceExecutor`) and its vendors, :class:`CudaExecutor` and
   :class:`HipExecutor`. ``plan`` allocates every buffer and packs every launch's arguments once;
   ``run`` enqueues uploads, every launch (or the captured graph) and the readback copies on one stream
-  with no host sync, and records an event; ``read`` waits on that event in a worker thread.
+  with no host sync, and records an event; ``read`` waits on that event, ``read_async`` in a worker thread.
 
 The CUDA executor has run on an NVIDIA H100 (2026-11-23): the native test modules passed there (312
 passed: the op suites, SmolLM2 greedy ids, event profiling, graph replay, DLPack/CAI interop), and

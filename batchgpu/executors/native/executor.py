@@ -216,7 +216,8 @@ class NativeExecutor(DeviceExecutor):
         drv = self.driver
         drv.check(drv.memset_d8_async(buffer.pointer, POISON_BYTE, buffer.nbytes, self.stream), "poison fill")
 
-    def _upload_sync(self, buffer: DeviceBuffer, data: np.ndarray) -> None:
+    def _upload(self, buffer: DeviceBuffer, data: np.ndarray) -> None:
+        """Copy ``data`` into ``buffer`` and wait until it is there."""
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         self.driver.check(
             self.driver.memcpy_htod_async(buffer.pointer, raw.ctypes.data, raw.nbytes, self.stream), "upload"
@@ -227,10 +228,10 @@ class NativeExecutor(DeviceExecutor):
     def alloc_resident(self, storage: Storage, data: np.ndarray) -> None:
         buffer = self.allocator.alloc(storage.nbytes)
         self.keep_resident(storage, buffer)
-        self._upload_sync(buffer, data)
+        self._upload(buffer, data)
 
     def write_resident(self, storage: Storage, data: np.ndarray) -> None:
-        self._upload_sync(self.resident_buffer(storage), data)
+        self._upload(self.resident_buffer(storage), data)
 
     def read_resident(self, storage: Storage) -> np.ndarray:
         out = np.empty(storage.nbytes, np.uint8)
