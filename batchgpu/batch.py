@@ -37,7 +37,7 @@ from .ops.elementwise import EXPRESSIONS
 from .profiling import Profile, Session
 from .promotion import has_float_scalar, promote_types, scalar_value
 from .recording import Recording
-from .runner import Readback, Runner, Ticket
+from .runner import Readback, Runner, Ticket, keep_readable
 from .scalars import MAX_SCALARS, SCALAR_FORMATS, Scalar, check_value
 from .scalars import resolve as resolve_scalars
 from .tensor import QuantTensor, Storage, StorageKind, Tensor, as_shape
@@ -85,9 +85,11 @@ class GpuCommandBatch:
     numpy arrays. Re-execute with new inputs via ``execute({x: array})``: nothing is re-recorded and
     no pipeline is recompiled.
 
-    A batch that declares its outputs (:meth:`outputs`) runs each chain of elementwise ops as one
-    generated kernel (:mod:`batchgpu.fusion`); ``fusion=False`` (or ``BATCHGPU_FUSION=off``) runs every op
-    as recorded, for debugging.
+    Each chain of elementwise ops runs as one generated kernel (:mod:`batchgpu.fusion`) and intermediates
+    share buffers (:mod:`batchgpu.memory`), except the tensors the plan keeps readable: the declared
+    outputs (:meth:`outputs`), else those no op consumes and those read so far (reading another re-plans,
+    see :meth:`read`); ``fusion=False`` (or ``BATCHGPU_FUSION=off``) runs every op as recorded, for
+    debugging.
     """
 
     _names = itertools.count()
@@ -686,7 +688,7 @@ class GpuCommandBatch:
         runner = self._runner
         if runner is None or self._stale:  # a new plan: inputs and constants are uploaded, state carried over
             planning = time.perf_counter()
-            fresh = Runner(self.device.executor, recording, self._readback.declared, fusion=self.fusion)
+            fresh = Runner(self.device.executor, recording, self._readback, fusion=self.fusion)
             carried = fresh.carry_from(runner, recording) if runner is not None else frozenset()
             if runner is not None:
                 runner.drop_execution()
@@ -770,9 +772,10 @@ class GpuCommandBatch:
 
     def outputs(self, *tensors: Tensor) -> None:
         """Declare the batch tensors read after ``execute`` (and the only ones copied back); every other
-        intermediate may then share device memory with intermediates whose lifetimes do not overlap
-        (see :mod:`batchgpu.memory`), and reading one raises BatchError. Inputs stay readable. Call
-        again to change the declaration; with no tensors, every tensor is readable again (no sharing)."""
+        intermediate may then run fused into the op that reads it or share device memory with
+        intermediates whose lifetimes do not overlap (see :mod:`batchgpu.memory`), and reading one raises
+        BatchError. Inputs stay readable. Call again to change the declaration; with no tensors, the
+        default again (the tensors no op consumes and those read: see :meth:`read`)."""
         self._check_open("outputs")
         for tensor in tensors:
             if not isinstance(tensor, Tensor):
@@ -806,7 +809,9 @@ class GpuCommandBatch:
 
     def read(self, tensor: Tensor) -> np.ndarray:
         """The tensor's value after the latest execute, as a numpy array (blocks until the device is done;
-        :meth:`read_async` in asyncio code)."""
+        :meth:`read_async` in asyncio code). Without declared outputs, an intermediate that execute fused
+        away or stored in a shared buffer is computed again: the batch plans anew keeping it and runs the
+        latest execute again (BatchError when the batch recorded more since: the next execute keeps it)."""
         storage = self._check_readable(tensor)
         if storage.kind == "resident":
             return self._read_resident(tensor)
@@ -853,6 +858,10 @@ class GpuCommandBatch:
             raise NotExecutedError(
                 f"read: {tensor.describe()} was not executed: batch {self.name!r} was never executed; "
                 f"call execute() first"
+            )
+        if tensor.storage in runner.buffers.shareable and not runner.declared:  # left out by default: keep it
+            runner = self._runner = keep_readable(
+                runner, self._recording, self._readback, tensor, fusion=self.fusion, stale=self._stale, batch=self.name
             )
         if tensor.storage in runner.buffers.shareable:  # by the executed plan, whatever outputs() says since
             raise BatchError(
