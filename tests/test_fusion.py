@@ -24,7 +24,7 @@ import batchgpu as bg
 from batchgpu.errors import BatchError
 from batchgpu.ops.elementwise import EXPRESSIONS
 from batchgpu.ops.fused import Apply, Load, program_text, render
-from batchgpu.ops.interface import CONTIGUOUS, SCALAR, STRIDED
+from batchgpu.ops.interface import CONTIGUOUS, MAX_FUSED_OPS, SCALAR, STRIDED
 from batchgpu.shaders import shader_root
 
 from .conftest import assert_close, random_array
@@ -580,6 +580,32 @@ def test_constants_do_not_count_as_a_kernels_inputs(gpu, ref):
     one = "fused(" + "+".join(["mul"] + ["mul", "add"] * 5 + ["sub"]) + ")"
     assert check_fused(gpu, ref, arrays[:6], build(6)) == [one]
     assert len(check_fused(gpu, ref, arrays, build(7))) == 2
+
+
+def test_a_constant_an_op_writes_stays_a_buffer(gpu, ref):
+    """A size-1 constant written in place (scatter_rows) before the chain reads it: the chain reads the
+    written value from its buffer, not the recorded one."""
+    x = np.random.default_rng(28).standard_normal((3, 11), dtype=np.float32)
+    for device in (gpu, ref):
+        batch = bg.GpuCommandBatch(device)
+        table = batch.full((1,), 2.0)
+        batch.scatter_rows(table, batch.upload(np.zeros(1, np.int32)), batch.upload(np.full(1, 5.0, np.float32)))
+        out = batch.mul(batch.add(batch.upload(x), table), 3.0)
+        batch.outputs(out)
+        batch.execute(profile=True)
+        assert [row.op for row in batch.profile().rows] == ["scatter_rows", "fused(add+mul)"]
+        np.testing.assert_allclose(batch.read(out), (x + 5) * 3, rtol=1e-6)
+
+
+def test_a_chain_past_the_ops_bound_is_split(ref):
+    batch = bg.GpuCommandBatch(ref)
+    x = np.random.default_rng(29).standard_normal(7, dtype=np.float32)
+    t = batch.upload(x)
+    for _ in range(MAX_FUSED_OPS + 3):
+        t = batch.neg(t)
+    batch.execute(profile=True)
+    assert [len(row.op.split("+")) for row in batch.profile().rows] == [MAX_FUSED_OPS, 3]
+    np.testing.assert_array_equal(batch.read(t), -x)
 
 
 # fusion and buffer sharing by default ---------------------------------------------------------------------
