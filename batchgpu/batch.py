@@ -87,9 +87,9 @@ class GpuCommandBatch:
 
     Each chain of elementwise ops runs as one generated kernel (:mod:`batchgpu.fusion`) and intermediates
     share buffers (:mod:`batchgpu.memory`), except the tensors the plan keeps readable: the declared
-    outputs (:meth:`outputs`), else those no op consumes and those read so far (reading another re-plans,
-    see :meth:`read`); ``fusion=False`` (or ``BATCHGPU_FUSION=off``) runs every op as recorded, for
-    debugging.
+    outputs (:meth:`outputs`); else, in a batch that computes from its own inputs and constants alone,
+    those no op consumes and those read so far (reading another plans anew, see :meth:`read`); else all.
+    ``fusion=False`` (or ``BATCHGPU_FUSION=off``) runs every op as recorded, for debugging.
     """
 
     _names = itertools.count()

@@ -714,3 +714,16 @@ def test_a_batch_holding_state_keeps_every_tensor_without_declared_outputs(gpu, 
         np.testing.assert_array_equal(batch.read(doubled), ids * 2)
         np.testing.assert_array_equal(batch.read(shifted), ids * 2 - 1)
         np.testing.assert_array_equal(batch.read(counts), [[0, 2, 0, 4, 0]])  # two executes, two counts each
+
+
+def test_a_fused_away_intermediate_read_after_declaring_outputs_names_them(gpu):
+    rng = np.random.default_rng(30)
+    x, y = rng.standard_normal((5, 19), dtype=np.float32), rng.standard_normal(19, dtype=np.float32)
+    batch = bg.GpuCommandBatch(gpu)
+    got = two_chains(batch, batch.upload(x), batch.upload(y))
+    batch.execute()
+    batch.outputs(got["first"])
+    with pytest.raises(BatchError, match=r"read: .*add\d+.* declares its outputs now .*add it to them"):
+        batch.read(got["middle"])
+    batch.execute()
+    assert_close(batch.read(got["first"]), two_chains_numpy(x, y)["first"])
