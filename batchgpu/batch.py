@@ -61,9 +61,11 @@ class GpuCommandBatch:
     numpy arrays. Re-execute with new inputs via ``execute({x: array})``: nothing is re-recorded and
     no pipeline is recompiled.
 
-    A batch that declares its outputs (:meth:`outputs`) runs each chain of elementwise ops as one
-    generated kernel (:mod:`batchgpu.fusion`); ``fusion=False`` (or ``BATCHGPU_FUSION=off``) runs every op
-    as recorded, for debugging.
+    Each chain of elementwise ops runs as one generated kernel (:mod:`batchgpu.fusion`) and intermediates
+    share buffers (:mod:`batchgpu.memory`), except the tensors the plan keeps readable: the declared
+    outputs (:meth:`outputs`); else, in a batch that computes from its own inputs and constants alone,
+    those no op consumes and those read so far (reading another plans anew, see :meth:`read`); else all.
+    ``fusion=False`` (or ``BATCHGPU_FUSION=off``) runs every op as recorded, for debugging.
     """
 
     _names = itertools.count()
@@ -665,9 +667,10 @@ class GpuCommandBatch:
 
     def outputs(self, *tensors: Tensor) -> None:
         """Declare the batch tensors read after ``execute`` (and the only ones copied back); every other
-        intermediate may then share device memory with intermediates whose lifetimes do not overlap
-        (see :mod:`batchgpu.memory`), and reading one raises BatchError. Inputs stay readable. Call
-        again to change the declaration; with no tensors, every tensor is readable again (no sharing)."""
+        intermediate may then run fused into the op that reads it or share device memory with
+        intermediates whose lifetimes do not overlap (see :mod:`batchgpu.memory`), and reading one raises
+        BatchError. Inputs stay readable. Call again to change the declaration; with no tensors, the
+        default again (the tensors no op consumes and those read: see :meth:`read`)."""
         self._runtime.outputs(*tensors)
 
     def memory(self) -> dict[str, int]:
@@ -685,7 +688,9 @@ class GpuCommandBatch:
 
     def read(self, tensor: Tensor) -> np.ndarray:
         """The tensor's value after the latest execute, as a numpy array (blocks until the device is done;
-        :meth:`read_async` in asyncio code)."""
+        :meth:`read_async` in asyncio code). Without declared outputs, an intermediate that execute fused
+        away or stored in a shared buffer is computed again: the batch plans anew keeping it and runs the
+        latest execute again (BatchError when the batch recorded more since: the next execute keeps it)."""
         return self._runtime.read(tensor)
 
     def read_sync(self, tensor: Tensor) -> np.ndarray:

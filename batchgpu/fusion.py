@@ -8,18 +8,23 @@ chains of elementwise ops (the op-expression table's ops and casts, with broadca
 become one generated kernel each (:func:`batchgpu.ops.fused.fuse_nodes`), on every executor. An op joins
 the op that reads its output when that output
 
-- is read by that op only (no other op, no view, no in-place writer) and is not kept: only batches that
-  declare their outputs (``batch.outputs``) fuse, since any tensor of the others may be read;
+- is read by that op only (no other op, no view, no in-place writer) and is not kept (``keep``: a batch's
+  declared outputs, ``batch.outputs``, or else the tensors no op consumes and those read so far:
+  :meth:`batchgpu.runner.Readback.kept`);
 - has the reader's output shape (it is read at the output index, not broadcast);
 - is computed in the chain's compute type (a cast may convert between two);
 
 and nothing between the chain's first op and its reader writes the chain's inputs in place. A chain reads
-at most ``MAX_FUSED_INPUTS`` inputs (fewer where the device allows fewer storage buffers per stage).
-Results match the unfused graph: every intermediate is rounded through its own dtype (float16 as numpy
-rounds, by integer arithmetic that no compiler may fold: :data:`batchgpu.ops.fused.ROUND_FLOAT16`), so
-integers are equal and floats agree within their dtype's tolerance (a driver may fuse a multiply and an
-add of two ops into one rounding, as WGSL and NVRTC allow; a folded matmul epilogue keeps product, bias
-and activation in float32).
+at most ``MAX_FUSED_INPUTS`` input buffers (fewer where the device allows fewer storage buffers per
+stage), runs at most ``MAX_FUSED_OPS`` ops and holds at most ``MAX_FUSED_CONSTANTS`` constants: the
+Python scalar operands of its ops (size-1 constants no op writes), which are words of the kernel's
+params, not input buffers, so ``x * 0.5 + 1.0`` reads one buffer and any other pair of numbers runs the
+same pipeline. Results match the unfused graph: every intermediate is rounded through its own dtype
+(float16 as numpy rounds, by integer arithmetic that no compiler may fold:
+:data:`batchgpu.ops.fused.ROUND_FLOAT16`), a constant holds the bits its buffer would, so integers are
+equal and floats agree within their dtype's tolerance (a driver may fuse a multiply and an add of two ops
+into one rounding, as WGSL and NVRTC allow; a folded matmul epilogue keeps product, bias and activation
+in float32); the reference executor computes member by member, exactly as the unfused graph.
 
 ``BATCHGPU_FUSION=off`` (or ``GpuCommandBatch(fusion=False)``) turns the pass off for debugging.
 """
@@ -28,13 +33,16 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import numpy as np
 
 from .limits import Limits, check_launch
 from .ops import Node
 from .ops.fused import compute_type, fuse_nodes, input_key, is_fusible
-from .ops.interface import MAX_FUSED_INPUTS
+from .ops.interface import MAX_FUSED_CONSTANTS, MAX_FUSED_INPUTS, MAX_FUSED_OPS
 from .ops.matmul import fold_epilogue, is_activation
 from .tensor import Storage, Tensor
 
@@ -56,19 +64,37 @@ class Fused:
 
 @dataclass
 class _Chain:
-    """Node indices of a chain (recording order, its root last) and its inputs by key."""
+    """Node indices of a chain (recording order, its root last), its input buffers by key and its
+    constants."""
 
     members: list[int]
     inputs: dict[tuple, Tensor] = field(default_factory=dict)
+    constants: set[Storage] = field(default_factory=set)
     ctype: str | None = None
 
 
-def fuse(nodes: Sequence[Node], keep: Collection[Storage], limits: Limits, device_name: str) -> Fused:
+def fuse(
+    nodes: Sequence[Node],
+    keep: Collection[Storage],
+    limits: Limits,
+    device_name: str,
+    host: Mapping[Storage, np.ndarray] = MappingProxyType({}),
+) -> Fused:
     """Fold epilogues into matmuls, then replace every chain of two or more fusible ops of ``nodes`` by
-    one fused node; ``keep`` are the storages that stay readable (declared outputs)."""
+    one fused node; ``keep`` are the storages that stay readable; ``host`` the host values of the batch's
+    constants (those of size 1 that no op writes become constants of the kernels that read them)."""
     folded = _fold_epilogues(nodes, set(keep))
-    chained = _fuse_chains(folded.nodes, keep, limits, device_name)
+    chained = _fuse_chains(folded.nodes, keep, limits, device_name, host)
     return Fused(chained.nodes, folded.eliminated | chained.eliminated)
+
+
+def _inlinable(host: Mapping[Storage, np.ndarray], writers: Mapping[Storage, list[int]]) -> dict[Storage, np.ndarray]:
+    """The constants a fused kernel may hold in its params: one value each, never written by an op."""
+    return {
+        storage: value
+        for storage, value in host.items()
+        if storage.kind == "const" and storage.nbytes == storage.dtype.itemsize and not writers.get(storage)
+    }
 
 
 def _uses(nodes: Sequence[Node]) -> tuple[dict[Storage, set[int]], dict[Storage, list[int]]]:
@@ -137,16 +163,20 @@ def _bias_operand(nodes: Sequence[Node], matmul: int, add: int, writers: dict[St
     return other
 
 
-def _fuse_chains(nodes: Sequence[Node], keep: Collection[Storage], limits: Limits, device_name: str) -> Fused:
+def _fuse_chains(
+    nodes: Sequence[Node], keep: Collection[Storage], limits: Limits, device_name: str, host: Mapping
+) -> Fused:
     """Every chain of two or more fusible elementwise ops as one fused node."""
     readers, writers = _uses(nodes)
+    constants = _inlinable(host, writers)
     cap = min(MAX_FUSED_INPUTS, limits.max_storage_buffers_per_shader_stage - 1)
     chains: dict[int, _Chain] = {}  # by root index
     kept = set(keep)
     for index, node in enumerate(nodes):
         if not is_fusible(node):
             continue
-        chain = _Chain([index], {input_key(t): t for t in node.inputs}, compute_type(node))
+        buffers = {input_key(t): t for t in node.inputs if t.storage not in constants}
+        chain = _Chain([index], buffers, {t.storage for t in node.inputs if t.storage in constants}, compute_type(node))
         for tensor in node.inputs:
             producer = writers[tensor.storage][0] if len(writers[tensor.storage]) == 1 else None
             if producer is None or producer not in chains or tensor.storage in kept:
@@ -159,7 +189,7 @@ def _fuse_chains(nodes: Sequence[Node], keep: Collection[Storage], limits: Limit
     planned: list[Node] = []
     for index, node in enumerate(nodes):
         if index in fused_at:
-            fused = fuse_nodes([nodes[i] for i in fused_at[index].members])
+            fused = fuse_nodes([nodes[i] for i in fused_at[index].members], constants)
             for launch in fused.launches:
                 check_launch(launch, limits, device_name)
             planned.append(fused)
@@ -187,7 +217,9 @@ def _joins(
     if None not in (producer.ctype, consumer.ctype) and producer.ctype != consumer.ctype:
         return False
     merged = (consumer.inputs.keys() - {input_key(tensor)}) | producer.inputs.keys()
-    if len(merged) > cap:
+    if len(merged) > cap or len(consumer.constants | producer.constants) > MAX_FUSED_CONSTANTS:
+        return False
+    if len(consumer.members) + len(producer.members) > MAX_FUSED_OPS:
         return False
     first = producer.members[0]
     return not any(first < w < at for t in producer.inputs.values() for w in writers[t.storage])
@@ -197,4 +229,5 @@ def _absorb(consumer: _Chain, producer: _Chain, tensor: Tensor) -> None:
     consumer.members = sorted(consumer.members + producer.members)
     consumer.inputs.pop(input_key(tensor), None)
     consumer.inputs.update(producer.inputs)
+    consumer.constants |= producer.constants
     consumer.ctype = consumer.ctype or producer.ctype

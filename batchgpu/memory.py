@@ -1,9 +1,10 @@
-"""Buffer sharing for a batch whose outputs are declared (``batch.outputs(...)``).
+"""Buffer sharing: the intermediates a plan does not keep readable (``keep``: the declared outputs,
+``batch.outputs(...)``, or by default the tensors no op consumes and those read so far) share buffers.
 
-An intermediate (an op's output that is not declared, or an op's scratch) lives from the node that
+An intermediate (an op's output that is not kept, or an op's scratch) lives from the node that
 writes it first to the last node that reads or writes it. Intermediates whose lifetimes do not overlap
 share one device buffer, sized for the largest of them. Only storages that their producing node writes
-whole before anything reads them can share: inputs, constants, resident tensors, declared outputs and
+whole before anything reads them can share: inputs, constants, resident tensors, kept storages and
 ``batch.empty`` tensors (which may carry data from one execute to the next) keep their own buffers.
 
 Assignment is greedy in recording order: a storage takes the smallest free buffer that fits, else the
@@ -70,7 +71,8 @@ def lifetimes(nodes: Sequence[Node], keep: Collection[Storage]) -> dict[Storage,
 
 
 def share_buffers(nodes: Sequence[Node], storages: Sequence[Storage], keep: Collection[Storage]) -> BufferPlan:
-    """Assign the batch's ``storages`` to buffers; ``keep`` (declared outputs) are never shared."""
+    """Assign the batch's ``storages`` to buffers; ``keep`` (the storages the plan keeps readable) are never
+    shared."""
     spans = lifetimes(nodes, keep)
     pools: list[list] = []  # [capacity, free after node index, members]
     for storage in sorted(spans, key=lambda s: (spans[s][0], -s.nbytes, s.id)):

@@ -100,10 +100,11 @@ def load_average() -> float:
 
 
 def record_chain(dev: Device, x0: np.ndarray, ops: int) -> tuple[GpuCommandBatch, Tensor, float]:
-    """A fresh batch holding the whole chain; returns it, the last tensor and the host time of the op calls."""
+    """A fresh batch holding the whole chain, unfused (one dispatch per op: the overhead measured); returns
+    it, the last tensor and the host time of the op calls."""
     from .batch import GpuCommandBatch
 
-    batch = GpuCommandBatch(dev)
+    batch = GpuCommandBatch(dev, fusion=False)
     y = batch.upload(x0, name="x")
     a = batch.upload(np.full_like(x0, ADD_VALUE), name="a")
     m = batch.upload(np.full_like(x0, MUL_VALUE), name="m")

@@ -67,6 +67,14 @@ class Recording:
                 last_write[storage] = index
         return {s for s, w in last_write.items() if s.kind == "output" and last_read.get(s, -1) <= w}
 
+    def replayable(self) -> bool:
+        """Whether running an execute again with its inputs and scalars gives its values again: no op writes
+        a tensor in place (state carried from one execute to the next) and none reads a resident tensor
+        (which may change between executes: ``Device.write``, other batches, a DLPack consumer)."""
+        return not any(
+            node.spec.inplace or any(t.storage.kind == "resident" for t in node.inputs) for node in self.nodes
+        )
+
     def input_tensors(self) -> tuple[Tensor, ...]:
         """One tensor per input storage some op uses, in upload order."""
         by_storage: dict[Storage, Tensor] = {}

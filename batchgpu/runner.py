@@ -4,28 +4,33 @@ runner, which carries the old one's device state over; nothing is reset by hand.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .errors import BatchError, NotExecutedError
 from .executors import Executor
 from .executors.base import Execution, Plan
 from .fusion import Fused, fuse
 from .memory import BufferPlan, share_buffers
 from .ops import Node
 from .recording import Recording
-from .tensor import Storage
+from .tensor import Storage, Tensor
 
 if TYPE_CHECKING:
     from .profiling import Session
+
+log = logging.getLogger("batchgpu")
 
 
 class Readback:
     """Which storages each execute copies back: the declared outputs (``batch.outputs``: every execute's
     :class:`~batchgpu.runtime.Submission` can read any of them), else the ones read so far, else the
-    recording's sinks (outputs written and never consumed)."""
+    recording's sinks (outputs written and never consumed); and which ones a plan keeps readable
+    (:meth:`kept`)."""
 
     def __init__(self) -> None:
         self.declared: frozenset[Storage] | None = None
@@ -37,6 +42,17 @@ class Readback:
             chosen = self.declared if self.declared is not None else self.wanted or recording.sinks()
             self._storages = tuple(sorted(chosen, key=lambda s: s.id))
         return self._storages
+
+    def kept(self, recording: Recording, fusion: bool) -> frozenset[Storage]:
+        """The storages a plan of ``recording`` keeps readable (the others may run fused into the op that
+        reads them, or share a buffer): the declared outputs; else, where the plan fuses and an execute
+        can run again to compute one of the others (:meth:`Recording.replayable`, :func:`keep_readable`),
+        the sinks and the storages read so far; else every storage."""
+        if self.declared is not None:
+            return self.declared
+        if fusion and recording.replayable():
+            return frozenset(recording.sinks() | self.wanted)
+        return frozenset(recording.storages)
 
     def want(self, storage: Storage) -> None:
         """``storage`` was read: later executes copy it back in their own submit."""
@@ -55,17 +71,18 @@ class Readback:
 
 
 class Runner:
-    """One plan of a recording on an executor (elementwise chains fused and buffers shared per ``declared``
-    outputs) and the latest execution of it. ``count`` is the recording's count the plan covers; ``nodes``
-    are the ops the plan runs (fused chains as one node each)."""
+    """One plan of a recording on an executor (elementwise chains fused and buffers shared, keeping what
+    ``readback`` keeps: :meth:`Readback.kept`) and the latest execution of it. ``count`` is the recording's
+    count the plan covers; ``nodes`` are the ops the plan runs (fused chains as one node each);
+    ``declared``: whether the plan kept the declared outputs only."""
 
-    def __init__(
-        self, executor: Executor, recording: Recording, declared: Collection[Storage] | None, *, fusion: bool = True
-    ) -> None:
+    def __init__(self, executor: Executor, recording: Recording, readback: Readback, *, fusion: bool = True) -> None:
         self.executor = executor
         self.count = recording.count
-        keep = recording.storages if declared is None else declared
-        fused = fuse(recording.nodes, keep, executor.limits, executor.name) if fusion else Fused(recording.nodes)
+        self.declared = readback.declared is not None
+        keep = readback.kept(recording, fusion)
+        limits = executor.limits
+        fused = fuse(recording.nodes, keep, limits, executor.name, recording.host) if fusion else Fused(recording.nodes)
         self.nodes: list[Node] = fused.nodes
         storages = [s for s in recording.storages if s not in fused.eliminated]
         self.buffers: BufferPlan = share_buffers(fused.nodes, storages, keep)
@@ -129,6 +146,43 @@ class Runner:
     def _holding(self, storage: Storage) -> Execution:
         assert self.execution is not None
         return self.executor.holding(self.plan, self.execution, storage)
+
+
+def keep_readable(
+    runner: Runner, recording: Recording, readback: Readback, tensor: Tensor, *, fusion: bool, stale: bool, batch: str
+) -> Runner:
+    """The runner to read ``tensor`` from, which ``runner``'s plan left out by default (fused away or in a
+    shared buffer; no outputs declared): a new plan keeping it too, and the latest execute run again
+    (its inputs and scalars) on it; a debug log says so. BatchError where that execute cannot run again
+    (the batch changed since): the next execute keeps it."""
+    if runner.execution is None:
+        raise NotExecutedError(
+            f"read: the last execute() of batch {batch!r} failed, so {tensor.describe()} has no value; execute again"
+        )
+    if readback.declared is not None:
+        raise BatchError(
+            f"read: {tensor.describe()} is an intermediate of batch {batch!r}, which declares its outputs now "
+            f"(batch.outputs); add it to them (and execute) to read it"
+        )
+    readback.want(tensor.storage)
+    if stale:
+        raise BatchError(
+            f"read: {tensor.describe()} was fused away (or shares its buffer) in the latest execute of batch "
+            f"{batch!r}, which has recorded more since, so that execute cannot run again to compute it; "
+            f"execute again to read it (the next execute keeps it), or declare it with batch.outputs"
+        )
+    log.debug(
+        "batch %r: %s was fused away (or shares its buffer) in the latest execute, which kept the tensors no op "
+        "consumes and those read before; planning again to keep it and running that execute again to read it "
+        "(batch.outputs declares what to keep)",
+        batch,
+        tensor.describe(),
+    )
+    fresh = Runner(runner.executor, recording, readback, fusion=fusion)
+    fresh.carry_from(runner, recording)
+    runner.drop_execution()
+    fresh.run(recording.host, readback.storages(recording), recording.scalar_values, {})
+    return fresh
 
 
 class Ticket:

@@ -31,7 +31,7 @@ from .executors.base import Execution, Plan
 from .ops import Node
 from .profiling import Profile, ProfiledBatch, Session
 from .recording import Recording
-from .runner import Readback, Runner, Ticket
+from .runner import Readback, Runner, Ticket, keep_readable
 from .scalars import Scalar
 from .scalars import resolve as resolve_scalars
 from .tensor import Storage, Tensor, TensorBatch
@@ -126,7 +126,7 @@ class BatchRuntime:
         runner = self._runner
         if runner is None or self._stale:  # a new plan: inputs and constants are uploaded, state carried over
             planning = time.perf_counter()
-            fresh = Runner(self.device.executor, recording, self._readback.declared, fusion=self.fusion)
+            fresh = Runner(self.device.executor, recording, self._readback, fusion=self.fusion)
             carried = fresh.carry_from(runner, recording) if runner is not None else frozenset()
             if runner is not None:
                 runner.drop_execution()
@@ -265,6 +265,10 @@ class BatchRuntime:
             raise NotExecutedError(
                 f"read: {tensor.describe()} was not executed: batch {self.name!r} was never executed; "
                 f"call execute() first"
+            )
+        if tensor.storage in runner.buffers.shareable and not runner.declared:  # left out by default: keep it
+            runner = self._runner = keep_readable(
+                runner, self._recording, self._readback, tensor, fusion=self.fusion, stale=self._stale, batch=self.name
             )
         if tensor.storage in runner.buffers.shareable:  # by the executed plan, whatever outputs() says since
             raise BatchError(

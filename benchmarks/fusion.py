@@ -1,7 +1,9 @@
 """Elementwise fusion: chains of elementwise ops executed fused and unfused, interleaved in one run (each
 first in every other round): dispatches and ms per execute. ``gelu-style``: a GELU-style activation
 with bias and residual, and a cast round trip; ``where``: a leaky ReLU and a clamp written with
-comparisons and ``where``.
+comparisons and ``where`` (both with declared outputs); ``add/mul x1000``: a plain chain of 1,000
+alternating ``add(t, 0.001)`` / ``mul(t, 0.999)`` with no outputs declared (fused by default, its
+constants in the kernels' params) against ``fusion=False``, over ``--chain-elements`` elements.
 
 ``--rounding``: instead, the forms of rounding a float32 value to float16 inside a kernel (a fused
 kernel's float16 intermediate), as custom wgpu kernels applying one form 128 times per element, interleaved:
@@ -12,7 +14,8 @@ result WGSL leaves indeterminate past float16's range and NaN, handled by select
 by shifts) give numpy's result on every driver; ``round_f16`` of ``shaders/wgsl/lib/half.wgsl`` is
 ``bits + round``.
 
-    python benchmarks/fusion.py [--device wgpu,reference] [--elements 1048576] [--repeat 20] [--rounding]
+    python benchmarks/fusion.py [--device wgpu,reference] [--elements 1048576] [--chain-elements 65536]
+        [--repeat 20] [--rounding]
 """
 
 from __future__ import annotations
@@ -43,10 +46,21 @@ def where_chain(batch: bg.GpuCommandBatch, t: Tensor, b: Tensor) -> Tensor:
     return batch.where(h < 1.5, h, 1.5)
 
 
+def add_mul_chain(batch: bg.GpuCommandBatch, t: Tensor, b: Tensor) -> Tensor:
+    """1,000 alternating ``add(t, 0.001)`` / ``mul(t, 0.999)``: a Python constant per op."""
+    for k in range(1000):
+        t = batch.add(t, 0.001) if k % 2 == 0 else batch.mul(t, 0.999)
+    return t
+
+
 CHAINS: dict[str, Callable[[bg.GpuCommandBatch, Tensor, Tensor], Tensor]] = {
     "gelu-style": gelu_style,
     "where": where_chain,
+    "add/mul x1000": add_mul_chain,
 }
+
+PLAIN = {"add/mul x1000"}
+"""Chains recorded as a user would without declaring outputs: fused by default."""
 
 
 ROUNDINGS: dict[str, str] = {
@@ -126,10 +140,15 @@ def rounding_forms(device: bg.Device, x: np.ndarray, repeat: int) -> None:
         print(f"| {device.name} | {form} | {ms * 1e3:.2f} | {ms / base:.2f} | {ms / pair:.2f} |")
 
 
-def check(fused: np.ndarray, unfused: np.ndarray) -> None:
+def check(fused: np.ndarray, unfused: np.ndarray, chain: str) -> None:
     """Fused equals unfused, except that a driver may fuse a multiply and an add of two ops into one
     rounding (WGSL and NVRTC allow it), which can move a value across a float16 rounding boundary: at most
-    one element in a thousand may differ, by one float16 ulp."""
+    one element in a thousand may differ, by one float16 ulp; the 1,000-op chain, by one float32 rounding
+    per op at most."""
+    if chain == "add/mul x1000":
+        bound = 1000 * np.spacing(np.float32(np.abs(unfused).max() + 1))
+        np.testing.assert_allclose(fused, unfused, rtol=0, atol=bound)
+        return
     got, want = fused.ravel(), unfused.ravel()
     differ = np.flatnonzero(got != want)
     ulp = np.spacing(np.abs(want[differ]).astype(np.float16)).astype(np.float32)
@@ -145,7 +164,8 @@ def record(
 ) -> tuple[bg.GpuCommandBatch, Tensor]:
     batch = bg.GpuCommandBatch(device, fusion=fusion)
     out = CHAINS[chain](batch, batch.upload(x), batch.upload(bias))
-    batch.outputs(out)
+    if chain not in PLAIN:
+        batch.outputs(out)
     return batch, out
 
 
@@ -153,6 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="wgpu,reference")
     parser.add_argument("--elements", type=int, default=1 << 20)
+    parser.add_argument("--chain-elements", type=int, default=1 << 16, help="elements of the 1,000-op chain")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--rounding", action="store_true", help="time the float16 rounding forms (wgpu)")
     args = parser.parse_args()
@@ -168,7 +189,8 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|")
     for kind, chain in [(kind, chain) for kind in args.device.split(",") for chain in CHAINS]:
         device = bg.Device(kind)
-        runs = {fusion: record(device, x, bias, chain, fusion) for fusion in (False, True)}
+        data = x.reshape(-1)[: args.chain_elements].reshape(-1, width) if chain in PLAIN else x
+        runs = {fusion: record(device, data, bias, chain, fusion) for fusion in (False, True)}
         times: dict[bool, list[float]] = {False: [], True: []}
         dispatches = {}
         for fusion, (batch, out) in runs.items():
@@ -185,7 +207,7 @@ def main() -> None:
                 batch.execute()
                 batch.read(out)
                 times[fusion].append(time.perf_counter() - started)
-        check(runs[True][0].read(runs[True][1]), runs[False][0].read(runs[False][1]))
+        check(runs[True][0].read(runs[True][1]), runs[False][0].read(runs[False][1]), chain)
         plain, fused = statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
         counts = f"{dispatches[False]} | {dispatches[True]}"
         print(f"| {device.name} | {chain} | {counts} | {plain:.2f} | {fused:.2f} | {fused / plain:.2f} |")

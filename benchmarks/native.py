@@ -156,7 +156,7 @@ def check(name: str, got: np.ndarray, want: np.ndarray, rtol: float = 1e-4) -> N
 def batch_chain(device: bg.Device, x0: np.ndarray, ops: int, mode: str, repeat: int) -> dict[str, float]:
     """Host µs/op of execute() and wall µs/op of execute + read of the last tensor, one mode."""
     with graphs(device, mode):
-        batch = bg.GpuCommandBatch(device)
+        batch = bg.GpuCommandBatch(device, fusion=False)  # one launch per op: the overhead measured
         y = batch.upload(x0, name="x")
         a, m = batch.upload(np.full_like(x0, ADD_VALUE)), batch.upload(np.full_like(x0, MUL_VALUE))
         for i in range(ops):

@@ -32,7 +32,7 @@ def layer_data():
 def test_execute_is_one_submit_whatever_the_op_count(gpu):
     rng = np.random.default_rng(21)
     x = random_array(rng, (33,), np.float32)
-    batch = bg.GpuCommandBatch(gpu)
+    batch = bg.GpuCommandBatch(gpu, fusion=False)  # 200 dispatches (fused by default, the chain is one)
     t = batch.upload(x)
     expected = x.copy()
     for i in range(200):

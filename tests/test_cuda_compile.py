@@ -69,7 +69,7 @@ def _fused_launches() -> list[bg.kernels.Launch]:
         b = bg.GpuCommandBatch(bg.Device("reference"))
         x, y = b.upload(random_array(rng, (3, 37), dtype)), b.upload(random_array(rng, (37,), dtype))
         outputs = record_fusable_chains(b, x, y)
-        fused = fuse(b.nodes, {t.storage for t in outputs}, Limits(), "reference")
+        fused = fuse(b.nodes, {t.storage for t in outputs}, Limits(), "reference", b.view().host)  # constants too
         launches += [launch for node in fused.nodes for launch in node.launches if launch.family == "fused"]
     return launches
 

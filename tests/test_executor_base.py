@@ -138,7 +138,7 @@ def test_bind_entries_and_pipeline_spec():
 def test_wgpu_plan_follows_the_planning_rules(gpu):
     """The executor's params buffer, pipelines and dispatches are plan_launches' for the same launches."""
     x = random_array(np.random.default_rng(90), (300,), np.float32)
-    batch = bg.GpuCommandBatch(gpu)
+    batch = bg.GpuCommandBatch(gpu, fusion=False)  # the plan runs the recorded launches
     tx = batch.upload(x)
     y = batch.softmax(batch.add(batch.mul(tx, 2.0), 1.0))
     batch.execute()

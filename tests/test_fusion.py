@@ -11,7 +11,9 @@ intermediate's float16 rounding is exact everywhere: numpy's, bit for bit (teste
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
 from collections.abc import Callable, Sequence
 
@@ -22,7 +24,7 @@ import batchgpu as bg
 from batchgpu.errors import BatchError
 from batchgpu.ops.elementwise import EXPRESSIONS
 from batchgpu.ops.fused import Apply, Load, program_text, render
-from batchgpu.ops.interface import CONTIGUOUS, SCALAR, STRIDED
+from batchgpu.ops.interface import CONTIGUOUS, MAX_FUSED_OPS, SCALAR, STRIDED
 from batchgpu.shaders import shader_root
 
 from .conftest import assert_close, random_array
@@ -452,3 +454,276 @@ def test_what_keeps_a_matmul_epilogue_out(gpu, ref, small_bounds):
 
     ops = check_fused(gpu, ref, [a, b, small, row], build, scale=10)
     assert "fused(add+relu)" in ops and not any(op.startswith("fused(matmul") for op in ops), ops
+
+
+# Python constants inside a fused kernel ----------------------------------------------------------------
+
+
+def dispatches_per_execute(device: bg.Device, batch: bg.GpuCommandBatch, feeds=None) -> int:
+    """Dispatches of one execute of ``batch`` (planned and compiled by an execute before)."""
+    batch.execute(feeds)
+    before = device.stats.dispatches
+    batch.execute(feeds)
+    return device.stats.dispatches - before
+
+
+def add_mul_chain(batch: bg.GpuCommandBatch, t: bg.Tensor, ops: int) -> bg.Tensor:
+    """``ops`` alternating ``add(t, 0.001)`` / ``mul(t, 0.999)``: a Python constant per op."""
+    for k in range(ops):
+        t = batch.add(t, 0.001) if k % 2 == 0 else batch.mul(t, 0.999)
+    return t
+
+
+def add_mul_numpy(x: np.ndarray, ops: int) -> np.ndarray:
+    """numpy's float32 sequence of :func:`add_mul_chain`: each op rounded to float32."""
+    for k in range(ops):
+        x = x + np.float32(0.001) if k % 2 == 0 else x * np.float32(0.999)
+    return x
+
+
+def test_a_thousand_op_chain_with_constants_runs_in_at_most_four_dispatches(gpu, ref):
+    """No outputs declared: the chain fuses by default, and its 1000 constants live in the kernels' params
+    (at most 256 a kernel), not in input buffers (6 a kernel). The reference computes member by member
+    in numpy: exactly numpy's sequence. A GPU rounds each f32 add and multiply correctly, but WGSL (section
+    15.7.2: an implementation may fuse and reassociate operations) and NVRTC (contraction by default) may
+    turn a multiply and the add after it into one rounding: there the contract is one float32 ulp per op of
+    the chain, at most, of the largest value (the chain's map shrinks differences: it multiplies by 0.999)."""
+    rng = np.random.default_rng(20)
+    x = rng.standard_normal((3, 129), dtype=np.float32)
+    want = add_mul_numpy(x, 1000)
+    for device in (gpu, ref):
+        batch = bg.GpuCommandBatch(device)
+        out = add_mul_chain(batch, batch.upload(x), 1000)
+        dispatches = dispatches_per_execute(device, batch)
+        assert dispatches <= 4, f"{device.kind}: {dispatches} dispatches"
+        got = batch.read(out)
+        if device is ref:
+            np.testing.assert_array_equal(got, want)
+        else:
+            bound = 1000 * np.spacing(np.float32(np.abs(want).max() + 1))
+            np.testing.assert_allclose(got, want, rtol=0, atol=bound)
+    unfused = bg.GpuCommandBatch(ref, fusion=False)
+    add_mul_chain(unfused, unfused.upload(x), 1000)
+    assert dispatches_per_execute(ref, unfused) == 1000
+
+
+SPECIAL_CONSTANTS = {
+    "float32": [np.nan, np.inf, -np.inf, -0.0, 1e-40, -1e-45, 0.1, 3.4e38, 2.5],
+    "float16": [np.nan, np.inf, -np.inf, -0.0, 6e-8, -3e-5, 0.1, 65504.0, 2.5],
+    "int32": [-(2**31), 2**31 - 1, -1, 0, 7],
+    "uint32": [0, 1, 2**31, 2**32 - 1, 7],
+}
+"""Constants whose bits a fused kernel must keep: NaN, infinities, -0.0, subnormals of float32 (1e-40,
+-1e-45) and of float16 (6e-8, -3e-5), values float16 or float32 round (0.1, 3.4e38), the integer types'
+extremes."""
+
+
+@pytest.mark.parametrize("dtype", sorted(SPECIAL_CONSTANTS))
+def test_constants_of_every_dtype_inside_a_fused_kernel(gpu, ref, dtype):
+    """``where(x > t, x, c)`` (greater + where: one kernel reading the constants t and c from its params)
+    gives numpy's result bit for bit, on every executor: the constant reaches the kernel as the bits the
+    unfused op reads from its buffer (float16 as numpy rounds the Python number, NaN any NaN). Arithmetic
+    with the small finite ones agrees with the reference within the dtype's tolerance (WGSL does not specify
+    arithmetic that overflows or meets infinities and NaNs; a GPU may flush a subnormal operand of an add
+    or multiply to zero, which the tolerance covers)."""
+    rng = np.random.default_rng(21)
+    x = random_array(rng, (4, 33), dtype)
+    threshold = np.asarray(x.flat[5], dtype)  # about half the elements pick the constant
+    for c in SPECIAL_CONSTANTS[dtype]:
+        for device in (gpu, ref):
+            batch = bg.GpuCommandBatch(device)
+            t = batch.upload(x)
+            picked = batch.where(batch.greater(t, threshold.item()), t, c)
+            small = dtype[0] != "f" or (np.isfinite(c) and abs(c) <= 100)  # integers wrap, as numpy's
+            mixed = batch.sub(batch.mul(batch.add(t, c), 3), c) if small else None
+            batch.execute(profile=True)
+            assert batch.profile().rows[0].op == "fused(greater+where)"
+            want = np.where(x > threshold, x, np.asarray(c, dtype))
+            assert_bits_equal(batch.read(picked), want, f"{device.kind} where(x > t, x, {c!r})")
+            if mixed is not None:
+                constant, three = np.asarray(c, dtype), np.asarray(3, dtype)
+                expected = ((x + constant).astype(dtype) * three).astype(dtype) - constant
+                assert_close(batch.read(mixed), expected.astype(dtype))
+
+
+def test_distinct_constants_share_one_pipeline(gpu):
+    """A chain's program names its constants' slots, never their values: a chain recorded again with other
+    constants compiles nothing."""
+    x = np.random.default_rng(22).standard_normal((2, 17), dtype=np.float32)
+    compiled = []
+    for k in [0.5, 3.0, -0.0, np.nan, 1e-40, 7.25]:
+        batch = bg.GpuCommandBatch(gpu)
+        out = batch.maximum(batch.add(batch.mul(batch.upload(x), k), 1.0), -1.0)
+        batch.execute()
+        with np.errstate(invalid="ignore"):
+            want = np.maximum(x * np.float32(k) + np.float32(1.0), np.float32(-1.0))
+        assert_bits_equal(batch.read(out), want.astype(np.float32), f"k = {k}")
+        compiled.append(gpu.stats.pipelines_compiled)
+    assert compiled[1:] == compiled[:1] * (len(compiled) - 1), compiled
+
+
+def test_constants_do_not_count_as_a_kernels_inputs(gpu, ref):
+    """Six tensors and a constant per op: one kernel (constants are params, the six its input buffers);
+    seven tensors: two."""
+    rng = np.random.default_rng(23)
+    arrays = [rng.standard_normal(41, dtype=np.float32) for _ in range(7)]
+
+    def build(count):
+        def chain(batch, *inputs):
+            total = batch.mul(inputs[0], 0.5)
+            for k, t in enumerate(inputs[1:count]):
+                total = batch.add(batch.mul(total, 1.0 + k / 8), t)
+            return [batch.sub(total, 0.25)]
+
+        return chain
+
+    one = "fused(" + "+".join(["mul"] + ["mul", "add"] * 5 + ["sub"]) + ")"
+    assert check_fused(gpu, ref, arrays[:6], build(6)) == [one]
+    assert len(check_fused(gpu, ref, arrays, build(7))) == 2
+
+
+def test_a_constant_an_op_writes_stays_a_buffer(gpu, ref):
+    """A size-1 constant written in place (scatter_rows) before the chain reads it: the chain reads the
+    written value from its buffer, not the recorded one."""
+    x = np.random.default_rng(28).standard_normal((3, 11), dtype=np.float32)
+    for device in (gpu, ref):
+        batch = bg.GpuCommandBatch(device)
+        table = batch.full((1,), 2.0)
+        batch.scatter_rows(table, batch.upload(np.zeros(1, np.int32)), batch.upload(np.full(1, 5.0, np.float32)))
+        out = batch.mul(batch.add(batch.upload(x), table), 3.0)
+        batch.outputs(out)
+        batch.execute(profile=True)
+        assert [row.op for row in batch.profile().rows] == ["scatter_rows", "fused(add+mul)"]
+        np.testing.assert_allclose(batch.read(out), (x + 5) * 3, rtol=1e-6)
+
+
+def test_a_chain_past_the_ops_bound_is_split(ref):
+    batch = bg.GpuCommandBatch(ref)
+    x = np.random.default_rng(29).standard_normal(7, dtype=np.float32)
+    t = batch.upload(x)
+    for _ in range(MAX_FUSED_OPS + 3):
+        t = batch.neg(t)
+    batch.execute(profile=True)
+    assert [len(row.op.split("+")) for row in batch.profile().rows] == [MAX_FUSED_OPS, 3]
+    np.testing.assert_array_equal(batch.read(t), -x)
+
+
+# fusion and buffer sharing by default ---------------------------------------------------------------------
+
+
+def two_chains(batch: bg.GpuCommandBatch, x: bg.Tensor, y: bg.Tensor) -> dict[str, bg.Tensor]:
+    """Two sinks, each the end of a chain; ``middle`` an intermediate of the first."""
+    middle = batch.add(batch.exp(batch.mul(x, 0.5)), y)
+    first = batch.neg(batch.tanh(middle))
+    second = batch.relu(batch.sub(x, y))
+    return {"middle": middle, "first": first, "second": second}
+
+
+def two_chains_numpy(x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    middle = np.exp(x * np.float32(0.5)) + y
+    return {"middle": middle, "first": -np.tanh(middle), "second": np.maximum(x - y, 0)}
+
+
+def test_without_declared_outputs_chains_fuse_and_every_sink_is_readable(gpu, ref):
+    rng = np.random.default_rng(24)
+    x, y = rng.standard_normal((5, 19), dtype=np.float32), rng.standard_normal(19, dtype=np.float32)
+    want = two_chains_numpy(x, y)
+    for device in (gpu, ref):
+        for fusion in (True, False):
+            batch = bg.GpuCommandBatch(device, fusion=fusion)
+            got = two_chains(batch, batch.upload(x), batch.upload(y))
+            assert dispatches_per_execute(device, batch) == (2 if fusion else 7)
+            for name in ("first", "second"):
+                assert_close(batch.read(got[name]), want[name])
+
+
+def test_without_declared_outputs_intermediates_share_buffers(gpu, ref):
+    """Softmaxes (no fusion): their intermediates share buffers, and one read after the execute still gives its
+    value (the execute runs again keeping it); fusion=False keeps a buffer per tensor."""
+    x = np.random.default_rng(27).standard_normal((6, 31), dtype=np.float32)
+    steps = [x]
+    for _ in range(4):
+        e = np.exp(steps[-1] - steps[-1].max(axis=-1, keepdims=True))
+        steps.append(e / e.sum(axis=-1, keepdims=True))
+    for device in (gpu, ref):
+        for fusion in (True, False):
+            batch = bg.GpuCommandBatch(device, fusion=fusion)
+            tensors = [batch.upload(x)]
+            for _ in range(4):
+                tensors.append(batch.softmax(tensors[-1]))
+            batch.execute()
+            memory = batch.memory()
+            assert (memory["planned"] < memory["unshared"]) == fusion, memory
+            assert_close(batch.read(tensors[4]), steps[4])
+            assert_close(batch.read(tensors[2]), steps[2])
+
+
+def test_reading_a_fused_away_intermediate_replans_keeping_it(gpu, ref, caplog):
+    """Read after the latest execute, an intermediate that execute fused away is computed again: the batch
+    is planned anew keeping it, and the latest execute (its inputs and scalars) runs again, once, with a
+    debug log; later executes keep it."""
+    rng = np.random.default_rng(25)
+    x1, x2, y = (rng.standard_normal(shape, dtype=np.float32) for shape in ((5, 19), (5, 19), (19,)))
+    for device in (gpu, ref):
+        batch = bg.GpuCommandBatch(device)
+        x = batch.upload(x1)
+        got = two_chains(batch, x, batch.upload(y))
+        first = batch.execute({x: x1})
+        batch.execute({x: x2})
+        assert dispatches_per_execute(device, batch, {x: x2}) == 2
+        with caplog.at_level(logging.DEBUG, logger="batchgpu"):
+            assert_close(batch.read(got["middle"]), two_chains_numpy(x2, y)["middle"])
+            assert_close(batch.read(got["middle"]), two_chains_numpy(x2, y)["middle"])
+            assert_close(batch.read(got["first"]), two_chains_numpy(x2, y)["first"])
+            assert_close(first.read(got["first"]), two_chains_numpy(x1, y)["first"])  # its own execute's value
+            assert dispatches_per_execute(device, batch, {x: x1}) == 3  # middle is stored now
+            assert_close(asyncio.run(batch.read_async(got["middle"])), two_chains_numpy(x1, y)["middle"])
+        replans = [r for r in caplog.records if "fused away" in r.getMessage()]
+        assert len(replans) == 1 and "add" in replans[0].getMessage(), [r.getMessage() for r in replans]
+        caplog.clear()
+
+
+def test_a_fused_away_intermediate_read_after_recording_more_waits_for_the_next_execute(gpu):
+    """The latest execute cannot run again once the batch recorded more: the read says so, and the next
+    execute keeps the tensor."""
+    rng = np.random.default_rng(26)
+    x, y = rng.standard_normal((5, 19), dtype=np.float32), rng.standard_normal(19, dtype=np.float32)
+    batch = bg.GpuCommandBatch(gpu)
+    got = two_chains(batch, batch.upload(x), batch.upload(y))
+    batch.execute()
+    later = batch.exp(got["second"])
+    with pytest.raises(BatchError, match=r"read: .*add\d+.* fused away .*recorded .* execute again"):
+        batch.read(got["middle"])
+    assert_close(batch.read(got["first"]), two_chains_numpy(x, y)["first"])  # the batch still works
+    batch.execute()
+    assert_close(batch.read(got["middle"]), two_chains_numpy(x, y)["middle"])
+    assert_close(batch.read(later), np.exp(two_chains_numpy(x, y)["second"]))
+
+
+def test_a_batch_holding_state_keeps_every_tensor_without_declared_outputs(gpu, ref):
+    """Running an execute again would count twice: a batch that writes a tensor in place (here
+    count_tokens) keeps every tensor readable, unfused, unless it declares its outputs."""
+    ids = np.array([3, 1, 3], np.int32)
+    for device in (gpu, ref):
+        batch = bg.GpuCommandBatch(device)
+        counts = batch.upload(np.zeros((1, 5), np.int32))
+        doubled = batch.mul(batch.upload(ids), 2)
+        shifted = batch.add(doubled, -1)
+        batch.count_tokens(counts, batch.upload(np.zeros(3, np.int32)), batch.upload(ids))
+        assert dispatches_per_execute(device, batch) == 3  # mul, add, count_tokens: nothing fused
+        np.testing.assert_array_equal(batch.read(doubled), ids * 2)
+        np.testing.assert_array_equal(batch.read(shifted), ids * 2 - 1)
+        np.testing.assert_array_equal(batch.read(counts), [[0, 2, 0, 4, 0]])  # two executes, two counts each
+
+
+def test_a_fused_away_intermediate_read_after_declaring_outputs_names_them(gpu):
+    rng = np.random.default_rng(30)
+    x, y = rng.standard_normal((5, 19), dtype=np.float32), rng.standard_normal(19, dtype=np.float32)
+    batch = bg.GpuCommandBatch(gpu)
+    got = two_chains(batch, batch.upload(x), batch.upload(y))
+    batch.execute()
+    batch.outputs(got["first"])
+    with pytest.raises(BatchError, match=r"read: .*add\d+.* declares its outputs now .*add it to them"):
+        batch.read(got["middle"])
+    batch.execute()
+    assert_close(batch.read(got["first"]), two_chains_numpy(x, y)["first"])

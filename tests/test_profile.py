@@ -1,5 +1,7 @@
 """Profiling: ``execute(profile=True)``, the ``profile()`` table and the Chrome trace file, on the real
-wgpu device (GPU timestamps inside the one compute pass) and on the numpy reference (host time)."""
+wgpu device (GPU timestamps inside the one compute pass) and on the numpy reference (host time). Batches
+whose rows are checked against the recorded ops run unfused (``fusion=False``); tests/test_fusion.py
+checks the rows of fused kernels."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def expected_rows(batch: bg.GpuCommandBatch) -> list[tuple[int, str]]:
 
 def test_profile_table_one_row_per_dispatch_with_gpu_times(gpu):
     rng = np.random.default_rng(50)
-    batch = bg.GpuCommandBatch(gpu)
+    batch = bg.GpuCommandBatch(gpu, fusion=False)
     _, _, out = record_mixed(batch, rng)
     batch.execute()
     plain = batch.read(out)
@@ -125,7 +127,7 @@ def test_timestamp_features_missing_fall_back_with_a_message():
     full = dev.executor.features
     assert "timestamp-query" in full  # lavapipe has it; the fallbacks are exercised by hiding features
     rng = np.random.default_rng(55)
-    batch = bg.GpuCommandBatch(dev)
+    batch = bg.GpuCommandBatch(dev, fusion=False)
     _, _, out = record_mixed(batch, rng)
     try:
         dev.executor.features = full - {"timestamp-query-inside-passes"}
@@ -150,7 +152,7 @@ def test_timestamp_features_missing_fall_back_with_a_message():
 
 def test_more_dispatches_than_one_query_set_holds(gpu):
     n = MAX_QUERIES // 2 + 30  # 2 timestamps per dispatch: needs a second query set
-    batch = bg.GpuCommandBatch(gpu)
+    batch = bg.GpuCommandBatch(gpu, fusion=False)
     t = batch.upload(np.zeros(8, np.float32))
     for _ in range(n):
         t = batch.add(t, 1.0)
@@ -171,7 +173,7 @@ def _inside(child: dict, parent: dict) -> bool:
 
 def test_trace_file_orders_and_nests_host_and_gpu_events(gpu, tmp_path):
     rng = np.random.default_rng(56)
-    batch = bg.GpuCommandBatch(gpu)
+    batch = bg.GpuCommandBatch(gpu, fusion=False)
     _, _, out = record_mixed(batch, rng)
     batch.execute(profile=True)
     path = batch.save_trace(tmp_path / "trace.json")
@@ -212,7 +214,7 @@ def test_trace_file_orders_and_nests_host_and_gpu_events(gpu, tmp_path):
 
 def test_trace_of_the_reference_executor_has_an_ops_track(ref, tmp_path):
     rng = np.random.default_rng(57)
-    batch = bg.GpuCommandBatch(ref)
+    batch = bg.GpuCommandBatch(ref, fusion=False)
     record_mixed(batch, rng)
     batch.execute(profile=True)
     trace = json.loads(batch.save_trace(tmp_path / "ref.json").read_text())
@@ -227,7 +229,7 @@ async def test_profile_after_an_async_read(gpu):
     import asyncio
 
     rng = np.random.default_rng(58)
-    batch = bg.GpuCommandBatch(gpu)
+    batch = bg.GpuCommandBatch(gpu, fusion=False)
     _, _, out = record_mixed(batch, rng)
     batch.execute(profile=True)
     reading = asyncio.ensure_future(batch.read_async(out))

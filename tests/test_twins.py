@@ -151,6 +151,7 @@ _WGSL_SIZE_ALIGN = {
     "array<vec4<u32>, 2>": (32, 16),
     "array<vec4<i32>, 2>": (32, 16),
     "array<vec4<u32>, 12>": (192, 16),
+    "array<vec4<u32>, 64>": (1024, 16),
 }
 
 

@@ -23,8 +23,8 @@ def wgpu_device(monkeypatch: pytest.MonkeyPatch, path: str) -> bg.Device:
 
 def mixed_batch(device: bg.Device, rng: np.random.Generator) -> tuple[bg.GpuCommandBatch, list[bg.Tensor]]:
     """Ops of several kernels, repeated pipelines side by side (the direct path skips repeated
-    ``set_pipeline`` calls), split-K and multi-launch ops included."""
-    batch = bg.GpuCommandBatch(device)
+    ``set_pipeline`` calls), split-K and multi-launch ops included; unfused: a dispatch per recorded launch."""
+    batch = bg.GpuCommandBatch(device, fusion=False)
     a = batch.upload(rng.standard_normal((37, 131)).astype(np.float32))
     b = batch.upload(rng.standard_normal((131, 29)).astype(np.float32))
     h = batch.matmul(a, b)

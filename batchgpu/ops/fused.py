@@ -1,19 +1,22 @@
 """The fused elementwise op: a chain of recorded elementwise ops (and casts) run as one generated kernel.
 
 :mod:`batchgpu.fusion` picks the chains; this module turns one chain into a :class:`Node` that stands for
-all of them: a :class:`Program` (loads of the chain's external inputs, then each op in recording order),
-its numpy reference (the members' own references, intermediates rounded to their dtypes as the unfused
-graph stores them), and one launch of the ``fused`` family whose ``FUNCTIONS`` / ``BODY`` snippets
+all of them: a program (loads of the chain's external inputs and constants, then each op in recording
+order), its numpy reference (the members' own references, intermediates rounded to their dtypes as the
+unfused graph stores them), and one launch of the ``fused`` family whose ``FUNCTIONS`` / ``BODY`` snippets
 :func:`render` writes in WGSL or CUDA from the op-expression table. A program's text is the snippet value,
-so equal chains share one pipeline.
+so equal chains share one pipeline. The chain's constants (Python scalar operands) are words of the
+launch's ``Params``: the program names their slots, never their values, so a chain recorded with other
+constants shares the pipeline too.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
@@ -23,7 +26,7 @@ from ..kernels import MAX_DIMS, Launch
 from ..tensor import Storage, Tensor
 from .common import broadcast_strides, collapse, groups_for
 from .elementwise import EXPRESSIONS, read_mode
-from .interface import CONTIGUOUS, FUSED, MAX_FUSED_INPUTS, SCALAR, STRIDED
+from .interface import CONTIGUOUS, FUSED, MAX_FUSED_CONSTANTS, MAX_FUSED_INPUTS, SCALAR, STRIDED
 from .spec import Node, OpSpec
 
 PLACEHOLDERS = ("FUNCTIONS", "BODY")
@@ -49,6 +52,17 @@ class Load:
 
 
 @dataclass(frozen=True)
+class Const:
+    """Constant ``slot`` of the launch's ``Params.constants``: the bits of a value of compute type ``ctype``."""
+
+    slot: int
+    ctype: str
+
+    def text(self) -> str:
+        return f"c{self.slot}:{self.ctype}"
+
+
+@dataclass(frozen=True)
 class Apply:
     """Op ``op`` (an op-expression table row, or :data:`CAST`) of earlier values ``args``; the result in
     compute type ``ctype``, rounded through storage type ``stype`` where that differs (float16)."""
@@ -62,8 +76,9 @@ class Apply:
         return f"{self.op}({','.join(map(str, self.args))}):{self.ctype}:{self.stype}"
 
 
-Instruction = Load | Apply
+Instruction = Load | Const | Apply
 _LOAD = re.compile(r"in(\d+):(\w+):(\d)")
+_CONST = re.compile(r"c(\d+):(\w+)")
 _APPLY = re.compile(r"(\w+)\(([\d,]*)\):(\w+):(\w+)")
 
 
@@ -79,6 +94,8 @@ def parse(text: str) -> tuple[Instruction, ...]:
     for part in text.split(";"):
         if load := _LOAD.fullmatch(part):
             program.append(Load(int(load[1]), load[2], int(load[3])))
+        elif constant := _CONST.fullmatch(part):
+            program.append(Const(int(constant[1]), constant[2]))
         elif apply := _APPLY.fullmatch(part):
             args = tuple(int(a) for a in apply[2].split(",") if a)
             program.append(Apply(apply[1], args, apply[3], apply[4]))
@@ -158,6 +175,8 @@ def _statement(index: int, program: Sequence[Instruction], language: Language, *
         at = {CONTIGUOUS: "i", SCALAR: "0u" if wgsl else "0", STRIDED: f"input_offset({'' if wgsl else 'p, '}i, {k})"}
         value = _convert(f"in{k}[{at[mode]}]", instruction.ctype, language)
         return _let(index, instruction.ctype, value, language)
+    if isinstance(instruction, Const):
+        return _let(index, instruction.ctype, _constant(instruction, language), language)
     args = ", ".join(f"v{a}" for a in instruction.args)
     value = f"op_{instruction.op}({args})"
     if instruction.op == CAST:
@@ -166,6 +185,31 @@ def _statement(index: int, program: Sequence[Instruction], language: Language, *
     if rounded and instruction.stype != instruction.ctype:  # float16 (computed in f32): as the unfused op stores it
         value = f"{ROUND_FLOAT16[language]}({value})"
     return _let(index, instruction.ctype, value, language)
+
+
+CONSTANT_BITS: dict[str, tuple[str, str]] = {
+    "f32": ("bitcast<f32>({})", "__uint_as_float({})"),
+    "i32": ("bitcast<i32>({})", "(int)({})"),
+    "u32": ("{}", "{}"),
+}
+"""A constant's value from its 32-bit word, per compute type, in WGSL and CUDA: a reinterpretation of the
+bits (no conversion: NaN, infinities, -0.0 and subnormals arrive as stored; WGSL has no literal for the
+first two)."""
+
+
+def _constant(instruction: Const, language: Language) -> str:
+    k = instruction.slot
+    word = f"p.constants[{k // 4}u][{k % 4}u]" if language == "wgsl" else f"p.constants[{k}]"
+    return CONSTANT_BITS[instruction.ctype][0 if language == "wgsl" else 1].format(word)
+
+
+def constant_word(value: np.ndarray) -> int:
+    """A size-1 constant as the 32-bit word a fused kernel reads: the bits of its value in its compute type
+    (float16 widened to float32, exactly)."""
+    scalar = np.asarray(value).reshape(-1)[:1]
+    if scalar.dtype == FLOAT16:
+        scalar = scalar.astype(FLOAT32)
+    return int(scalar.view(np.uint32)[0])
 
 
 def _convert(value: str, wgsl_type: str, language: Language) -> str:
@@ -207,21 +251,34 @@ def input_key(tensor: Tensor) -> tuple[Storage, tuple[int, ...]]:
 
 @dataclass
 class _Builder:
-    """A program under construction: the chain's values by storage, its inputs by :func:`input_key`."""
+    """A program under construction: the chain's values by storage, its inputs by :func:`input_key`, its
+    constants (storages of ``known``, which holds their values) in slot order."""
 
     shape: tuple[int, ...]
-    program: list[Instruction]
-    inputs: list[Tensor]
-    values: dict[Any, int]
+    known: Mapping[Storage, np.ndarray]
+    program: list[Instruction] = field(default_factory=list)
+    inputs: list[Tensor] = field(default_factory=list)
+    constants: list[Storage] = field(default_factory=list)
+    values: dict[Any, int] = field(default_factory=dict)
 
     def operand(self, tensor: Tensor, internal: set[Storage]) -> int:
         if tensor.storage in internal:
             return self.values[tensor.storage]
+        if tensor.storage in self.known:
+            return self._constant(tensor)
         key = input_key(tensor)
         if key not in self.values:
             self.inputs.append(tensor)
             mode = read_mode(tensor, self.shape)
             self.program.append(Load(len(self.inputs) - 1, WGSL_COMPUTE_TYPE[tensor.dtype], mode))
+            self.values[key] = len(self.program) - 1
+        return self.values[key]
+
+    def _constant(self, tensor: Tensor) -> int:
+        key = ("constant", tensor.storage)
+        if key not in self.values:
+            self.constants.append(tensor.storage)
+            self.program.append(Const(len(self.constants) - 1, WGSL_COMPUTE_TYPE[tensor.dtype]))
             self.values[key] = len(self.program) - 1
         return self.values[key]
 
@@ -241,43 +298,59 @@ class _Builder:
         return self.program[value].ctype
 
 
-def fuse_nodes(members: Sequence[Node]) -> Node:
+def fuse_nodes(members: Sequence[Node], constants: Mapping[Storage, np.ndarray] = MappingProxyType({})) -> Node:
     """One node running ``members`` (a chain in recording order: every member but the last is read by one
-    later member only, all of the last one's shape) as one kernel."""
+    later member only, all of the last one's shape) as one kernel. Operands on a storage of ``constants``
+    (size-1 constants no op writes, with their values) become constants of the kernel, not inputs."""
     root = members[-1]
     internal = {m.output.storage for m in members[:-1]}
-    builder = _Builder(root.output.shape, [], [], {})
+    builder = _Builder(root.output.shape, constants)
     for member in members:
         args = tuple(builder.operand(t, internal) for t in member.inputs)
         builder.values[member.output.storage] = builder.apply(member, args)
-    if len(builder.inputs) > MAX_FUSED_INPUTS:
-        raise ValueError(f"fuse_nodes: {len(builder.inputs)} inputs, at most {MAX_FUSED_INPUTS}")
+    if len(builder.inputs) > MAX_FUSED_INPUTS or len(builder.constants) > MAX_FUSED_CONSTANTS:
+        raise ValueError(
+            f"fuse_nodes: {len(builder.inputs)} inputs and {len(builder.constants)} constants, at most "
+            f"{MAX_FUSED_INPUTS} and {MAX_FUSED_CONSTANTS}"
+        )
+    values = {storage: constants[storage] for storage in builder.constants}
     name = "fused(" + "+".join(m.spec.name for m in members) + ")"
     spec = OpSpec(
         name=name,
         infer=lambda inputs, params: (root.output.shape, root.output.dtype),
-        reference=_reference(members, builder.inputs),
+        reference=_reference(members, builder.inputs, values),
         doc=f"{len(members)} elementwise ops in one kernel: " + ", ".join(m.output.name for m in members),
     )
     node = Node(spec, tuple(builder.inputs), {"members": tuple(members)}, (root.output,))
-    node.launches = [_launch(name, builder.program, builder.inputs, root.output, members)]
+    words = [constant_word(value) for value in values.values()]
+    node.launches = [_launch(name, builder.program, builder.inputs, root.output, members, words)]
     return node
 
 
-def _reference(members: Sequence[Node], inputs: Sequence[Tensor]):
+def _reference(members: Sequence[Node], inputs: Sequence[Tensor], constants: Mapping[Storage, np.ndarray]):
     """The members' references in order; each result stored in its dtype and read back as the reference
-    executor does (float16 as float32)."""
+    executor does (float16 as float32); ``constants`` as the reference executor reads them from their
+    buffers."""
     slots = {input_key(t): k for k, t in enumerate(inputs)}
     internal = {m.output.storage for m in members[:-1]}
+    held = {storage: value.astype(FLOAT32) if value.dtype == FLOAT16 else value for storage, value in constants.items()}
+
+    def operand(tensor: Tensor, arrays: list[np.ndarray], values: dict[Storage, np.ndarray]) -> np.ndarray:
+        if tensor.storage in internal:
+            return values[tensor.storage]
+        if tensor.storage in held:
+            return held[tensor.storage].reshape(tensor.shape)
+        return arrays[slots[input_key(tensor)]]
 
     def reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
         values: dict[Storage, np.ndarray] = {}
         result = None
         for member in members:
-            args = [values[t.storage] if t.storage in internal else arrays[slots[input_key(t)]] for t in member.inputs]
+            args = [operand(t, arrays, values) for t in member.inputs]
             for tensor in member.inputs:  # an intermediate has one reader: free it (numpy reuses the memory)
                 values.pop(tensor.storage, None)
-            result = np.asarray(member.spec.reference(args, member.params)).astype(member.output.dtype, copy=False)
+            with np.errstate(over="ignore"):  # float32 past float16's range stores inf, as the GPU does
+                result = np.asarray(member.spec.reference(args, member.params)).astype(member.output.dtype, copy=False)
             values[member.output.storage] = result.astype(FLOAT32) if result.dtype == FLOAT16 else result
         return result
 
@@ -285,17 +358,28 @@ def _reference(members: Sequence[Node], inputs: Sequence[Tensor]):
 
 
 def _launch(
-    name: str, program: Sequence[Instruction], inputs: Sequence[Tensor], out: Tensor, members: Sequence[Node]
+    name: str,
+    program: Sequence[Instruction],
+    inputs: Sequence[Tensor],
+    out: Tensor,
+    members: Sequence[Node],
+    constants: Sequence[int],
 ) -> Launch:
     ctypes = {compute_type(m) for m in members} - {None}
-    return program_launch(name, program, inputs, out, ctypes.pop() if ctypes else WGSL_COMPUTE_TYPE[out.dtype])
+    ctype = ctypes.pop() if ctypes else WGSL_COMPUTE_TYPE[out.dtype]
+    return program_launch(name, program, inputs, out, ctype, constants)
 
 
 def program_launch(
-    name: str, program: Sequence[Instruction], inputs: Sequence[Tensor], out: Tensor, ctype: str
+    name: str,
+    program: Sequence[Instruction],
+    inputs: Sequence[Tensor],
+    out: Tensor,
+    ctype: str,
+    constants: Sequence[int] = (),
 ) -> Launch:
     """One launch of the fused family running ``program`` over ``inputs`` (broadcast to ``out``'s shape) in
-    compute type ``ctype``."""
+    compute type ``ctype``, with ``constants`` (32-bit words, :func:`constant_word`) in its params."""
     strided = [k for k, t in enumerate(inputs) if read_mode(t, out.shape) == STRIDED]
     shape, strides = collapse(out.shape, *(broadcast_strides(inputs[k].shape, out.shape) for k in strided))
     flat = [0] * (MAX_FUSED_INPUTS * MAX_DIMS)
@@ -311,6 +395,12 @@ def program_launch(
         snippets=tuple((placeholder, text) for placeholder in PLACEHOLDERS),
         constants=(("IS_FLOAT", ctype == "f32"),),
         groups=groups_for(out.size),
-        params=dict(n=out.size, ndim=len(shape) if strided else 0, shape=shape if strided else (), strides=flat),
+        params=dict(
+            n=out.size,
+            ndim=len(shape) if strided else 0,
+            shape=shape if strided else (),
+            strides=flat,
+            constants=constants,
+        ),
         buffers={**{f"in{k}": t for k, t in enumerate(inputs)}, "out": out},
     )

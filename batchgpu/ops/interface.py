@@ -31,19 +31,36 @@ from ..tensor import Storage, Tensor
 from . import bounds
 
 FieldType = Literal[
-    "u32", "i32", "f32", "vec4<u32>", "array<vec4<u32>, 2>", "array<vec4<i32>, 2>", "array<vec4<u32>, 12>"
+    "u32",
+    "i32",
+    "f32",
+    "vec4<u32>",
+    "array<vec4<u32>, 2>",
+    "array<vec4<i32>, 2>",
+    "array<vec4<u32>, 12>",
+    "array<vec4<u32>, 64>",
 ]
-"""Types of ``Params`` fields: 4-byte scalars, a vec4 of u32, the ``MAX_DIMS``-long dim blocks, and
-``MAX_FUSED_INPUTS`` of them in a row (the fused kernel's strides)."""
+"""Types of ``Params`` fields: 4-byte scalars, a vec4 of u32, the ``MAX_DIMS``-long dim blocks,
+``MAX_FUSED_INPUTS`` of them in a row (the fused kernel's strides) and ``MAX_FUSED_CONSTANTS`` 32-bit
+words (the fused kernel's constants)."""
 
 MAX_FUSED_INPUTS = 6
 """Inputs a fused elementwise kernel reads at most (with its output, 7 storage bindings: within WebGPU's
 default of 8 per shader stage; :mod:`batchgpu.fusion` lowers it further on devices that allow fewer)."""
 
+MAX_FUSED_CONSTANTS = 256
+"""Python constants (scalar operands) a fused kernel holds at most, as 32-bit words of its ``Params`` (1 KiB,
+within every device's uniform and kernel-parameter space); a longer chain is split."""
+
+MAX_FUSED_OPS = 256
+"""Ops one fused kernel runs at most (bounds the generated source and its compile time); a longer chain is
+split."""
+
 ConstantType = Literal["u32", "f32", "bool"]
 
 _FUSED_DIMS = MAX_FUSED_INPUTS * MAX_DIMS
 assert _FUSED_DIMS == 4 * 12, "the fused strides' FieldType names 12 vec4s"
+assert MAX_FUSED_CONSTANTS == 4 * 64, "the fused constants' FieldType names 64 vec4s"
 
 _FIELD_LAYOUT: dict[str, tuple[int, int, str, str]] = {
     # WGSL type: (size, uniform alignment, struct format (masked to 32 bits for vectors), CUDA declaration)
@@ -54,6 +71,7 @@ _FIELD_LAYOUT: dict[str, tuple[int, int, str, str]] = {
     "array<vec4<u32>, 2>": (32, 16, f"{MAX_DIMS}I", f"unsigned {{name}}[{MAX_DIMS}]"),
     "array<vec4<i32>, 2>": (32, 16, f"{MAX_DIMS}I", f"int {{name}}[{MAX_DIMS}]"),
     "array<vec4<u32>, 12>": (192, 16, f"{_FUSED_DIMS}I", f"unsigned {{name}}[{_FUSED_DIMS}]"),
+    "array<vec4<u32>, 64>": (1024, 16, f"{MAX_FUSED_CONSTANTS}I", f"unsigned {{name}}[{MAX_FUSED_CONSTANTS}]"),
 }
 
 _CUDA_ELEMENT = {"f32": "float", "i32": "int", "u32": "unsigned", "vec4<f32>": "float4"}
@@ -628,13 +646,15 @@ FUSED = Family(
         Field("ndim"),
         Field("shape", DIMS_U32),
         Field("strides", "array<vec4<u32>, 12>", "MAX_DIMS strides per input (read by STRIDED inputs)"),
+        Field("constants", "array<vec4<u32>, 64>", "the program's constants, as the bits of their compute type"),
     ),
     constants=(const("MAX_DIMS", MAX_DIMS),),
     workgroup=DEFAULT_WORKGROUP,
 )
 """Fused elementwise chains (:mod:`batchgpu.fusion`): a program of op expressions over up to
-``MAX_FUSED_INPUTS`` inputs of their own dtypes (aliases I0..I5), rendered per launch by
-:mod:`batchgpu.ops.fused`."""
+``MAX_FUSED_INPUTS`` inputs of their own dtypes (aliases I0..I5) and up to ``MAX_FUSED_CONSTANTS``
+constants (the Python scalars of the chain's ops, in ``Params``: their values never enter the program
+text, so one pipeline serves every value), rendered per launch by :mod:`batchgpu.ops.fused`."""
 
 FAMILIES: dict[str, Family] = {
     family.name: family
