@@ -120,8 +120,9 @@ def python() -> str:
 
 
 def child_environment() -> dict[str, str]:
-    """The environment of every step: this checkout first on the path, output unbuffered."""
-    env = dict(os.environ)
+    """The environment of every step: this checkout first on the path, output unbuffered, and none of the
+    variables an enclosing pytest-xdist worker sets (a step's own pytest is not that worker)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env

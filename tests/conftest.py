@@ -31,6 +31,22 @@ def ref() -> bg.Device:
     return bg.Device("reference")
 
 
+@pytest.fixture(scope="session")
+def smollm2_codec():
+    """SmolLM2-135M's TextCodec, read from its GGUF file (skips where gguf, tokenizers or the model file
+    is missing)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
+    from batchgpu.models.codec import TextCodec
+    from batchgpu.models.llama import GGUFWeights, smollm2_path
+
+    try:
+        path = smollm2_path()
+    except Exception as exc:
+        pytest.skip(str(exc))
+    return TextCodec.from_gguf(GGUFWeights(path).file)
+
+
 @pytest.fixture
 def small_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shrink the kernels' per-invocation work bounds (batchgpu/ops/bounds.py) so that the chunked

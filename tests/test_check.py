@@ -4,6 +4,7 @@ a benchmark that fails or outruns its timeout, the time budget."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -46,6 +47,14 @@ def run_check(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     )
 
 
+def fusion_chains() -> dict:
+    """benchmarks/fusion.py's chains (a row per chain and executor in its table)."""
+    spec = importlib.util.spec_from_file_location("fusion_benchmark", ROOT / "benchmarks" / "fusion.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CHAINS
+
+
 def test_check_end_to_end_writes_json_and_markdown(tmp_path):
     pytest.importorskip("xdist", reason="pytest-xdist is in the test extra")
     sample, broken = tmp_path / "test_sample.py", tmp_path / "test_broken.py"
@@ -67,7 +76,8 @@ def test_check_end_to_end_writes_json_and_markdown(tmp_path):
     (fusion,) = report["benchmarks"]
     assert fusion["status"] == "ok" and fusion["returncode"] == 0 and fusion["name"].startswith("fusion (")
     table = [line for line in fusion["output"].splitlines() if line.startswith("|")]
-    assert table[0].startswith("| device | chain | dispatches unfused |") and len(table) == 2 + 2 * len(
+    chains = len(fusion_chains())
+    assert table[0].startswith("| device | chain | dispatches unfused |") and len(table) == 2 + chains * len(
         report["executors"]["used"]
     )
     assert report["executors"]["used"] and report["info"]["native"].keys() == {"cuda", "hip"}

@@ -14,16 +14,8 @@ PROMPT_TOKENS = 7
 
 
 @pytest.fixture(scope="module")
-def codec() -> TextCodec:
-    pytest.importorskip("gguf")
-    pytest.importorskip("tokenizers")
-    from batchgpu.models.llama import GGUFWeights, smollm2_path
-
-    try:
-        path = smollm2_path()
-    except Exception as exc:
-        pytest.skip(str(exc))
-    return TextCodec.from_gguf(GGUFWeights(path).file)
+def codec(smollm2_codec: TextCodec) -> TextCodec:
+    return smollm2_codec
 
 
 def pieces(codec: TextCodec, ids: list[int], **params) -> list[Piece]:

@@ -15,16 +15,8 @@ from batchgpu.llm.text import REPLACEMENT, TextCodec, TextStream
 
 
 @pytest.fixture(scope="module")
-def codec() -> TextCodec:
-    pytest.importorskip("gguf")
-    pytest.importorskip("tokenizers")
-    from batchgpu.models.llama import GGUFWeights, smollm2_path
-
-    try:
-        path = smollm2_path()
-    except Exception as exc:
-        pytest.skip(str(exc))
-    return TextCodec.from_gguf(GGUFWeights(path).file)
+def codec(smollm2_codec: TextCodec) -> TextCodec:
+    return smollm2_codec
 
 
 def test_control_tokens_are_single_tokens(codec: TextCodec) -> None:
