@@ -372,7 +372,9 @@ def test_sample_top_p_is_measured_after_top_k_and_min_p(gpu, ref, case):
 def test_sample_random_rows_where_the_orders_differ(gpu, ref, vocab):
     """Random logits, each row with a top_k and a top_p between the renormalized masses of the top_k set's
     last two prefixes (and a min_p on some rows), where top_p after top_k keeps one token less than the
-    intersection would. The executors draw the reference's ids, every id in vLLM's set."""
+    intersection would. The executors draw the reference's ids, every id in vLLM's set. Exact on every
+    executor: top_p is over 1e-4 from the renormalized cumulative masses (asserted), far more than float32
+    exp and division can differ between drivers (a few ulp), and random logits have no near-ties."""
     rng = np.random.default_rng(vocab + 59)
     rows = 24
     logits = (rng.standard_normal((rows, vocab)) * 1.5).astype(np.float32)
@@ -390,6 +392,7 @@ def test_sample_random_rows_where_the_orders_differ(gpu, ref, vocab):
                 break
         else:
             raise AssertionError(f"row {row}: no top_k where the orders differ")
+        assert top_p_margin(z, float(top_ps[row]), k, float(min_ps[row])) > 1e-4
     params = np.stack([temperature, top_ps, min_ps, np.zeros(rows)], axis=1).astype(np.float32)
     repeats = 4 if vocab < 65536 else 1  # each row drawn with other counters too
     logits, params, top_k = np.tile(logits, (repeats, 1)), np.tile(params, (repeats, 1)), np.tile(top_k, repeats)

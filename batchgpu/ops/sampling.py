@@ -52,8 +52,8 @@ assert BINS == 1 << BIN_BITS and SEARCH_PASSES * BIN_BITS == 32
 
 ROW_PASSES = 2 * SEARCH_PASSES + 2
 """Passes of the ``sample`` kernel over its row at most: the maximum, top_k's threshold search (rows with
-top_k only), top_p's (rows with top_p only), the draw (sampled rows only); each runs ceil(V / WG)
-iterations of one loop per invocation."""
+top_k on), top_p's (rows with top_p on), the draw (sampled rows); each runs ceil(V / WG) iterations of
+one loop per invocation."""
 
 OTHER_LOOPS = 1536
 """A bound on the other loop iterations of one ``sample`` invocation: two (value, index) trees (8 each)
