@@ -37,29 +37,40 @@ def counters(rows: int, seed: int = 1, first: int = 0) -> np.ndarray:
 
 
 def allowed_set(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
-    """The allowed set of one row of z by the definition, with sorting and float64 masses (independent of
-    the kernels' search), and softmax(z) in float64."""
+    """The allowed set of one row of z by the definition, in vLLM's order, with sorting and float64 masses
+    (independent of the kernels' search): min_p and top_k on softmax(z), then top_p on the distribution
+    they leave, renormalized; and softmax(z) in float64."""
     z64 = z.astype(np.float64)
     p = np.exp(z64 - z64.max())
     p /= p.sum()
     allowed = np.ones(z.size, bool)
-    if 0 < top_k < z.size:
-        allowed &= z >= np.sort(z)[::-1][top_k - 1]
-    if top_p < 1:
-        order = np.argsort(-z64, kind="stable")
-        last = min(int(np.searchsorted(np.cumsum(p[order]), top_p)), z.size - 1)
-        allowed &= z >= z[order[last]]
     if min_p > 0:
         allowed &= p >= min_p * p.max()
+    if 0 < top_k < z.size:
+        allowed &= z >= np.sort(z)[::-1][top_k - 1]
     allowed |= z == z.max()
+    if top_p < 1:
+        kept = np.where(allowed, p, 0.0)
+        order = np.argsort(-z64, kind="stable")
+        last = min(int(np.searchsorted(np.cumsum(kept[order]) / kept.sum(), top_p)), z.size - 1)
+        allowed &= z >= z[order[last]]
     return allowed, p
 
 
-def top_p_margin(z: np.ndarray, top_p: float) -> float:
-    """How far top_p is from the cumulative masses of the sorted row (a draw set is only well defined
-    across float32 executors when top_p is not at one of them)."""
-    p = np.exp(z.astype(np.float64) - z.max())
-    return float(np.min(np.abs(np.cumsum(np.sort(p / p.sum())[::-1]) - top_p)))
+def intersection_set(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The allowed set of the intersection rule (top_p measured on the whole softmax, then intersected
+    with top_k and min_p): what the sampler drew from before it followed vLLM's order."""
+    by_p, _ = allowed_set(z, 0, top_p, 0.0)
+    by_k_and_min_p, _ = allowed_set(z, top_k, 1.0, min_p)
+    return by_p & by_k_and_min_p
+
+
+def top_p_margin(z: np.ndarray, top_p: float, top_k: int = 0, min_p: float = 0.0) -> float:
+    """How far top_p is from the cumulative masses of the sorted row left by top_k and min_p, renormalized
+    (a draw set is only well defined across float32 executors when top_p is not at one of them)."""
+    kept, p = allowed_set(z, top_k, 1.0, min_p)
+    masses = np.sort(p[kept])[::-1]
+    return float(np.min(np.abs(np.cumsum(masses / masses.sum()) - top_p)))
 
 
 # penalize --------------------------------------------------------------------------------------
@@ -227,11 +238,13 @@ def test_sample_float16_logits(gpu, ref):
 
 
 def test_sample_largest_vocab(gpu, ref):
-    """Rows of MAX_VOCAB tokens, one workgroup each: every pass stays within the loop budget."""
+    """Rows of MAX_VOCAB tokens, one workgroup each: every pass stays within the loop budget (the last row
+    runs both searches, top_k's then top_p's)."""
     rng = np.random.default_rng(23)
     logits = (rng.standard_normal((2, sampling.MAX_VOCAB)) * 2).astype(np.float32)
-    params = np.array([[0.0, 1.0, 0.0, 0.0], [1.0, 0.9, 0.01, 0.0]], np.float32)
-    top_k, keys = np.array([0, 100], np.int32), counters(2)
+    params = np.array([[0.0, 1.0, 0.0, 0.0], [1.0, 0.9, 0.01, 0.0], [1.0, 0.5, 0.0, 0.0]], np.float32)
+    logits = np.concatenate([logits, logits[1:]])
+    top_k, keys = np.array([0, 100, 20000], np.int32), counters(3)
     expected = sampling.sample_reference(logits, params, top_k, keys)
     assert expected[0] == np.argmax(logits[0])
     for device in (gpu, ref):
@@ -308,7 +321,7 @@ def test_sample_draws_stay_in_the_allowed_set(gpu, vocab):
     rows = 100
     draws = 1000 if gpu.kind != "cuda-cpu" else 300
     for top_k, top_p, min_p in configs:
-        assert top_p == 1 or top_p_margin(z, top_p) > 1e-4
+        assert top_p == 1 or top_p_margin(z, top_p, top_k, min_p) > 1e-4
         allowed, _ = allowed_set(z, top_k, top_p, min_p)
         batch = bg.GpuCommandBatch(gpu)
         keys = batch.upload(counters(rows, seed=vocab))
@@ -322,6 +335,75 @@ def test_sample_draws_stay_in_the_allowed_set(gpu, vocab):
             np.add.at(seen, batch.read(out), 1)
         assert seen[~allowed].sum() == 0, (top_k, top_p, min_p, np.flatnonzero(seen * ~allowed))
         assert (seen > 0).sum() >= min(2, allowed.sum())
+
+
+VLLM_ORDER_CASES = {  # (top_k, top_p, min_p): masses 0.3, 0.2, 0.1 then 0.4 spread over the rest of the row
+    "top_k then top_p": (3, 0.7, 0.0),
+    "min_p then top_p": (0, 0.7, 0.3),
+    "min_p, top_k, then top_p": (3, 0.7, 0.3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VLLM_ORDER_CASES))
+def test_sample_top_p_is_measured_after_top_k_and_min_p(gpu, ref, case):
+    """vLLM's order: min_p and top_k leave 0.3, 0.2, 0.1 of the mass (ids 0, 1, 2), renormalized to 1/2,
+    1/3, 1/6, then top_p = 0.7 keeps ids 0 and 1 (1/2 + 1/3 >= 0.7). Measured on the whole row, top_p would
+    need far more than three tokens and its intersection with them would keep id 2 too (drawn 1/6 of the
+    time): it is never drawn, and 0 and 1 are drawn in about their 3:2 ratio."""
+    top_k, top_p, min_p = VLLM_ORDER_CASES[case]
+    vocab = 1009
+    rest = np.random.default_rng(53).uniform(0.5, 1.5, vocab - 3)
+    probabilities = np.concatenate([[0.3, 0.2, 0.1], 0.4 * rest / rest.sum()])
+    z = np.log(probabilities).astype(np.float32)
+    allowed, _ = allowed_set(z, top_k, top_p, min_p)
+    assert np.flatnonzero(allowed).tolist() == [0, 1]
+    assert intersection_set(z, top_k, top_p, min_p)[2]  # the rule the sampler left
+    rows = 600
+    logits, params = np.tile(z, (rows, 1)), settings(rows, 1.0, top_p, min_p)
+    keys, top_ks = counters(rows, seed=71), np.full(rows, top_k, np.int32)
+    expected = sampling.sample_reference(logits, params, top_ks, keys)
+    drawn = np.bincount(expected, minlength=vocab)
+    assert drawn[2:].sum() == 0 and 0.5 < drawn[1] / drawn[0] < 0.85, drawn[:3]
+    for device in (gpu, ref):
+        np.testing.assert_array_equal(run_sample(device, logits, params, top_ks, keys), expected)
+
+
+@pytest.mark.parametrize("vocab", [11, 1009, 65537])  # 65537: one past a 256 x 256 row chunk
+def test_sample_random_rows_where_the_orders_differ(gpu, ref, vocab):
+    """Random logits, each row with a top_k and a top_p between the renormalized masses of the top_k set's
+    last two prefixes (and a min_p on some rows), where top_p after top_k keeps one token less than the
+    intersection would. The executors draw the reference's ids, every id in vLLM's set. Exact on every
+    executor: top_p is over 1e-4 from the renormalized cumulative masses (asserted), far more than float32
+    exp and division can differ between drivers (a few ulp), and random logits have no near-ties."""
+    rng = np.random.default_rng(vocab + 59)
+    rows = 24
+    logits = (rng.standard_normal((rows, vocab)) * 1.5).astype(np.float32)
+    temperature = rng.uniform(0.6, 1.4, rows).astype(np.float32)
+    min_ps = rng.choice([0.0, 1e-4], rows).astype(np.float32)
+    top_k, top_ps = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
+    for row in range(rows):
+        z = logits[row] / temperature[row]
+        p = np.sort(np.exp(z.astype(np.float64) - z.max()))[::-1]
+        for k in range(3, min(vocab, 64)):
+            kept = np.cumsum(p[:k]) / p[:k].sum()
+            top_k[row], top_ps[row] = k, (kept[k - 3] + kept[k - 2]) / 2
+            allowed, _ = allowed_set(z, k, float(top_ps[row]), float(min_ps[row]))
+            if (allowed < intersection_set(z, k, float(top_ps[row]), float(min_ps[row]))).any():
+                break
+        else:
+            raise AssertionError(f"row {row}: no top_k where the orders differ")
+        assert top_p_margin(z, float(top_ps[row]), k, float(min_ps[row])) > 1e-4
+    params = np.stack([temperature, top_ps, min_ps, np.zeros(rows)], axis=1).astype(np.float32)
+    repeats = 4 if vocab < 65536 else 1  # each row drawn with other counters too
+    logits, params, top_k = np.tile(logits, (repeats, 1)), np.tile(params, (repeats, 1)), np.tile(top_k, repeats)
+    keys = counters(rows * repeats, seed=vocab)
+    expected = sampling.sample_reference(logits, params, top_k, keys)
+    for row in range(rows * repeats):
+        z = logits[row] / params[row, 0]
+        allowed, _ = allowed_set(z, int(top_k[row]), float(params[row, 1]), float(params[row, 2]))
+        assert allowed[expected[row]], row
+    for device in (gpu, ref):
+        np.testing.assert_array_equal(run_sample(device, logits, params, top_k, keys), expected)
 
 
 # sample: the drawn distribution ----------------------------------------------------------------
@@ -352,7 +434,7 @@ def check_distribution(device: bg.Device, name: str, draws: int) -> None:
     test against softmax(z) restricted to the allowed set and renormalized; nothing outside the set."""
     temperature, top_k, top_p, min_p = DISTRIBUTIONS[name]
     z = DISTRIBUTION_LOGITS / np.float32(temperature)
-    assert top_p == 1 or top_p_margin(z, top_p) > 1e-3
+    assert top_p == 1 or top_p_margin(z, top_p, top_k, min_p) > 1e-3
     allowed, p = allowed_set(z, top_k, top_p, min_p)
     rows = min(draws, 1000)
     batch = bg.GpuCommandBatch(device)

@@ -174,6 +174,85 @@ def test_client_disconnect_frees_the_slot(client: openai.OpenAI, server: str) ->
     assert status["running"] == 0 and status["memory"]["blocks_used"] == 0, status
 
 
+def _metrics(server: str) -> dict[str, Any]:
+    """GET /metrics parsed by prometheus_client's parser: {sample name (with its le label for buckets):
+    value}; the families' types are checked on the way."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{server}/metrics", timeout=120) as response:
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    samples, kinds = {}, {}
+    for family in text_string_to_metric_families(text):
+        kinds[family.name] = family.type
+        for sample in family.samples:
+            samples[sample.name + (f"[{sample.labels['le']}]" if "le" in sample.labels else "")] = sample.value
+    gauges = ("requests_running", "requests_waiting", "kv_blocks_used_ratio")
+    counters = ("prompt_tokens", "generation_tokens", "prefix_cache_hit_tokens", "preemptions")
+    histograms = ("time_to_first_token_seconds", "inter_token_latency_seconds")
+    expected = {**dict.fromkeys(gauges, "gauge"), **dict.fromkeys(counters, "counter")}
+    expected.update(dict.fromkeys(histograms, "histogram"))
+    assert kinds == {f"batchgpu_{name}": kind for name, kind in expected.items()}, kinds
+    return samples
+
+
+def _histogram(samples: dict[str, Any], name: str, bounds: tuple[float, ...]) -> tuple[list[float], float, float]:
+    """The cumulative bucket counts (checked: vLLM's bounds, non-decreasing, +Inf = count), count and sum
+    of histogram ``name``."""
+    buckets = [samples[f"batchgpu_{name}_bucket[{bound}]"] for bound in [*map(str, bounds), "+Inf"]]
+    assert buckets == sorted(buckets) and buckets[-1] == samples[f"batchgpu_{name}_count"]
+    assert len([key for key in samples if key.startswith(f"batchgpu_{name}_bucket")]) == len(bounds) + 1
+    return buckets, samples[f"batchgpu_{name}_count"], samples[f"batchgpu_{name}_sum"]
+
+
+def test_metrics_count_the_tokens_and_latencies_of_a_request(server: str) -> None:
+    """After one request (5 prompt tokens, 6 generated): the prompt and generation counters rose by those
+    counts, the time to first token got one sample and the inter-token latency five (vLLM's buckets), and
+    the gauges read the engine at scrape time (nothing running or waiting, no KV block held)."""
+    from batchgpu.llm.metrics import INTER_TOKEN_LATENCY_BUCKETS, TIME_TO_FIRST_TOKEN_BUCKETS
+
+    before = _metrics(server)
+    status, body = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+    assert status == 200 and body["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+    after = _metrics(server)
+    assert after["batchgpu_prompt_tokens_total"] - before["batchgpu_prompt_tokens_total"] == 5
+    assert after["batchgpu_generation_tokens_total"] - before["batchgpu_generation_tokens_total"] == 6
+    for name, bounds, samples in [
+        ("time_to_first_token_seconds", TIME_TO_FIRST_TOKEN_BUCKETS, 1),
+        ("inter_token_latency_seconds", INTER_TOKEN_LATENCY_BUCKETS, 5),
+    ]:
+        buckets_before, count_before, sum_before = _histogram(before, name, bounds)
+        buckets_after, count_after, sum_after = _histogram(after, name, bounds)
+        assert count_after - count_before == samples and sum_after > sum_before, name
+        assert all(a >= b for a, b in zip(buckets_after, buckets_before)), name
+    assert after["batchgpu_requests_running"] == after["batchgpu_requests_waiting"] == 0
+    assert after["batchgpu_kv_blocks_used_ratio"] == 0
+    assert after["batchgpu_preemptions_total"] >= 0 and after["batchgpu_prefix_cache_hit_tokens_total"] >= 0
+
+
+def test_metrics_gauges_are_read_at_scrape_time(client: openai.OpenAI, server: str) -> None:
+    """A scrape while a stream runs sees it running and its KV blocks held; after it is closed (and a few
+    steps drop it), none; POST /metrics is 405 with OpenAI's error body, and the server still serves."""
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    with stream:
+        for events, _ in enumerate(stream, start=1):
+            if events == 3:
+                during = _metrics(server)
+                break
+    assert during["batchgpu_requests_running"] == 1 and 0 < during["batchgpu_kv_blocks_used_ratio"] <= 1
+    for _ in range(5):  # each request runs engine steps, which drop a cancelled request first
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+        after = _metrics(server)
+        if after["batchgpu_requests_running"] == 0:
+            break
+    assert after["batchgpu_requests_running"] == 0 and after["batchgpu_kv_blocks_used_ratio"] == 0
+    got, reply = _http(f"{server}/metrics", b"{}", "POST")
+    assert (got, reply["error"]["message"]) == (405, "Method Not Allowed (POST /metrics)"), reply
+    _assert_serves(server)
+
+
 def test_refusals_are_http_400(client: openai.OpenAI, server: str) -> None:
     with pytest.raises(openai.BadRequestError, match="max_context"):
         client.completions.create(model=MODEL, prompt="x " * 300, max_tokens=10)

@@ -25,6 +25,7 @@ from ..models.config import LlamaConfig
 from ..models.llama import loading, open_weights, smollm2_path, steps_ahead, upload_weights
 from ..tensor import Tensor
 from .blocks import BlockPool, default_blocks
+from .metrics import EngineStats, clock
 from .output import OutputProcessor, Piece
 from .params import SamplingParams
 from .prompt import INLINE_PROMPT, Prompt, prompt_ids, prompt_size
@@ -102,6 +103,7 @@ class Engine:
         self.decode_sizes = self.runner.runs[StepKind.DECODE]  # decode steps run per recorded batch size
         self.prefill_sizes = self.runner.runs[StepKind.PREFILL]  # prefill steps run per recorded row count
         self.outputs: dict[ScheduledSequence, OutputProcessor] = {}  # the unfinished requests' outputs
+        self.stats = EngineStats()  # tokens and latencies delivered so far (the server's /metrics)
         self._wake = asyncio.Event()  # a new one with each driver task (an event is bound to one loop)
         self._task: asyncio.Task | None = None
         # one thread: a prompt's tokenizer memory (about 150 bytes per character) is held once at a time
@@ -112,21 +114,20 @@ class Engine:
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False
     ) -> AsyncIterator[Piece]:
-        """Stream the generation of ``prompt`` as :class:`Piece` s. Usable from many tasks at once;
-        stopping the iteration (or cancelling the task) cancels the request and frees its slot. Chat
-        messages get control tokens from the chat template alone (text in them that spells one is plain
-        text, :meth:`batchgpu.llm.text.TextCodec.encode_chat`); ``trusted``: the
-        messages' control-token text is control too. A text prompt is the caller's whole prompt: control
-        tokens wherever their text appears."""
+        """Stream the generation of ``prompt`` as :class:`Piece` s. Usable from many tasks at once; stopping the
+        iteration (or cancelling the task) cancels the request and frees its slot. Chat messages get control
+        tokens from the chat template alone (text in them that spells one is plain text,
+        :meth:`batchgpu.llm.text.TextCodec.encode_chat`); ``trusted``: the messages' control-token text is
+        control too. A text prompt is the caller's whole prompt: control tokens wherever their text appears."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
-        encode = (self.codec, self.config.vocab, prompt, trusted)
+        encode, arrival = (self.codec, self.config.vocab, prompt, trusted), clock()
         if prompt_size(prompt) <= INLINE_PROMPT:
             ids = prompt_ids(*encode)  # quicker than a hop to the thread
         else:
             ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prompt_ids, *encode)
-        sequence, output = self._add(ids, params)
+        sequence, output = self._add(ids, params, arrival)
         try:
             while True:
                 item = await output.queue.get()
@@ -204,12 +205,12 @@ class Engine:
 
     # requests ------------------------------------------------------------------------------------------
 
-    def _add(self, ids: list[int], params: SamplingParams) -> tuple[ScheduledSequence, OutputProcessor]:
-        """Queue a generation of ``ids`` (RequestError where the engine can never serve it) and wake the
-        driver (started on this event loop if it does not run there)."""
+    def _add(self, ids: list[int], params: SamplingParams, arrival: float) -> tuple[ScheduledSequence, OutputProcessor]:
+        """Queue a generation of ``ids`` that arrived at ``arrival`` (RequestError where the engine can never
+        serve it) and wake the driver (started on this event loop if it does not run there)."""
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         sequence = self.scheduler.add(ids, params, seed)
-        output = self.outputs[sequence] = OutputProcessor(self.codec, params, len(ids))
+        output = self.outputs[sequence] = OutputProcessor(self.codec, params, len(ids), self.stats, arrival)
         self._start()
         self._wake.set()
         return sequence, output

@@ -30,10 +30,10 @@ class SamplingParams:
     ``temperature`` 0 is greedy (the first most likely token), and so is any temperature below
     :data:`GREEDY_BELOW` (as in vLLM: logits divided by a smaller one overflow float32). Otherwise tokens
     are drawn from
-    softmax(logits / temperature) restricted to the ``top_k`` most likely (0: all), the smallest set
-    reaching probability ``top_p`` (1: all) and those at least ``min_p`` times the most likely (0: all):
-    the three sets are intersected, each measured on the whole distribution (vLLM and transformers
-    instead measure ``top_p`` after ``top_k``; the two agree unless both are set).
+    softmax(logits / temperature) restricted in vLLM's order: ``min_p`` keeps the tokens at least ``min_p``
+    times as likely as the most likely (0: all) and ``top_k`` the ``top_k`` most likely (0: all), both
+    measured on the whole distribution; then ``top_p`` keeps, of those, the smallest set reaching
+    probability ``top_p`` of the distribution renormalized to them (1: all).
     ``repetition_penalty`` (HF: logits of tokens in the prompt or output divided by it when positive,
     multiplied when negative), ``presence_penalty`` and ``frequency_penalty`` (OpenAI: subtracted once
     per generated token kind / per occurrence). ``seed`` makes draws reproducible (same seed, prompt and

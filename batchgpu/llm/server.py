@@ -1,9 +1,9 @@
 """An OpenAI-compatible HTTP server over one :class:`~batchgpu.llm.Engine` (Starlette on uvicorn):
 ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed over server-sent
-events with ``"stream": true``. A client that disconnects mid-stream cancels its request (its slot is
-freed at the next step). The engine is made in the server's event-loop thread (a Device belongs to one
-thread); request bodies are parsed, and prompts tokenized, on other threads, so a large request does not
-stall the streams of the others."""
+events with ``"stream": true``, and ``GET /metrics`` for Prometheus (:mod:`batchgpu.llm.metrics`). A client
+that disconnects mid-stream cancels its request (its slot is freed at the next step). The engine is made in
+the server's event-loop thread (a Device belongs to one thread); request bodies are parsed, and prompts
+tokenized, on other threads, so a large request does not stall the streams of the others."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import RequestError
 from .engine import Engine, Piece
+from .metrics import EngineStats, exposition, metrics_registry
 from .schema import CHAT, COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, read_request
 
 
@@ -37,14 +38,16 @@ def create_app(
     400 naming it, a ``model`` other than ``model_name`` with 404 (``model_not_found``; a request without
     one gets this model); unknown paths and methods get 404 and 405. Every refusal carries OpenAI's error
     body. ``trusted_messages``: control-token text in chat messages is control (only where every client
-    is trusted; by default it is plain text, :meth:`Engine.generate`)."""
+    is trusted; by default it is plain text, :meth:`Engine.generate`). ``GET /metrics`` answers Prometheus
+    with the engine's metrics (:mod:`batchgpu.llm.metrics`; 501 for an engine without ``stats``, such as
+    :class:`~batchgpu.llm.ray_serve.RemoteEngine`)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    state: dict[str, Engine] = {}
+    state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -59,6 +62,22 @@ def create_app(
     async def engine_status(request: Request) -> Response:
         status = state["engine"].status()
         return JSONResponse(await status if inspect.isawaitable(status) else status)
+
+    async def metrics(request: Request) -> Response:
+        """Prometheus' scrape: the engine's metrics in the text format, read at once on the event loop (a
+        few dozen numbers, a registry of this app's own); 501 for an engine that keeps none here."""
+        engine = state["engine"]
+        if not isinstance(getattr(engine, "stats", None), EngineStats):
+            message = f"this server's engine ({type(engine).__name__}) keeps no metrics here"
+            return _error(501, message, kind="server_error", code="metrics_unavailable")
+        if "metrics" not in state:
+            try:
+                state["metrics"] = metrics_registry(engine)
+            except ImportError:
+                message = "/metrics needs prometheus-client: pip install 'batchgpu[serve]'"
+                return _error(501, message, kind="server_error", code="metrics_unavailable")
+        body, content_type = exposition(state["metrics"])
+        return Response(body, headers={"Content-Type": content_type})
 
     async def completions(request: Request) -> Response:
         return await _serve(request, COMPLETIONS)
@@ -129,6 +148,7 @@ def create_app(
         Route("/v1/engine", engine_status, methods=["GET"]),  # not OpenAI's: running/waiting requests, KV blocks
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),  # Prometheus
     ]
     handlers = {HTTPException: http_error, Exception: server_error}
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)

@@ -6,10 +6,11 @@
 - ``sample(logits, params, top_k, keys)``: one int32 id per row. ``params`` rows are (temperature, top_p,
   min_p, unused), ``keys`` rows (seed, counter). Temperature <= 0 (or NaN): greedy, ``argmax``'s rule
   (first maximum, NaN first). Otherwise, with z = logit / temperature and p = softmax(z) over the whole row,
-  a draw from p restricted to the allowed set and renormalized: the intersection of the top_k largest z
-  (every element tied with the k-th largest included; off for k <= 0 or k >= V), the smallest prefix of
-  the row in decreasing z whose mass under p reaches top_p (elements tied with its last one included; off
-  for top_p >= 1; top_p <= 0 keeps the maximum and its ties) and ``p_i >= min_p * p_max`` (0: off); the
+  a draw from p restricted to the allowed set and renormalized, the set built in vLLM's order: min_p keeps
+  ``p_i >= min_p * p_max`` (0: off) and top_k the top_k largest z (every element tied with the k-th largest
+  included; off for k <= 0 or k >= V), both measured on the whole row; then top_p keeps, of what they left,
+  the smallest prefix in decreasing z whose mass under p renormalized to that set reaches top_p (elements
+  tied with its last one included; off for top_p >= 1; top_p <= 0 keeps the maximum and its ties); the
   maximum is always allowed. Rows whose largest z is not finite (a NaN, +inf, all -inf) take the greedy
   id. The draw is Gumbel-max: the first maximum over allowed i of ``z_i + g_i``, ``g_i = -log(-log(u_i))``,
   ``u_i`` from a counter-based hash of (seed, counter, i) (:func:`hash3`, :func:`hash_uniform`), so a
@@ -20,7 +21,8 @@
 
 The sampler runs one workgroup per row, without sorting: the k-th largest z and the top_p threshold are
 found by a many-ary search over the order-preserving u32 image of z (:func:`order_keys`), ``BIN_BITS``
-bits per pass (``BINS`` buckets, ``SEARCH_PASSES`` passes), both searches in the same passes. Masses are
+bits per pass (``BINS`` buckets, ``SEARCH_PASSES`` passes), top_k's search first, then top_p's over the
+elements top_k and min_p leave (so a row with both takes twice the passes of a row with one). Masses are
 summed in 32.32 fixed point: exact, in any order. The numpy reference runs the same steps (the same keys,
 search, fixed-point masses, hash and Gumbel noise), so that executors and the reference draw the same ids
 unless their float32 division, exp or log round differently at a near-tie.
@@ -48,18 +50,18 @@ BIN_BITS = SAMPLING.value("BIN_BITS")
 SEARCH_PASSES = SAMPLING.value("SEARCH_PASSES")
 assert BINS == 1 << BIN_BITS and SEARCH_PASSES * BIN_BITS == 32
 
-ROW_PASSES = SEARCH_PASSES + 2
-"""Passes of the ``sample`` kernel over its row at most: the maximum, the threshold search (rows with
-top_k or top_p only), the draw (sampled rows only); each runs ceil(V / WG) iterations of one loop per
-invocation."""
+ROW_PASSES = 2 * SEARCH_PASSES + 2
+"""Passes of the ``sample`` kernel over its row at most: the maximum, top_k's threshold search (rows with
+top_k on), top_p's (rows with top_p on), the draw (sampled rows); each runs ceil(V / WG) iterations of
+one loop per invocation."""
 
-OTHER_LOOPS = 1024
+OTHER_LOOPS = 1536
 """A bound on the other loop iterations of one ``sample`` invocation: two (value, index) trees (8 each)
 and per search pass 16 (zeroing its mass buckets, where that is a loop), 16 (merging them into the
-workgroup's) and 2 x 16 (invocation 0 picks the buckets): 528 in all."""
+workgroup's) and 2 x 16 (invocation 0 sums and picks the buckets): 1,040 in all."""
 
 MAX_VOCAB = WORKGROUP * ((bounds.LOOP_BUDGET - OTHER_LOOPS) // ROW_PASSES)
-"""The longest row ``sample`` takes (393,216 with the 16,384-iteration budget): one workgroup per row
+"""The longest row ``sample`` takes (210,944 with the 16,384-iteration budget): one workgroup per row
 stays within ``bounds.LOOP_BUDGET``. Computed once from the budget: the sampler never cuts rows into
 pieces, so tests that shrink the bounds to reach chunked paths leave it as it is."""
 
@@ -168,9 +170,10 @@ def kth_largest_keys(keys: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 
 def top_p_keys(keys: np.ndarray, e: np.ndarray, top_p: np.ndarray) -> np.ndarray:
-    """Per row, the largest key whose tail (the masses ``e`` of the keys >= it) reaches top_p of the row's
-    total, as the kernel searches it: masses in 32.32 fixed point (:func:`fixed_point`), exact sums per
-    bucket, float32 tails (bucket 0 where rounding leaves the target out of reach)."""
+    """Per row, the largest key whose tail (the masses ``e`` of the keys >= it; 0 for elements top_k or
+    min_p removed) reaches top_p of the row's total, as the kernel searches it: masses in 32.32 fixed point
+    (:func:`fixed_point`), exact sums per bucket, float32 tails (bucket 0 where rounding leaves the target
+    out of reach)."""
     return _search(keys, fixed_point(e), None, np.asarray(top_p, np.float32))
 
 
@@ -197,12 +200,11 @@ def sample_reference(logits: np.ndarray, params: np.ndarray, top_k: np.ndarray, 
     k_on = (top_k > 0) & (top_k < width)
     top_p, min_p = params[:, 1].astype(np.float32), params[:, 2].astype(np.float32)
     p_on = top_p < 1
-    k_first = kth_largest_keys(key, top_k)
-    p_first = top_p_keys(key, e, top_p)
-    k_threshold = np.where(k_on, np.minimum(k_first, key_max), 0)[:, None]
+    k_threshold = np.where(k_on, np.minimum(kth_largest_keys(key, top_k), key_max), 0)[:, None]
+    kept = (key >= k_threshold) & (e >= min_p[:, None]) | (key == key_max[:, None])  # what top_p measures
+    p_first = top_p_keys(key, np.where(kept, e, np.float32(0)), top_p)
     p_threshold = np.where(p_on, np.minimum(p_first, key_max), 0)[:, None]
-    allowed = (key >= k_threshold) & (key >= p_threshold) & (e >= min_p[:, None])
-    allowed |= key == key_max[:, None]
+    allowed = kept & (key >= p_threshold) | (key == key_max[:, None])
     noise = gumbel(keys[:, :1], keys[:, 1:], np.arange(width, dtype=np.uint32)[None, :])
     scores = np.where(allowed, z + noise, -np.inf)
     ids[random] = np.argmax(scores, axis=1)

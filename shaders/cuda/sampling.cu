@@ -1,10 +1,11 @@
 // Token sampling for LLM decoding; mirrors shaders/wgsl/sampling.wgsl (batchgpu/ops/sampling.py has the numpy
 // twin of every step). A (logits), O (penalize: the logits' type; sample: int), C (compute type of A).
 // penalize: elementwise with per-row (repetition, presence, frequency) penalties. sample: one block per row;
-// the first maximum of z = logit / T (NaN first), then (rows with top_k or top_p) SEARCH_PASSES passes of
-// BIN_BITS bits over the order-preserving u32 image of z for the top_k and top_p thresholds (masses in 32.32
-// fixed point: exact sums in any order), then the first maximum of z + Gumbel noise over the allowed
-// elements. count_reset, count_add: zero flagged rows of counts, add 1 per valid (slot, id) (atomics).
+// the first maximum of z = logit / T (NaN first), then SEARCH_PASSES passes of BIN_BITS bits over the
+// order-preserving u32 image of z for the top_k threshold (rows with top_k), then as many for the top_p
+// threshold over what top_k and min_p leave (rows with top_p; vLLM's order; masses in 32.32 fixed point:
+// exact sums in any order), then the first maximum of z + Gumbel noise over the allowed elements.
+// count_reset, count_add: zero flagged rows of counts, add 1 per valid (slot, id) (atomics).
 
 //!interface
 
@@ -84,7 +85,7 @@ extern "C" __global__ void sample(BG_ARGS) {
     __shared__ unsigned mass_low[BINS], mass_high[BINS];  // the buckets' masses in 32.32 fixed point
     __shared__ unsigned key_counts[BINS];
     __shared__ unsigned k_low, p_low;      // first keys of the search intervals (the thresholds once done)
-    __shared__ unsigned search_passes;     // SEARCH_PASSES, or 0 for rows without top_k or top_p
+    __shared__ unsigned search_passes;     // SEARCH_PASSES for each of top_k and top_p that is on
     const unsigned lid = threadIdx.x;
     const unsigned item = bg_block_index();
     const unsigned row = bg_min(item, p.rows - 1u);
@@ -111,75 +112,88 @@ extern "C" __global__ void sample(BG_ARGS) {
     const unsigned key_max = order_key(z_max);
     const bool k_on = random && k > 0 && (unsigned)k < p.width;
     const bool p_on = random && top_p < 1.0f;
-    if (lid == 0u) search_passes = (k_on || p_on) ? SEARCH_PASSES : 0u;
+    const unsigned k_passes = k_on ? SEARCH_PASSES : 0u;
+    if (lid == 0u) search_passes = k_passes + (p_on ? SEARCH_PASSES : 0u);
     __syncthreads();
     const unsigned passes = search_passes;  // the same in every thread: the passes' barriers are skipped with them
 
-    // 2. The thresholds, BIN_BITS bits of each key per pass from the top (thread 0 keeps the tails).
+    // 2. The thresholds in vLLM's order: top_k's key (passes of counts), then top_p's over what top_k and
+    // min_p leave (passes of masses; the target is top_p of that set's mass, summed in its first pass);
+    // BIN_BITS bits of each key per pass from the top (thread 0 keeps the tails).
     unsigned k_above = 0u;
     float p_above = 0.0f, p_target = 0.0f;
     for (unsigned level = 0u; level < passes; ++level) {
-        const unsigned shift = (SEARCH_PASSES - 1u - level) * BIN_BITS;
+        const bool counting = level < k_passes;  // a pass of top_k's search (else of top_p's)
+        const unsigned shift = (SEARCH_PASSES - 1u - level % SEARCH_PASSES) * BIN_BITS;
         if (lid < BINS) key_counts[lid] = mass_low[lid] = mass_high[lid] = 0u;
         __syncthreads();
-        const unsigned k_first = k_low, p_first = p_low;
+        const unsigned first = counting ? k_low : p_low;
+        const unsigned kept_from = k_on ? bg_min(k_low, key_max) : 0u;  // top_k's threshold (settled in its passes)
         unsigned low[BINS], high[BINS];
         for (unsigned b = 0u; b < BINS; ++b) low[b] = high[b] = 0u;
         for (unsigned i = lid; i < p.width; i += WG) {
             float z = scaled(row_logits, i, t, sampling);
             unsigned key = order_key(z);
-            if (k_on && key >= k_first) {
-                unsigned b = (key - k_first) >> shift;
-                if (b < BINS) bg_atomic_add(&key_counts[b], 1u);
+            unsigned b = (key - first) >> shift;
+            if (key < first || b >= BINS) continue;
+            if (counting) {
+                bg_atomic_add(&key_counts[b], 1u);
+                continue;
             }
-            if (p_on && key >= p_first) {
-                unsigned b = (key - p_first) >> shift;
-                if (b < BINS) {  // e in 32.32 fixed point, truncated below 2^-32 (e * 2^32 is exact in float)
-                    float e = expf(z - z_max);
-                    unsigned whole = (unsigned)e;
-                    unsigned fraction = (unsigned)((e - (float)whole) * 4294967296.0f);
-                    low[b] += fraction;
-                    high[b] += whole + (low[b] < fraction ? 1u : 0u);
-                }
+            float e = expf(z - z_max);
+            if ((key >= kept_from && e >= min_p) || key == key_max) {
+                // e in 32.32 fixed point, truncated below 2^-32 (e * 2^32 is exact in float)
+                unsigned whole = (unsigned)e;
+                unsigned fraction = (unsigned)((e - (float)whole) * 4294967296.0f);
+                low[b] += fraction;
+                high[b] += whole + (low[b] < fraction ? 1u : 0u);
             }
         }
         for (unsigned b = 0u; b < BINS; ++b) {
             if ((low[b] | high[b]) != 0u) add_mass(mass_low, mass_high, b, high[b], low[b]);
         }
         __syncthreads();
-        if (lid == 0u) {
-            if (level == 0u) {
+        // thread 0: the highest bucket whose tail (everything above the interval, then the buckets from the top
+        // down to it) reaches the target; none (float tails rounded otherwise than in the first pass): bucket 0
+        if (lid == 0u && counting) {
+            unsigned tail = 0u, pick = 0u, skip = 0u;
+            bool found = false;
+            for (unsigned j = 0u; j < BINS; ++j) {
+                unsigned b = BINS - 1u - j;
+                unsigned next = tail + key_counts[b];
+                if (!found && k_above + next >= (unsigned)k) {
+                    pick = b;
+                    skip = tail;
+                    found = true;
+                }
+                tail = next;
+            }
+            if (!found) skip = tail - key_counts[0];
+            k_above += skip;
+            k_low = first + (pick << shift);
+        }
+        if (lid == 0u && !counting) {
+            if (level == k_passes) {
                 float total = 0.0f;
                 for (unsigned b = 0u; b < BINS; ++b) total += mass_of(mass_low, mass_high, b);
                 p_target = top_p * total;
             }
-            unsigned k_tail = 0u, k_pick = 0u, k_skip = 0u;
-            float p_tail = 0.0f, p_skip = 0.0f;
-            unsigned p_pick = 0u;
-            bool k_found = false, p_found = false;
+            float tail = 0.0f, skip = 0.0f;
+            unsigned pick = 0u;
+            bool found = false;
             for (unsigned j = 0u; j < BINS; ++j) {
                 unsigned b = BINS - 1u - j;
-                unsigned k_next = k_tail + key_counts[b];
-                if (!k_found && k_above + k_next >= (unsigned)k) {
-                    k_pick = b;
-                    k_skip = k_tail;
-                    k_found = true;
+                float next = tail + mass_of(mass_low, mass_high, b);
+                if (!found && p_above + next >= p_target) {
+                    pick = b;
+                    skip = tail;
+                    found = true;
                 }
-                k_tail = k_next;
-                float p_next = p_tail + mass_of(mass_low, mass_high, b);
-                if (!p_found && p_above + p_next >= p_target) {
-                    p_pick = b;
-                    p_skip = p_tail;
-                    p_found = true;
-                }
-                p_tail = p_next;
+                tail = next;
             }
-            if (!k_found) k_skip = k_tail - key_counts[0];
-            if (!p_found) p_skip = p_tail - mass_of(mass_low, mass_high, 0u);
-            k_above += k_skip;
-            p_above += p_skip;
-            k_low = k_first + (k_pick << shift);
-            p_low = p_first + (p_pick << shift);
+            if (!found) skip = tail - mass_of(mass_low, mass_high, 0u);
+            p_above += skip;
+            p_low = first + (pick << shift);
         }
         __syncthreads();
     }

@@ -4,13 +4,14 @@
 //
 // penalize: elementwise over (rows, width) with per-row (repetition, presence, frequency) penalties.
 // sample: one workgroup per row. Pass 1 finds the first maximum of z = logit / T (NaN first, as argmax); rows
-// with T <= 0 or whose maximum is not finite take its index. Rows with top_k or top_p on (a workgroup-uniform
-// pass count: the passes' barriers are skipped with them) then take SEARCH_PASSES passes that find, over the
-// order-preserving u32 image of z (order_key), the k-th largest key (top_k) and the largest key whose upper
-// tail holds top_p of the mass exp(z - z_max) (top_p), BIN_BITS bits per pass: each pass spreads the
-// elements inside the current key interval over BINS buckets (counts by workgroup atomics; masses in 32.32
-// fixed point, per invocation, then merged by workgroup atomics: exact sums in any order), and invocation 0
-// keeps the highest bucket whose tail reaches the target.
+// with T <= 0 or whose maximum is not finite take its index. Rows with top_k on then take SEARCH_PASSES passes
+// that find, over the order-preserving u32 image of z (order_key), the k-th largest key; rows with top_p on
+// then SEARCH_PASSES passes that find the largest key whose upper tail holds top_p of the mass exp(z - z_max)
+// of the elements top_k and min_p leave (vLLM's order); a workgroup-uniform pass count, so the passes'
+// barriers are skipped with them. BIN_BITS bits per pass: each pass spreads the elements inside the current
+// key interval over BINS buckets (counts by workgroup atomics; masses in 32.32 fixed point, per invocation,
+// then merged by workgroup atomics: exact sums in any order), and invocation 0 keeps the highest bucket whose
+// tail reaches the target.
 // The last pass takes the first maximum of z + Gumbel noise over the allowed elements.
 // count_reset, count_add: zero the rows of counts whose reset flag is set, then add 1 per valid (slot, id).
 
@@ -29,7 +30,7 @@ var<workgroup> mass_high: array<atomic<u32>, BINS>;
 var<workgroup> key_counts: array<atomic<u32>, BINS>;
 var<workgroup> k_low: u32;   // first key of the top_k search interval (the threshold once done)
 var<workgroup> p_low: u32;   // first key of the top_p search interval
-var<workgroup> search_passes: u32;   // SEARCH_PASSES, or 0 for rows without top_k or top_p
+var<workgroup> search_passes: u32;   // SEARCH_PASSES for each of top_k and top_p that is on
 
 @compute @workgroup_size(WG)
 fn penalize(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
@@ -135,79 +136,88 @@ fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_
     let key_max = order_key(z_max);
     let k_on = random && k > 0 && u32(k) < p.width;
     let p_on = random && top_p < 1.0;
-    if lid == 0u { search_passes = select(0u, SEARCH_PASSES, k_on || p_on); }
+    let k_passes = select(0u, SEARCH_PASSES, k_on);
+    if lid == 0u { search_passes = k_passes + select(0u, SEARCH_PASSES, p_on); }
     let passes = workgroupUniformLoad(&search_passes);   // uniform: the passes' barriers are skipped with them
 
-    // 2. The thresholds: BIN_BITS bits of each key per pass, from the top. Invocation 0 keeps the counts
-    // and masses above the current interval and the top_p target (top_p of the total mass of pass 0).
+    // 2. The thresholds, in vLLM's order: top_k's key first (SEARCH_PASSES passes of counts), then top_p's
+    // over what top_k and min_p leave (SEARCH_PASSES passes of masses; the target is top_p of that set's
+    // mass, summed in its first pass). Each pass settles BIN_BITS bits of the key, from the top; invocation
+    // 0 keeps the count or mass above the current interval.
     var k_above = 0u;
     var p_above = 0.0;
     var p_target = 0.0;
     for (var level = 0u; level < passes; level++) {
-        let shift = (SEARCH_PASSES - 1u - level) * BIN_BITS;
+        let counting = level < k_passes;   // a pass of top_k's search (else of top_p's)
+        let shift = (SEARCH_PASSES - 1u - level % SEARCH_PASSES) * BIN_BITS;
         if lid < BINS {
             atomicStore(&key_counts[lid], 0u);
             atomicStore(&mass_low[lid], 0u);
             atomicStore(&mass_high[lid], 0u);
         }
         workgroupBarrier();
-        let k_first = k_low;
-        let p_first = p_low;
+        let first = select(p_low, k_low, counting);
+        let kept_from = select(0u, min(k_low, key_max), k_on);   // top_k's threshold (settled in its passes)
         var low = array<u32, BINS>();    // explicitly zeroed: wgpu 0.32 (naga) keeps a loop-local var without one
         var high = array<u32, BINS>();
         for (var i = lid; i < p.width; i += WG) {
             let z = scaled(i, base, t, sampling);
             let key = order_key(z);
-            if k_on && key >= k_first {
-                let b = (key - k_first) >> shift;
-                if b < BINS { atomicAdd(&key_counts[b], 1u); }
+            let b = (key - first) >> shift;
+            if key < first || b >= BINS { continue; }
+            if counting {
+                atomicAdd(&key_counts[b], 1u);
+                continue;
             }
-            if p_on && key >= p_first {
-                let b = (key - p_first) >> shift;
-                if b < BINS {   // e in 32.32 fixed point, truncated below 2^-32 (e * 2^32 is exact in f32)
-                    let e = exp(z - z_max);
-                    let whole = u32(e);
-                    let fraction = u32((e - f32(whole)) * 4294967296.0);
-                    low[b] += fraction;
-                    high[b] += whole + select(0u, 1u, low[b] < fraction);
-                }
+            let e = exp(z - z_max);
+            if (key >= kept_from && e >= min_p) || key == key_max {   // e in 32.32 fixed point, truncated below
+                let whole = u32(e);                                     // 2^-32 (e * 2^32 is exact in f32)
+                let fraction = u32((e - f32(whole)) * 4294967296.0);
+                low[b] += fraction;
+                high[b] += whole + select(0u, 1u, low[b] < fraction);
             }
         }
         for (var b = 0u; b < BINS; b++) {
             if (low[b] | high[b]) != 0u { add_mass(b, high[b], low[b]); }
         }
         workgroupBarrier();
-        if lid == 0u {
-            if level == 0u {
+        // invocation 0: the highest bucket whose tail (everything above the interval, then the buckets from
+        // the top down to it) reaches the target; none (f32 tails rounded otherwise than in the first pass):
+        // bucket 0
+        if lid == 0u && counting {
+            var tail = 0u;
+            var pick = 0u;
+            var skip = 0u;
+            var found = false;
+            for (var j = 0u; j < BINS; j++) {
+                let b = BINS - 1u - j;
+                let next = tail + atomicLoad(&key_counts[b]);
+                if !found && k_above + next >= u32(k) { pick = b; skip = tail; found = true; }
+                tail = next;
+            }
+            if !found { skip = tail - atomicLoad(&key_counts[0]); }
+            k_above += skip;
+            k_low = first + (pick << shift);
+        }
+        if lid == 0u && !counting {
+            if level == k_passes {
                 var total = 0.0;
                 for (var b = 0u; b < BINS; b++) { total += mass_of(b); }
                 p_target = top_p * total;
             }
-            // the highest bucket whose tail (everything above the interval, then the buckets from the top
-            // down to it) reaches the target; none (f32 tails rounded otherwise than in pass 0): bucket 0
-            var k_tail = 0u;
-            var k_pick = 0u;
-            var k_skip = 0u;
-            var k_found = false;
-            var p_tail = 0.0;
-            var p_pick = 0u;
-            var p_skip = 0.0;
-            var p_found = false;
+            var tail = 0.0;
+            var pick = 0u;
+            var skip = 0.0;
+            var found = false;
             for (var j = 0u; j < BINS; j++) {
                 let b = BINS - 1u - j;
-                let k_next = k_tail + atomicLoad(&key_counts[b]);
-                if !k_found && k_above + k_next >= u32(k) { k_pick = b; k_skip = k_tail; k_found = true; }
-                k_tail = k_next;
-                let p_next = p_tail + mass_of(b);
-                if !p_found && p_above + p_next >= p_target { p_pick = b; p_skip = p_tail; p_found = true; }
-                p_tail = p_next;
+                let next = tail + mass_of(b);
+                if !found && p_above + next >= p_target { pick = b; skip = tail; found = true; }
+                tail = next;
             }
-            if !k_found { k_skip = k_tail - atomicLoad(&key_counts[0]); }
-            if !p_found { p_skip = p_tail - mass_of(0u); }
-            k_above += k_skip;
-            p_above += p_skip;
-            k_low = k_first + (k_pick << shift);
-            p_low = p_first + (p_pick << shift);
+            if !found { skip = tail - mass_of(0u); }
+            p_above += skip;
+            p_low = first + (pick << shift);
         }
         workgroupBarrier();
     }

@@ -1,0 +1,153 @@
+"""An engine's Prometheus metrics. The engine keeps plain counts (:class:`EngineStats`: prompt and generated
+tokens, time to first token and between tokens, recorded by each request's output processor as its tokens
+are delivered); :func:`metrics_registry` gives a prometheus_client registry of the engine's own (never the
+process-wide default, so two servers in one process do not mix) whose collector reads those counts, the
+scheduler's queues and the KV block pool at each scrape: no work on the engine's side between scrapes, and
+a scrape reads a few dozen numbers on the event loop.
+
+- gauges: ``batchgpu_requests_running``, ``batchgpu_requests_waiting``, ``batchgpu_kv_blocks_used_ratio``;
+- counters: ``batchgpu_prompt_tokens_total``, ``batchgpu_generation_tokens_total``,
+  ``batchgpu_prefix_cache_hit_tokens_total``, ``batchgpu_preemptions_total``;
+- histograms: ``batchgpu_time_to_first_token_seconds``, ``batchgpu_inter_token_latency_seconds`` (vLLM's
+  bucket bounds).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+TIME_TO_FIRST_TOKEN_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+)  # fmt: skip
+"""Upper bounds (seconds) of the time-to-first-token buckets: vLLM's ``vllm:time_to_first_token_seconds``."""
+
+INTER_TOKEN_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+"""Upper bounds (seconds) of the inter-token latency buckets: vLLM's ``vllm:inter_token_latency_seconds``."""
+
+
+def clock() -> float:
+    """Seconds on the clock latencies are measured with (``time.monotonic``)."""
+    return time.monotonic()
+
+
+class LatencyHistogram:
+    """Observations counted in buckets of fixed upper bounds (Prometheus' ``le``: a value equal to a bound
+    is in that bucket), and their sum."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(upper bound, observations at or below it) per bucket, ending with ``+Inf`` (every observation)."""
+        buckets, total = [], 0
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts):
+            total += count
+            buckets.append((bound, total))
+        return buckets
+
+
+@dataclass
+class EngineStats:
+    """What an engine's requests got since it started: prompt tokens (counted at each request's first
+    token), generated tokens delivered, the seconds from a request's arrival to its first token and
+    between its following tokens."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    time_to_first_token: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(TIME_TO_FIRST_TOKEN_BUCKETS))
+    inter_token_latency: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(INTER_TOKEN_LATENCY_BUCKETS))
+
+    def first_token(self, prompt_tokens: int, seconds: float) -> None:
+        """A request's first token, ``seconds`` after it arrived, for a prompt of ``prompt_tokens``."""
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += 1
+        self.time_to_first_token.observe(seconds)
+
+    def next_token(self, seconds: float) -> None:
+        """A later token of a request, ``seconds`` after its previous one."""
+        self.generation_tokens += 1
+        self.inter_token_latency.observe(seconds)
+
+
+class MeteredEngine(Protocol):
+    """What the collector reads of an :class:`~batchgpu.llm.engine.Engine`."""
+
+    stats: EngineStats
+    scheduler: Any  # running(), waiting; stats where the scheduler keeps a SchedulerStats
+    pool: Any  # used, blocks
+
+
+def scheduler_counts(scheduler: Any) -> tuple[int, int]:
+    """The scheduler's preemptions and prefix-cache hit tokens so far, from its ``stats`` (a
+    ``SchedulerStats``: ``preemptions``, ``prefix_cache_hit_tokens``) where it keeps one; (0, 0) for a
+    scheduler without one (no preemption, no prefix cache)."""
+    stats = getattr(scheduler, "stats", None)
+    if stats is None:
+        return 0, 0
+    return int(stats.preemptions), int(stats.prefix_cache_hit_tokens)
+
+
+class EngineCollector:
+    """A prometheus_client collector: the metrics of ``engine``, read when scraped."""
+
+    def __init__(self, engine: MeteredEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        engine, stats = self.engine, self.engine.stats
+        preemptions, prefix_hits = scheduler_counts(engine.scheduler)
+        gauges = (
+            ("requests_running", "Requests holding a slot (prefilling or decoding).", len(engine.scheduler.running())),
+            ("requests_waiting", "Requests waiting for a slot and KV blocks.", len(engine.scheduler.waiting)),
+            ("kv_blocks_used_ratio", "KV blocks in use / all KV blocks.", engine.pool.used / engine.pool.blocks),
+        )
+        for name, text, value in gauges:
+            yield GaugeMetricFamily(f"batchgpu_{name}", text, value=value)
+        counters = (
+            ("prompt_tokens", "Prompt tokens of requests that got their first token.", stats.prompt_tokens),
+            ("generation_tokens", "Generated tokens delivered to requests.", stats.generation_tokens),
+            ("prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache.", prefix_hits),
+            ("preemptions", "Sequences preempted (KV blocks freed, recomputed later).", preemptions),
+        )
+        for name, text, value in counters:
+            yield CounterMetricFamily(f"batchgpu_{name}", text, value=value)
+        histograms = (
+            ("time_to_first_token", "Seconds from a request's arrival to its first token.", stats.time_to_first_token),
+            ("inter_token_latency", "Seconds between a request's consecutive tokens.", stats.inter_token_latency),
+        )
+        for name, text, histogram in histograms:
+            yield HistogramMetricFamily(
+                f"batchgpu_{name}_seconds", text, buckets=histogram.cumulative(), sum_value=histogram.sum
+            )
+
+
+def metrics_registry(engine: MeteredEngine) -> Any:
+    """A new ``prometheus_client.CollectorRegistry`` holding ``engine``'s metrics (ImportError without
+    prometheus-client: ``pip install 'batchgpu[serve]'``)."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine))
+    return registry
+
+
+def exposition(registry: Any) -> tuple[bytes, str]:
+    """The text a scrape of ``registry`` gets (Prometheus' text format) and its content type."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,97 @@
+"""The engine's Prometheus metrics (batchgpu/llm/metrics.py) without a model: a real scheduler and block
+pool behind the collector, each registry its own (two engines in one process do not mix, and nothing goes
+to prometheus_client's default registry), histogram buckets by Prometheus' ``le`` rule, and the
+scheduler's preemption and prefix-cache counts read where it keeps them. The server tests
+(tests/test_server.py -k metrics) scrape a running server after real requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from batchgpu.llm.blocks import BlockPool
+from batchgpu.llm.metrics import (
+    TIME_TO_FIRST_TOKEN_BUCKETS,
+    EngineStats,
+    LatencyHistogram,
+    exposition,
+    metrics_registry,
+    scheduler_counts,
+)
+from batchgpu.llm.params import SamplingParams
+from batchgpu.llm.scheduler import Scheduler
+
+prometheus_client = pytest.importorskip("prometheus_client", reason="pip install 'batchgpu[serve]'")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+
+@dataclass
+class Core:
+    """What the collector reads of an engine, without the model: a scheduler over a block pool and the
+    token stats."""
+
+    pool: BlockPool = field(default_factory=lambda: BlockPool(13, 4))
+    stats: EngineStats = field(default_factory=EngineStats)
+
+    def __post_init__(self) -> None:
+        self.scheduler = Scheduler(self.pool, max_batch=2, max_context=40, prefill_chunk=8)
+
+
+def scrape(registry) -> dict[str, float]:
+    body, content_type = exposition(registry)
+    assert content_type.startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            samples[sample.name + (f"[{sample.labels['le']}]" if "le" in sample.labels else "")] = sample.value
+    return samples
+
+
+def test_two_engines_keep_their_own_registries():
+    """Two cores in one process, each with its own registry: each scrape reads its own scheduler, pool and
+    stats at that moment, and prometheus_client's default registry holds none of it."""
+    first, second = Core(), Core()
+    registries = metrics_registry(first), metrics_registry(second)
+    for prompt in ([5, 6, 7], [8] * 9, [1] * 20):
+        first.scheduler.add(prompt, SamplingParams(max_tokens=3), seed=1)
+    first.scheduler.schedule()  # two admitted (slots), one waiting
+    first.stats.first_token(3, 0.02)
+    first.stats.next_token(0.01)
+    one, two = (scrape(registry) for registry in registries)
+    assert (one["batchgpu_requests_running"], one["batchgpu_requests_waiting"]) == (2, 1)
+    assert one["batchgpu_kv_blocks_used_ratio"] == first.pool.used / 13 and first.pool.used > 0
+    assert (one["batchgpu_prompt_tokens_total"], one["batchgpu_generation_tokens_total"]) == (3, 2)
+    assert one["batchgpu_time_to_first_token_seconds_count"] == one["batchgpu_inter_token_latency_seconds_count"] == 1
+    assert two["batchgpu_requests_running"] == two["batchgpu_kv_blocks_used_ratio"] == 0
+    assert two["batchgpu_generation_tokens_total"] == two["batchgpu_time_to_first_token_seconds_count"] == 0
+    assert not any(name.startswith("batchgpu_") for name in scrape(prometheus_client.REGISTRY))
+
+
+def test_histogram_buckets_follow_the_le_rule():
+    """A value equal to a bound counts in that bucket, one between bounds in the next, one above every
+    bound only in +Inf; the sum is the values' sum."""
+    histogram = LatencyHistogram(TIME_TO_FIRST_TOKEN_BUCKETS)
+    for value in (0.001, 0.0011, 0.0, 3000.0, 2560.0):
+        histogram.observe(value)
+    buckets = dict(histogram.cumulative())
+    assert (buckets["0.001"], buckets["0.005"], buckets["2560.0"], buckets["+Inf"]) == (2, 3, 4, 5)
+    assert list(buckets) == [*map(str, TIME_TO_FIRST_TOKEN_BUCKETS), "+Inf"]
+    assert histogram.sum == pytest.approx(5560.0021)
+
+
+def test_scheduler_counts_read_its_stats_where_it_keeps_them():
+    """Preemptions and prefix-cache hit tokens come from the scheduler's ``stats`` when it has one (as the
+    preempting, prefix-caching scheduler does), else both are 0; the collector exports them as counters."""
+    core = Core()
+    assert scheduler_counts(core.scheduler) == (0, 0)
+
+    @dataclass
+    class Counts:  # the fields of the scheduler's SchedulerStats that the collector reads
+        preemptions: int = 3
+        prefix_cache_hit_tokens: int = 48
+
+    core.scheduler.stats = Counts()
+    assert scheduler_counts(core.scheduler) == (3, 48)
+    samples = scrape(metrics_registry(core))
+    assert (samples["batchgpu_preemptions_total"], samples["batchgpu_prefix_cache_hit_tokens_total"]) == (3, 48)
