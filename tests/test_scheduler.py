@@ -257,7 +257,11 @@ def test_slots_bound_the_running_sequences() -> None:
 
 @pytest.mark.parametrize(
     ("prompt_tokens", "max_tokens", "param", "message"),
-    [(0, 4, "prompt", "empty"), (20, 13, "prompt", "max_context"), (5, 20, "max_tokens", r"need 4 KV blocks of 8 tokens; the cache has 3")],
+    [
+        (0, 4, "prompt", "empty"),
+        (20, 13, "prompt", "max_context"),
+        (5, 20, "max_tokens", "need 4 KV blocks of 8 tokens; the cache has 3"),
+    ],
 )
 def test_a_generation_that_can_never_run_is_refused_and_nothing_queued(prompt_tokens, max_tokens, param, message):
     s = scheduler(3, 8, max_context=32)
@@ -341,7 +345,8 @@ def test_every_generation_runs_to_its_end_and_every_block_comes_back(data: st.Da
     chunk, block_size = data.draw(st.integers(1, 9), label="chunk"), data.draw(st.integers(1, 5), label="block")
     whole = -(-24 // block_size)
     blocks = data.draw(st.integers(whole, 3 * whole), label="blocks")
-    s = scheduler(blocks, block_size, max_batch=data.draw(st.integers(1, 5), label="batch"), max_context=24, chunk=chunk)
+    batch = data.draw(st.integers(1, 5), label="batch")
+    s = scheduler(blocks, block_size, max_batch=batch, max_context=24, chunk=chunk)
     s.prefix_caching = data.draw(st.booleans(), label="prefix caching")
     ahead = data.draw(st.integers(0, 3), label="ahead")
     generation = st.tuples(st.integers(0, 20), st.integers(1, 12), st.integers(1, 12), st.integers(0, 2))
@@ -352,8 +357,9 @@ def test_every_generation_runs_to_its_end_and_every_block_comes_back(data: st.Da
     pool: dict[int, int] = {}  # the device's KV rows: the token each holds
     for step in range(2000):
         while arrivals and arrivals[0][0] <= step:
-            _, prompt_tokens, max_tokens, family = arrivals.popleft()  # family 0 and 1: shared prefixes
-            prompt = [100 * family + t for t in range(1, prompt_tokens + 1)] if family < 2 else list(range(-prompt_tokens, 0))
+            _, prompt_tokens, max_tokens, family = arrivals.popleft()  # families 0 and 1 share prefixes
+            first = 100 * family if family < 2 else 100 * (2 + len(sequences))  # others: a prompt of its own
+            prompt = list(range(first + 1, first + prompt_tokens + 1))
             sequences.append(s.add(prompt, SamplingParams(max_tokens=max_tokens), seed=7))
         plan = s.schedule() if len(in_flight) <= ahead else None
         if plan is not None:

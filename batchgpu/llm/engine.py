@@ -83,8 +83,11 @@ class Engine:
     ) -> None:
         self.device = device if device is not None else default_device()
         self.path = Path(model) if model is not None else smollm2_path()
-        if max_batch < 1 or prefill_chunk < 1:
-            raise BatchError("Engine: max_batch and prefill_chunk must be at least 1")
+        if min(max_batch, prefill_chunk, block_size, 1 if kv_blocks is None else kv_blocks) < 1:
+            raise BatchError(
+                f"Engine: max_batch, prefill_chunk, block_size and kv_blocks must be at least 1, got {max_batch}, "
+                f"{prefill_chunk}, {block_size} and {kv_blocks}"
+            )
         self.ahead = steps_ahead(self.device, ahead, "Engine")
         self.config, self.codec, self.weights = load_model(
             self.device, self.path, max_context, quantized=quantized, fuse=fuse
