@@ -117,6 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--fp32", action="store_true", help="dequantize weights to float32 (default: as stored)")
     serve.add_argument("--kv-f16", action="store_true", help="keep the KV cache in float16")
     serve.add_argument(
+        "--kv-blocks",
+        type=int,
+        metavar="N",
+        help="KV cache blocks (default: room for every sequence at a quarter of --max-context); taken as "
+        "sequences grow, the newest preempted and recomputed later when none is left",
+    )
+    serve.add_argument("--block-size", type=int, default=16, metavar="B", help="tokens per KV block (default 16)")
+    serve.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every prompt whole (default: full KV blocks are kept for prompts with the same prefix)",
+    )
+    serve.add_argument(
         "--max-request-bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
@@ -540,7 +553,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         quantized=not args.fp32,
         kv_dtype="float16" if args.kv_f16 else "float32",
+        kv_blocks=args.kv_blocks,
+        block_size=args.block_size,
+        prefix_caching=not args.no_prefix_caching,
     )
+    for flag, value in (("--kv-blocks", args.kv_blocks), ("--block-size", args.block_size)):
+        if value is not None and value < 1:
+            print(f"serve: {flag} must be at least 1, got {value}", file=sys.stderr)
+            return 2
     if args.max_request_bytes < 1:
         print(f"serve: --max-request-bytes must be at least 1, got {args.max_request_bytes}", file=sys.stderr)
         return 2

@@ -231,3 +231,9 @@ def test_progress_bar_when_forced(capsys, monkeypatch):
     assert "dequantizing" in capsys.readouterr().err
     monkeypatch.setenv(progress_module.ENV_PROGRESS, "0")
     assert not progress_module.enabled()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--kv-blocks", "0"), ("--block-size", "0"), ("--kv-blocks", "-3")])
+def test_serve_refuses_a_kv_pool_without_blocks_before_loading_a_model(flag, value):
+    done = batchgpu_cli("serve", flag, value, "--model", "no-such-model.gguf", timeout=60)
+    assert done.returncode == 2 and f"serve: {flag} must be at least 1, got {value}" in done.stderr, done.stderr

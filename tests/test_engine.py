@@ -156,7 +156,7 @@ def test_cancelled_request_frees_its_slot_and_blocks(eng: Engine) -> None:
         return used, [t for p in got for t in p.token_ids] + other
 
     used, ids = asyncio.run(cancel_after_two())
-    assert used >= 13 and ids[2:] == GREEDY[:3]  # 4 prompt + 200 output rows reserved while it ran
+    assert used >= 1 and ids[2:] == GREEDY[:3]  # the blocks of its rows so far while it ran
     assert eng.memory()["blocks_used"] == 0 and all(slot is None for slot in eng.slots)
 
 
@@ -173,16 +173,19 @@ def test_a_bad_request_fails_alone(eng: Engine) -> None:
     assert isinstance(bad_ids, bg.RequestError) and "token ids" in str(bad_ids)
 
 
-def test_requests_wait_for_kv_blocks() -> None:
-    """A cache of 3 blocks of 8 rows holds one 5 + 12-token generation at a time: the others wait."""
+def test_requests_beyond_the_kv_blocks_are_preempted_and_give_their_ids_alone() -> None:
+    """A cache of 3 blocks of 8 rows holds one 5 + 12-token generation whole: three at once take blocks as
+    they grow, the newest are preempted (their blocks given back, their prompt and output recomputed
+    later), and each gives the greedy ids it gives alone, with steps submitted ahead of the reads."""
     small = Engine(
-        device=bg.Device("reference"), max_batch=4, max_context=32, prefill_chunk=8, block_size=8, kv_blocks=3
-    )
+        device=bg.Device("reference"), max_batch=4, max_context=32, prefill_chunk=8, block_size=8, kv_blocks=3, ahead=1,
+    )  # fmt: skip
 
     async def three() -> list[list[int]]:
         return list(await asyncio.gather(*(collect(small, PROMPT, greedy(12)) for _ in range(3))))
 
     assert asyncio.run(three()) == [GREEDY] * 3
+    assert small.status()["preemptions"] >= 2 and small.scheduler.stats.preemptions == small.status()["preemptions"]
     memory = small.memory()
     assert {key: memory[key] for key in ("blocks_used", "blocks_free", "blocks", "block_size")} == {
         "blocks_used": 0,
@@ -190,8 +193,52 @@ def test_requests_wait_for_kv_blocks() -> None:
         "blocks": 3,
         "block_size": 8,
     }
-    with pytest.raises(bg.RequestError, match="KV blocks"):
+    with pytest.raises(bg.RequestError, match="need 4 KV blocks of 8 tokens; the cache has 3"):
         small.complete(PROMPT, greedy(20))  # 25 rows: 4 blocks of 8
+    assert small.complete(PROMPT, greedy(4)).token_ids == GREEDY[:4]  # the engine goes on
+
+
+def test_preempted_penalized_seeded_requests_draw_what_they_draw_alone() -> None:
+    """Preemption drops the tokens of the steps in flight and recomputes the prompt and the output read
+    so far: the penalties' token counts (output tokens counted as generated) and the seeded draws
+    continue as if it had never stopped. Prefix caching off: every row is computed again."""
+    kwargs = dict(max_batch=4, max_context=48, prefill_chunk=8, block_size=4, kv_blocks=9, ahead=1)
+    eng = Engine(device=bg.Device("reference"), prefix_caching=False, **kwargs)
+    jobs = [
+        (OTHERS[0], SamplingParams(max_tokens=14, temperature=0.9, seed=11, frequency_penalty=1.5, ignore_eos=True)),
+        (PROMPT, SamplingParams(max_tokens=16, temperature=0.8, seed=5, repetition_penalty=1.4, ignore_eos=True)),
+        (OTHERS[5], SamplingParams(max_tokens=15, temperature=1.0, seed=8, presence_penalty=1.2, ignore_eos=True)),
+    ]
+    alone = [eng.complete(p, params).token_ids for p, params in jobs]
+    assert eng.status()["preemptions"] == 0
+
+    async def together() -> list[list[int]]:
+        return list(await asyncio.gather(*(collect(eng, p, params) for p, params in jobs)))
+
+    assert asyncio.run(together()) == alone
+    assert eng.status()["preemptions"] >= 1 and eng.status()["prefix_cache_hit_tokens"] == 0
+    assert eng.memory()["blocks_used"] == 0 and eng.memory()["blocks_cached"] == 0
+
+
+def test_a_shared_prefix_is_computed_once_and_gives_the_same_ids() -> None:
+    """Two requests with the same long system prompt: the second takes the first one's full KV blocks
+    from the prefix cache, runs fewer prefill rows and gives the ids an engine without the cache gives."""
+    system = "You are a helpful assistant. Answer in one short sentence. " * 3
+    prompts = [system + "Question: what is the capital of France?", system + "Question: what is water?"]
+    ids, rows, hits = {}, {}, {}
+    for caching in (False, True):
+        eng = Engine(device=bg.Device("reference"), max_batch=2, max_context=128, block_size=16, prefix_caching=caching)
+        ids[caching], rows[caching] = [], []
+        for prompt in prompts:
+            before = eng.scheduler.stats.prompt_tokens_computed
+            ids[caching].append(eng.complete(prompt, greedy(6)).token_ids)
+            rows[caching].append(eng.scheduler.stats.prompt_tokens_computed - before)
+        hits[caching] = eng.status()["prefix_cache_hit_tokens"]
+    shared = len(eng.codec.encode(system)) // 16 * 16
+    assert ids[True] == ids[False]
+    assert hits == {False: 0, True: shared} and shared >= 32
+    assert rows[True] == [rows[False][0], rows[False][1] - shared]
+    assert eng.memory()["blocks_used"] == 0 and eng.memory()["blocks_cached"] > 0
 
 
 def test_unfused_projections_give_the_same_ids() -> None:
@@ -343,3 +390,9 @@ def test_a_vanishing_temperature_is_greedy() -> None:
     eng = engine("reference")
     params = SamplingParams(max_tokens=4, temperature=1e-40, seed=3, ignore_eos=True)
     assert eng.complete(PROMPT, params).token_ids == GREEDY[:4]
+
+
+@pytest.mark.parametrize("settings", [{"kv_blocks": 0}, {"block_size": 0}, {"kv_blocks": -2, "block_size": 8}])
+def test_a_kv_pool_without_blocks_is_refused_before_the_model_loads(settings) -> None:
+    with pytest.raises(bg.BatchError, match=r"block_size and kv_blocks must be at least 1, got 8, 32, -?\d+ and"):
+        Engine("no-such-model.gguf", bg.Device("reference"), max_context=64, **settings)

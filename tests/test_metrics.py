@@ -1,7 +1,7 @@
 """The engine's Prometheus metrics (batchgpu/llm/metrics.py) without a model: a real scheduler and block
 pool behind the collector, each registry its own (two engines in one process do not mix, and nothing goes
 to prometheus_client's default registry), histogram buckets by Prometheus' ``le`` rule, and the
-scheduler's preemption and prefix-cache counts read where it keeps them. The server tests
+scheduler's preemption and prefix-cache counts read from its stats. The server tests
 (tests/test_server.py -k metrics) scrape a running server after real requests."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from batchgpu.llm.metrics import (
     LatencyHistogram,
     exposition,
     metrics_registry,
-    scheduler_counts,
 )
 from batchgpu.llm.params import SamplingParams
 from batchgpu.llm.scheduler import Scheduler
@@ -80,18 +79,11 @@ def test_histogram_buckets_follow_the_le_rule():
     assert histogram.sum == pytest.approx(5560.0021)
 
 
-def test_scheduler_counts_read_its_stats_where_it_keeps_them():
-    """Preemptions and prefix-cache hit tokens come from the scheduler's ``stats`` when it has one (as the
-    preempting, prefix-caching scheduler does), else both are 0; the collector exports them as counters."""
+def test_preemptions_and_prefix_hits_come_from_the_schedulers_stats():
+    """Preemptions and prefix-cache hit tokens are the scheduler's own counters (``SchedulerStats``),
+    exported as counters at scrape time."""
     core = Core()
-    assert scheduler_counts(core.scheduler) == (0, 0)
-
-    @dataclass
-    class Counts:  # the fields of the scheduler's SchedulerStats that the collector reads
-        preemptions: int = 3
-        prefix_cache_hit_tokens: int = 48
-
-    core.scheduler.stats = Counts()
-    assert scheduler_counts(core.scheduler) == (3, 48)
+    assert scrape(metrics_registry(core))["batchgpu_preemptions_total"] == 0
+    core.scheduler.stats.preemptions, core.scheduler.stats.prefix_cache_hit_tokens = 3, 48
     samples = scrape(metrics_registry(core))
     assert (samples["batchgpu_preemptions_total"], samples["batchgpu_prefix_cache_hit_tokens_total"]) == (3, 48)

@@ -4,7 +4,7 @@ the bookkeeping of steps planned ahead of their reads, and blocks returning to t
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 import pytest
 from hypothesis import given, settings
@@ -15,8 +15,9 @@ from batchgpu.llm import SamplingParams
 from batchgpu.llm.blocks import BlockPool
 from batchgpu.llm.scheduler import Scheduler, Sequence, SequenceState, StepPlan
 
-WAITING, PREFILLING, DECODING, FINISHED = (
+WAITING, PREEMPTED, PREFILLING, DECODING, FINISHED = (
     SequenceState.WAITING,
+    SequenceState.PREEMPTED,
     SequenceState.PREFILLING,
     SequenceState.DECODING,
     SequenceState.FINISHED,
@@ -58,7 +59,7 @@ def test_prompts_run_in_chunks_in_slot_order_then_decode_and_prefill_take_turns(
         None,  # every token of every sequence is on its way: nothing to run until reads end them
     ]
     assert [seq.state for seq in (a, b, c)] == [DECODING] * 3
-    assert (a.sampled, a.prefilled, a.length) == (2, 19, 20)
+    assert (a.sampled, a.computed) == (2, 20)  # 19 prompt rows and its first token's
 
 
 def test_a_long_prompt_does_not_stall_decoding_and_short_prompts_join_its_last_chunk() -> None:
@@ -81,19 +82,169 @@ def test_a_long_prompt_does_not_stall_decoding_and_short_prompts_join_its_last_c
     assert shape(plans[-1]) == ("decode", [(short.id, 7, 1, True), (long.id, 17, 1, True), (late.id, 3, 1, True)])
 
 
-def test_admission_waits_for_blocks_oldest_first() -> None:
-    """4 blocks of 8 rows: a 5 + 12-token generation holds 3, so the next one waits, and a small one behind
-    it waits too (first come, first served); finishing the first admits both."""
-    s = scheduler(4, 8, max_batch=4, max_context=32)
+def test_blocks_are_taken_as_sequences_grow() -> None:
+    """4 blocks of 8 rows: three generations of 5 + 12, 5 + 12 and 1 + 1 tokens (7 blocks if reserved
+    whole) all start at once, each with the block of its prompt; a sequence takes its next block when its
+    rows cross into it."""
+    s = scheduler(4, 8, max_batch=4, max_context=32, chunk=16)
     first, second, small = add(s, 5, 12), add(s, 5, 12), add(s, 1, 1)
     plan = s.schedule()
-    assert shape(plan) == ("prefill", [(first.id, 0, 5, True)])
-    assert [seq.state for seq in (first, second, small)] == [DECODING, WAITING, WAITING]
-    assert (s.pool.used, s.pool.free, first.blocks) == (3, 1, [0, 1, 2])
-    s.finish(first)
-    assert (first.state, first.slot, first.blocks, s.pool.used) == (FINISHED, -1, [], 0)
-    assert shape(s.schedule()) == ("prefill", [(second.id, 0, 5, True), (small.id, 0, 1, True)])
-    assert (second.slot, small.slot, s.pool.used) == (0, 1, 4)
+    assert shape(plan) == ("prefill", [(first.id, 0, 5, True), (second.id, 0, 5, True), (small.id, 0, 1, True)])
+    assert (first.blocks, second.blocks, small.blocks, s.pool.used) == ([0], [1], [2], 3)
+    s.update(plan, [token(c.sequence, c.draw) for c in plan.chunks])
+    s.finish(small)  # its one token read
+    for _ in range(3):  # positions 5, 6, 7: still the first block
+        s.schedule()
+    assert (first.blocks, second.blocks, s.pool.used) == ([0], [1], 2)
+    assert shape(s.schedule()) == ("decode", [(first.id, 8, 1, True), (second.id, 8, 1, True)])
+    assert (first.blocks, second.blocks, s.pool.used, s.stats.preemptions) == ([0, 2], [1, 3], 4, 0)
+
+
+def test_the_newest_running_sequence_is_preempted_when_the_pool_runs_out() -> None:
+    """3 blocks of 4 rows, two generations of 3 + 6 tokens (3 blocks each): the second, newer one gives
+    its blocks to the first when the first crosses into its third block, and waits at the front of the
+    queue (before a later arrival) with its output read so far; its tokens still on their way are dropped."""
+    s = scheduler(3, 4, max_batch=4, max_context=16)
+    a, b = add(s, 3, 6), add(s, 3, 6)
+    plans = [s.schedule() for _ in range(3)]  # none read yet
+    assert [shape(p) for p in plans] == [
+        ("prefill", [(a.id, 0, 3, True), (b.id, 0, 3, True)]),
+        ("decode", [(a.id, 3, 1, True), (b.id, 3, 1, True)]),
+        ("decode", [(a.id, 4, 1, True)]),  # position 4: a second block each, one left: b preempted
+    ]
+    assert (a.blocks, b.blocks, s.pool.free) == ([0, 2], [], 1)
+    assert (b.state, b.slot, b.preemptions, b.sampled, s.stats.preemptions) == (PREEMPTED, -1, 1, 0, 1)
+    late = add(s, 2, 2)
+    assert list(s.waiting) == [b, late]
+    read = [s.update(p, [token(c.sequence, c.draw) for c in p.chunks]) for p in plans]
+    assert read == [[(a, 0)], [(a, 1)], [(a, 2)]]  # b's tokens of the steps before its preemption dropped
+    assert (a.output, b.output) == ([0, 1, 2], [])
+    assert shape(s.schedule()) == ("prefill", [(b.id, 0, 3, True)])  # b again (the free block), late waits
+    assert list(s.waiting) == [late]
+
+
+def test_a_preempted_sequence_runs_its_prompt_and_output_again_and_goes_on_drawing() -> None:
+    """Its prompt is then prompt + output read back; its next draw is the one the dropped steps sampled,
+    with its own seed, so its tokens continue where they were read up to."""
+    s = scheduler(3, 4, max_batch=2, max_context=16)
+    a, b = add(s, 3, 5), add(s, 3, 6)
+    for _ in range(4):
+        plan = s.schedule()
+        s.update(plan, [token(c.sequence, c.draw) for c in plan.chunks])
+    assert (b.state, b.output, b.resumed, b.prefill_length) == (PREEMPTED, [1000, 1001], 2, 5)
+    while a.sampled < 5:  # a runs alone to its end
+        plan = s.schedule()
+        s.update(plan, [token(c.sequence, c.draw) for c in plan.chunks])
+    assert shape(s.schedule()) is None  # b waits: its 5 rows need 2 blocks, a holds 2 of the 3
+    s.finish(a)
+    plan = s.schedule()
+    assert shape(plan) == ("prefill", [(b.id, 4, 1, True)])  # its first block, full and read, was cached
+    assert plan.chunks[0].draw == 2 and b.token_ids(0, 5) == [1, 2, 3, 1000, 1001]
+    s.update(plan, [token(b, 2)])
+    while b.sampled < 6:
+        plan = s.schedule()
+        s.update(plan, [token(c.sequence, c.draw) for c in plan.chunks])
+    assert b.output == [token(b, d) for d in range(6)] and b.state is DECODING
+
+
+def test_preempted_sequences_wait_in_arrival_order_ahead_of_later_ones() -> None:
+    """Four running sequences all needing a block where one is left: the newest go first, newest first,
+    until the oldest has its block; they resume oldest first."""
+    s = scheduler(5, 2, max_batch=4, max_context=16)
+    seqs = [add(s, 2, 4) for _ in range(4)]
+    s.schedule()  # one prefill: a block each, one left
+    late = add(s, 1, 1)
+    plan = s.schedule()  # the decode row at position 2 needs a second block for each of them
+    assert [c.sequence for c in plan.chunks] == seqs[:2]
+    assert [seq.state for seq in seqs] == [DECODING, DECODING, PREEMPTED, PREEMPTED]
+    assert list(s.waiting) == [seqs[2], seqs[3], late] and s.stats.preemptions == 2
+    assert [seq.blocks for seq in seqs] == [[0, 4], [1, 3], [], []]
+
+
+def test_prefix_cache_hits_skip_the_prefill_of_cached_blocks() -> None:
+    """A prompt's full blocks are registered once the step writing them is read back; a later prompt
+    with the same first tokens takes those blocks (shared: each held twice) and computes the rest; a
+    prompt that is all full cached blocks still computes its last token (its logits give the first one)."""
+    s = scheduler(16, 4, max_batch=4, max_context=32, chunk=16)
+    first = s.add(list(range(1, 12)), SamplingParams(max_tokens=2), seed=7)  # 11 tokens: 2 full blocks
+    plan = s.schedule()
+    assert s.pool.cached == 0  # not read back yet
+    s.update(plan, [token(first, 0)])
+    assert s.pool.cached == 2
+    same_prefix = s.add([*range(1, 9), 50, 51, 52, 53, 54], SamplingParams(max_tokens=2), seed=7)
+    whole = s.add(list(range(1, 9)), SamplingParams(max_tokens=2), seed=7)  # exactly the 2 cached blocks
+    other = s.add([2, *range(2, 12)], SamplingParams(max_tokens=2), seed=7)  # its first token differs
+    plan = s.schedule()
+    assert shape(plan) == ("decode", [(first.id, 11, 1, True)])
+    assert shape(s.schedule()) == (
+        "prefill",
+        [(same_prefix.id, 8, 5, True), (whole.id, 4, 4, True), (other.id, 0, 7, False)],
+    )
+    assert same_prefix.blocks[:2] == first.blocks[:2] and whole.blocks[:1] == first.blocks[:1]
+    assert [s.pool.refs(b) for b in first.blocks[:2]] == [3, 2]
+    assert s.stats.prefix_cache_hit_tokens == 8 + 4
+    assert s.stats.prompt_tokens_computed == 11 + 5 + 4 + 7
+    for seq in (first, same_prefix, whole, other):
+        s.finish(seq)
+    assert s.pool.used == 0 and s.pool.free == 16
+
+
+def test_no_prefix_cache_for_penalized_sampling_or_when_off() -> None:
+    """A penalty reads the slot's token counts, which the prefill of the prompt's rows builds: such a
+    sequence computes its whole prompt; and an engine without prefix caching registers nothing."""
+    s = scheduler(16, 4, chunk=16)
+    first = add(s, 9, 2)
+    plan = s.schedule()
+    s.update(plan, [token(first, 0)])
+    penalized = s.add(list(range(1, 10)), SamplingParams(max_tokens=2, presence_penalty=0.5), seed=7)
+    plain = add(s, 9, 2)
+    s.schedule()  # first decodes
+    assert shape(s.schedule()) == ("prefill", [(penalized.id, 0, 9, True), (plain.id, 8, 1, True)])
+    off = scheduler(16, 4, chunk=16)
+    off.prefix_caching = False
+    first = add(off, 9, 2)
+    plan = off.schedule()
+    off.update(plan, [token(first, 0)])
+    again = add(off, 9, 2)
+    off.schedule()
+    assert shape(off.schedule()) == ("prefill", [(again.id, 0, 9, True)])
+    assert off.pool.cached == 0 and off.stats.prefix_cache_hit_tokens == 0
+
+
+def test_unheld_cached_blocks_are_evicted_least_recently_freed_first() -> None:
+    """Free blocks without cached contents are handed out first; then the cached ones whose holders
+    finished longest ago, and of one sequence its last blocks before its first (a shared prefix stays)."""
+    s = scheduler(8, 2, max_batch=4, max_context=16, chunk=16)
+    older, newer = add(s, 4, 1), s.add([9, 8, 7, 6, 5], SamplingParams(max_tokens=1), seed=7)
+    plan = s.schedule()
+    s.update(plan, [token(c.sequence, c.draw) for c in plan.chunks])
+    assert (older.blocks, newer.blocks, s.pool.cached) == ([0, 1], [2, 3, 4], 4)
+    s.finish(older)
+    s.finish(newer)
+    assert (s.pool.used, s.pool.free, s.pool.cached) == (0, 8, 4)
+    taker = s.add([1, 2, 9, 9, 9, 9, 9], SamplingParams(max_tokens=1), seed=7)  # older's first block: a hit
+    s.schedule()
+    assert taker.blocks == [0, 4, 5, 6]  # its hit, then blocks that hold no cached tokens
+    big = s.add([30, 31, 32, 33, 34, 35, 36], SamplingParams(max_tokens=1), seed=7)
+    s.schedule()
+    assert big.blocks == [7, 1, 3, 2]  # the last such block, then older's second, newer's second and first
+    assert s.pool.lookup(older.hashes) == [0] and s.pool.cached == 1
+
+
+def test_a_generation_that_fits_the_pool_alone_never_fails_nor_waits_forever() -> None:
+    """Sequences each needing the whole pool (3 blocks) arrive together: they take turns, preempting one
+    another, and every one ends with its own tokens."""
+    s = scheduler(3, 4, max_batch=3, max_context=12)
+    seqs = [add(s, 4, 8) for _ in range(3)]
+    for _ in range(200):
+        plan = s.schedule()
+        if plan is None:
+            break
+        for seq, _ in s.update(plan, [token(c.sequence, c.draw) for c in plan.chunks]):
+            if len(seq.output) == seq.params.max_tokens:
+                s.finish(seq)
+    assert [seq.output for seq in seqs] == [[token(seq, d) for d in range(8)] for seq in seqs]
+    assert s.stats.preemptions > 0 and s.pool.used == 0
 
 
 def test_slots_bound_the_running_sequences() -> None:
@@ -106,7 +257,11 @@ def test_slots_bound_the_running_sequences() -> None:
 
 @pytest.mark.parametrize(
     ("prompt_tokens", "max_tokens", "param", "message"),
-    [(0, 4, "prompt", "empty"), (20, 13, "prompt", "max_context"), (5, 20, "max_tokens", "needs 4 KV blocks")],
+    [
+        (0, 4, "prompt", "empty"),
+        (20, 13, "prompt", "max_context"),
+        (5, 20, "max_tokens", "need 4 KV blocks of 8 tokens; the cache has 3"),
+    ],
 )
 def test_a_generation_that_can_never_run_is_refused_and_nothing_queued(prompt_tokens, max_tokens, param, message):
     s = scheduler(3, 8, max_context=32)
@@ -139,7 +294,7 @@ def test_tokens_planned_ahead_go_to_their_sequence_and_stop_with_it() -> None:
     s.finish(b)  # b stops at its first token (a stop string, say)
     c = add(s, 4, 2)
     assert shape(s.schedule()) == ("prefill", [(c.id, 0, 4, True)])
-    assert c.slot == 1 and c.blocks == b_blocks  # b's slot and blocks
+    assert c.slot == 1 and c.blocks == b_blocks[:1]  # b's slot and first block
     for plan in in_flight:
         taken = s.update(plan, [token(ch.sequence, ch.draw) for ch in plan.chunks])
         assert [seq for seq, _ in taken] == [a]  # b's tokens on the way are dropped
@@ -160,33 +315,55 @@ def test_finishing_a_waiting_sequence_takes_it_out_of_the_queue() -> None:
     s.schedule()
     s.finish(waiting)
     s.finish(waiting)  # twice: harmless
-    assert not s.waiting and waiting.state is FINISHED and running.state is DECODING and s.pool.used == 2
+    assert not s.waiting and waiting.state is FINISHED and running.state is DECODING and s.pool.used == 1
 
 
-@settings(max_examples=60, deadline=None)
+def test_a_sequence_waits_rather_than_preempting_itself_for_blocks_that_reads_will_free() -> None:
+    """The newest sequence lacking a block, beside one whose every token is sampled (its reads end it):
+    it waits a step instead of being preempted, then takes the block the other one gave back."""
+    s = scheduler(2, 4, max_batch=2, max_context=8)
+    done, newest = add(s, 4, 1), add(s, 3, 3)
+    first = s.schedule()
+    assert shape(first) == ("prefill", [(done.id, 0, 4, True), (newest.id, 0, 3, True)])
+    assert shape(s.schedule()) == ("decode", [(newest.id, 3, 1, True)])
+    assert s.schedule() is None and newest.state is DECODING and s.stats.preemptions == 0  # position 4: no block
+    s.update(first, [token(c.sequence, c.draw) for c in first.chunks])
+    s.finish(done)
+    assert shape(s.schedule()) == ("decode", [(newest.id, 4, 1, True)]) and newest.blocks == [1, 0]
+
+
+@settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_every_generation_runs_to_its_end_and_every_block_comes_back(data: st.DataObject) -> None:
-    """Property: sequences of random sizes arriving at random steps, some ending early, steps read 0-3
-    behind their plans. At every step no block is held twice, each running sequence holds blocks for its
-    whole generation and runs its prompt in order; every sequence's draws are 0, 1, 2, ... and its output
-    is its own tokens in order, up to max_tokens or where it ended; at the end the pool is whole again."""
+    """Property: sequences of random sizes, some sharing prompt prefixes, arriving at random steps, some
+    ending early, steps read 0-3 behind their plans, a pool from one whole generation's blocks to three
+    (so sequences are preempted), prefix caching on or off. A model of the device's KV pool records what
+    each planned step writes, in plan order (a device runs steps in submission order): every row a step
+    attends holds its sequence's token at that position (written by its own steps, or by another's with
+    the same prefix). No block is held by more sequences than its count says; every sequence's output is
+    its own tokens in order, up to max_tokens or where it ended; at the end the pool is whole again."""
     chunk, block_size = data.draw(st.integers(1, 9), label="chunk"), data.draw(st.integers(1, 5), label="block")
-    s = scheduler(40, block_size, max_batch=data.draw(st.integers(1, 5), label="batch"), max_context=24, chunk=chunk)
+    whole = -(-24 // block_size)
+    blocks = data.draw(st.integers(whole, 3 * whole), label="blocks")
+    batch = data.draw(st.integers(1, 5), label="batch")
+    s = scheduler(blocks, block_size, max_batch=batch, max_context=24, chunk=chunk)
+    s.prefix_caching = data.draw(st.booleans(), label="prefix caching")
     ahead = data.draw(st.integers(0, 3), label="ahead")
-    generation = st.tuples(st.integers(0, 40), st.integers(1, 12), st.integers(1, 12))  # arrival step, sizes
+    generation = st.tuples(st.integers(0, 20), st.integers(1, 12), st.integers(1, 12), st.integers(0, 2))
     arrivals = deque(sorted(data.draw(st.lists(generation, min_size=1, max_size=12), label="arrivals")))
-    stops = {i: data.draw(st.integers(1, m), label=f"stop{i}") for i, (*_, m) in enumerate(arrivals) if i % 3 == 0}
+    stops = {i: data.draw(st.integers(1, m), label=f"stop{i}") for i, (_, _, m, _) in enumerate(arrivals) if i % 3 == 0}
     sequences: list[Sequence] = []
     in_flight: deque[StepPlan] = deque()
-    covered: dict[int, int] = {}  # prompt rows planned per sequence, in order
-    draws: dict[int, list[int]] = {}
-    for step in range(1000):
+    pool: dict[int, int] = {}  # the device's KV rows: the token each holds
+    for step in range(2000):
         while arrivals and arrivals[0][0] <= step:
-            _, prompt_tokens, max_tokens = arrivals.popleft()
-            sequences.append(add(s, prompt_tokens, max_tokens))
+            _, prompt_tokens, max_tokens, family = arrivals.popleft()  # families 0 and 1 share prefixes
+            first = 100 * family if family < 2 else 100 * (2 + len(sequences))  # others: a prompt of its own
+            prompt = list(range(first + 1, first + prompt_tokens + 1))
+            sequences.append(s.add(prompt, SamplingParams(max_tokens=max_tokens), seed=7))
         plan = s.schedule() if len(in_flight) <= ahead else None
         if plan is not None:
-            check_plan(s, plan, covered, draws)
+            check_plan(s, plan, pool)
             in_flight.append(plan)
         elif in_flight:
             done = in_flight.popleft()
@@ -196,29 +373,37 @@ def test_every_generation_runs_to_its_end_and_every_block_comes_back(data: st.Da
         elif not arrivals:
             break
     assert not arrivals and not in_flight and not s.unfinished()
-    assert s.pool.used == 0 and s.slots == [None] * s.max_batch
+    assert s.pool.used == 0 and s.pool.free == s.pool.blocks and s.slots == [None] * s.max_batch
     for seq in sequences:
         expected = min(seq.params.max_tokens, stops.get(seq.id, seq.params.max_tokens))
         assert seq.state is FINISHED and seq.output == [token(seq, d) for d in range(expected)]
-        assert draws[seq.id] == list(range(len(draws[seq.id])))
 
 
-def check_plan(s: Scheduler, plan: StepPlan, covered: dict[int, int], draws: dict[int, list[int]]) -> None:
-    """The invariants of one plan and of the pool after it (see the property test)."""
+def true_token(seq: Sequence, position: int) -> int:
+    """The token at ``position`` of ``seq``: its prompt's, then those the test device samples for it."""
+    return seq.prompt[position] if position < len(seq.prompt) else token(seq, position - len(seq.prompt))
+
+
+def check_plan(s: Scheduler, plan: StepPlan, pool: dict[int, int]) -> None:
+    """The invariants of one plan and of the pool after it (see the property test); writes the plan's
+    rows into the model ``pool`` and checks the rows each chunk attends."""
     running = s.running()
-    held = [block for seq in running for block in seq.blocks]
-    assert len(held) == len(set(held)) == s.pool.used
+    holders = Counter(block for seq in running for block in seq.blocks)
+    assert all(s.pool.refs(block) == count for block, count in holders.items())
+    assert len(holders) == s.pool.used
     for seq in running:
-        assert len(seq.blocks) * s.pool.block_size >= len(seq.prompt) + seq.params.max_tokens
+        assert seq.state in (PREFILLING, DECODING) and len(seq.blocks) * s.pool.block_size >= seq.computed
     assert 1 <= plan.rows <= (s.prefill_chunk if plan.kind.value == "prefill" else s.max_batch)
     for chunk in plan.chunks:
         seq = chunk.sequence
         assert seq in running and chunk.count >= 1 and chunk.draw < seq.params.max_tokens
+        assert chunk.epoch == seq.preemptions
         if plan.kind.value == "prefill":
-            assert chunk.start == covered.get(seq.id, 0)
-            covered[seq.id] = chunk.start + chunk.count
-            assert chunk.sampled == (covered[seq.id] == len(seq.prompt))
+            assert chunk.sampled == (chunk.start + chunk.count == seq.prefill_length)
+            assert chunk.draw == seq.resumed
         else:
             assert chunk.count == 1 and chunk.start == len(seq.prompt) + chunk.draw - 1
-        if chunk.sampled:
-            draws.setdefault(seq.id, []).append(chunk.draw)
+        end = chunk.start + chunk.count
+        for position in range(chunk.start, end):
+            pool[s.pool.row(seq.blocks, position)] = true_token(seq, position)
+        assert [pool.get(s.pool.row(seq.blocks, p)) for p in range(end)] == [true_token(seq, p) for p in range(end)]

@@ -21,9 +21,7 @@ import numpy as np
 from ..batch import default_device
 from ..device import Device
 from ..errors import BatchError, RequestError
-from ..models.config import LlamaConfig
-from ..models.llama import loading, open_weights, smollm2_path, steps_ahead, upload_weights
-from ..tensor import Tensor
+from ..models.llama import load_model, smollm2_path, steps_ahead
 from .blocks import BlockPool, default_blocks
 from .metrics import EngineStats, clock
 from .output import OutputProcessor, Piece
@@ -32,22 +30,6 @@ from .prompt import INLINE_PROMPT, Prompt, prompt_ids, prompt_size
 from .scheduler import Scheduler, SequenceState, StepKind, StepPlan
 from .scheduler import Sequence as ScheduledSequence
 from .step import KVCache, StepRunner, Submitted
-from .text import TextCodec
-
-
-def load_model(
-    device: Device, path: Path, max_context: int, *, quantized: bool, fuse: bool
-) -> tuple[LlamaConfig, TextCodec, dict[str, Tensor]]:
-    """The model's config, text codec and device weights, after checking ``max_context`` against its
-    trained length (before uploading); one display over reading the file and uploading."""
-    with loading(path) as stages:
-        weights = open_weights(path)
-        config, codec = weights.config, weights.codec()
-        trained = config.context or max_context
-        if not 1 <= max_context <= trained:
-            raise BatchError(f"Engine: max_context must be in [1, {trained}] (the model's trained length)")
-        config.check_context(max_context, "Engine")
-        return config, codec, upload_weights(device, weights, quantized=quantized, fuse=fuse, stages=stages)
 
 
 class Engine:
@@ -56,7 +38,9 @@ class Engine:
     ``max_batch`` slots decode together; ``max_context`` bounds prompt + output tokens (at most the
     model's trained length); the paged KV cache holds ``kv_blocks`` blocks of ``block_size`` tokens
     (default: room for every slot at a quarter of ``max_context``, at least one full context), in
-    ``kv_dtype`` (float32 or float16); prompts run in chunks of ``prefill_chunk`` tokens. ``fuse``
+    ``kv_dtype`` (float32 or float16), taken as sequences grow (when none is left, the newest request
+    is preempted and recomputed later); full blocks are kept for later prompts with the same prefix
+    (``prefix_caching``); prompts run in chunks of ``prefill_chunk`` tokens. ``fuse``
     concatenates each layer's q/k/v weights: one GEMV, then rope and both KV pool writes in one kernel
     (False: the separate ops, the same numbers). Each step's sampled tokens stay on the device as the next
     decode step's input, so up to ``ahead`` steps are submitted before the oldest one's tokens are read
@@ -78,19 +62,26 @@ class Engine:
         prefill_chunk: int = 32,
         fuse: bool = True,
         ahead: int | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         self.device = device if device is not None else default_device()
         self.path = Path(model) if model is not None else smollm2_path()
-        if max_batch < 1 or prefill_chunk < 1:
-            raise BatchError("Engine: max_batch and prefill_chunk must be at least 1")
+        if min(max_batch, prefill_chunk, block_size, 1 if kv_blocks is None else kv_blocks) < 1:
+            raise BatchError(
+                f"Engine: max_batch, prefill_chunk, block_size and kv_blocks must be at least 1, got {max_batch}, "
+                f"{prefill_chunk}, {block_size} and {kv_blocks}"
+            )
         self.ahead = steps_ahead(self.device, ahead, "Engine")
         self.config, self.codec, self.weights = load_model(
-            self.device, self.path, max_context, quantized=quantized, fuse=fuse
+            self.device, self.path, max_context, quantized=quantized, fuse=fuse, what="Engine"
         )
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
         blocks = kv_blocks if kv_blocks is not None else default_blocks(max_batch, max_context, block_size)
         self.pool = BlockPool(blocks, block_size)
-        self.scheduler = Scheduler(self.pool, max_batch=max_batch, max_context=max_context, prefill_chunk=prefill_chunk)
+        self.scheduler = Scheduler(
+            self.pool, max_batch=max_batch, max_context=max_context, prefill_chunk=prefill_chunk,
+            prefix_caching=prefix_caching,
+        )  # fmt: skip
         self.cache = KVCache.allocate(
             self.device, self.config, blocks=blocks, block_size=block_size, slots=max_batch, dtype=np.dtype(kv_dtype)
         )
@@ -168,8 +159,9 @@ class Engine:
         return Piece("".join(text), ids, last.finish_reason, last.prompt_tokens, last.completion_tokens)
 
     def memory(self) -> dict[str, Any]:
-        """The paged KV cache (blocks in use and free, block size, bytes of the pools) and the weights'
-        device bytes per storage format (``weight_bytes``: block formats by name, float tensors by dtype)."""
+        """The paged KV cache (blocks in use and free, ``blocks_cached``: those registered in the prefix
+        cache, held or free; block size, bytes of the pools) and the weights' device bytes per storage
+        format (``weight_bytes``: block formats by name, float tensors by dtype)."""
         weight_bytes: dict[str, int] = {}
         for tensor in self.weights.values():
             kind = getattr(tensor, "qtype", None) or tensor.dtype.name
@@ -177,6 +169,7 @@ class Engine:
         return {
             "blocks_used": self.pool.used,
             "blocks_free": self.pool.free,
+            "blocks_cached": self.pool.cached,
             "blocks": self.pool.blocks,
             "block_size": self.pool.block_size,
             "kv_bytes": self.cache.nbytes,
@@ -193,10 +186,12 @@ class Engine:
 
     def status(self) -> dict[str, Any]:
         """Requests running (holding a slot) and waiting, steps run so far (also per recorded row count),
-        and :meth:`memory`."""
+        preemptions and prompt tokens taken from the prefix cache so far, and :meth:`memory`."""
         return {
             "running": len(self.scheduler.running()),
             "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.stats.preemptions,
+            "prefix_cache_hit_tokens": self.scheduler.stats.prefix_cache_hit_tokens,
             "steps": dict(self.steps),
             "decode_sizes": dict(self.decode_sizes),
             "prefill_sizes": dict(self.prefill_sizes),

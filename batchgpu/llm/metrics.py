@@ -20,6 +20,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .blocks import BlockPool
+from .scheduler import Scheduler
+
 TIME_TO_FIRST_TOKEN_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
     160.0, 640.0, 2560.0,
@@ -86,18 +89,8 @@ class MeteredEngine(Protocol):
     """What the collector reads of an :class:`~batchgpu.llm.engine.Engine`."""
 
     stats: EngineStats
-    scheduler: Any  # running(), waiting; stats where the scheduler keeps a SchedulerStats
-    pool: Any  # used, blocks
-
-
-def scheduler_counts(scheduler: Any) -> tuple[int, int]:
-    """The scheduler's preemptions and prefix-cache hit tokens so far, from its ``stats`` (a
-    ``SchedulerStats``: ``preemptions``, ``prefix_cache_hit_tokens``) where it keeps one; (0, 0) for a
-    scheduler without one (no preemption, no prefix cache)."""
-    stats = getattr(scheduler, "stats", None)
-    if stats is None:
-        return 0, 0
-    return int(stats.preemptions), int(stats.prefix_cache_hit_tokens)
+    scheduler: Scheduler  # running(), waiting, stats
+    pool: BlockPool  # used, blocks
 
 
 class EngineCollector:
@@ -109,8 +102,8 @@ class EngineCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        engine, stats = self.engine, self.engine.stats
-        preemptions, prefix_hits = scheduler_counts(engine.scheduler)
+        engine, stats, counts = self.engine, self.engine.stats, self.engine.scheduler.stats
+        preemptions, prefix_hits = counts.preemptions, counts.prefix_cache_hit_tokens
         gauges = (
             ("requests_running", "Requests holding a slot (prefilling or decoding).", len(engine.scheduler.running())),
             ("requests_waiting", "Requests waiting for a slot and KV blocks.", len(engine.scheduler.waiting)),

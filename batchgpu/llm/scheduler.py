@@ -2,15 +2,25 @@
 plain Python over integers (vLLM v1's seam: :meth:`Scheduler.schedule` returns a :class:`StepPlan`, the
 step packs it into its feeds and runs it, :meth:`Scheduler.update` takes the tokens read back).
 
-Sequences wait in arrival order; the oldest joins when a slot and the KV blocks of its whole generation
-(prompt and ``max_tokens``) are free, so a running sequence never runs out of blocks. Admitted prompts
-run in chunks of at most ``prefill_chunk`` rows, several prompts' pieces packed into one prefill step in
-slot order; a decode step serves every decoding sequence at once. Prefill and decode steps alternate
-while both have work, so a long prompt does not stall the sequences already decoding.
+Sequences wait in arrival order; the oldest joins when a slot is free and the pool has the KV blocks of
+its first prompt piece. Blocks are taken as the sequences grow; when the pool has none left for a step,
+the newest running sequence is preempted: its blocks go back, it waits again at the front of the queue
+(in arrival order), and it later runs its prompt and the tokens it had generated as one prompt again
+(vLLM v1's recompute preemption). The oldest running sequence always fits (a request that would not fit
+the whole pool alone is refused), so every sequence ends. Admitted prompts run in chunks of at most
+``prefill_chunk`` rows, several prompts' pieces packed into one prefill step in slot order; a decode
+step serves every decoding sequence at once. Prefill and decode steps alternate while both have work, so
+a long prompt does not stall the sequences already decoding.
+
+Prefix caching: each full block whose step was read back is registered under the chained hash of its
+tokens (:mod:`~batchgpu.llm.blocks`); a sequence that joins takes the registered blocks of its longest
+cached prefix and runs only the rest (at least its last token, whose logits it samples from).
 
 Plans may be made before the previous steps' tokens are read (the engine's ``ahead``): a sequence counts
 the tokens its submitted steps sample (``sampled``) apart from those read back (``output``), and a
-sequence that finished meanwhile gets none of the tokens still on their way."""
+sequence that finished or was preempted meanwhile gets none of the tokens still on their way (the steps
+already submitted write only into blocks it held, before any later step of the blocks' next holder runs:
+steps run in submission order)."""
 
 from __future__ import annotations
 
@@ -20,18 +30,23 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..errors import RequestError, ShapeError
-from .blocks import BlockPool
+from .blocks import BlockPool, chain_hashes
 from .params import SamplingParams
 
 
 class SequenceState(Enum):
-    """Where a sequence is: waiting for a slot and blocks, running its prompt, sampling tokens, or done
-    (stopped, cancelled or failed: its slot and blocks given back). Preemption adds a state here."""
+    """Where a sequence is: waiting for a slot and blocks (``PREEMPTED``: waiting again, its blocks taken
+    back, to run its prompt and output as one prompt), running its prompt, sampling tokens, or done
+    (stopped, cancelled or failed: its slot and blocks given back)."""
 
     WAITING = "waiting"
+    PREEMPTED = "preempted"
     PREFILLING = "prefilling"
     DECODING = "decoding"
     FINISHED = "finished"
+
+
+QUEUED = (SequenceState.WAITING, SequenceState.PREEMPTED)
 
 
 class StepKind(Enum):
@@ -39,6 +54,17 @@ class StepKind(Enum):
 
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the scheduler started: ``preemptions``, prompt tokens whose KV came from the prefix
+    cache (``prefix_cache_hit_tokens``) and prefill rows computed (``prompt_tokens_computed``, prompts and
+    the recomputation of preempted sequences)."""
+
+    preemptions: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prompt_tokens_computed: int = 0
 
 
 @dataclass(eq=False)
@@ -53,33 +79,53 @@ class Sequence:
     state: SequenceState = SequenceState.WAITING
     slot: int = -1
     blocks: list[int] = field(default_factory=list)
-    prefilled: int = 0  # prompt tokens in submitted steps
+    computed: int = 0  # KV rows the submitted steps write (and those taken from the prefix cache)
     sampled: int = 0  # tokens the submitted steps sample for it (read back or not yet)
     output: list[int] = field(default_factory=list)  # tokens read back
+    resumed: int = 0  # output tokens its prefill runs again (after a preemption)
+    preemptions: int = 0  # also the epoch of its chunks: those of an older one are stale
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks of known tokens
+    registered: int = 0  # its first blocks that are registered in the prefix cache
 
     @property
-    def length(self) -> int:
-        """Tokens in the KV cache once the submitted steps ran (the prompt rows, then every sampled token
-        but the newest): the position of the next decode step's row."""
-        return self.prefilled + max(self.sampled - 1, 0)
+    def prefill_length(self) -> int:
+        """Rows its prefill runs: the prompt, and after a preemption the output read back before it."""
+        return len(self.prompt) + self.resumed
 
     @property
     def wants_token(self) -> bool:
         """Its prompt ran and it needs more tokens than the submitted steps sample."""
         return self.state is SequenceState.DECODING and self.sampled < self.params.max_tokens
 
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Its tokens at positions ``[start, stop)``: the prompt, then the output."""
+        return (self.prompt + self.output)[start:stop]
+
+
+def reads_counts(params: SamplingParams) -> bool:
+    """Whether sampling with ``params`` reads the slot's token counts (a penalty is on): its prefill must
+    then count every token, so it takes nothing from the prefix cache."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
 
 @dataclass(frozen=True)
 class Chunk:
     """A sequence's rows in a step: ``count`` tokens from position ``start`` (a decode step: 1, its newest
     token); the step samples a token for it from its last row, with key ``(seed, draw)``, and ``sampled``
-    says whether that token is real (not for a prompt piece that leaves more of the prompt to run)."""
+    says whether that token is real (not for a prompt piece that leaves more of the prompt to run);
+    ``epoch``: the sequence's preemptions when planned."""
 
     sequence: Sequence
     start: int
     count: int
     draw: int
     sampled: bool
+    epoch: int = 0
+
+    @property
+    def current(self) -> bool:
+        """Its sequence has neither finished nor been preempted since the chunk was planned."""
+        return self.sequence.state is not SequenceState.FINISHED and self.epoch == self.sequence.preemptions
 
 
 @dataclass(frozen=True)
@@ -96,16 +142,21 @@ class StepPlan:
 
 
 class Scheduler:
-    """Admission, chunked-prefill choice and KV block accounting for ``max_batch`` slots over ``pool``."""
+    """Admission, chunked-prefill choice, KV block accounting, preemption and prefix caching (off with
+    ``prefix_caching=False``) for ``max_batch`` slots over ``pool``; ``stats`` counts what happened."""
 
-    def __init__(self, pool: BlockPool, *, max_batch: int, max_context: int, prefill_chunk: int) -> None:
+    def __init__(
+        self, pool: BlockPool, *, max_batch: int, max_context: int, prefill_chunk: int, prefix_caching: bool = True
+    ) -> None:
         self.pool = pool
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
+        self.prefix_caching = prefix_caching
         self.prefill_width = min(max_batch, prefill_chunk)  # prompts one prefill step serves (its samples)
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence | None] = [None] * max_batch
         self.prefill_turn = True
         self.ids = itertools.count()
+        self.stats = SchedulerStats()
 
     # sequences in and out ------------------------------------------------------------------------------
 
@@ -118,7 +169,7 @@ class Scheduler:
         return sequence
 
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
-        """RequestError unless a generation of this size can ever run."""
+        """RequestError unless a generation of this size can ever run (alone, in the whole pool)."""
         if prompt_tokens == 0:
             raise RequestError("the prompt is empty", "prompt")
         if prompt_tokens + max_tokens > self.max_context:
@@ -129,18 +180,42 @@ class Scheduler:
             )
         needed = self.pool.needed(prompt_tokens + max_tokens)
         if needed > self.pool.blocks:
-            raise RequestError(f"the request needs {needed} KV blocks; the cache has {self.pool.blocks}", "max_tokens")
+            raise RequestError(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) need {needed} KV blocks of "
+                f"{self.pool.block_size} tokens; the cache has {self.pool.blocks}",
+                "max_tokens",
+            )
 
     def finish(self, sequence: Sequence) -> None:
         """End ``sequence`` (stopped, cancelled or failed): its slot and blocks are free for the next step,
-        and tokens still on their way to it are dropped. Finishing twice is harmless."""
-        if sequence.state is SequenceState.WAITING:
+        and tokens still on their way to it are dropped. Finishing twice is harmless. (Its blocks in the
+        prefix cache were registered when the steps writing them had been read back: a failed step
+        registers none.)"""
+        if sequence.state in QUEUED:
             self.waiting.remove(sequence)
         sequence.state = SequenceState.FINISHED
+        self.vacate(sequence)
+
+    def vacate(self, sequence: Sequence) -> None:
+        """``sequence`` gives back its slot and blocks."""
         if sequence.slot >= 0 and self.slots[sequence.slot] is sequence:
             self.slots[sequence.slot] = None
         self.pool.release(sequence.blocks)
-        sequence.slot = -1
+        sequence.slot, sequence.registered = -1, 0
+
+    def preempt(self, sequence: Sequence) -> None:
+        """Take a running sequence's slot and blocks back: it waits again, ahead of the sequences that came
+        after it, to run its prompt and the output read back so far as one prompt; the tokens on their
+        way to it are dropped (their draws are sampled again)."""
+        self.vacate(sequence)
+        sequence.state = SequenceState.PREEMPTED
+        sequence.preemptions += 1
+        sequence.resumed = len(sequence.output)
+        sequence.sampled = len(sequence.output)
+        sequence.computed = 0
+        later = next((i for i, s in enumerate(self.waiting) if s.id > sequence.id), len(self.waiting))
+        self.waiting.insert(later, sequence)
+        self.stats.preemptions += 1
 
     def running(self) -> list[Sequence]:
         """The sequences holding a slot, in slot order."""
@@ -153,71 +228,145 @@ class Scheduler:
     # the plan ------------------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        """Admit what fits, then plan the next step (None: nothing to run) and count it as submitted."""
+        """Admit what fits, then plan the next step (None: nothing to run) and count it as submitted;
+        where the pool lacks blocks for it, the newest running sequences are preempted."""
         self.admit()
-        running = self.running()
-        prefilling = [s for s in running if s.state is SequenceState.PREFILLING]
-        decoding = [s for s in running if s.wants_token]
-        if prefilling and (self.prefill_turn or not decoding):
-            self.prefill_turn = False
-            return self.plan_prefill(prefilling)
-        self.prefill_turn = True
-        return self.plan_decode(decoding) if decoding else None
+        while True:
+            preemptions = self.stats.preemptions
+            running = self.running()
+            prefilling = [s for s in running if s.state is SequenceState.PREFILLING]
+            decoding = [s for s in running if s.wants_token]
+            kinds = [StepKind.PREFILL, StepKind.DECODE] if self.prefill_turn else [StepKind.DECODE, StepKind.PREFILL]
+            for kind in kinds:
+                if kind is StepKind.PREFILL and prefilling:
+                    plan = self.plan_prefill(prefilling)
+                elif kind is StepKind.DECODE and decoding:
+                    plan = self.plan_decode(decoding)
+                else:
+                    continue
+                if plan.chunks:
+                    self.prefill_turn = kind is StepKind.DECODE
+                    return plan
+            if self.stats.preemptions == preemptions:  # nothing runs until the reads end sequences
+                self.prefill_turn = True
+                return None
 
     def admit(self) -> None:
-        """Waiting sequences take free slots, oldest first, while the pool holds their whole generation;
-        the oldest waits for blocks (it fits an empty pool: :meth:`check`) and those behind it with it."""
+        """Waiting sequences take free slots, oldest first, each with the blocks of its cached prefix,
+        while the pool has free blocks for their first prompt pieces; the oldest waits (it fits an empty
+        pool: :meth:`check`) and those behind it with it."""
+        budget = self.pool.free
         while self.waiting and None in self.slots:
             sequence = self.waiting[0]
-            if not self.pool.grow(sequence.blocks, len(sequence.prompt) + sequence.params.max_tokens):
+            cached = self.cached_prefix(sequence)
+            hit = len(cached) * self.pool.block_size
+            first = min(sequence.prefill_length - hit, self.prefill_chunk)
+            cost = self.pool.needed(hit + first) - len(cached) + sum(self.pool.refs(b) == 0 for b in cached)
+            if cost > budget:
                 return
+            budget -= cost
             self.waiting.popleft()
+            self.pool.take(cached)
+            sequence.blocks, sequence.computed, sequence.registered = cached, hit, len(cached)
+            self.stats.prefix_cache_hit_tokens += hit
             sequence.slot = self.slots.index(None)
             sequence.state = SequenceState.PREFILLING
             self.slots[sequence.slot] = sequence
 
+    def cached_prefix(self, sequence: Sequence) -> list[int]:
+        """The registered blocks of ``sequence``'s longest cached prefix, leaving at least its last prefill
+        token to compute (its logits give the next token); none where prefix caching is off or the
+        sequence's sampling reads the token counts (:func:`reads_counts`)."""
+        if not self.prefix_caching or reads_counts(sequence.params):
+            return []
+        blocks = (sequence.prefill_length - 1) // self.pool.block_size
+        tokens = sequence.token_ids(0, sequence.prefill_length)
+        return self.pool.lookup(chain_hashes(sequence.hashes, tokens, self.pool.block_size, blocks)[:blocks])
+
+    def allocate(self, demands: list[tuple[Sequence, int]]) -> set[Sequence]:
+        """Grow each sequence's blocks to its rows, oldest first; where the pool has too few, preempt the
+        newest running sequence that still needs blocks (possibly the one asking: it then waits instead
+        where sequences whose every token is sampled hold blocks, since their reads free them) until they
+        fit. Returns those that got theirs."""
+        granted = set()
+        for sequence, rows in sorted(demands, key=lambda demand: demand[0].id):
+            while sequence.state is not SequenceState.PREEMPTED and not self.pool.grow(sequence.blocks, rows):
+                running = self.running()
+                growing = [s for s in running if s.state is SequenceState.PREFILLING or s.wants_token]
+                victim = max(growing, key=lambda s: s.id)
+                if victim is sequence and len(growing) < len(running):
+                    break
+                self.preempt(victim)
+            else:
+                if sequence.state is not SequenceState.PREEMPTED:
+                    granted.add(sequence)
+        return granted
+
     def plan_prefill(self, prefilling: list[Sequence]) -> StepPlan:
         """The next pieces of the prompts, in slot order, while rows of ``prefill_chunk`` are left (the last
         one may get only part of what is left of its prompt), at most ``prefill_width`` prompts."""
-        chunks, rows = [], 0
+        pieces, rows = [], 0
         for sequence in prefilling[: self.prefill_width]:
             if rows >= self.prefill_chunk:
                 break
-            first = sequence.prefilled
-            count = min(len(sequence.prompt) - first, self.prefill_chunk - rows)
-            ends = first + count == len(sequence.prompt)
-            chunks.append(Chunk(sequence, first, count, sequence.sampled, ends))
+            count = min(sequence.prefill_length - sequence.computed, self.prefill_chunk - rows)
+            pieces.append((sequence, count))
             rows += count
-        for chunk in chunks:
-            self.advance_prefill(chunk)
+        granted = self.allocate([(sequence, sequence.computed + count) for sequence, count in pieces])
+        chunks = []
+        for sequence, count in pieces:
+            if sequence in granted:
+                ends = sequence.computed + count == sequence.prefill_length
+                chunks.append(Chunk(sequence, sequence.computed, count, sequence.sampled, ends, sequence.preemptions))
+                self.advance_prefill(chunks[-1])
         return StepPlan(StepKind.PREFILL, chunks)
 
     def advance_prefill(self, chunk: Chunk) -> None:
         """Count a planned prompt piece as submitted; a piece that ends the prompt starts the decoding."""
         sequence = chunk.sequence
-        sequence.prefilled += chunk.count
+        sequence.computed += chunk.count
+        self.stats.prompt_tokens_computed += chunk.count
         if chunk.sampled:
             sequence.sampled += 1
             sequence.state = SequenceState.DECODING
 
     def plan_decode(self, decoding: list[Sequence]) -> StepPlan:
         """One row per decoding sequence, at its next position, each sampling its next token."""
-        chunks = [Chunk(s, s.length, 1, s.sampled, True) for s in decoding]
-        for sequence in decoding:
+        granted = self.allocate([(s, s.computed + 1) for s in decoding])
+        chunks = []
+        for sequence in (s for s in decoding if s in granted):
+            chunks.append(Chunk(sequence, sequence.computed, 1, sequence.sampled, True, sequence.preemptions))
+            sequence.computed += 1
             sequence.sampled += 1
         return StepPlan(StepKind.DECODE, chunks)
 
     # results -------------------------------------------------------------------------------------------
 
     def update(self, plan: StepPlan, tokens: list[int]) -> list[tuple[Sequence, int]]:
-        """Take a step's tokens (one per chunk of ``plan``): each real token of a sequence that has not
-        finished meanwhile joins its output; returns those (sequence, token) pairs, in chunk order."""
+        """Take a step's tokens (one per chunk of ``plan``): each real token of a sequence that has neither
+        finished nor been preempted meanwhile joins its output, and the blocks the step filled join the
+        prefix cache; returns those (sequence, token) pairs, in chunk order."""
         if len(tokens) != len(plan.chunks):
             raise ShapeError(f"update: the plan has {len(plan.chunks)} chunks, got {len(tokens)} tokens")
         taken = []
         for chunk, token in zip(plan.chunks, tokens):
+            if not chunk.current:
+                continue
             sequence = chunk.sequence
-            if chunk.sampled and sequence.state is not SequenceState.FINISHED:
+            if chunk.sampled:
                 sequence.output.append(token)
                 taken.append((sequence, token))
+            if self.prefix_caching:
+                self.register(sequence, chunk.start + chunk.count)
         return taken
+
+    def register(self, sequence: Sequence, rows: int) -> None:
+        """Register ``sequence``'s full blocks among its first ``rows`` (written by steps read back)."""
+        full = min(rows // self.pool.block_size, len(sequence.blocks))
+        if full <= sequence.registered:
+            return
+        tokens = sequence.token_ids(0, full * self.pool.block_size)
+        hashes = chain_hashes(sequence.hashes, tokens, self.pool.block_size, full)
+        for j in range(sequence.registered, full):
+            self.pool.register(sequence.blocks[j], hashes[j])
+        sequence.registered = full

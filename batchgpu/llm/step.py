@@ -106,9 +106,10 @@ def record_step(
       see :meth:`GpuCommandBatch.sample`;
     - ``sampled_slots`` (samples,): slot each sampled token is counted for and stored in ``cache.tokens``
       for (-1: not a real token, e.g. a prompt chunk that does not end the prompt);
-    - with ``prompt`` (a prefill step) also ``count_slots`` (rows,), ``reset`` (slots,): prompt tokens to count
-      into ``seen`` (slot or -1), slots whose counts start over (a new sequence). Decode steps count only
-      the tokens they sample.
+    - with ``prompt`` (a prefill step) also ``count_slots`` (rows,), ``generated_slots`` (rows,), ``reset``
+      (slots,): the slot (or -1) each row's token counts for in ``seen``, and in ``generated`` (a row of a
+      preempted sequence's output, run again), slots whose counts start over (a new sequence). Decode
+      steps count only the tokens they sample.
     Output: ``next_ids`` (samples,) int32.
     """
     batch = GpuCommandBatch(device, name=name)
@@ -134,6 +135,7 @@ def record_step(
     }
     if prompt:
         inputs["count_slots"] = inp("count_slots", (rows,), np.int32)
+        inputs["generated_slots"] = inp("generated_slots", (rows,), np.int32)
         inputs["reset"] = inp("reset", (slots,), np.int32)
     x = inputs
     ids = x["ids"] if prompt else batch.reshape(batch.embedding(x["token_slots"], cache.tokens), (rows,))
@@ -151,8 +153,7 @@ def record_step(
     logits = record_logits(batch, weights, batch.embedding(x["sample_rows"], normed))
     if prompt:  # prompt tokens count before this step's sampling (HF's repetition penalty covers the prompt)
         batch.count_tokens(cache.seen, x["count_slots"], x["ids"], x["reset"])
-        no_tokens = batch.upload(np.full(1, -1, np.int32), name="no_tokens")
-        batch.count_tokens(cache.generated, no_tokens, no_tokens, x["reset"])  # resets only
+        batch.count_tokens(cache.generated, x["generated_slots"], x["ids"], x["reset"])
     if by_slot:  # sample i is slot i's: its counts row is its own
         if samples != slots:
             raise ValueError(f"record_step: by_slot needs one sample per slot ({slots}), got {samples}")
@@ -254,7 +255,7 @@ class StepRunner:
 def idle_feeds(step: Step) -> dict[str, np.ndarray]:
     """Every input of ``step`` as an idle step: no rows written, attended or counted."""
     feeds = {name: np.zeros(t.shape, t.dtype) for name, t in step.inputs.items()}
-    for name in ("kv_rows", "count_slots", "sampled_slots"):
+    for name in ("kv_rows", "count_slots", "generated_slots", "sampled_slots"):
         if name in feeds:
             feeds[name][:] = -1
     feeds["sampling"][:, 1] = 1.0  # top_p off
@@ -264,21 +265,23 @@ def idle_feeds(step: Step) -> dict[str, np.ndarray]:
 
 def prefill_feeds(step: Step, chunks: list[Chunk], block_size: int) -> dict[str, np.ndarray]:
     """A prefill step's feeds: each chunk's prompt piece a contiguous run of rows, in order; chunk ``i``
-    samples from its last row (a real token only where its piece ends its prompt)."""
+    samples from its last row (a real token only where its piece ends its prompt). A preempted sequence's
+    prompt is its prompt and output: the output's rows count as generated tokens too."""
     feeds = idle_feeds(step)
     start = 0
     for index, chunk in enumerate(chunks):
         sequence = chunk.sequence
         rows = slice(start, start + chunk.count)
         positions = np.arange(chunk.start, chunk.start + chunk.count, dtype=np.int32)
-        feeds["ids"][rows] = sequence.prompt[chunk.start : chunk.start + chunk.count]
+        feeds["ids"][rows] = sequence.token_ids(chunk.start, chunk.start + chunk.count)
         feeds["positions"][rows] = positions
         feeds["kv_rows"][rows] = pool_rows(sequence.blocks, positions, block_size)
         feeds["seq"][rows] = index
         feeds["lengths"][rows] = positions + 1
         feeds["block_tables"][index, : len(sequence.blocks)] = sequence.blocks
         feeds["count_slots"][rows] = sequence.slot
-        if chunk.start == 0:
+        feeds["generated_slots"][rows] = np.where(positions >= len(sequence.prompt), sequence.slot, -1)
+        if chunk.start == 0:  # (a prompt starting from prefix-cached blocks reads no counts: no penalties)
             feeds["reset"][sequence.slot] = 1
         sampling_feeds(feeds, index, chunk, row=start + chunk.count - 1)
         feeds["sampled_slots"][index] = sequence.slot if chunk.sampled else -1

@@ -23,6 +23,7 @@ from ..errors import ArgumentError, BatchError
 from ..progress import Stages
 from ..scalars import Scalar
 from ..tensor import Tensor
+from .codec import TextCodec
 from .config import LlamaConfig
 from .decoder import ContiguousKV, architecture, check_parts, record_decoder, record_logits
 from .gguf_file import GGUFWeights
@@ -180,6 +181,22 @@ def steps_ahead(device: Device, ahead: int | None, what: str) -> int:
 
 
 @dataclass
+def load_model(
+    device: Device, path: Path, max_context: int, *, quantized: bool, fuse: bool, what: str
+) -> tuple[LlamaConfig, TextCodec, dict[str, Tensor]]:
+    """The model's config, text codec and device weights for ``what`` (an engine serving it), after
+    checking ``max_context`` against its trained length (before uploading); one display over reading the
+    file and uploading."""
+    with loading(path) as stages:
+        weights = open_weights(path)
+        config, codec = weights.config, weights.codec()
+        trained = config.context or max_context
+        if not 1 <= max_context <= trained:
+            raise BatchError(f"{what}: max_context must be in [1, {trained}] (the model's trained length)")
+        config.check_context(max_context, what)
+        return config, codec, upload_weights(device, weights, quantized=quantized, fuse=fuse, stages=stages)
+
+
 class StepBatch:
     """A recorded forward pass over ``tokens`` new tokens starting at scalar ``pos``. ``ids`` is the
     prompt input of a prefill step; a decode step reads its token from the device, where every step
