@@ -447,6 +447,10 @@ HOSTILE = {
         "'embeddings.LayerNorm.bias' dtype must be one of F32, F16, BF16, got I64",
     ),
     "tokenizer": (lambda d: (d / "tokenizer.json").write_text('{"model": 1}'), "tokenizer.json: not a tokenizer"),
+    "tokenizer-vocab": (
+        lambda d: (d / "tokenizer.json").write_text(tokenizer_json(56)),
+        "tokenizer.json: the tokenizer has 56 ids; the model's vocab_size must hold them, got 41",
+    ),
 }
 
 

@@ -195,7 +195,9 @@ def is_encoder(path: Path | str) -> bool:
 # the forward pass ------------------------------------------------------------------------------------
 
 
-def linear(batch: GpuCommandBatch, params: dict[str, Tensor], x: Tensor, name: str, activation: str | None = None):
+def linear(
+    batch: GpuCommandBatch, params: dict[str, Tensor], x: Tensor, name: str, activation: str | None = None
+) -> Tensor:
     """``x @ W^T + b`` of the Linear ``name`` (weights stored (out, in), as PyTorch keeps them)."""
     extra = {} if activation is None else {"activation": activation}
     return batch.matmul(x, params[f"{name}.weight"], transpose_b=True, bias=params[f"{name}.bias"], **extra)
@@ -329,7 +331,8 @@ class Encoder:
         if config_file is None:
             raise BatchError(f"{self.path}: no config.json (a Hugging Face model directory has one)")
         self.config = EncoderConfig.from_hf(Fields(read_json(config_file), config_file))
-        self.model = SentenceModel.read(self.path, self.config.hidden, self.config.positions)
+        cfg = self.config
+        self.model = SentenceModel.read(self.path, cfg.hidden, cfg.positions, cfg.vocab)
         stored = check_checkpoint(self.config, read_checkpoint(self.path))
         self.max_batch = min(max_batch, self.rows_allowed(MIN_LENGTH))
         self.max_batch_tokens = max_batch_tokens

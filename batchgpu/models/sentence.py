@@ -62,18 +62,14 @@ class SentenceModel:
     tokenizer: Any
 
     @classmethod
-    def read(cls, directory: Path, hidden: int, positions: int) -> SentenceModel:
-        """The directory's pipeline, for an encoder of ``hidden`` features and ``positions`` positions."""
+    def read(cls, directory: Path, hidden: int, positions: int, vocab: int) -> SentenceModel:
+        """The directory's pipeline, for an encoder of ``hidden`` features, ``positions`` positions and a
+        vocabulary of ``vocab`` rows."""
         modules = read_modules(directory)
         pooling = read_pooling(directory, modules["Pooling"], hidden)
         length, lower = read_settings(directory, positions)
-        tokenizer = read_tokenizer(directory, length)
+        tokenizer = read_tokenizer(directory, length, vocab)
         return cls(pooling, "Normalize" in modules, length, lower, tokenizer)
-
-
-def is_sentence_model(directory: Path) -> bool:
-    """Whether ``directory`` is a sentence-transformers directory (it has ``modules.json``)."""
-    return directory.is_dir() and optional_file(directory, MODULES_FILE) is not None
 
 
 def read_modules(directory: Path) -> dict[str, str]:
@@ -143,10 +139,11 @@ def read_settings(directory: Path, positions: int) -> tuple[int, bool]:
     return length, fields.flag("do_lower_case", False)
 
 
-def read_tokenizer(directory: Path, max_length: int) -> Any:
+def read_tokenizer(directory: Path, max_length: int, vocab: int) -> Any:
     """The directory's ``tokenizer.json`` as a ``tokenizers`` Tokenizer that truncates at ``max_length``
     tokens (special tokens included, longest first, as sentence-transformers asks its tokenizer) and does
-    not pad (the batches pad)."""
+    not pad (the batches pad); its ids must all be rows of the model's ``vocab``, and it must encode a text
+    within ``max_length`` (its special tokens fit)."""
     from tokenizers import Tokenizer
 
     file = model_file(directory, TOKENIZER_FILE, directory, "file")
@@ -154,6 +151,12 @@ def read_tokenizer(directory: Path, max_length: int) -> Any:
         tokenizer = Tokenizer.from_str(read_text(file))
         tokenizer.no_padding()
         tokenizer.enable_truncation(max_length=max_length, strategy="longest_first")
+        tokenizer.encode("a")
     except Exception as error:  # the tokenizers library raises plain Exceptions
         raise ModelFileError(f"{file}: not a tokenizer the tokenizers library reads: {error}") from None
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab:
+        raise ModelFileError(
+            f"{file}: the tokenizer has {size} ids; the model's vocab_size must hold them, got {vocab}"
+        )
     return tokenizer
