@@ -9,7 +9,9 @@ float32 dot product of K terms errs by at most about K * 2^-24 relative to the s
 order or fusing (fma) a driver picks; with K <= 1536 here and LayerNorms re-scaling every layer the
 measured error is about 1e-6, so 1e-4 holds on any GPU. Padding is exact by construction (a padding key's
 softmax weight underflows to exactly 0, pooling multiplies padding rows by 0), so a text's vector in a
-padded batch equals its vector alone up to summation order: 1e-5.
+padded batch equals its vector alone up to summation order: 1e-5. The encoder adds no op of its own (its
+ops' kernels are tested per executor); tests/test_cuda_kernels_cpu.py runs a tiny checkpoint through the
+CUDA kernels on the CPU harness to the same tolerance.
 
 Tiny random checkpoints at odd shapes (heads of 4 or 3 features, primes for the feed-forward, vocabulary
 and positions) run every pooling and dtype; hostile directories are refused with ModelFileError naming the
