@@ -112,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", help="wgpu (default), reference, cuda or hip")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
+    serve.add_argument(
+        "--max-batch",
+        type=int,
+        help="sequences decoded together (default 8); for an encoder, texts embedded together (default 32)",
+    )
     serve.add_argument("--max-context", type=int, default=2048, help="prompt + output tokens (default 2048)")
     serve.add_argument("--fp32", action="store_true", help="dequantize weights to float32 (default: as stored)")
     serve.add_argument("--kv-f16", action="store_true", help="keep the KV cache in float16")
@@ -543,13 +547,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f'serve: {exc}; install the server with `pip install "batchgpu[serve]"`', file=sys.stderr)
         return 2
     from .llm.options import EngineOptions
+    from .models.encoder import is_encoder
     from .models.llama import smollm2_path
 
     path = Path(args.model) if args.model else smollm2_path()
+    if args.max_request_bytes < 1:
+        print(f"serve: --max-request-bytes must be at least 1, got {args.max_request_bytes}", file=sys.stderr)
+        return 2
+    for flag, value in (("--kv-blocks", args.kv_blocks), ("--block-size", args.block_size)):
+        if value is not None and value < 1:
+            print(f"serve: {flag} must be at least 1, got {value}", file=sys.stderr)
+            return 2
+    if is_encoder(path):
+        return serve_embeddings(args, path)
     options = EngineOptions(
         model=str(path),
         device=args.device,
-        max_batch=args.max_batch,
+        max_batch=8 if args.max_batch is None else args.max_batch,
         max_context=args.max_context,
         quantized=not args.fp32,
         kv_dtype="float16" if args.kv_f16 else "float32",
@@ -557,13 +571,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         prefix_caching=not args.no_prefix_caching,
     )
-    for flag, value in (("--kv-blocks", args.kv_blocks), ("--block-size", args.block_size)):
-        if value is not None and value < 1:
-            print(f"serve: {flag} must be at least 1, got {value}", file=sys.stderr)
-            return 2
-    if args.max_request_bytes < 1:
-        print(f"serve: --max-request-bytes must be at least 1, got {args.max_request_bytes}", file=sys.stderr)
-        return 2
     if args.ray:
         return serve_on_ray(args, options, model_name=path.stem)
     serve(
@@ -573,6 +580,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         max_request_bytes=args.max_request_bytes,
         trusted_messages=args.trusted_messages,
+    )
+    return 0
+
+
+def serve_embeddings(args: argparse.Namespace, path: Path) -> int:
+    """``serve`` of an encoder directory: ``/v1/embeddings`` (and ``/v1/models``) over one device."""
+    from .llm.server import serve
+
+    if args.ray:
+        print("serve: --ray serves generation models only; an encoder is served in one process", file=sys.stderr)
+        return 2
+
+    def make_service() -> Any:
+        from .device import Device
+        from .llm.embeddings import EmbeddingService
+        from .models.encoder import DEFAULT_MAX_BATCH, Encoder
+
+        rows = DEFAULT_MAX_BATCH if args.max_batch is None else args.max_batch
+        return EmbeddingService(Encoder(Device(args.device), path, max_batch=rows))
+
+    serve(
+        make_service,
+        model_name=path.stem,
+        host=args.host,
+        port=args.port,
+        max_request_bytes=args.max_request_bytes,
+        embeddings=True,
     )
     return 0
 

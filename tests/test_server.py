@@ -381,7 +381,7 @@ def test_unknown_paths_and_methods_get_error_bodies(server: str) -> None:
     for method, path, status in [("GET", COMPLETIONS, 405), ("GET", CHAT, 405), ("POST", "/v1/models", 405)]:
         got, reply = _http(f"{server}{path}", b"{}" if method == "POST" else None, method)
         assert (got, reply["error"]["message"]) == (status, f"Method Not Allowed ({method} {path})"), reply
-    for method, path in [("GET", "/v1/nothing"), ("POST", "/v2/completions"), ("GET", "/")]:
+    for method, path in [("GET", "/v1/nothing"), ("POST", "/v2/completions"), ("GET", "/"), ("POST", "/v1/embeddings")]:
         got, reply = _http(f"{server}{path}", b"{}" if method == "POST" else None, method)
         assert (got, reply["error"]["message"]) == (404, f"Invalid URL ({method} {path})"), reply
         assert reply["error"]["type"] == "invalid_request_error"

@@ -40,8 +40,9 @@ JSON_TYPES: dict[str, Callable[[Any], bool]] = {
     "array": lambda v: isinstance(v, list),
 }
 
-CHAT, COMPLETIONS = "chat", "completions"
+CHAT, COMPLETIONS, EMBEDDINGS = "chat", "completions", "embeddings"
 BOTH = (CHAT, COMPLETIONS)
+EVERY = (CHAT, COMPLETIONS, EMBEDDINGS)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Field:
 
 
 FIELDS: dict[str, Field] = {
-    "model": Field(("string",)),
+    "model": Field(("string",), EVERY),
     "prompt": Field(("string", "array"), (COMPLETIONS,)),
     "messages": Field(("array",), (CHAT,)),
     "stream": Field(("boolean",)),
@@ -75,7 +76,7 @@ FIELDS: dict[str, Field] = {
     "stop": Field(("string", "array"), sampling="stop"),
     "stop_token_ids": Field(("array",), sampling="stop_token_ids"),  # vLLM's
     "ignore_eos": Field(("boolean",), sampling="ignore_eos"),  # vLLM's
-    "user": Field(("string",)),  # an end-user id: accepted, not used
+    "user": Field(("string",), EVERY),  # an end-user id: accepted, not used
     "n": Field(("integer",), only=(1,)),
     "best_of": Field(("integer",), (COMPLETIONS,), only=(1,)),
     "echo": Field(("boolean",), (COMPLETIONS,), only=(False,)),
@@ -87,8 +88,11 @@ FIELDS: dict[str, Field] = {
     "tools": Field(("array",), (CHAT,), only=([],)),
     "tool_choice": Field(("string", "object"), (CHAT,), only=("none",)),
     "parallel_tool_calls": Field(("boolean",), (CHAT,)),  # without tools: nothing to do
+    "input": Field(("string", "array"), (EMBEDDINGS,)),  # checked by batchgpu.llm.embeddings
+    "encoding_format": Field(("string",), (EMBEDDINGS,), only=("float", "base64")),
+    "dimensions": Field(("integer",), (EMBEDDINGS,)),  # only the model's own (batchgpu.llm.embeddings)
 }
-"""The request fields of ``/v1/completions`` and ``/v1/chat/completions``."""
+"""The request fields of ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/embeddings``."""
 
 STREAM_OPTIONS = {"include_usage": "boolean"}
 MESSAGE_FIELDS = {"role": "string", "content": "string or array", "name": "string"}
@@ -143,17 +147,7 @@ def json_depth(body: bytes) -> int:
 def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     """Check every field of ``body`` (a request to ``endpoint``: :data:`CHAT` or :data:`COMPLETIONS`)
     against :data:`FIELDS` and make the request of it."""
-    values = {name: value for name, value in body.items() if value is not None}
-    for name, value in values.items():
-        field = FIELDS.get(name)
-        if field is None or endpoint not in field.endpoints:
-            raise RequestError(f"unrecognized request argument supplied: {name}", name)
-        if not any(JSON_TYPES[kind](value) for kind in field.types):
-            expected = " or ".join(field.types)
-            raise RequestError(f"{name} must be {_article(expected)}, got {_json_type(value)}", name)
-        if field.only is not None and not any(_same(value, served) for served in field.only):
-            served = " or ".join(json.dumps(v) for v in field.only) or "null"
-            raise RequestError(f"{name}={json.dumps(value)[:80]} is not supported (only {served})", name)
+    values = check_fields(body, endpoint)
     stream = values.get("stream", False)
     options = values.get("stream_options", {})
     if "stream_options" in values and not stream:
@@ -167,6 +161,23 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         stream=stream,
         include_usage=bool(options.get("include_usage")),
     )
+
+
+def check_fields(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    """The fields of ``body`` that are not null, each checked against :data:`FIELDS` for ``endpoint`` (one
+    of :data:`EVERY`): known there, of its JSON type, and of its served values."""
+    values = {name: value for name, value in body.items() if value is not None}
+    for name, value in values.items():
+        field = FIELDS.get(name)
+        if field is None or endpoint not in field.endpoints:
+            raise RequestError(f"unrecognized request argument supplied: {name}", name)
+        if not any(JSON_TYPES[kind](value) for kind in field.types):
+            expected = " or ".join(field.types)
+            raise RequestError(f"{name} must be {_article(expected)}, got {_json_type(value)}", name)
+        if field.only is not None and not any(_same(value, served) for served in field.only):
+            served = " or ".join(json.dumps(v) for v in field.only) or "null"
+            raise RequestError(f"{name}={json.dumps(value)[:80]} is not supported (only {served})", name)
+    return values
 
 
 def _sampling(values: dict[str, Any]) -> SamplingParams:

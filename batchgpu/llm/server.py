@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP server over one :class:`~batchgpu.llm.Engine` (Starlette on uvicorn):
 ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed over server-sent
-events with ``"stream": true``, and ``GET /metrics`` for Prometheus (:mod:`batchgpu.llm.metrics`). A client
+events with ``"stream": true``, and ``GET /metrics`` for Prometheus (:mod:`batchgpu.llm.metrics`); or, for an
+encoder model, ``POST /v1/embeddings`` over an :class:`~batchgpu.llm.embeddings.EmbeddingService`. A client
 that disconnects mid-stream cancels its request (its slot is freed at the next step). The engine is made in
 the server's event-loop thread (a Device belongs to one thread); request bodies are parsed, and prompts
 tokenized, on other threads, so a large request does not stall the streams of the others."""
@@ -17,7 +18,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from ..errors import RequestError
-from .engine import Engine, Piece
+from .embeddings import embeddings_response, read_embeddings_request
+from .engine import Piece
 from .metrics import EngineStats, exposition, metrics_registry
 from .schema import CHAT, COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, read_request
 
@@ -28,17 +30,21 @@ def create_app(
     *,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     trusted_messages: bool = False,
+    embeddings: bool = False,
 ) -> Any:
     """The ASGI app; ``make_engine`` runs once at startup, in the server's thread, and returns an
-    :class:`Engine` or anything with its ``generate`` (async iterator of pieces) and ``status`` (a dict,
-    or an awaitable of one): :class:`batchgpu.llm.ray_serve.RemoteEngine` serves replicas on Ray.
+    :class:`~batchgpu.llm.Engine` or anything with its ``generate`` (async iterator of pieces) and ``status`` (a dict,
+    or an awaitable of one): :class:`batchgpu.llm.ray_serve.RemoteEngine` serves replicas on Ray. With
+    ``embeddings``, it returns an :class:`~batchgpu.llm.embeddings.EmbeddingService` instead, and the app
+    serves ``/v1/embeddings`` and ``/v1/models`` only (the other paths are 404, as for a path that does not
+    exist).
 
     Every request is checked before it runs (:mod:`batchgpu.llm.schema`): a body over ``max_request_bytes``
     is refused with 413 as soon as its Content-Length (or what was read of it) says so, a bad field with
     400 naming it, a ``model`` other than ``model_name`` with 404 (``model_not_found``; a request without
     one gets this model); unknown paths and methods get 404 and 405. Every refusal carries OpenAI's error
     body. ``trusted_messages``: control-token text in chat messages is control (only where every client
-    is trusted; by default it is plain text, :meth:`Engine.generate`). ``GET /metrics`` answers Prometheus
+    is trusted; by default it is plain text, :meth:`~batchgpu.llm.Engine.generate`). ``GET /metrics`` answers Prometheus
     with the engine's metrics (:mod:`batchgpu.llm.metrics`; 501 for an engine without ``stats``, such as
     :class:`~batchgpu.llm.ray_serve.RemoteEngine`)."""
     from starlette.applications import Starlette
@@ -85,7 +91,8 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await _serve(request, CHAT)
 
-    async def _serve(request: Request, endpoint: str) -> Response:
+    async def _parsed(request: Request, parse: Callable[[bytes], Any]) -> Any:
+        """The request ``parse`` makes of the body (off the event loop), or the Response refusing it."""
         try:
             body = await _read_body(request, max_request_bytes)
         except RequestError as exc:  # over the limit
@@ -93,12 +100,26 @@ def create_app(
         except ClientDisconnect:
             return Response(status_code=400)  # nobody to answer
         try:
-            call = await asyncio.to_thread(read_request, body, endpoint)
+            call = await asyncio.to_thread(parse, body)
         except RequestError as exc:
             return _error(400, str(exc), param=exc.param)
         if call.model is not None and call.model != model_name:
             message = f"The model `{call.model[:100]}` does not exist (this server serves `{model_name}`)"
             return _error(404, message, param="model", code="model_not_found")
+        return call
+
+    async def embed(request: Request) -> Response:
+        service = state["engine"]
+        call = await _parsed(request, lambda body: read_embeddings_request(body, service.encoder))
+        if isinstance(call, Response):
+            return call
+        vectors = await service.embed(call.ids)
+        return JSONResponse(await asyncio.to_thread(embeddings_response, vectors, call, model_name))
+
+    async def _serve(request: Request, endpoint: str) -> Response:
+        call = await _parsed(request, lambda body: read_request(body, endpoint))
+        if isinstance(call, Response):
+            return call
         chat = endpoint == CHAT
         kind = "chat.completion" if chat else "text_completion"
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -143,13 +164,16 @@ def create_app(
     async def server_error(request: Request, exc: Exception) -> Response:
         return _error(500, "the server failed on this request", kind="server_error")
 
-    routes = [
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/engine", engine_status, methods=["GET"]),  # not OpenAI's: running/waiting requests, KV blocks
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/metrics", metrics, methods=["GET"]),  # Prometheus
-    ]
+    routes = [Route("/v1/models", models, methods=["GET"])]
+    if embeddings:
+        routes.append(Route("/v1/embeddings", embed, methods=["POST"]))
+    else:
+        routes += [
+            Route("/v1/engine", engine_status, methods=["GET"]),  # not OpenAI's: running/waiting requests, KV blocks
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/metrics", metrics, methods=["GET"]),  # Prometheus
+        ]
     handlers = {HTTPException: http_error, Exception: server_error}
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
 
@@ -233,17 +257,24 @@ def _error_body(message: str, kind: str, *, param: str | None = None, code: str 
 
 
 def serve(
-    make_engine: Callable[[], Engine],
+    make_engine: Callable[[], Any],
     *,
     model_name: str,
     host: str = "127.0.0.1",
     port: int = 8000,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     trusted_messages: bool = False,
+    embeddings: bool = False,
 ) -> None:
     """Run the server until interrupted (uvicorn, one worker: one engine owns the device); see
-    :func:`create_app` for ``max_request_bytes`` and ``trusted_messages``."""
+    :func:`create_app` for ``max_request_bytes``, ``trusted_messages`` and ``embeddings``."""
     import uvicorn
 
-    app = create_app(make_engine, model_name, max_request_bytes=max_request_bytes, trusted_messages=trusted_messages)
+    app = create_app(
+        make_engine,
+        model_name,
+        max_request_bytes=max_request_bytes,
+        trusted_messages=trusted_messages,
+        embeddings=embeddings,
+    )
     uvicorn.run(app, host=host, port=port, log_level="info")

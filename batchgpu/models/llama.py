@@ -180,7 +180,6 @@ def steps_ahead(device: Device, ahead: int | None, what: str) -> int:
     return ahead
 
 
-@dataclass
 def load_model(
     device: Device, path: Path, max_context: int, *, quantized: bool, fuse: bool, what: str
 ) -> tuple[LlamaConfig, TextCodec, dict[str, Tensor]]:
@@ -197,6 +196,7 @@ def load_model(
         return config, codec, upload_weights(device, weights, quantized=quantized, fuse=fuse, stages=stages)
 
 
+@dataclass
 class StepBatch:
     """A recorded forward pass over ``tokens`` new tokens starting at scalar ``pos``. ``ids`` is the
     prompt input of a prefill step; a decode step reads its token from the device, where every step

@@ -21,8 +21,9 @@ from ..errors import ModelFileError
 from .fields import Fields
 from .files import describe, parse_json
 
-STORED_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
-"""safetensors dtypes read here -> the numpy type their bytes are mapped as (bfloat16: raw 16-bit words)."""
+STORED_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64}
+"""safetensors dtypes read here -> the numpy type their bytes are mapped as (bfloat16: raw 16-bit words;
+int64: the ``position_ids`` buffer BERT checkpoints carry, never a weight)."""
 MAX_HEADER_BYTES = 100_000_000
 """The safetensors library's own limit on a header's length."""
 METADATA = "__metadata__"
