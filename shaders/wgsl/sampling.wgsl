@@ -237,9 +237,15 @@ fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_
     if lid == 0u && item < p.rows { out[item] = O(i32(picked)); }
 }
 
+// logprobs writes O = f32 (the module compiles per launch, with O = i32 for sample).
+// The f32 of a bit pattern, a runtime value: a constant NaN or infinity fails shader creation in WGSL.
+fn from_bits(bits: u32) -> f32 {
+    return bitcast<f32>(bits);
+}
+
 // The logprob l - lse, or NaN where the row's maximum is not finite (found by bits: WGSL may fold NaN tests).
 fn logprob_of(l: f32, lse: f32, finite: bool) -> f32 {
-    return select(bitcast<f32>(0x7fc00000u), l - lse, finite);
+    return select(from_bits(0x7fc00000u), l - lse, finite);
 }
 
 @compute @workgroup_size(WG)
@@ -256,7 +262,7 @@ fn logprobs(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgrou
     let ranks = workgroupUniformLoad(&rank_count);   // uniform: a skipped row skips every barrier
     if live && lid == 0u {   // invocation 0 writes the whole row (first NaN, id -1; then what it computes)
         for (var j = 0u; j < LOGPROB_WIDTH; j++) {
-            out[at + j] = select(bitcast<f32>(0x7fc00000u), -1.0, j >= 1u && j <= MAX_TOP);
+            out[at + j] = O(select(from_bits(0x7fc00000u), -1.0, j >= 1u && j <= MAX_TOP));
         }
     }
     if ranks == 0u { return; }
@@ -278,14 +284,14 @@ fn logprobs(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgrou
     let lse = m + log(tree_sum(lid, total));
     let wanted = ids[row];
     if live && lid == 0u && wanted >= 0 && u32(wanted) < p.width {
-        out[at] = logprob_of(f32(logits[base + u32(wanted)]), lse, finite);
+        out[at] = O(logprob_of(f32(logits[base + u32(wanted)]), lse, finite));
     }
 
     // 3. The top ids: rank r is the first element in argmax's order after rank r - 1's.
     for (var rank = 0u; rank + 1u < ranks; rank++) {
         let previous = f32(logits[base + pick]);
         if rank > 0u {
-            value = bitcast<f32>(0xff800000u);   // (-inf, no index): after every element in argmax's order
+            value = from_bits(0xff800000u);   // (-inf, no index): after every element in argmax's order
             index = 0xffffffffu;
             for (var i = lid; i < p.width; i += WG) {
                 let v = f32(logits[base + i]);
@@ -294,8 +300,8 @@ fn logprobs(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgrou
             pick = tree_best(lid, value, index);
         }
         if live && lid == 0u {
-            out[at + 1u + rank] = f32(pick);
-            out[at + 1u + MAX_TOP + rank] = logprob_of(f32(logits[base + pick]), lse, finite);
+            out[at + 1u + rank] = O(f32(pick));
+            out[at + 1u + MAX_TOP + rank] = O(logprob_of(f32(logits[base + pick]), lse, finite));
         }
     }
 }
