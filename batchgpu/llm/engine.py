@@ -159,12 +159,14 @@ class Engine:
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False) -> Piece:
         """The whole generation as one :class:`Piece` (synchronous)."""
-        text, ids, last = [], [], Piece("", [])
-        for piece in self.generate_sync(prompt, params, trusted=trusted):
-            text.append(piece.text)
-            ids += piece.token_ids
-            last = piece
-        return Piece("".join(text), ids, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+        pieces = list(self.generate_sync(prompt, params, trusted=trusted))
+        last, logprobs = pieces[-1], [entry for piece in pieces for entry in piece.logprobs or ()]
+        texts = {i: text for piece in pieces for i, text in (piece.token_texts or {}).items()}
+        return Piece(
+            "".join(piece.text for piece in pieces), [i for piece in pieces for i in piece.token_ids],
+            last.finish_reason, last.prompt_tokens, last.completion_tokens, logprobs if logprobs else None,
+            pieces[0].prompt_logprobs, texts or None,
+        )  # fmt: skip
 
     def memory(self) -> dict[str, Any]:
         """The paged KV cache (blocks in use and free, block size, bytes of the pools) and the weights'
@@ -286,12 +288,19 @@ class Engine:
         generation ends the request."""
         try:
             tokens = await submitted.read_async()
+            logprobs = await submitted.logprobs_async(tokens)
         except BatchError as exc:
             self._fail([chunk.sequence for chunk in submitted.plan.chunks], exc)
             return
+        sampled = {}
+        for chunk, entry in zip(submitted.plan.chunks, logprobs or ()):
+            output = self.outputs.get(chunk.sequence)
+            if output is not None and entry.prompt is not None:
+                output.add_prompt_logprobs(chunk.sequence.prompt, entry.prompt)
+            sampled[chunk.sequence] = entry.sampled
         for sequence, token in self.scheduler.update(submitted.plan, tokens):
             output = self.outputs[sequence]
-            piece = output.push(token)
+            piece = output.push(token, sampled.get(sequence))
             if piece.finish_reason is None:
                 output.queue.put_nowait(piece)
             else:

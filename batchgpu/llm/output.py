@@ -9,19 +9,25 @@ import asyncio
 from dataclasses import dataclass
 
 from .params import SamplingParams
+from .step import TokenLogprob
 from .text import TextCodec, TextStream
 
 
 @dataclass
 class Piece:
     """Part of a generation's output: new text and token ids, and on the last piece why it ended
-    (``finish_reason``: ``"stop"``, ``"length"`` or ``"cancelled"``) and the token counts."""
+    (``finish_reason``: ``"stop"``, ``"length"`` or ``"cancelled"``) and the token counts. Where the
+    request asked (``SamplingParams.logprobs``), ``logprobs`` has one entry per token of ``token_ids``; the
+    first piece carries ``prompt_logprobs`` where asked: one per prompt token, the first with logprob None."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    token_texts: dict[int, str] | None = None
 
 
 class OutputProcessor:
@@ -32,14 +38,36 @@ class OutputProcessor:
 
     def __init__(self, codec: TextCodec, params: SamplingParams, prompt_tokens: int) -> None:
         self.params = params
+        self.codec = codec
         self.stream = TextStream(codec, params.stop)
         self.eos_ids = frozenset() if params.ignore_eos else codec.eos_ids
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.queue: asyncio.Queue[Piece | BaseException] = asyncio.Queue()
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # gathered over the prompt's pieces
 
-    def push(self, token: int) -> Piece:
-        """The piece of ``token``: its new text, and whether (and why) the generation ends with it."""
+    def add_prompt_logprobs(self, prompt: list[int], entries: list[TokenLogprob]) -> None:
+        """The logprobs of the next prompt tokens (a prefill step's piece, in order); the first token of
+        ``prompt`` opens the list with logprob None."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [TokenLogprob(prompt[0], None)]
+        self.prompt_logprobs += entries
+
+    def push(self, token: int, logprob: TokenLogprob | None = None) -> Piece:
+        """The piece of ``token`` (with its ``logprob`` where the request asked): its new text, and whether
+        (and why) the generation ends with it."""
+        piece = self._piece(token)
+        if logprob is not None:
+            piece.logprobs = [logprob]
+        if self.completion_tokens == 1:
+            piece.prompt_logprobs = self.prompt_logprobs
+        entries = [*(piece.logprobs or ()), *(piece.prompt_logprobs or ())]
+        if entries:
+            ids = {i for entry in entries for i in (entry.token, *(t for t, _ in entry.top))}
+            piece.token_texts = {i: self.codec.decode([i]) for i in ids}
+        return piece
+
+    def _piece(self, token: int) -> Piece:
         self.completion_tokens += 1
         ends = token in self.eos_ids or token in self.params.stop_token_ids
         delta = self.stream.finish() if ends else self.stream.push(token)

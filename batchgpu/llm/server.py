@@ -18,7 +18,8 @@ from typing import Any
 
 from ..errors import RequestError
 from .engine import Engine, Piece
-from .schema import CHAT, COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, read_request
+from .logprobs import chat_logprobs, completion_logprobs, merge_completion_logprobs
+from .schema import CHAT, COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, ParsedRequest, read_request
 
 
 def create_app(
@@ -89,20 +90,26 @@ def create_app(
             first = await pieces.__anext__()  # refusals (too long, bad ids) become HTTP errors, not streams
         except RequestError as exc:
             return _error(400, str(exc), param=exc.param)
+        echo = _Echo(call, first, getattr(state["engine"], "codec", None)) if call.echo else None
         if call.stream:
             events = _events(
-                first, pieces, chat=chat, ident=ident, created=created, model=model_name, usage=call.include_usage
-            )
+                first, pieces, chat=chat, ident=ident, created=created, model=model_name, usage=call.include_usage,
+                echo=echo,
+            )  # fmt: skip
             return StreamingResponse(events, media_type="text/event-stream")
-        text, last = [first.text], first
-        async for piece in pieces:
-            text.append(piece.text)
-            last = piece
+        collected = [first]
+        if echo is None or not echo.prompt_only:
+            collected += [piece async for piece in pieces]
+        else:
+            await pieces.aclose()
+        last = collected[-1]
+        whole = _joined(collected)
         choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason}
         if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
+            choice["message"] = {"role": "assistant", "content": whole.text}
+            choice["logprobs"] = chat_logprobs(whole.logprobs, whole.token_texts or {}) if whole.logprobs else None
         else:
-            choice.update(text="".join(text), logprobs=None)
+            choice.update(_completion_choice(whole, echo))
         return JSONResponse(
             {
                 "id": ident,
@@ -110,7 +117,7 @@ def create_app(
                 "created": created,
                 "model": model_name,
                 "choices": [choice],
-                "usage": _usage(last),
+                "usage": _usage(echo.usage(last) if echo is not None else last),
             }
         )
 
@@ -149,8 +156,65 @@ async def _read_body(request: Any, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+class _Echo:
+    """A completions request with ``echo``: the prompt's text (as given, or its ids decoded) and logprobs
+    go before the output; with ``prompt_only`` (max_tokens 0) they are the whole answer."""
+
+    def __init__(self, call: ParsedRequest, first: Piece, codec: Any) -> None:
+        self.prompt_only = call.prompt_only
+        self.logprobs = first.prompt_logprobs
+        texts = first.token_texts or {}
+        if isinstance(call.prompt, str):
+            self.text = call.prompt
+        elif codec is not None:
+            self.text = codec.decode(call.prompt)
+        else:
+            self.text = "".join(texts.get(entry.token, "") for entry in self.logprobs or ())
+
+    def prompt_piece(self, first: Piece) -> Piece:
+        """The answer of a ``prompt_only`` request: the prompt, its logprobs, ended by length."""
+        return Piece("", [], "length", first.prompt_tokens, 0, None, None, first.token_texts)
+
+    def usage(self, last: Piece) -> Piece:
+        return self.prompt_piece(last) if self.prompt_only else last
+
+
+def _joined(pieces: list[Piece]) -> Piece:
+    """The pieces as one: their text, ids and logprobs in order, the first's prompt logprobs, the last's end."""
+    last, logprobs = pieces[-1], [entry for piece in pieces for entry in piece.logprobs or ()]
+    texts = {i: text for piece in pieces for i, text in (piece.token_texts or {}).items()}
+    return Piece(
+        "".join(piece.text for piece in pieces), [i for piece in pieces for i in piece.token_ids],
+        last.finish_reason, last.prompt_tokens, last.completion_tokens, logprobs or None,
+        pieces[0].prompt_logprobs, texts,
+    )  # fmt: skip
+
+
+def _completion_choice(piece: Piece, echo: _Echo | None, *, first: bool = True) -> dict[str, Any]:
+    """A completions choice's ``text`` and ``logprobs`` for ``piece`` (with the echoed prompt before it on
+    the ``first`` piece; only the prompt when the request has max_tokens 0)."""
+    texts = piece.token_texts or {}
+    if echo is not None and echo.prompt_only:
+        piece = echo.prompt_piece(piece)
+    echoed = echo is not None and first
+    prefix = echo.text if echo is not None and echoed else ""
+    logprobs = completion_logprobs(piece.logprobs, texts, len(prefix)) if piece.logprobs is not None else None
+    if echoed and echo is not None and echo.logprobs is not None:
+        prompt = completion_logprobs(echo.logprobs, texts)
+        logprobs = merge_completion_logprobs(prompt, logprobs) if logprobs is not None else prompt
+    return {"text": prefix + piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+
+
 async def _events(
-    first: Piece, pieces: AsyncIterator[Piece], *, chat: bool, ident: str, created: int, model: str, usage: bool
+    first: Piece,
+    pieces: AsyncIterator[Piece],
+    *,
+    chat: bool,
+    ident: str,
+    created: int,
+    model: str,
+    usage: bool,
+    echo: _Echo | None = None,
 ) -> AsyncIterator[str]:
     """Server-sent events of a streamed generation; closing it (a client gone) cancels the request."""
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -164,12 +228,16 @@ async def _events(
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if piece.text or not role:
                 delta["content"] = piece.text
-            return event({"index": 0, "delta": delta, "finish_reason": piece.finish_reason})
-        return event({"index": 0, "text": piece.text, "logprobs": None, "finish_reason": piece.finish_reason})
+            logprobs = chat_logprobs(piece.logprobs, piece.token_texts or {}) if piece.logprobs else None
+            return event({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason})
+        return event({"index": 0, **_completion_choice(piece, echo, first=role)})
 
     try:
         last = first
         yield chunk(first, role=True)
+        if echo is not None and echo.prompt_only:
+            pieces = _none(pieces)
+            last = echo.prompt_piece(first)
         try:
             async for piece in pieces:
                 last = piece
@@ -183,6 +251,13 @@ async def _events(
         yield "data: [DONE]\n\n"
     finally:
         await pieces.aclose()
+
+
+async def _none(pieces: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    """No more pieces: ``pieces`` closed (a prompt-only request ends with its first piece)."""
+    await pieces.aclose()
+    return
+    yield
 
 
 def _usage(piece: Piece) -> dict[str, int]:
