@@ -165,6 +165,10 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     prompt = _messages(values.get("messages")) if endpoint == CHAT else _prompt(values.get("prompt"))
     echo = values.get("echo", False)
     prompt_only = echo and values.get("max_tokens") == 0
+    if values.get("max_tokens") == 0 and not echo:
+        raise RequestError(
+            "max_tokens=0 is only served with echo (the prompt scored); otherwise at least 1", "max_tokens"
+        )
     return ParsedRequest(
         model=values.get("model"),
         prompt=prompt,
