@@ -112,6 +112,20 @@ def test_engine_logprobs_are_of_the_raw_distribution(engine: Engine) -> None:
     check_entry(PROMPT_IDS[:5], other.logprobs[0].token, other.logprobs[0].logprob, list(other.logprobs[0].top), 5)
 
 
+def test_engine_reads_back_only_the_small_logprob_rows(engine: Engine) -> None:
+    """Logprobs every step cost no extra submit and no logits row: each step reads its ids and the
+    ``logprobs`` op's 41-float rows (the reference executor counts the bytes it hands back)."""
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=20)
+    engine.complete(PROMPT_IDS[:5], params)  # the steps' first runs (their plans) before counting
+    stats, steps = engine.device.stats, sum(engine.steps.values())
+    submits, read = stats.submits, stats.bytes_read
+    engine.complete(PROMPT_IDS[:5], params)
+    ran = sum(engine.steps.values()) - steps
+    assert stats.submits - submits == ran >= 4  # one submit per step: a prefill step, decode steps
+    per_row = 4 + 4 * (1 + 2 * 20)  # an id, then the target's logprob, 20 ids and 20 logprobs
+    assert stats.bytes_read - read <= ran * engine.max_batch * per_row < engine.config.vocab * 4
+
+
 def test_engine_requests_without_logprobs_get_none_beside_one_that_asks(engine: Engine) -> None:
     """Two requests in the same steps, one asking for logprobs and one not: the other gets none, and both
     get their greedy tokens."""

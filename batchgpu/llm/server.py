@@ -81,6 +81,10 @@ def create_app(
         if call.model is not None and call.model != model_name:
             message = f"The model `{call.model[:100]}` does not exist (this server serves `{model_name}`)"
             return _error(404, message, param="model", code="model_not_found")
+        codec = getattr(state["engine"], "codec", None)
+        if call.echo and not isinstance(call.prompt, str) and codec is None and call.params.prompt_logprobs is None:
+            message = "echo of a token-id prompt needs logprobs on this server (no tokenizer here)"
+            return _error(400, message, param="echo")
         chat = endpoint == CHAT
         kind = "chat.completion" if chat else "text_completion"
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -90,7 +94,7 @@ def create_app(
             first = await pieces.__anext__()  # refusals (too long, bad ids) become HTTP errors, not streams
         except RequestError as exc:
             return _error(400, str(exc), param=exc.param)
-        echo = _Echo(call, first, getattr(state["engine"], "codec", None)) if call.echo else None
+        echo = _Echo(call, first, codec) if call.echo else None
         if call.stream:
             events = _events(
                 first, pieces, chat=chat, ident=ident, created=created, model=model_name, usage=call.include_usage,
