@@ -490,6 +490,16 @@ class GpuCommandBatch:
         (Gumbel-max with a counter-based hash: the same keys draw the same id)."""
         return self._named(self._record("sample", (logits, params, top_k, keys)), name)
 
+    def logprobs(self, logits: Tensor, targets: Tensor, top_n: Tensor, *, name: str = "") -> Tensor:
+        """Log-probabilities of (S, V) logits as they are (no temperature, penalty or truncation: the
+        model's distribution), per row a (41,) float32 row: the logprob of ``targets[i]`` (int32 (S,); NaN
+        outside [0, V)), then the ``top_n[i]`` (int32 (S,), at most 20) ids with the largest logits in
+        ``argmax``'s order (as floats, exact), then their logprobs. Rows with ``top_n < 0`` are not computed;
+        entries not computed are NaN with id -1, and a row whose maximum is not finite gives NaN logprobs.
+        Read back only these rows, never the logits: ``batchgpu.ops.sampling.logprobs_reference`` says it
+        in numpy."""
+        return self._named(self._record("logprobs", (logits, targets, top_n)), name)
+
     def count_tokens(self, counts: Tensor, slots: Tensor, ids: Tensor, reset: Tensor | None = None) -> Tensor:
         """Update (S, V) int32 ``counts`` in place: rows with ``reset != 0`` are zeroed first (without
         ``reset``, none is), then each ``counts[slots[i], ids[i]]`` gains 1 (duplicates add up; a slot outside

@@ -295,6 +295,12 @@ def _sample(inputs: Inputs) -> list[Tensor]:
     return [b.sample(inputs.tensor(5, 33), settings, top_k, seeds)]
 
 
+def _logprobs(inputs: Inputs) -> list[Tensor]:
+    """Rows skipped, asking for no top ids, some, and more than the row has."""
+    b = inputs.batch
+    return [b.logprobs(inputs.tensor(4, 9), inputs.ids(0, 8, 3, 20), inputs.ids(-1, 0, 3, 20))]
+
+
 def _count_tokens(inputs: Inputs) -> list[Tensor]:
     if inputs.dtype != np.int32:  # int32 counts only: recorded once per run
         return []
@@ -330,6 +336,7 @@ EXAMPLES: dict[str, Example] = {
     "argmax": _argmax,
     "penalize": _penalize,
     "sample": _sample,
+    "logprobs": _logprobs,
     "count_tokens": _count_tokens,
 }
 """How to record each built-in op (by op name)."""

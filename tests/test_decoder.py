@@ -73,7 +73,7 @@ def expected_step(d: dict, *, fuse: bool, prompt: bool, by_slot: bool, float16_p
     layer = layer_ops(joined=joined, joined_ffn=fuse, paged=True, biases=d["biases"], qk_norms=d["qk_norm"], cast=cast)
     tokens = [] if prompt else ["embedding", "reshape"]  # a decode row's token from the slot's latest
     counts = ["count_tokens", "count_tokens"] * prompt + ["embedding", "embedding"] * (not by_slot)
-    sampling = [*counts, "penalize", "sample", "count_tokens", "count_tokens", "reshape", "scatter_rows"]
+    sampling = [*counts, "penalize", "sample", "logprobs", "count_tokens", "count_tokens", "reshape", "scatter_rows"]
     return [*tokens, "embedding", "rms_norm", *layer * d["layers"], "embedding", "matmul", *sampling]
 
 

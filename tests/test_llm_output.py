@@ -85,3 +85,19 @@ def test_a_stop_token_id_ends_the_generation_without_its_text(codec: TextCodec) 
     got = pieces(codec, ids, max_tokens=50, stop_token_ids=[period])
     assert joined(got) == "The capital of France is Paris" and got[-1].finish_reason == "stop"
     assert got[-1].token_ids == [period]
+
+
+def test_prompt_logprobs_of_a_prompt_run_again_replace_the_first_run(codec: TextCodec) -> None:
+    """Prompt logprobs come in prefill pieces from position ``start``; a preempted sequence runs its prompt
+    again from 0, and those pieces replace the first run's: one entry per prompt token, in order."""
+    from batchgpu.llm.step import TokenLogprob
+
+    prompt = [5, 6, 7, 8, 9]
+    output = OutputProcessor(codec, SamplingParams(max_tokens=2, prompt_logprobs=0), len(prompt))
+    first_run = [TokenLogprob(t, -1.0) for t in prompt[1:]]
+    again = [TokenLogprob(t, -2.0) for t in prompt[1:]]
+    output.add_prompt_logprobs(prompt, first_run[:2], 0)
+    output.add_prompt_logprobs(prompt, again[:3], 0)  # preempted after its first piece: the prompt again
+    output.add_prompt_logprobs(prompt, again[3:], 3)
+    piece = output.push(11)
+    assert piece.prompt_logprobs == [TokenLogprob(5, None), *again]

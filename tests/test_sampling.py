@@ -495,6 +495,108 @@ def test_sample_gumbel_noise_is_standard_gumbel():
     assert abs(series / -math.log1p(-float(w)) - 1) < 3e-7  # float32: 2 ulp
 
 
+# logprobs --------------------------------------------------------------------------------------
+
+
+def run_logprobs(device, logits, targets, top_n) -> np.ndarray:
+    batch = bg.GpuCommandBatch(device)
+    arrays = (logits, np.asarray(targets, np.int32), np.asarray(top_n, np.int32))
+    out = batch.logprobs(*(batch.upload(a) for a in arrays))
+    batch.execute()
+    return batch.read(out)
+
+
+def float64_log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    shifted = x - x.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+LOGPROB_ATOL = 3e-5
+"""|logprob - float64 log-softmax| allowed, plus 1e-6 x |logprob|: the row's sum of exponentials adds
+ceil(V / 256) float32 terms per invocation and a 256-leaf tree (relative error under 1.2e-5 at V = 49,152),
+exp and log are within a few ulp on GPUs (WGSL: exp 3 + 2|x| ulp, log 2^-21 absolute near 1), and the
+difference l - lse rounds once (|l - lse| < 64 here: under 4e-6)."""
+
+
+def check_logprobs(got: np.ndarray, logits: np.ndarray, targets: np.ndarray, top_n: np.ndarray) -> None:
+    """Ids exactly as the reference (argmax's order over the same float32 values); logprobs within
+    LOGPROB_ATOL of the float64 log-softmax; NaN and -1 exactly where the reference has them."""
+    expected = sampling.logprobs_reference(logits, targets, top_n)
+    top = slice(1, 1 + sampling.MAX_TOP)
+    np.testing.assert_array_equal(got[:, top], expected[:, top])
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    exact = float64_log_softmax(logits.astype(np.float32))
+    for row in range(logits.shape[0]):
+        ranks = int((expected[row, top] >= 0).sum())
+        ids = expected[row, top][:ranks].astype(int)
+        want = [exact[row, int(targets[row])]] if not np.isnan(expected[row, 0]) else []
+        have = got[row, [0] if want else []]
+        want += list(exact[row, ids])
+        have = np.concatenate([have, got[row, 1 + sampling.MAX_TOP : 1 + sampling.MAX_TOP + ranks]])
+        np.testing.assert_allclose(have, want, rtol=1e-6, atol=LOGPROB_ATOL, err_msg=f"row {row}")
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_logprobs_match_float64_log_softmax(gpu, ref, vocab, dtype):
+    """Rows asking for 0, 1, 5, 20 and more than 20 top ids, rows skipped (top_n < 0), targets inside and
+    outside [0, V); ties among the top ids come in index order."""
+    rng = np.random.default_rng(vocab + 29)
+    rows = 7
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(dtype)
+    logits[1, vocab // 2 :] = logits[1].max()  # ties with the maximum: lowest index first
+    targets = rng.integers(0, vocab, rows).astype(np.int32)
+    targets[3], targets[4] = -1, vocab
+    top_n = np.array([0, 20, -1, 1, 5, 25, 3], np.int32)
+    for device in (gpu, ref):
+        got = run_logprobs(device, logits, targets, top_n)
+        assert got.shape == (rows, sampling.LOGPROB_WIDTH) and got.dtype == np.float32
+        check_logprobs(got, logits.astype(np.float32), targets, top_n)
+    assert np.isnan(got[2]).sum() == 1 + sampling.MAX_TOP and (got[2, 1 : 1 + sampling.MAX_TOP] == -1).all()
+
+
+def test_logprobs_nan_rows(gpu, ref):
+    """A row holding NaN: the NaNs rank first (by index), then argmax's order; every logprob is NaN."""
+    rng = np.random.default_rng(31)
+    logits = (rng.standard_normal((2, 1009)) * 2).astype(np.float32)
+    logits[0, [700, 5]] = np.nan
+    targets, top_n = np.array([3, 4], np.int32), np.array([4, 4], np.int32)
+    for device in (gpu, ref):
+        got = run_logprobs(device, logits, targets, top_n)
+        finite_order = np.argsort(-np.where(np.isnan(logits[0]), -np.inf, logits[0]), kind="stable")
+        assert got[0, 1:5].tolist() == [5, 700, *finite_order[:2]]
+        assert np.isnan(got[0, [0, 21, 22, 23, 24]]).all()
+        check_logprobs(got, logits, targets, top_n)
+
+
+def test_logprobs_largest_vocab(gpu, ref):
+    """Rows of MAX_LOGPROB_VOCAB tokens with 20 top ids, one workgroup each: every pass stays within the
+    loop budget."""
+    rng = np.random.default_rng(37)
+    logits = (rng.standard_normal((2, sampling.MAX_LOGPROB_VOCAB)) * 2).astype(np.float32)
+    targets, top_n = np.array([0, sampling.MAX_LOGPROB_VOCAB - 1], np.int32), np.array([20, 2], np.int32)
+    for device in (gpu, ref):
+        check_logprobs(run_logprobs(device, logits, targets, top_n), logits, targets, top_n)
+
+
+def test_logprobs_refuse_bad_operands(ref):
+    batch = bg.GpuCommandBatch(ref)
+    logits, ids = batch.upload(np.ones((2, 5), np.float32)), batch.upload(np.zeros(2, np.int32))
+    with pytest.raises(DTypeError, match=r"logprobs: targets .* has dtype float32; expected int32"):
+        batch.logprobs(logits, batch.upload(np.zeros(2, np.float32)), ids)
+    with pytest.raises(ShapeError, match=r"logprobs: top_n .* must have shape \(2,\), got \(3,\)"):
+        batch.logprobs(logits, ids, batch.upload(np.zeros(3, np.int32)))
+    with pytest.raises(DTypeError, match=r"logprobs: logits .* expected float32 or float16"):
+        batch.logprobs(batch.upload(np.ones((2, 5), np.int32)), ids, ids)
+    with pytest.raises(LimitError, match=rf"logprobs: .* at most {sampling.MAX_LOGPROB_VOCAB}"):
+        batch.logprobs(batch.upload(np.ones((2, sampling.MAX_LOGPROB_VOCAB + 1), np.float32)), ids, ids)
+    assert len(batch) == 0
+    out = batch.logprobs(logits, ids, ids)  # the batch still records and runs
+    batch.execute()
+    assert batch.read(out).shape == (2, sampling.LOGPROB_WIDTH)
+
+
 # validation ------------------------------------------------------------------------------------
 
 

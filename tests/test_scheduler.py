@@ -189,17 +189,21 @@ def test_prefix_cache_hits_skip_the_prefill_of_cached_blocks() -> None:
     assert s.pool.used == 0 and s.pool.free == 16
 
 
-def test_no_prefix_cache_for_penalized_sampling_or_when_off() -> None:
-    """A penalty reads the slot's token counts, which the prefill of the prompt's rows builds: such a
-    sequence computes its whole prompt; and an engine without prefix caching registers nothing."""
+@pytest.mark.parametrize(
+    "whole", [dict(presence_penalty=0.5), dict(prompt_logprobs=1)], ids=["penalized", "prompt_logprobs"]
+)
+def test_no_prefix_cache_for_requests_that_run_every_prompt_row_or_when_off(whole) -> None:
+    """A penalty reads the slot's token counts, which the prefill of the prompt's rows builds, and a request
+    for its prompt's logprobs reads every prompt row's logits: such a sequence computes its whole prompt;
+    and an engine without prefix caching registers nothing."""
     s = scheduler(16, 4, chunk=16)
     first = add(s, 9, 2)
     plan = s.schedule()
     s.update(plan, [token(first, 0)])
-    penalized = s.add(list(range(1, 10)), SamplingParams(max_tokens=2, presence_penalty=0.5), seed=7)
+    computed = s.add(list(range(1, 10)), SamplingParams(max_tokens=2, **whole), seed=7)
     plain = add(s, 9, 2)
     s.schedule()  # first decodes
-    assert shape(s.schedule()) == ("prefill", [(penalized.id, 0, 9, True), (plain.id, 8, 1, True)])
+    assert shape(s.schedule()) == ("prefill", [(computed.id, 0, 9, True), (plain.id, 8, 1, True)])
     off = scheduler(16, 4, chunk=16)
     off.prefix_caching = False
     first = add(off, 9, 2)

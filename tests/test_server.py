@@ -352,7 +352,7 @@ HOSTILE = [  # (id, path, body, status, param, part of the message): one per cla
     ("field-unknown", COMPLETIONS, comp(frobnicate=1), 400, "frobnicate", "unrecognized request argument"),
     ("field-of-the-other-endpoint", COMPLETIONS, comp(messages=[]), 400, "messages", "unrecognized request argument"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "is not supported"),
-    ("logprobs", COMPLETIONS, comp(logprobs=0), 400, "logprobs", "logprobs=0 is not supported"),
+    ("logprobs", COMPLETIONS, comp(logprobs=21), 400, "logprobs", "logprobs must be an integer in [0, 20]"),
     ("n", COMPLETIONS, comp(n=2), 400, "n", "n=2 is not supported"),
     ("model-not-a-string", COMPLETIONS, comp(model=5), 400, "model", "model must be a string"),
     ("model-unknown", COMPLETIONS, comp(model="gpt-4o"), 404, "model", "`gpt-4o` does not exist"),

@@ -24,7 +24,7 @@ from ..errors import BatchError, RequestError
 from ..models.llama import load_model, smollm2_path, steps_ahead
 from .blocks import BlockPool, default_blocks
 from .metrics import EngineStats, clock
-from .output import OutputProcessor, Piece
+from .output import OutputProcessor, Piece, joined
 from .params import SamplingParams
 from .prompt import INLINE_PROMPT, Prompt, prompt_ids, prompt_size
 from .scheduler import Scheduler, SequenceState, StepKind, StepPlan
@@ -151,12 +151,7 @@ class Engine:
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False) -> Piece:
         """The whole generation as one :class:`Piece` (synchronous)."""
-        text, ids, last = [], [], Piece("", [])
-        for piece in self.generate_sync(prompt, params, trusted=trusted):
-            text.append(piece.text)
-            ids += piece.token_ids
-            last = piece
-        return Piece("".join(text), ids, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+        return joined(list(self.generate_sync(prompt, params, trusted=trusted)))
 
     def memory(self) -> dict[str, Any]:
         """The paged KV cache (blocks in use and free, ``blocks_cached``: those registered in the prefix
@@ -282,12 +277,19 @@ class Engine:
         generation ends the request."""
         try:
             tokens = await submitted.read_async()
+            logprobs = await submitted.logprobs_async(tokens)
         except BatchError as exc:
             self._fail([chunk.sequence for chunk in submitted.plan.chunks], exc)
             return
+        sampled = {}
+        for chunk, entry in zip(submitted.plan.chunks, logprobs or ()):
+            output = self.outputs.get(chunk.sequence)
+            if output is not None and entry.prompt is not None:
+                output.add_prompt_logprobs(chunk.sequence.prompt, entry.prompt, chunk.start)
+            sampled[chunk.sequence] = entry.sampled
         for sequence, token in self.scheduler.update(submitted.plan, tokens):
             output = self.outputs[sequence]
-            piece = output.push(token)
+            piece = output.push(token, sampled.get(sequence))
             if piece.finish_reason is None:
                 output.queue.put_nowait(piece)
             else:

@@ -11,19 +11,37 @@ from dataclasses import dataclass
 
 from .metrics import EngineStats, clock
 from .params import SamplingParams
+from .step import TokenLogprob
 from .text import TextCodec, TextStream
 
 
 @dataclass
 class Piece:
     """Part of a generation's output: new text and token ids, and on the last piece why it ended
-    (``finish_reason``: ``"stop"``, ``"length"`` or ``"cancelled"``) and the token counts."""
+    (``finish_reason``: ``"stop"``, ``"length"`` or ``"cancelled"``) and the token counts. Where the
+    request asked (``SamplingParams.logprobs``), ``logprobs`` has one entry per token of ``token_ids``; the
+    first piece carries ``prompt_logprobs`` where asked: one per prompt token, the first with logprob None."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    token_texts: dict[int, str] | None = None
+
+
+def joined(pieces: list[Piece]) -> Piece:
+    """The pieces of one generation as one: their text, ids and logprobs in order, the first's prompt
+    logprobs, the last's end and counts."""
+    last, logprobs = pieces[-1], [entry for piece in pieces for entry in piece.logprobs or ()]
+    texts = {i: text for piece in pieces for i, text in (piece.token_texts or {}).items()}
+    return Piece(
+        "".join(piece.text for piece in pieces), [i for piece in pieces for i in piece.token_ids],
+        last.finish_reason, last.prompt_tokens, last.completion_tokens, logprobs or None,
+        pieces[0].prompt_logprobs, texts or None,
+    )  # fmt: skip
 
 
 class OutputProcessor:
@@ -43,6 +61,7 @@ class OutputProcessor:
         arrival: float | None = None,
     ) -> None:
         self.params = params
+        self.codec = codec
         self.stream = TextStream(codec, params.stop)
         self.eos_ids = frozenset() if params.ignore_eos else codec.eos_ids
         self.prompt_tokens = prompt_tokens
@@ -50,9 +69,32 @@ class OutputProcessor:
         self.queue: asyncio.Queue[Piece | BaseException] = asyncio.Queue()
         self.stats = stats if stats is not None else EngineStats()
         self.latest = arrival if arrival is not None else clock()  # the arrival, then the latest token
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # gathered over the prompt's pieces
 
-    def push(self, token: int) -> Piece:
-        """The piece of ``token``: its new text, and whether (and why) the generation ends with it."""
+    def add_prompt_logprobs(self, prompt: list[int], entries: list[TokenLogprob], start: int) -> None:
+        """The logprobs of the prompt tokens after positions ``start``, ``start + 1``, ... (a prefill step's
+        piece; pieces come in order, and a preempted sequence's prompt runs again from 0, replacing what its
+        first run gave); the first token of ``prompt`` opens the list with logprob None."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [TokenLogprob(prompt[0], None)]
+        del self.prompt_logprobs[start + 1 :]
+        self.prompt_logprobs += entries
+
+    def push(self, token: int, logprob: TokenLogprob | None = None) -> Piece:
+        """The piece of ``token`` (with its ``logprob`` where the request asked): its new text, and whether
+        (and why) the generation ends with it."""
+        piece = self._piece(token)
+        if logprob is not None:
+            piece.logprobs = [logprob]
+        if self.completion_tokens == 1:
+            piece.prompt_logprobs = self.prompt_logprobs
+        entries = [*(piece.logprobs or ()), *(piece.prompt_logprobs or ())]
+        if entries:
+            ids = {i for entry in entries for i in (entry.token, *(t for t, _ in entry.top))}
+            piece.token_texts = {i: self.codec.decode([i]) for i in ids}
+        return piece
+
+    def _piece(self, token: int) -> Piece:
         self.completion_tokens += 1
         self.record_latency()
         ends = token in self.eos_ids or token in self.params.stop_token_ids

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..arguments import brief
 from ..errors import RequestError
+from ..ops.sampling import MAX_TOP
 
 INT32_MAX = 2**31 - 1
 """The largest ``top_k``: it goes to the device as an int32 (any value above the vocabulary keeps every
@@ -18,6 +19,10 @@ token, as 0 does)."""
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 """The largest temperature and repetition penalty: they go to the device as float32."""
+
+MAX_LOGPROBS = MAX_TOP
+"""The most top logprobs a token may ask for, 20 (OpenAI's ``top_logprobs`` limit; vLLM's default
+``max_logprobs``): what the device's ``logprobs`` op gives per row."""
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""
@@ -40,6 +45,11 @@ class SamplingParams:
     parameters: same output); None draws a fresh seed. Generation stops at ``max_tokens``, at the model's
     end-of-sequence token (unless ``ignore_eos``), at ``stop_token_ids`` or when the text contains one of
     ``stop`` (which is left out of the text).
+
+    ``logprobs`` (0 to :data:`MAX_LOGPROBS`; None: off): each output token's log-probability and that many
+    of the most likely tokens at its position; ``prompt_logprobs`` likewise for every prompt token after
+    the first (vLLM's names). Both are of the model's raw distribution: the log-softmax of its logits
+    before temperature, penalties and truncation, as vLLM reports them.
     """
 
     max_tokens: int = 16
@@ -54,6 +64,8 @@ class SamplingParams:
     stop: Sequence[str] = field(default_factory=tuple)
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _whole("max_tokens", self.max_tokens, 1)
@@ -78,6 +90,9 @@ class SamplingParams:
         for token in self.stop_token_ids:
             _whole("stop_token_ids", token, 0)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _whole(name, getattr(self, name), 0, MAX_LOGPROBS)
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {brief(self.ignore_eos)}", "ignore_eos")
 

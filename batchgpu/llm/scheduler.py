@@ -102,10 +102,12 @@ class Sequence:
         return (self.prompt + self.output)[start:stop]
 
 
-def reads_counts(params: SamplingParams) -> bool:
-    """Whether sampling with ``params`` reads the slot's token counts (a penalty is on): its prefill must
-    then count every token, so it takes nothing from the prefix cache."""
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+def computes_whole_prompt(params: SamplingParams) -> bool:
+    """Whether a request with ``params`` must run every prompt row, so it takes nothing from the prefix
+    cache: its sampling reads the slot's token counts (a penalty is on: the prefill counts every token), or
+    it asks for its prompt's logprobs (each row's logits give the next prompt token's)."""
+    penalized = params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    return penalized or params.prompt_logprobs is not None
 
 
 @dataclass(frozen=True)
@@ -276,8 +278,8 @@ class Scheduler:
     def cached_prefix(self, sequence: Sequence) -> list[int]:
         """The registered blocks of ``sequence``'s longest cached prefix, leaving at least its last prefill
         token to compute (its logits give the next token); none where prefix caching is off or the
-        sequence's sampling reads the token counts (:func:`reads_counts`)."""
-        if not self.prefix_caching or reads_counts(sequence.params):
+        sequence must run its whole prompt (:func:`computes_whole_prompt`)."""
+        if not self.prefix_caching or computes_whole_prompt(sequence.params):
             return []
         blocks = (sequence.prefill_length - 1) // self.pool.block_size
         tokens = sequence.token_ids(0, sequence.prefill_length)

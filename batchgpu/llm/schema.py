@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RequestError
-from .params import SamplingParams, brief
+from .params import MAX_LOGPROBS, SamplingParams, brief
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 """The largest request body the server reads by default (``serve --max-request-bytes``): 4 MiB, hundreds
@@ -79,10 +79,10 @@ FIELDS: dict[str, Field] = {
     "user": Field(("string",), EVERY),  # an end-user id: accepted, not used
     "n": Field(("integer",), only=(1,)),
     "best_of": Field(("integer",), (COMPLETIONS,), only=(1,)),
-    "echo": Field(("boolean",), (COMPLETIONS,), only=(False,)),
+    "echo": Field(("boolean",), (COMPLETIONS,)),  # with logprobs: the prompt's too (:func:`_logprobs`)
     "suffix": Field(("string",), (COMPLETIONS,), only=()),
-    "logprobs": Field(("integer", "boolean"), only=(False,)),
-    "top_logprobs": Field(("integer",), (CHAT,), only=(0,)),
+    "logprobs": Field(("integer", "boolean")),  # completions: an integer; chat: a boolean (:func:`_logprobs`)
+    "top_logprobs": Field(("integer",), (CHAT,)),
     "logit_bias": Field(("object",), only=({},)),
     "response_format": Field(("object",), (CHAT,), only=({"type": "text"},)),
     "tools": Field(("array",), (CHAT,), only=([],)),
@@ -101,13 +101,16 @@ MESSAGE_FIELDS = {"role": "string", "content": "string or array", "name": "strin
 @dataclass
 class ParsedRequest:
     """What a valid request asks for: the model name (None: not given), the prompt (text, token ids or
-    chat messages), the sampling parameters, and how to answer (streamed; with a usage event)."""
+    chat messages), the sampling parameters, and how to answer (streamed; with a usage event; the prompt
+    echoed before the output, or alone)."""
 
     model: str | None
     prompt: str | list[int] | list[dict[str, Any]]
     params: SamplingParams
     stream: bool
     include_usage: bool
+    echo: bool = False
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token generated is dropped)
 
 
 def read_request(body: bytes, endpoint: str) -> ParsedRequest:
@@ -154,12 +157,20 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         raise RequestError("stream_options is only allowed when stream is true", "stream_options")
     _check_keys(options, STREAM_OPTIONS, "stream_options")
     prompt = _messages(values.get("messages")) if endpoint == CHAT else _prompt(values.get("prompt"))
+    echo = values.get("echo", False)
+    prompt_only = echo and values.get("max_tokens") == 0
+    if values.get("max_tokens") == 0 and not echo:
+        raise RequestError(
+            "max_tokens=0 is only served with echo (the prompt scored); otherwise at least 1", "max_tokens"
+        )
     return ParsedRequest(
         model=values.get("model"),
         prompt=prompt,
-        params=_sampling(values),
+        params=_sampling(values, _logprobs(values, endpoint), prompt_only),
         stream=stream,
         include_usage=bool(options.get("include_usage")),
+        echo=echo,
+        prompt_only=prompt_only,
     )
 
 
@@ -180,8 +191,36 @@ def check_fields(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
     return values
 
 
-def _sampling(values: dict[str, Any]) -> SamplingParams:
+def _logprobs(values: dict[str, Any], endpoint: str) -> dict[str, int]:
+    """The logprob settings of a request: completions' ``logprobs`` (an integer, top ids per token; with
+    ``echo``, the prompt's tokens too), chat's ``logprobs`` (a boolean) with ``top_logprobs`` (an integer,
+    only with ``logprobs``), each top count in [0, MAX_LOGPROBS]."""
+    logprobs = values.get("logprobs")
+    if endpoint == COMPLETIONS:
+        if logprobs is None:
+            return {}
+        _top_count("logprobs", logprobs)
+        return {"logprobs": logprobs, **({"prompt_logprobs": logprobs} if values.get("echo") else {})}
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise RequestError(f"logprobs must be a boolean, got {_json_type(logprobs)}", "logprobs")
+    top = values.get("top_logprobs")
+    if top is not None:
+        if not logprobs:
+            raise RequestError("top_logprobs is only allowed when logprobs is true", "top_logprobs")
+        _top_count("top_logprobs", top)
+    return {"logprobs": top or 0} if logprobs else {}
+
+
+def _top_count(name: str, value: Any) -> None:
+    if not JSON_TYPES["integer"](value) or not 0 <= value <= MAX_LOGPROBS:
+        raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {_json_type(value)}", name)
+
+
+def _sampling(values: dict[str, Any], logprobs: dict[str, int], prompt_only: bool) -> SamplingParams:
     settings = {FIELDS[name].sampling: value for name, value in values.items() if FIELDS[name].sampling}
+    settings.update(logprobs)
+    if prompt_only:  # the prompt's logprobs come with the first token: one is generated, then dropped
+        settings["max_tokens"] = 1
     if "max_completion_tokens" in values:  # chat: OpenAI's newer name wins
         settings["max_tokens"] = values["max_completion_tokens"]
     stop = settings.get("stop")

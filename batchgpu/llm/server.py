@@ -19,9 +19,10 @@ from typing import Any
 
 from ..errors import RequestError
 from .embeddings import embeddings_response, read_embeddings_request
-from .engine import Piece
+from .logprobs import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from .metrics import EngineStats, exposition, metrics_registry
-from .schema import CHAT, COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, read_request
+from .output import Piece, joined
+from .schema import CHAT, COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, ParsedRequest, read_request
 
 
 def create_app(
@@ -120,6 +121,10 @@ def create_app(
         call = await _parsed(request, lambda body: read_request(body, endpoint))
         if isinstance(call, Response):
             return call
+        codec = getattr(state["engine"], "codec", None)
+        if call.echo and not isinstance(call.prompt, str) and codec is None and call.params.prompt_logprobs is None:
+            message = "echo of a token-id prompt needs logprobs on this server (no tokenizer here)"
+            return _error(400, message, param="echo")
         chat = endpoint == CHAT
         kind = "chat.completion" if chat else "text_completion"
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -129,20 +134,26 @@ def create_app(
             first = await pieces.__anext__()  # refusals (too long, bad ids) become HTTP errors, not streams
         except RequestError as exc:
             return _error(400, str(exc), param=exc.param)
+        echo = _Echo(call, first, codec) if call.echo else None
         if call.stream:
             events = _events(
-                first, pieces, chat=chat, ident=ident, created=created, model=model_name, usage=call.include_usage
-            )
+                first, pieces, chat=chat, ident=ident, created=created, model=model_name, usage=call.include_usage,
+                echo=echo,
+            )  # fmt: skip
             return StreamingResponse(events, media_type="text/event-stream")
-        text, last = [first.text], first
-        async for piece in pieces:
-            text.append(piece.text)
-            last = piece
+        collected = [first]
+        if echo is None or not echo.prompt_only:
+            collected += [piece async for piece in pieces]
+        else:
+            await pieces.aclose()
+        last = collected[-1]
+        whole = joined(collected)
         choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason}
         if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
+            choice["message"] = {"role": "assistant", "content": whole.text}
+            choice["logprobs"] = chat_logprobs(whole.logprobs, whole.token_texts or {}) if whole.logprobs else None
         else:
-            choice.update(text="".join(text), logprobs=None)
+            choice.update(_completion_choice(whole, echo))
         return JSONResponse(
             {
                 "id": ident,
@@ -150,7 +161,7 @@ def create_app(
                 "created": created,
                 "model": model_name,
                 "choices": [choice],
-                "usage": _usage(last),
+                "usage": _usage(echo.usage(last) if echo is not None else last),
             }
         )
 
@@ -193,8 +204,54 @@ async def _read_body(request: Any, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+class _Echo:
+    """A completions request with ``echo``: the prompt's text (as given, or its ids decoded) and logprobs
+    go before the output; with ``prompt_only`` (max_tokens 0) they are the whole answer."""
+
+    def __init__(self, call: ParsedRequest, first: Piece, codec: Any) -> None:
+        self.prompt_only = call.prompt_only
+        self.logprobs = first.prompt_logprobs
+        texts = first.token_texts or {}
+        if isinstance(call.prompt, str):
+            self.text = call.prompt
+        elif codec is not None:
+            self.text = codec.decode(call.prompt)
+        else:
+            self.text = "".join(texts.get(entry.token, "") for entry in self.logprobs or ())
+
+    def prompt_piece(self, first: Piece) -> Piece:
+        """The answer of a ``prompt_only`` request: the prompt, its logprobs, ended by length."""
+        return Piece("", [], "length", first.prompt_tokens, 0, None, None, first.token_texts)
+
+    def usage(self, last: Piece) -> Piece:
+        return self.prompt_piece(last) if self.prompt_only else last
+
+
+def _completion_choice(piece: Piece, echo: _Echo | None, *, first: bool = True) -> dict[str, Any]:
+    """A completions choice's ``text`` and ``logprobs`` for ``piece`` (with the echoed prompt before it on
+    the ``first`` piece; only the prompt when the request has max_tokens 0)."""
+    texts = piece.token_texts or {}
+    if echo is not None and echo.prompt_only:
+        piece = echo.prompt_piece(piece)
+    echoed = echo is not None and first
+    prefix = echo.text if echo is not None and echoed else ""
+    logprobs = completion_logprobs(piece.logprobs, texts, len(prefix)) if piece.logprobs is not None else None
+    if echoed and echo is not None and echo.logprobs is not None:
+        prompt = completion_logprobs(echo.logprobs, texts)
+        logprobs = merge_completion_logprobs(prompt, logprobs) if logprobs is not None else prompt
+    return {"text": prefix + piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+
+
 async def _events(
-    first: Piece, pieces: AsyncIterator[Piece], *, chat: bool, ident: str, created: int, model: str, usage: bool
+    first: Piece,
+    pieces: AsyncIterator[Piece],
+    *,
+    chat: bool,
+    ident: str,
+    created: int,
+    model: str,
+    usage: bool,
+    echo: _Echo | None = None,
 ) -> AsyncIterator[str]:
     """Server-sent events of a streamed generation; closing it (a client gone) cancels the request."""
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -208,12 +265,16 @@ async def _events(
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if piece.text or not role:
                 delta["content"] = piece.text
-            return event({"index": 0, "delta": delta, "finish_reason": piece.finish_reason})
-        return event({"index": 0, "text": piece.text, "logprobs": None, "finish_reason": piece.finish_reason})
+            logprobs = chat_logprobs(piece.logprobs, piece.token_texts or {}) if piece.logprobs else None
+            return event({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason})
+        return event({"index": 0, **_completion_choice(piece, echo, first=role)})
 
     try:
         last = first
         yield chunk(first, role=True)
+        if echo is not None and echo.prompt_only:
+            pieces = _none(pieces)
+            last = echo.prompt_piece(first)
         try:
             async for piece in pieces:
                 last = piece
@@ -227,6 +288,13 @@ async def _events(
         yield "data: [DONE]\n\n"
     finally:
         await pieces.aclose()
+
+
+async def _none(pieces: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    """No more pieces: ``pieces`` closed (a prompt-only request ends with its first piece)."""
+    await pieces.aclose()
+    return
+    yield
 
 
 def _usage(piece: Piece) -> dict[str, int]:

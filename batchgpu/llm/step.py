@@ -3,7 +3,7 @@ tokens on the device. The engine records decode steps (one row per decoding sequ
 and prefill steps (pieces of several prompts, each one's last row sampled, kept where its prompt ends
 there), each at a ladder of row counts. Everything that changes per step is an input: token ids,
 positions, the paged KV cache rows to write, block tables, sequence lengths, sampling parameters and
-keys; only the sampled ids come back."""
+keys; only the sampled ids come back, and for the rows that asked, their logprobs (never the logits)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,30 @@ from ..batch import GpuCommandBatch, Submission
 from ..device import Device
 from ..models.config import LlamaConfig
 from ..models.decoder import PagedKV, record_decoder, record_logits
+from ..ops.sampling import MAX_TOP
 from ..tensor import Tensor
 from .blocks import pool_rows
 from .scheduler import Chunk, StepKind, StepPlan
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model's raw distribution (log-softmax of the logits, before
+    temperature, penalties and truncation, as vLLM reports it) and the ``top`` (id, logprob) pairs of that
+    position, most likely first. ``logprob`` is None for a prompt's first token (nothing precedes it)."""
+
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(row: np.ndarray, token: int) -> TokenLogprob:
+    """The :class:`TokenLogprob` of ``token`` from one row of the ``logprobs`` op (its target's logprob, then
+    MAX_TOP ids and their logprobs; ids -1 past the ranks the row asked for)."""
+    ids = row[1 : 1 + MAX_TOP]
+    ranks = int((ids >= 0).sum())
+    top = tuple((int(i), float(v)) for i, v in zip(ids[:ranks], row[1 + MAX_TOP : 1 + MAX_TOP + ranks]))
+    return TokenLogprob(token, float(row[0]), top)
 
 
 @dataclass
@@ -70,6 +91,8 @@ class Step:
     samples: int
     inputs: dict[str, Tensor]
     next_ids: Tensor
+    logprobs: Tensor
+    prompt_logprobs: Tensor | None = None
 
     def run(self, feeds: dict[str, np.ndarray]) -> Submission:
         """Execute with the named inputs (every input each time: they are small); the submission reads
@@ -90,6 +113,7 @@ def record_step(
     name: str,
     prompt: bool,
     by_slot: bool,
+    scoring: bool = False,
 ) -> Step:
     """Record the step. Inputs (feed them all each run):
 
@@ -109,8 +133,13 @@ def record_step(
     - with ``prompt`` (a prefill step) also ``count_slots`` (rows,), ``generated_slots`` (rows,), ``reset``
       (slots,): the slot (or -1) each row's token counts for in ``seen``, and in ``generated`` (a row of a
       preempted sequence's output, run again), slots whose counts start over (a new sequence). Decode
-      steps count only the tokens they sample.
-    Output: ``next_ids`` (samples,) int32.
+      steps count only the tokens they sample;
+    - ``logprob_n`` (samples,): the top ids each sample's logprobs give (-1: the sample asks for none);
+    - with ``scoring`` (a prefill step for prompts that ask for their own logprobs: the head runs on every
+      row) also ``prompt_targets`` (rows,): the prompt token after each row, and ``prompt_n`` (rows,): the top
+      ids its logprobs give (-1: not asked).
+    Outputs: ``next_ids`` (samples,) int32; ``logprobs`` (samples, 41) float32, the ``logprobs`` op's rows of
+    the raw logits at each sampled id; with ``scoring``, ``prompt_logprobs`` (rows, 41).
     """
     batch = GpuCommandBatch(device, name=name)
     slots = cache.seen.shape[0]
@@ -133,10 +162,14 @@ def record_step(
         "keys": inp("keys", (samples, 2), np.uint32),
         "sampled_slots": inp("sampled_slots", (samples,), np.int32),
     }
+    inputs["logprob_n"] = inp("logprob_n", (samples,), np.int32)
     if prompt:
         inputs["count_slots"] = inp("count_slots", (rows,), np.int32)
         inputs["generated_slots"] = inp("generated_slots", (rows,), np.int32)
         inputs["reset"] = inp("reset", (slots,), np.int32)
+    if scoring:
+        inputs["prompt_targets"] = inp("prompt_targets", (rows,), np.int32)
+        inputs["prompt_n"] = inp("prompt_n", (rows,), np.int32)
     x = inputs
     ids = x["ids"] if prompt else batch.reshape(batch.embedding(x["token_slots"], cache.tokens), (rows,))
     kv = PagedKV(
@@ -150,7 +183,13 @@ def record_step(
         block_size=cache.block_size,
     )
     normed = record_decoder(batch, config, weights, ids, kv)
-    logits = record_logits(batch, weights, batch.embedding(x["sample_rows"], normed))
+    prompt_logprobs = None
+    if scoring:  # every row's logits: each row's logprobs of the prompt token after it
+        every = record_logits(batch, weights, normed)
+        prompt_logprobs = batch.logprobs(every, x["prompt_targets"], x["prompt_n"])
+        logits = batch.embedding(x["sample_rows"], every)
+    else:
+        logits = record_logits(batch, weights, batch.embedding(x["sample_rows"], normed))
     if prompt:  # prompt tokens count before this step's sampling (HF's repetition penalty covers the prompt)
         batch.count_tokens(cache.seen, x["count_slots"], x["ids"], x["reset"])
         batch.count_tokens(cache.generated, x["generated_slots"], x["ids"], x["reset"])
@@ -163,11 +202,12 @@ def record_step(
         generated = batch.embedding(x["sample_slots"], cache.generated)
     penalized = batch.penalize(logits, seen, generated, x["penalties"])
     next_ids = batch.sample(penalized, x["sampling"], x["top_k"], x["keys"])
+    logprobs = batch.logprobs(logits, next_ids, x["logprob_n"])  # the raw logits: before the penalties
     batch.count_tokens(cache.seen, x["sampled_slots"], next_ids)
     batch.count_tokens(cache.generated, x["sampled_slots"], next_ids)
     batch.scatter_rows(cache.tokens, x["sampled_slots"], batch.reshape(next_ids, (samples, 1)))
-    batch.outputs(next_ids)
-    return Step(batch, rows, samples, inputs, next_ids)
+    batch.outputs(next_ids, logprobs, *([prompt_logprobs] if prompt_logprobs is not None else []))
+    return Step(batch, rows, samples, inputs, next_ids, logprobs, prompt_logprobs)
 
 
 # running a plan ------------------------------------------------------------------------------------------
@@ -181,18 +221,60 @@ def step_sizes(largest: int) -> list[int]:
 
 
 @dataclass
+class ChunkLogprobs:
+    """What a step read back of one chunk's logprobs: its sampled token's (None: not asked) and, for a
+    prompt piece whose sequence asked, one per row: the logprob of the prompt token after that row (the
+    rows before the prompt's last)."""
+
+    sampled: TokenLogprob | None = None
+    prompt: list[TokenLogprob] | None = None
+
+
+@dataclass
 class Submitted:
-    """A plan's step, submitted: ``next_ids[token_rows[i]]`` is the token of ``plan.chunks[i]``."""
+    """A plan's step, submitted: ``next_ids[token_rows[i]]`` is the token of ``plan.chunks[i]``; the step's
+    ``logprobs`` rows likewise, and ``prompt_rows[i]`` the rows of chunk ``i`` in ``prompt_logprobs``."""
 
     plan: StepPlan
     submission: Submission
-    next_ids: Tensor
+    step: Step
     token_rows: list[int]
+    prompt_rows: list[range]
 
     async def read_async(self) -> list[int]:
         """The step's token for each chunk of its plan (awaits the device)."""
-        ids = await self.submission.read_async(self.next_ids)
+        ids = await self.submission.read_async(self.step.next_ids)
         return [int(ids[row]) for row in self.token_rows]
+
+    async def logprobs_async(self, tokens: list[int]) -> list[ChunkLogprobs] | None:
+        """Per chunk, the logprobs its sequence asked for (of its sampled token, ``tokens[i]``, and of its
+        prompt's tokens); None when no chunk asked: then nothing more is read. Reads only the small rows of
+        the ``logprobs`` op."""
+        chunks = self.plan.chunks
+        sampled = [c.sampled and c.sequence.params.logprobs is not None for c in chunks]
+        prompt = [self.step.prompt_logprobs is not None and wants_prompt_logprobs(c) for c in chunks]
+        if not any(sampled) and not any(prompt):
+            return None
+        rows = await self.submission.read_async(self.step.logprobs) if any(sampled) else None
+        lines = None
+        if any(prompt):
+            assert self.step.prompt_logprobs is not None
+            lines = await self.submission.read_async(self.step.prompt_logprobs)
+        result = []
+        for index, chunk in enumerate(chunks):
+            entry = ChunkLogprobs()
+            if rows is not None and sampled[index]:
+                entry.sampled = token_logprob(rows[self.token_rows[index]], tokens[index])
+            if lines is not None and prompt[index]:
+                following = chunk.sequence.prompt[chunk.start + 1 : chunk.start + chunk.count + 1]
+                entry.prompt = [token_logprob(lines[row], t) for row, t in zip(self.prompt_rows[index], following)]
+            result.append(entry)
+        return result
+
+
+def wants_prompt_logprobs(chunk: Chunk) -> bool:
+    """Whether ``chunk`` is a prompt piece whose sequence asks for its prompt's logprobs."""
+    return chunk.sequence.params.prompt_logprobs is not None and chunk.start < len(chunk.sequence.prompt)
 
 
 class StepRunner:
@@ -215,30 +297,41 @@ class StepRunner:
     ) -> None:
         self.cache, self.max_batch = cache, max_batch
         record = functools.partial(record_step, device, config, weights, cache, max_blocks=max_blocks)
+        self.record = record
         self.recorded = {
             StepKind.DECODE: self.ladder(record, StepKind.DECODE, max_batch),
             StepKind.PREFILL: self.ladder(record, StepKind.PREFILL, prefill_chunk),
         }
+        self.scoring: dict[int, Step] = {}  # prefill steps with every row's logprobs, recorded on first use
         self.runs = {kind: dict.fromkeys(steps, 0) for kind, steps in self.recorded.items()}
         self.counts = dict.fromkeys((kind.value for kind in StepKind), 0)
 
     def ladder(self, record: Callable[..., Step], kind: StepKind, largest: int) -> dict[int, Step]:
         """Steps of ``kind`` recorded at each row count of :func:`step_sizes` (``largest``)."""
+        return {size: self.record_size(record, kind, size) for size in step_sizes(largest)}
+
+    def record_size(self, record: Callable[..., Step], kind: StepKind, size: int, scoring: bool = False) -> Step:
+        """The step of ``kind`` at ``size`` rows (``scoring``: a prefill step giving every row's logprobs)."""
         prompt = kind is StepKind.PREFILL
-        steps = {}
-        for size in step_sizes(largest):
-            samples = min(self.max_batch, size)
-            steps[size] = record(
-                rows=size, samples=samples, table_rows=samples, name=f"{kind.value}{size}", prompt=prompt,
-                by_slot=not prompt and samples == self.max_batch,
-            )  # fmt: skip
-        return steps
+        samples = min(self.max_batch, size)
+        return record(
+            rows=size, samples=samples, table_rows=samples, name=f"{'score' if scoring else kind.value}{size}",
+            prompt=prompt, by_slot=not prompt and samples == self.max_batch, scoring=scoring,
+        )  # fmt: skip
+
+    def step_for(self, plan: StepPlan, size: int) -> Step:
+        """The recorded step of ``size`` rows that runs ``plan``: a scoring prefill step (recorded the first
+        time one is needed) where a prompt piece of the plan asks for its prompt's logprobs."""
+        if plan.kind is StepKind.PREFILL and any(wants_prompt_logprobs(c) for c in plan.chunks):
+            if size not in self.scoring:
+                self.scoring[size] = self.record_size(self.record, StepKind.PREFILL, size, scoring=True)
+            return self.scoring[size]
+        return self.recorded[plan.kind][size]
 
     def run(self, plan: StepPlan) -> Submitted:
         """Pack ``plan`` into the smallest recorded step of its kind that holds its rows and submit it."""
-        steps = self.recorded[plan.kind]
-        size = next(size for size in steps if size >= plan.rows)
-        step = steps[size]
+        size = next(size for size in self.recorded[plan.kind] if size >= plan.rows)
+        step = self.step_for(plan, size)
         if plan.kind is StepKind.PREFILL:
             token_rows = list(range(len(plan.chunks)))
             feeds = prefill_feeds(step, plan.chunks, self.cache.block_size)
@@ -249,13 +342,27 @@ class StepRunner:
         submission = step.run(feeds)
         self.runs[plan.kind][size] += 1
         self.counts[plan.kind.value] += 1
-        return Submitted(plan, submission, step.next_ids, token_rows)
+        return Submitted(plan, submission, step, token_rows, piece_rows(plan))
+
+
+def piece_rows(plan: StepPlan) -> list[range]:
+    """The rows of each chunk of ``plan`` in its step (a prefill step's pieces run back to back; a decode
+    step's rows are placed by :func:`decode_feeds`, and only prefill steps score prompts)."""
+    rows, start = [], 0
+    for chunk in plan.chunks:
+        rows.append(range(start, start + chunk.count))
+        start += chunk.count
+    return rows
+
+
+IDLE_NONE = ("kv_rows", "count_slots", "generated_slots", "sampled_slots", "logprob_n", "prompt_n", "prompt_targets")
+"""Inputs whose rows say "none" with -1 (no KV row written, no count, no logprobs) in an idle step."""
 
 
 def idle_feeds(step: Step) -> dict[str, np.ndarray]:
-    """Every input of ``step`` as an idle step: no rows written, attended or counted."""
+    """Every input of ``step`` as an idle step: no rows written, attended or counted, no logprobs."""
     feeds = {name: np.zeros(t.shape, t.dtype) for name, t in step.inputs.items()}
-    for name in ("kv_rows", "count_slots", "generated_slots", "sampled_slots"):
+    for name in IDLE_NONE:
         if name in feeds:
             feeds[name][:] = -1
     feeds["sampling"][:, 1] = 1.0  # top_p off
@@ -285,6 +392,8 @@ def prefill_feeds(step: Step, chunks: list[Chunk], block_size: int) -> dict[str,
             feeds["reset"][sequence.slot] = 1
         sampling_feeds(feeds, index, chunk, row=start + chunk.count - 1)
         feeds["sampled_slots"][index] = sequence.slot if chunk.sampled else -1
+        if "prompt_n" in feeds and wants_prompt_logprobs(chunk):
+            prompt_feeds(feeds, rows, chunk)
         start += chunk.count
     return feeds
 
@@ -306,6 +415,16 @@ def decode_feeds(step: Step, chunks: list[Chunk], rows: list[int], block_size: i
     return feeds
 
 
+def prompt_feeds(feeds: dict[str, np.ndarray], rows: slice, chunk: Chunk) -> None:
+    """A scoring prefill step's rows of ``chunk``: each row's target is the prompt token after it; the row of
+    the prompt's last token has none (the sampled token's logprob is the first output's)."""
+    sequence = chunk.sequence
+    following = sequence.prompt[chunk.start + 1 : chunk.start + chunk.count + 1]
+    first = rows.start or 0
+    feeds["prompt_targets"][first : first + len(following)] = following
+    feeds["prompt_n"][first : first + len(following)] = sequence.params.prompt_logprobs
+
+
 def sampling_feeds(feeds: dict[str, np.ndarray], index: int, chunk: Chunk, *, row: int) -> None:
     """Sample ``index`` of a step: from ``row``'s logits, with its sequence's parameters, penalty counts
     (its slot's) and seeded key."""
@@ -317,3 +436,5 @@ def sampling_feeds(feeds: dict[str, np.ndarray], index: int, chunk: Chunk, *, ro
     feeds["sampling"][index] = (params.temperature, params.top_p, params.min_p, 0.0)
     feeds["top_k"][index] = params.top_k
     feeds["keys"][index] = (sequence.seed, chunk.draw)
+    if chunk.sampled and params.logprobs is not None:
+        feeds["logprob_n"][index] = params.logprobs

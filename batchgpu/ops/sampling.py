@@ -15,6 +15,11 @@
   id. The draw is Gumbel-max: the first maximum over allowed i of ``z_i + g_i``, ``g_i = -log(-log(u_i))``,
   ``u_i`` from a counter-based hash of (seed, counter, i) (:func:`hash3`, :func:`hash_uniform`), so a
   (seed, counter) pair always draws the same id.
+- ``logprobs(logits, targets, top_n)``: per row of (S, V) logits, the log-softmax of the raw logits (no
+  temperature, penalty or truncation: the model's own distribution, as vLLM reports it) read at the row's
+  target id and at its ``top_n`` largest logits (at most ``MAX_TOP``), as (S, ``LOGPROB_WIDTH``) float32 rows
+  of [target's logprob, ``MAX_TOP`` ids (as floats: exact below 2**24), ``MAX_TOP`` logprobs]; see
+  :func:`logprobs_reference`.
 - ``count_tokens(counts, slots, ids, reset)``: in place, rows of counts with ``reset != 0`` are zeroed,
   then ``counts[slots[i], ids[i]] += 1`` for every valid pair (duplicates add up; a slot outside
   ``[0, rows)`` or an id outside ``[0, V)`` is skipped).
@@ -68,6 +73,19 @@ pieces, so tests that shrink the bounds to reach chunked paths leave it as it is
 WORKGROUP_BYTES = 4 * (2 * WORKGROUP + 3 * BINS + 3)
 """``sample``'s workgroup memory: the (value, index) tree, the key counts and the masses (two words) of the
 buckets, the two search intervals and the pass count."""
+
+MAX_TOP = SAMPLING.value("MAX_TOP")
+"""The most top ids ``logprobs`` gives per row (OpenAI's ``top_logprobs`` and ``logprobs`` limit, 20)."""
+
+LOGPROB_WIDTH = SAMPLING.value("LOGPROB_WIDTH")
+assert LOGPROB_WIDTH == 1 + 2 * MAX_TOP
+
+MAX_LOGPROB_VOCAB = WORKGROUP * ((bounds.LOOP_BUDGET - OTHER_LOOPS) // (MAX_TOP + 1))
+"""The longest row ``logprobs`` takes (178,688 with the 16,384-iteration budget, past Llama 3's and Qwen's
+vocabularies): one workgroup per row runs a pass for the maximum (the first top id), one for the sum of
+exponentials and one per further top id, each ceil(V / WG) iterations of one loop per invocation, within
+``bounds.LOOP_BUDGET``; its (value, index) tree and sum tree stay under ``OTHER_LOOPS``. Computed once from
+the budget, like :data:`MAX_VOCAB`."""
 
 F32_ONE_THIRD, F32_ONE_SIXTH = np.float32(1 / 3), np.float32(1 / 6)
 
@@ -211,6 +229,43 @@ def sample_reference(logits: np.ndarray, params: np.ndarray, top_k: np.ndarray, 
     return ids
 
 
+def argmax_order(row: np.ndarray) -> np.ndarray:
+    """The indices of a float row in ``argmax``'s order (``better`` of shaders/wgsl/lib/best.wgsl): NaNs first
+    (by index), then decreasing value, ties by increasing index."""
+    nan = np.isnan(row)
+    return np.lexsort((np.arange(row.size), -np.where(nan, 0, row), ~nan))
+
+
+def logprobs_reference(logits: np.ndarray, targets: np.ndarray, top_n: np.ndarray) -> np.ndarray:
+    """What ``logprobs`` computes, in float32 as the kernels do (their sum of exponentials adds in another
+    order). Per row with ``top_n >= 0``: m = the row's first maximum (NaN first), lse = m + log(sum(exp(l -
+    m))), every logprob l - lse (NaN throughout where m is not finite); column 0 the target's (NaN for a
+    target outside [0, V)), columns 1.. the first min(top_n, MAX_TOP, V) ids in argmax order, columns
+    1 + MAX_TOP.. their logprobs. Entries not computed (rows with ``top_n < 0``, ranks past the row's count)
+    are NaN, with id -1."""
+    logits = np.asarray(logits, np.float32)
+    rows, width = logits.shape
+    out = np.full((rows, LOGPROB_WIDTH), np.nan, np.float32)
+    out[:, 1 : 1 + MAX_TOP] = -1
+    for r in range(rows):
+        n = int(top_n[r])
+        if n < 0:
+            continue
+        row = logits[r]
+        order = argmax_order(row)
+        m = row[order[0]]
+        with np.errstate(all="ignore"):
+            lse = np.float32(m + np.log(np.exp(row - m, dtype=np.float32).sum(dtype=np.float32), dtype=np.float32))
+            values = row - lse if np.isfinite(m) else np.full(width, np.nan, np.float32)
+        target = int(targets[r])
+        if 0 <= target < width:
+            out[r, 0] = values[target]
+        ranks = min(n, MAX_TOP, width)
+        out[r, 1 : 1 + ranks] = order[:ranks]
+        out[r, 1 + MAX_TOP : 1 + MAX_TOP + ranks] = values[order[:ranks]]
+    return out
+
+
 # validation ------------------------------------------------------------------------------------
 
 
@@ -330,6 +385,57 @@ SAMPLE = OpSpec(
 )
 
 
+# logprobs --------------------------------------------------------------------------------------
+
+
+def _logprobs_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
+    logits, targets, top_n = inputs
+    rows, width = _rows_by_vocab("logprobs", "logits", logits, FLOAT_TYPES)
+    _check("logprobs", "targets", targets, (rows,), (INT32,))
+    _check("logprobs", "top_n", top_n, (rows,), (INT32,))
+    if width > MAX_LOGPROB_VOCAB:
+        raise LimitError(
+            f"logprobs: logits {logits.describe()} has rows of {width} tokens; at most {MAX_LOGPROB_VOCAB} are "
+            f"supported (one workgroup per row within the loop budget of batchgpu/ops/bounds.py)"
+        )
+    return (rows, LOGPROB_WIDTH), FLOAT32
+
+
+def _logprobs_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
+    return logprobs_reference(*arrays)
+
+
+def _logprobs_lower(node: Node) -> list[Launch]:
+    logits, targets, top_n = node.inputs
+    rows, width = logits.shape
+    return [
+        SAMPLING.launch(
+            label="logprobs",
+            entry="logprobs",
+            types=wgsl_aliases(A=logits.dtype, O=FLOAT32),
+            constants=(("IS_FLOAT", True),),  # NaN comes first in argmax's order (lib/best.wgsl)
+            groups=rows,
+            params=dict(rows=rows, width=width, count=0),
+            buffers=dict(logits=logits, ids=targets, top_k=top_n, out=node.output),
+            workgroup_bytes=LOGPROBS_WORKGROUP_BYTES,
+        )
+    ]
+
+
+LOGPROBS_WORKGROUP_BYTES = 4 * (3 * WORKGROUP + 1)
+"""``logprobs``' workgroup memory: the (value, index) tree, the sum tree and the row's rank count."""
+
+LOGPROBS = OpSpec(
+    name="logprobs",
+    infer=_logprobs_infer,
+    reference=_logprobs_reference,
+    lower=_logprobs_lower,
+    dtypes="float",
+    doc="(S, 41) float32 per row of (S, V) logits: the log-softmax at the target id, then the top_n (<= 20) "
+    "ids and their log-softmax values (rows with top_n < 0 skipped)",
+)
+
+
 # count_tokens ----------------------------------------------------------------------------------
 
 
@@ -381,4 +487,4 @@ COUNT_TOKENS = OpSpec(
     "(slots, ids)",
 )
 
-SPECS: list[OpSpec] = [PENALIZE, SAMPLE, COUNT_TOKENS]
+SPECS: list[OpSpec] = [PENALIZE, SAMPLE, LOGPROBS, COUNT_TOKENS]

@@ -5,6 +5,10 @@
 // order-preserving u32 image of z for the top_k threshold (rows with top_k), then as many for the top_p
 // threshold over what top_k and min_p leave (rows with top_p; vLLM's order; masses in 32.32 fixed point:
 // exact sums in any order), then the first maximum of z + Gumbel noise over the allowed elements.
+// logprobs: one block per row of the raw logits (rows with top_k[row] < 0 write NaN and id -1 only): the
+// first maximum (argmax's order: the first top id), the sum of exp(l - max), then one pass per further top
+// id (the first element in argmax's order after the previous pick); rows of LOGPROB_WIDTH floats: the
+// target's logprob, MAX_TOP ids, MAX_TOP logprobs.
 // count_reset, count_add: zero flagged rows of counts, add 1 per valid (slot, id) (atomics).
 
 //!interface
@@ -217,4 +221,71 @@ extern "C" __global__ void sample(BG_ARGS) {
     }
     const unsigned picked = bg_tree_best(best_value, best_index, lid, score, chosen);
     if (lid == 0u && item < p.rows) out[item] = CVT(O, (int)picked);
+}
+
+// The logprob l - lse, or NaN where the row's maximum is not finite.
+__device__ __forceinline__ float logprob_of(float l, float lse, bool finite) {
+    return finite ? l - lse : __uint_as_float(0x7fc00000u);
+}
+
+extern "C" __global__ void logprobs(BG_ARGS) {
+    __shared__ float best_value[WG];
+    __shared__ unsigned best_index[WG];
+    __shared__ float partial[WG];
+    const unsigned lid = threadIdx.x;
+    const unsigned item = bg_block_index();
+    const unsigned row = bg_min(item, p.rows - 1u);
+    const A* row_logits = logits + row * p.width;
+    O* row_out = out + item * LOGPROB_WIDTH;  // O is float for this entry (the module compiles per launch)
+    const bool live = item < p.rows;
+    const int n = top_k[row];
+    const unsigned ranks = n >= 0 ? bg_min((unsigned)n, bg_min((unsigned)MAX_TOP, p.width)) + 1u : 0u;
+    if (live && lid == 0u) {  // thread 0 writes the whole row (first NaN, id -1; then what it computes)
+        for (unsigned j = 0u; j < LOGPROB_WIDTH; ++j) {
+            row_out[j] = CVT(O, (j >= 1u && j <= MAX_TOP) ? -1.0f : __uint_as_float(0x7fc00000u));
+        }
+    }
+    if (ranks == 0u) return;  // the same in every thread of the block
+
+    // 1. The first maximum (the first top id) and 2. the sum of exp(l - m).
+    float value = CVT(float, row_logits[0]);
+    unsigned index = 0u;
+    for (unsigned i = lid; i < p.width; i += WG) {
+        float v = CVT(float, row_logits[i]);
+        if (bg_better(v, i, value, index)) {
+            value = v;
+            index = i;
+        }
+    }
+    unsigned pick = bg_tree_best(best_value, best_index, lid, value, index);
+    const float m = CVT(float, row_logits[pick]);
+    const bool finite = is_finite(m);
+    float total = 0.0f;
+    for (unsigned i = lid; i < p.width; i += WG) total += expf(CVT(float, row_logits[i]) - m);
+    const float lse = m + logf(bg_tree(partial, lid, total, false));
+    const int wanted = ids[row];
+    if (live && lid == 0u && wanted >= 0 && (unsigned)wanted < p.width) {
+        row_out[0] = CVT(O, logprob_of(CVT(float, row_logits[wanted]), lse, finite));
+    }
+
+    // 3. The top ids: rank r is the first element in argmax's order after rank r - 1's.
+    for (unsigned rank = 0u; rank + 1u < ranks; ++rank) {
+        const float previous = CVT(float, row_logits[pick]);
+        if (rank > 0u) {
+            value = __uint_as_float(0xff800000u);  // (-inf, no index): after every element in argmax's order
+            index = 0xffffffffu;
+            for (unsigned i = lid; i < p.width; i += WG) {
+                float v = CVT(float, row_logits[i]);
+                if (bg_better(previous, pick, v, i) && bg_better(v, i, value, index)) {
+                    value = v;
+                    index = i;
+                }
+            }
+            pick = bg_tree_best(best_value, best_index, lid, value, index);
+        }
+        if (live && lid == 0u) {
+            row_out[1u + rank] = CVT(O, (float)pick);
+            row_out[1u + MAX_TOP + rank] = CVT(O, logprob_of(CVT(float, row_logits[pick]), lse, finite));
+        }
+    }
 }

@@ -13,6 +13,10 @@
 // then merged by workgroup atomics: exact sums in any order), and invocation 0 keeps the highest bucket whose
 // tail reaches the target.
 // The last pass takes the first maximum of z + Gumbel noise over the allowed elements.
+// logprobs: one workgroup per row of the raw logits (rows with top_k[row] < 0 write NaN and id -1 only):
+// pass 1 the first maximum (argmax's order, NaN first: the first top id), pass 2 the sum of exp(l - max)
+// (a workgroup tree), then one pass per further top id: the first element in argmax's order after the
+// previous pick. Output rows of LOGPROB_WIDTH f32: the target's logprob, MAX_TOP ids, MAX_TOP logprobs.
 // count_reset, count_add: zero the rows of counts whose reset flag is set, then add 1 per valid (slot, id).
 
 //!interface
@@ -22,6 +26,7 @@
 //!include nan
 //!include best
 //!include random
+//!include tree
 
 alias Counter = atomic<i32>;
 
@@ -31,6 +36,7 @@ var<workgroup> key_counts: array<atomic<u32>, BINS>;
 var<workgroup> k_low: u32;   // first key of the top_k search interval (the threshold once done)
 var<workgroup> p_low: u32;   // first key of the top_p search interval
 var<workgroup> search_passes: u32;   // SEARCH_PASSES for each of top_k and top_p that is on
+var<workgroup> rank_count: u32;   // logprobs: top ids the row asks for, + 1 (0: the row is skipped)
 
 @compute @workgroup_size(WG)
 fn penalize(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
@@ -239,4 +245,73 @@ fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_
     }
     let picked = tree_best(lid, score, chosen);
     if lid == 0u && item < p.rows { out[item] = O(i32(picked)); }
+}
+
+// logprobs writes O = f32 (the module compiles per launch, with O = i32 for sample).
+// The f32 of a bit pattern, a runtime value: a constant NaN or infinity fails shader creation in WGSL.
+fn from_bits(bits: u32) -> f32 {
+    return bitcast<f32>(bits);
+}
+
+// The logprob l - lse, or NaN where the row's maximum is not finite (found by bits: WGSL may fold NaN tests).
+fn logprob_of(l: f32, lse: f32, finite: bool) -> f32 {
+    return select(from_bits(0x7fc00000u), l - lse, finite);
+}
+
+@compute @workgroup_size(WG)
+fn logprobs(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+            @builtin(num_workgroups) groups: vec3<u32>) {
+    let lid = local_id.x;
+    let item = wid.x + wid.y * groups.x;
+    let row = min(item, p.rows - 1u);
+    let base = row * p.width;
+    let at = item * LOGPROB_WIDTH;
+    let live = item < p.rows;
+    let n = top_k[row];
+    if lid == 0u { rank_count = select(0u, min(u32(max(n, 0)), min(MAX_TOP, p.width)) + 1u, n >= 0); }
+    let ranks = workgroupUniformLoad(&rank_count);   // uniform: a skipped row skips every barrier
+    if live && lid == 0u {   // invocation 0 writes the whole row (first NaN, id -1; then what it computes)
+        for (var j = 0u; j < LOGPROB_WIDTH; j++) {
+            out[at + j] = O(select(from_bits(0x7fc00000u), -1.0, j >= 1u && j <= MAX_TOP));
+        }
+    }
+    if ranks == 0u { return; }
+
+    // 1. The first maximum (the first top id) and 2. the sum of exp(l - m).
+    var value = f32(logits[base]);
+    var index = 0u;
+    for (var i = lid; i < p.width; i += WG) {
+        let v = f32(logits[base + i]);
+        if better(v, i, value, index) { value = v; index = i; }
+    }
+    var pick = tree_best(lid, value, index);
+    let m = f32(logits[base + pick]);
+    let finite = (bitcast<u32>(m) & 0x7f800000u) != 0x7f800000u;
+    var total = 0.0;
+    for (var i = lid; i < p.width; i += WG) {
+        total += exp(f32(logits[base + i]) - m);
+    }
+    let lse = m + log(tree_sum(lid, total));
+    let wanted = ids[row];
+    if live && lid == 0u && wanted >= 0 && u32(wanted) < p.width {
+        out[at] = O(logprob_of(f32(logits[base + u32(wanted)]), lse, finite));
+    }
+
+    // 3. The top ids: rank r is the first element in argmax's order after rank r - 1's.
+    for (var rank = 0u; rank + 1u < ranks; rank++) {
+        let previous = f32(logits[base + pick]);
+        if rank > 0u {
+            value = from_bits(0xff800000u);   // (-inf, no index): after every element in argmax's order
+            index = 0xffffffffu;
+            for (var i = lid; i < p.width; i += WG) {
+                let v = f32(logits[base + i]);
+                if better(previous, pick, v, i) && better(v, i, value, index) { value = v; index = i; }
+            }
+            pick = tree_best(lid, value, index);
+        }
+        if live && lid == 0u {
+            out[at + 1u + rank] = O(f32(pick));
+            out[at + 1u + MAX_TOP + rank] = O(logprob_of(f32(logits[base + pick]), lse, finite));
+        }
+    }
 }
