@@ -113,6 +113,20 @@ fn mass_of(b: u32) -> f32 {
     return f32(atomicLoad(&mass_high[b])) * 4294967296.0 + f32(atomicLoad(&mass_low[b]));
 }
 
+// sample_masked's allowed bits of the invocation's elements lid + j * WG (bit j & 31 of word j >> 5), read from
+// `allowed` once per element in its first pass; row_masked: settings[row, 3] != 0 there (false in `sample`,
+// which never reads `allowed`: it has no such binding).
+var<private> allowed_bits: array<u32, MASK_WORDS>;
+var<private> row_masked: bool;
+
+// z of the invocation's element i (i % WG == lid) as the passes after the first see it: -inf where the row is
+// masked and i is not allowed.
+fn visible(i: u32, base: u32, t: f32, sampling: bool) -> f32 {
+    let j = i / WG;
+    if row_masked && ((allowed_bits[j >> 5u] >> (j & 31u)) & 1u) == 0u { return from_bits(0xff800000u); }
+    return scaled(i, base, t, sampling);
+}
+
 @compute @workgroup_size(WG)
 fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
           @builtin(num_workgroups) groups: vec3<u32>) {
@@ -121,11 +135,6 @@ fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_
     let row = min(item, p.rows - 1u);
     let base = row * p.width;
     let t = settings[row * 4u];
-    let top_p = settings[row * 4u + 1u];
-    let min_p = settings[row * 4u + 2u];
-    let k = top_k[row];
-    let seed = keys[row * 2u];
-    let counter = keys[row * 2u + 1u];
     let sampling = t > 0.0;
 
     // 1. The first maximum of z (NaN first): the greedy id, and z_max.
@@ -135,9 +144,52 @@ fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_
         let v = scaled(i, base, t, sampling);
         if better(v, i, value, index) { value = v; index = i; }
     }
+    draw(lid, item, value, index);
+}
+
+@compute @workgroup_size(WG)
+fn sample_masked(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+                 @builtin(num_workgroups) groups: vec3<u32>) {
+    let lid = local_id.x;
+    let item = wid.x + wid.y * groups.x;
+    let row = min(item, p.rows - 1u);
+    let base = row * p.width;
+    let t = settings[row * 4u];
+    let sampling = t > 0.0;
+    row_masked = settings[row * 4u + 3u] != 0.0;
+    let words = row * ((p.width + 31u) / 32u);
+
+    // 1. The first maximum of z over the allowed elements (NaN first; none: NO_INDEX), keeping their bits.
+    var value = select(scaled(0u, base, t, sampling), from_bits(0xff800000u), row_masked);
+    var index = select(0u, NO_INDEX, row_masked);
+    for (var i = lid; i < p.width; i += WG) {
+        if row_masked {   // unmasked rows never read `allowed`
+            let bit = (allowed[words + (i >> 5u)] >> (i & 31u)) & 1u;
+            let j = i / WG;
+            allowed_bits[j >> 5u] |= bit << (j & 31u);
+            if bit == 0u { continue; }
+        }
+        let v = scaled(i, base, t, sampling);
+        if better(v, i, value, index) { value = v; index = i; }
+    }
+    draw(lid, item, value, index);
+}
+
+// The rest of `sample` from the invocation's first maximum (value, index) of pass 1.
+fn draw(lid: u32, item: u32, value: f32, index: u32) {
+    let row = min(item, p.rows - 1u);
+    let base = row * p.width;
+    let t = settings[row * 4u];
+    let top_p = settings[row * 4u + 1u];
+    let min_p = settings[row * 4u + 2u];
+    let k = top_k[row];
+    let seed = keys[row * 2u];
+    let counter = keys[row * 2u + 1u];
+    let sampling = t > 0.0;
     if lid == 0u { k_low = 0u; p_low = 0u; }
     let greedy = tree_best(lid, value, index);
-    let z_max = scaled(greedy, base, t, sampling);
+    let none = greedy == NO_INDEX;   // a masked row with no allowed token
+    let z_max = select(scaled(min(greedy, p.width - 1u), base, t, sampling), from_bits(0xff800000u), none);
     let random = sampling && is_finite(z_max);
     let key_max = order_key(z_max);
     let k_on = random && k > 0 && u32(k) < p.width;
@@ -167,7 +219,7 @@ fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_
         var low = array<u32, BINS>();    // explicitly zeroed: wgpu 0.32 (naga) keeps a loop-local var without one
         var high = array<u32, BINS>();
         for (var i = lid; i < p.width; i += WG) {
-            let z = scaled(i, base, t, sampling);
+            let z = visible(i, base, t, sampling);
             let key = order_key(z);
             let b = (key - first) >> shift;
             if key < first || b >= BINS { continue; }
@@ -236,7 +288,7 @@ fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_
     var chosen = greedy;
     let drawn = select(0u, p.width, random);
     for (var i = lid; i < drawn; i += WG) {
-        let z = scaled(i, base, t, sampling);
+        let z = visible(i, base, t, sampling);
         let key = order_key(z);
         if (key >= k_threshold && key >= p_threshold && exp(z - z_max) >= min_p) || key == key_max {
             let s = z + gumbel(seed, counter, i);
@@ -244,7 +296,7 @@ fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_
         }
     }
     let picked = tree_best(lid, score, chosen);
-    if lid == 0u && item < p.rows { out[item] = O(i32(picked)); }
+    if lid == 0u && item < p.rows { out[item] = O(select(i32(picked), -1, none)); }
 }
 
 // logprobs writes O = f32 (the module compiles per launch, with O = i32 for sample).
