@@ -824,7 +824,9 @@ def test_sample_refuses_a_bad_mask_before_recording(gpu):
         batch.sample(logits, params, top_k, keys, batch.upload(np.ones((3, 2), np.float32)))
     for shape in ((3, 1), (3, 3), (2, 2), (6,), (3, 2, 1)):
         bad = batch.upload(np.ones(shape, np.uint32))
-        with pytest.raises(ShapeError, match=rf"sample: allowed .* must have shape \(3, 2\), got {re.escape(str(shape))}"):
+        with pytest.raises(
+            ShapeError, match=rf"sample: allowed .* must have shape \(3, 2\), got {re.escape(str(shape))}"
+        ):
             batch.sample(logits, params, top_k, keys, bad)
     with pytest.raises(ArgumentError):
         batch.sample(logits, params, top_k, keys, np.ones((3, 2), np.uint32))

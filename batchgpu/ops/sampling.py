@@ -4,9 +4,10 @@
   r of its row (transformers' rule: ``l / r`` for ``l > 0``, else ``l * r``), then
   ``l -= presence * (generated > 0) + frequency * generated`` (OpenAI, vLLM).
 - ``sample(logits, params, top_k, keys[, allowed])``: one int32 id per row. ``params`` rows are
-  (temperature, top_p, min_p, masked), ``keys`` rows (seed, counter). Temperature <= 0 (or NaN): greedy, ``argmax``'s rule
-  (first maximum, NaN first). Otherwise, with z = logit / temperature and p = softmax(z) over the whole row,
-  a draw from p restricted to the allowed set and renormalized, the set built in vLLM's order: min_p keeps
+  (temperature, top_p, min_p, masked), ``keys`` rows (seed, counter). Temperature <= 0 (or NaN): greedy,
+  ``argmax``'s rule (first maximum, NaN first). Otherwise, with z = logit / temperature and p = softmax(z)
+  over the whole row, a draw from p restricted to the allowed set and renormalized, the set built in vLLM's
+  order: min_p keeps
   ``p_i >= min_p * p_max`` (0: off) and top_k the top_k largest z (every element tied with the k-th largest
   included; off for k <= 0 or k >= V), both measured on the whole row; then top_p keeps, of what they left,
   the smallest prefix in decreasing z whose mass under p renormalized to that set reaches top_p (elements

@@ -5,6 +5,10 @@
 // order-preserving u32 image of z for the top_k threshold (rows with top_k), then as many for the top_p
 // threshold over what top_k and min_p leave (rows with top_p; vLLM's order; masses in 32.32 fixed point:
 // exact sums in any order), then the first maximum of z + Gumbel noise over the allowed elements.
+// sample_masked: the same with the allowed-token bitmask `allowed` in rows with settings[row, 3] != 0
+// (pass 1 skips disallowed elements, none allowed: id -1; the later passes see -inf there); other rows
+// never read it. The WGSL twin keeps each invocation's bits in private memory (its `sample` entry must not
+// use the binding); here the passes read the row's words directly.
 // logprobs: one block per row of the raw logits (rows with top_k[row] < 0 write NaN and id -1 only): the
 // first maximum (argmax's order: the first top id), the sum of exp(l - max), then one pass per further top
 // id (the first element in argmax's order after the previous pick); rows of LOGPROB_WIDTH floats: the

@@ -13,6 +13,10 @@
 // then merged by workgroup atomics: exact sums in any order), and invocation 0 keeps the highest bucket whose
 // tail reaches the target.
 // The last pass takes the first maximum of z + Gumbel noise over the allowed elements.
+// sample_masked: the same with an allowed-token bitmask (binding `allowed`, which `sample` has not, so that
+// its launches keep their bindings): in rows with settings[row, 3] != 0, pass 1 reads each element's bit
+// once (into the invocation's private bits) and skips disallowed elements (none allowed: id -1); the later
+// passes see -inf there (`visible`). Other rows never read the mask.
 // logprobs: one workgroup per row of the raw logits (rows with top_k[row] < 0 write NaN and id -1 only):
 // pass 1 the first maximum (argmax's order, NaN first: the first top id), pass 2 the sum of exp(l - max)
 // (a workgroup tree), then one pass per further top id: the first element in argmax's order after the
