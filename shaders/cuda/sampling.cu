@@ -91,10 +91,9 @@ __device__ __forceinline__ float mass_of(const unsigned* mass_low, const unsigne
 // the allowed bitmask: row_allowed, null for unmasked rows) and i is not allowed.
 __device__ __forceinline__ float visible(const A* row_logits, const unsigned* row_allowed, unsigned i, float t,
                                          bool sampling) {
-    if (row_allowed != nullptr && ((row_allowed[i >> 5] >> (i & 31u)) & 1u) == 0u) {
-        return __uint_as_float(0xff800000u);
-    }
-    return scaled(row_logits, i, t, sampling);
+    const bool hidden = row_allowed != nullptr && ((row_allowed[i >> 5] >> (i & 31u)) & 1u) == 0u;
+    const float z = scaled(row_logits, i, t, sampling);
+    return hidden ? __uint_as_float(0xff800000u) : z;  // a select, not a branch: the lanes of a warp agree
 }
 
 // The rest of sample and sample_masked from the thread's first maximum (value, index) of pass 1.
@@ -261,9 +260,9 @@ extern "C" __global__ void sample_masked(BG_ARGS) {
     float value = row_allowed ? __uint_as_float(0xff800000u) : scaled(row_logits, 0u, t, sampling);
     unsigned index = row_allowed ? NO_INDEX : 0u;
     for (unsigned i = threadIdx.x; i < p.width; i += WG) {
-        if (row_allowed != nullptr && ((row_allowed[i >> 5] >> (i & 31u)) & 1u) == 0u) continue;
+        const bool allowed_here = row_allowed == nullptr || ((row_allowed[i >> 5] >> (i & 31u)) & 1u) != 0u;
         float v = scaled(row_logits, i, t, sampling);
-        if (bg_better(v, i, value, index)) {
+        if (allowed_here && bg_better(v, i, value, index)) {
             value = v;
             index = i;
         }

@@ -127,8 +127,8 @@ var<private> row_masked: bool;
 // masked and i is not allowed.
 fn visible(i: u32, base: u32, t: f32, sampling: bool) -> f32 {
     let j = i / WG;
-    if row_masked && ((allowed_bits[j >> 5u] >> (j & 31u)) & 1u) == 0u { return from_bits(0xff800000u); }
-    return scaled(i, base, t, sampling);
+    let hidden = row_masked && ((allowed_bits[j >> 5u] >> (j & 31u)) & 1u) == 0u;
+    return select(scaled(i, base, t, sampling), from_bits(0xff800000u), hidden);   // no branch: lanes agree
 }
 
 @compute @workgroup_size(WG)
@@ -167,14 +167,14 @@ fn sample_masked(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(wor
     var value = select(scaled(0u, base, t, sampling), from_bits(0xff800000u), row_masked);
     var index = select(0u, NO_INDEX, row_masked);
     for (var i = lid; i < p.width; i += WG) {
-        if row_masked {   // unmasked rows never read `allowed`
-            let bit = (allowed[words + (i >> 5u)] >> (i & 31u)) & 1u;
+        var bit = 1u;
+        if row_masked {   // unmasked rows never read `allowed` (the branch is uniform: one row per workgroup)
+            bit = (allowed[words + (i >> 5u)] >> (i & 31u)) & 1u;
             let j = i / WG;
             allowed_bits[j >> 5u] |= bit << (j & 31u);
-            if bit == 0u { continue; }
         }
         let v = scaled(i, base, t, sampling);
-        if better(v, i, value, index) { value = v; index = i; }
+        if bit != 0u && better(v, i, value, index) { value = v; index = i; }
     }
     draw(lid, item, value, index);
 }
