@@ -17,7 +17,7 @@
   ``u_i`` from a counter-based hash of (seed, counter, i) (:func:`hash3`, :func:`hash_uniform`), so a
   (seed, counter) pair always draws the same id. With ``allowed``, an (S, ceil(V / 32)) uint32
   allowed-token bitmask (token t allowed iff bit ``t & 31`` of word ``t >> 5`` is set, as llguidance and
-  xgrammar fill it), every row whose ``params[:, 3] != 0`` (NaN included) sees -inf at each token the mask
+  xgrammar fill it), every row whose ``params[:, 3] != 0`` (1.0, say) sees -inf at each token the mask
   leaves out, before every step above (as vLLM applies the grammar bitmask to the logits before its
   sampler); its greedy id is its first allowed maximum (NaN first), and it gives id -1 where the mask
   allows no token (the caller must treat -1 as an error). Other rows never read the mask and draw what

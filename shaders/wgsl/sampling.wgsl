@@ -161,7 +161,7 @@ fn sample_masked(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(wor
     let t = settings[row * 4u];
     let sampling = t > 0.0;
     row_masked = settings[row * 4u + 3u] != 0.0;
-    let words = row * ((p.width + 31u) / 32u);
+    let row_words = row * ((p.width + 31u) / 32u);   // the row's first word of `allowed`
 
     // 1. The first maximum of z over the allowed elements (NaN first; none: NO_INDEX), keeping their bits.
     var value = select(scaled(0u, base, t, sampling), from_bits(0xff800000u), row_masked);
@@ -169,7 +169,7 @@ fn sample_masked(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(wor
     for (var i = lid; i < p.width; i += WG) {
         var bit = 1u;
         if row_masked {   // unmasked rows never read `allowed` (the branch is uniform: one row per workgroup)
-            bit = (allowed[words + (i >> 5u)] >> (i & 31u)) & 1u;
+            bit = (allowed[row_words + (i >> 5u)] >> (i & 31u)) & 1u;
             let j = i / WG;
             allowed_bits[j >> 5u] |= bit << (j & 31u);
         }
