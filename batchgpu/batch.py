@@ -482,13 +482,30 @@ class GpuCommandBatch:
         rows of (repetition, presence, frequency)."""
         return self._named(self._record("penalize", (logits, seen, generated, penalties)), name)
 
-    def sample(self, logits: Tensor, params: Tensor, top_k: Tensor, keys: Tensor, *, name: str = "") -> Tensor:
+    def sample(
+        self,
+        logits: Tensor,
+        params: Tensor,
+        top_k: Tensor,
+        keys: Tensor,
+        allowed: Tensor | None = None,
+        *,
+        name: str = "",
+    ) -> Tensor:
         """One int32 token id per row of (S, V) logits, drawn on the device. ``params``: (S, 4) float32
-        rows of (temperature, top_p, min_p, unused); ``top_k``: (S,) int32 (<= 0 or >= V: off); ``keys``:
+        rows of (temperature, top_p, min_p, masked); ``top_k``: (S,) int32 (<= 0 or >= V: off); ``keys``:
         (S, 2) uint32 rows of (seed, counter). Temperature <= 0 is greedy (``argmax``'s rule); otherwise a
         draw from softmax(logits / temperature) restricted to top_k (ties included), top_p and min_p
-        (Gumbel-max with a counter-based hash: the same keys draw the same id)."""
-        return self._named(self._record("sample", (logits, params, top_k, keys)), name)
+        (Gumbel-max with a counter-based hash: the same keys draw the same id).
+
+        ``allowed``: an optional (S, ceil(V / 32)) uint32 allowed-token bitmask (token t allowed iff bit
+        ``t & 31`` of word ``t >> 5`` is set; a grammar engine's int32 mask viewed as uint32). Rows with
+        ``params[i, 3] != 0`` then see -inf at every token it leaves out, before every step (greedy, min_p,
+        top_k, top_p, the draw); their greedy id is the first allowed maximum, and a row whose mask allows no
+        token gives id -1 (treat it as an error). Other rows never read the mask. Without ``allowed``,
+        ``params[:, 3]`` is ignored and the launch is the plain one."""
+        inputs = (logits, params, top_k, keys) if allowed is None else (logits, params, top_k, keys, allowed)
+        return self._named(self._record("sample", inputs), name)
 
     def logprobs(self, logits: Tensor, targets: Tensor, top_n: Tensor, *, name: str = "") -> Tensor:
         """Log-probabilities of (S, V) logits as they are (no temperature, penalty or truncation: the

@@ -281,18 +281,23 @@ def _penalize(inputs: Inputs) -> list[Tensor]:
 
 
 def _sample(inputs: Inputs) -> list[Tensor]:
-    """Greedy, plain, top_k, top_p and min_p rows in one launch."""
+    """Greedy, plain, top_k, top_p and min_p rows in one launch; then with an allowed-token bitmask, every
+    row but the plain one masked (params[:, 3]), the last with no token allowed (id -1)."""
     b = inputs.batch
     params = [
-        [0.0, 1.0, 0.0, 0.0],
+        [0.0, 1.0, 0.0, 1.0],
         [1.0, 1.0, 0.0, 0.0],
-        [0.8, 0.9, 0.0, 0.0],
-        [1.2, 1.0, 0.1, 0.0],
-        [1.0, 0.7, 0.05, 0.0],
+        [0.8, 0.9, 0.0, 1.0],
+        [1.2, 1.0, 0.1, 1.0],
+        [1.0, 0.7, 0.05, 1.0],
     ]
     top_k, keys = inputs.ids(0, 0, 5, 0, 40), [[7, i] for i in range(5)]
     settings, seeds = b.upload(np.array(params, np.float32)), b.upload(np.array(keys, np.uint32))
-    return [b.sample(inputs.tensor(5, 33), settings, top_k, seeds)]
+    logits = inputs.tensor(5, 33)
+    bits = np.random.default_rng(5).integers(0, 2**32, (5, 2), dtype=np.uint64).astype(np.uint32)
+    bits[4] = 0
+    allowed = b.upload(bits)
+    return [b.sample(logits, settings, top_k, seeds), b.sample(logits, settings, top_k, seeds, allowed)]
 
 
 def _logprobs(inputs: Inputs) -> list[Tensor]:

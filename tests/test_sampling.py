@@ -7,6 +7,7 @@ tests of the drawn distribution) on wgpu and the reference; tests taking ``gpu``
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -597,6 +598,184 @@ def test_logprobs_refuse_bad_operands(ref):
     assert batch.read(out).shape == (2, sampling.LOGPROB_WIDTH)
 
 
+# sample: the allowed-token bitmask ------------------------------------------------------------
+
+MASK_VOCABS = [1, 31, 33, 1009, 49152]  # one word, a word's width -1 and +1, a prime, SmolLM2
+
+
+def run_masked(device, logits, params, top_k, keys, allowed) -> np.ndarray:
+    batch = bg.GpuCommandBatch(device)
+    arrays = (logits, np.asarray(params, np.float32), np.asarray(top_k, np.int32), np.asarray(keys, np.uint32))
+    out = batch.sample(*(batch.upload(a) for a in arrays), batch.upload(np.asarray(allowed, np.uint32)))
+    batch.execute()
+    return batch.read(out)
+
+
+def pack_mask(allowed: np.ndarray) -> np.ndarray:
+    """(rows, V) booleans as the (rows, ceil(V / 32)) uint32 bitmask, LSB first, packed independently of
+    sampling.allowed_bits (numpy's packbits, little bit order)."""
+    rows, width = allowed.shape
+    padded = np.zeros((rows, 32 * -(-width // 32)), bool)
+    padded[:, :width] = allowed
+    return np.packbits(padded, axis=1, bitorder="little").view("<u4").astype(np.uint32)
+
+
+def mixed_rows(rng: np.random.Generator, rows: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Params (greedy, temperature only, top_k, top_p, min_p, all three; flag column 0) and top_k."""
+    params = np.stack(
+        [
+            np.where(np.arange(rows) % 6 == 0, 0.0, rng.uniform(0.4, 1.6, rows)),
+            np.choose(np.arange(rows) % 6, [1.0, 1.0, 1.0, 0.8, 1.0, 0.9]),
+            np.choose(np.arange(rows) % 6, [0.0, 0.0, 0.0, 0.0, 0.1, 0.02]),
+            np.zeros(rows),
+        ],
+        axis=1,
+    ).astype(np.float32)
+    top_k = np.choose(np.arange(rows) % 6, [0, 0, 7, 0, 0, 40]).astype(np.int32)
+    return params, np.minimum(top_k, vocab)
+
+
+@pytest.mark.parametrize("vocab", MASK_VOCABS)
+def test_sample_masked_rows_equal_the_reference_on_masked_logits(gpu, ref, vocab):
+    """Masked rows (greedy, temperature, top_k, top_p, min_p; dense and sparse random masks) draw what the
+    sampler draws from where(mask, logits, -inf): the mask applies before every step. Exact: the
+    executors run the reference's float32 steps (random logits make near-ties between float32
+    roundings negligible), and every id lies in the mask."""
+    rng = np.random.default_rng(vocab + 29)
+    rows = 12
+    logits = (rng.standard_normal((rows, vocab)) * 2.5).astype(np.float32)
+    params, top_k = mixed_rows(rng, rows, vocab)
+    mask = rng.random((rows, vocab)) < np.where(np.arange(rows) < 6, 0.5, 0.02)[:, None]
+    mask[np.arange(rows), rng.integers(0, vocab, rows)] = True  # at least one allowed token per row
+    keys = counters(rows, seed=vocab)
+    expected = sampling.sample_reference(np.where(mask, logits, -np.inf), params, top_k, keys)
+    assert mask[np.arange(rows), expected].all()
+    flagged = params.copy()
+    flagged[:, 3] = 1.0
+    np.testing.assert_array_equal(sampling.sample_reference(logits, flagged, top_k, keys, pack_mask(mask)), expected)
+    for device in (gpu, ref):
+        np.testing.assert_array_equal(run_masked(device, logits, flagged, top_k, keys, pack_mask(mask)), expected)
+
+
+@pytest.mark.parametrize("vocab", MASK_VOCABS)
+def test_sample_masked_row_with_one_allowed_token_always_takes_it(gpu, ref, vocab):
+    """A mask with one allowed token gives that token at every setting, over many draws, even where its
+    logit is the row's smallest, -inf or NaN, and where disallowed logits are NaN or +inf."""
+    rng = np.random.default_rng(vocab + 31)
+    rows = 24
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    token = rng.integers(0, vocab, rows)
+    logits[0, token[0]] = logits[0].min() - 5
+    logits[1, token[1]] = -np.inf
+    logits[2, token[2]] = np.nan
+    if vocab > 1:
+        logits[3, (token[3] + 1) % vocab] = np.nan  # disallowed NaN and +inf: never the greedy id
+        logits[4, (token[4] + 1) % vocab] = np.inf
+    params, top_k = mixed_rows(rng, rows, vocab)
+    params[:, 3] = 1.0
+    params[7, 1], top_k[8] = 0.0, 1  # top_p 0 and top_k 1 keep only the maximum: the token
+    mask = np.zeros((rows, vocab), bool)
+    mask[np.arange(rows), token] = True
+    for device in (gpu, ref):
+        for first in (0, 1000):
+            ids = run_masked(device, logits, params, top_k, counters(rows, seed=3, first=first), pack_mask(mask))
+            np.testing.assert_array_equal(ids, token)
+
+
+@pytest.mark.parametrize("vocab", [1, 33, 1009])
+def test_sample_masked_row_with_no_allowed_token_gives_minus_one(gpu, ref, vocab):
+    """A masked row whose mask allows no token gives id -1 (greedy or not, NaN logits included); the rows
+    around it draw as they would alone."""
+    rng = np.random.default_rng(vocab + 37)
+    rows = 4
+    logits = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
+    logits[1, 0] = np.nan
+    params = settings(rows, temperature=0.9, top_p=0.9)
+    params[0, 0] = 0.0
+    params[:, 3] = [1.0, 1.0, 0.0, 1.0]
+    mask = rng.random((rows, vocab)) < 0.5
+    mask[:2] = False
+    mask[3, -1] = True
+    keys, top_k = counters(rows), np.array([0, 3, 0, 0], np.int32)
+    alone = sampling.sample_reference(logits[2:], params[2:], top_k[2:], keys[2:], pack_mask(mask[2:]))
+    for device in (gpu, ref):
+        ids = run_masked(device, logits, params, top_k, keys, pack_mask(mask))
+        np.testing.assert_array_equal(ids[:2], [-1, -1])
+        np.testing.assert_array_equal(ids[2:], alone)
+
+
+@pytest.mark.parametrize("vocab", [33, 49152])
+def test_sample_unmasked_rows_are_identical_with_and_without_the_mask(gpu, ref, vocab):
+    """In one call, rows without the flag draw exactly what the call without a mask draws (the mask they
+    never read is random, and its rows are all zeros for some); masked rows stay in their masks; without
+    ``allowed`` the flag column is ignored."""
+    rng = np.random.default_rng(vocab + 41)
+    rows = 12
+    logits = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
+    params, top_k = mixed_rows(rng, rows, vocab)
+    keys = counters(rows, seed=11)
+    flagged = params.copy()
+    flagged[::2, 3] = 1.0
+    mask = rng.random((rows, vocab)) < 0.3
+    mask[np.arange(rows), rng.integers(0, vocab, rows)] = True
+    mask[1::4] = False
+    for device in (gpu, ref):
+        plain = run_sample(device, logits, params, top_k, keys)
+        np.testing.assert_array_equal(run_sample(device, logits, flagged, top_k, keys), plain)
+        ids = run_masked(device, logits, flagged, top_k, keys, pack_mask(mask))
+        np.testing.assert_array_equal(ids[1::2], plain[1::2])
+        assert mask[np.arange(0, rows, 2), ids[::2]].all()
+
+
+def test_sample_masked_float16_logits(gpu, ref):
+    rng = np.random.default_rng(43)
+    logits = (rng.standard_normal((6, 333)) * 3).astype(np.float16)
+    params, top_k, keys = settings(6, 0.9, 0.9, 0.01), np.array([0, 5, 0, 50, 0, 2], np.int32), counters(6)
+    params[:, 3] = 1.0
+    mask = rng.random((6, 333)) < 0.2
+    expected = sampling.sample_reference(np.where(mask, logits.astype(np.float32), -np.inf), params, top_k, keys)
+    for device in (gpu, ref):
+        np.testing.assert_array_equal(run_masked(device, logits, params, top_k, keys, pack_mask(mask)), expected)
+
+
+def test_sample_masked_largest_vocab(gpu, ref):
+    """Masked rows of MAX_VOCAB tokens: the masked entry's passes stay within the loop budget (one read of
+    the mask per element, in the first pass) and its per-invocation bits cover the row."""
+    rng = np.random.default_rng(47)
+    width = sampling.MAX_VOCAB
+    logits = (rng.standard_normal((3, width)) * 2).astype(np.float32)
+    params = np.array([[0.0, 1.0, 0.0, 1.0], [1.0, 0.9, 0.01, 1.0], [1.0, 0.5, 0.0, 1.0]], np.float32)
+    mask = rng.random((3, width)) < 0.1
+    mask[0, -1] = True
+    logits[0, -1] = logits[0].max() + 1  # the last element decides the greedy row: its bit is the last one read
+    top_k, keys = np.array([0, 100, 20000], np.int32), counters(3)
+    expected = sampling.sample_reference(np.where(mask, logits, -np.inf), params, top_k, keys)
+    assert expected[0] == width - 1
+    for device in (gpu, ref):
+        np.testing.assert_array_equal(run_masked(device, logits, params, top_k, keys, pack_mask(mask)), expected)
+
+
+def test_sample_mask_layout_is_lsb_first():
+    """sampling.allowed_bits reads token t at bit t & 31 of word t >> 5 (llguidance's int32 masks too)."""
+    mask = np.array([[1 | 1 << 31, 1 << 2]], np.uint32)
+    assert np.flatnonzero(sampling.allowed_bits(mask, 35)).tolist() == [0, 31, 34]
+    assert np.flatnonzero(sampling.allowed_bits(mask.view(np.int32), 35)).tolist() == [0, 31, 34]
+
+
+def test_sample_without_a_mask_records_the_plain_launch(ref):
+    """Without ``allowed`` the launch is the plain ``sample`` entry with its bindings of before (no slot
+    for the mask); with it, the ``sample_masked`` entry binds the mask too."""
+    batch = bg.GpuCommandBatch(ref)
+    logits, params = batch.upload(np.ones((2, 40), np.float32)), batch.upload(settings(2))
+    top_k, keys = batch.upload(np.zeros(2, np.int32)), batch.upload(counters(2))
+    batch.sample(logits, params, top_k, keys)
+    batch.sample(logits, params, top_k, keys, batch.upload(np.ones((2, 2), np.uint32)))
+    (plain,), (masked,) = (node.launches for node in batch.nodes[-2:])
+    assert plain.entry == "sample" and masked.entry == "sample_masked"
+    assert [b.slot for b in plain.bindings] == [0, 4, 5, 6, 7, 12]  # logits, settings, top_k, keys, out, Params
+    assert [b.slot for b in masked.bindings] == [0, 4, 5, 6, 7, 12, 13]
+
+
 # validation ------------------------------------------------------------------------------------
 
 
@@ -631,3 +810,32 @@ def test_sampling_ops_refuse_bad_operands(ref):
     with pytest.raises(ArgumentError, match=r"count_tokens: .* must be a Tensor"):
         batch.count_tokens(counts, slots, slots, 0)
     assert len(batch) == 0  # nothing recorded by the refused calls
+
+
+def test_sample_refuses_a_bad_mask_before_recording(gpu):
+    """A mask of the wrong dtype or shape is refused before anything is recorded, naming expected and
+    actual; the batch then records and runs a masked sample."""
+    batch = bg.GpuCommandBatch(gpu)
+    logits, params = batch.upload(np.ones((3, 33), np.float32)), batch.upload(settings(3))
+    top_k, keys = batch.upload(np.zeros(3, np.int32)), batch.upload(counters(3))
+    with pytest.raises(DTypeError, match=r"sample: allowed .* has dtype int32; expected uint32"):
+        batch.sample(logits, params, top_k, keys, batch.upload(np.ones((3, 2), np.int32)))
+    with pytest.raises(DTypeError, match=r"sample: allowed .* has dtype float32; expected uint32"):
+        batch.sample(logits, params, top_k, keys, batch.upload(np.ones((3, 2), np.float32)))
+    for shape in ((3, 1), (3, 3), (2, 2), (6,), (3, 2, 1)):
+        bad = batch.upload(np.ones(shape, np.uint32))
+        with pytest.raises(
+            ShapeError, match=rf"sample: allowed .* must have shape \(3, 2\), got {re.escape(str(shape))}"
+        ):
+            batch.sample(logits, params, top_k, keys, bad)
+    with pytest.raises(ArgumentError):
+        batch.sample(logits, params, top_k, keys, np.ones((3, 2), np.uint32))
+    with pytest.raises(LimitError, match=rf"at most {sampling.MAX_VOCAB}"):
+        wide = batch.upload(np.ones((3, sampling.MAX_VOCAB + 1), np.float32))
+        batch.sample(wide, params, top_k, keys, batch.upload(np.ones((3, sampling.MAX_VOCAB // 32 + 1), np.uint32)))
+    assert len(batch) == 0
+    flagged = np.ones((3, 4), np.float32)
+    flagged[:, 0] = 0.0
+    out = batch.sample(logits, batch.upload(flagged), top_k, keys, batch.upload(np.full((3, 2), 1 << 5, np.uint32)))
+    batch.execute()
+    np.testing.assert_array_equal(batch.read(out), [5, 5, 5])

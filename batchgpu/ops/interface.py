@@ -615,7 +615,7 @@ SAMPLING = Family(
         read("seen", "i32", "penalize: prompt + output token counts"),
         read("generated", "i32", "penalize: output token counts"),
         read("penalties", "f32", "penalize: (repetition, presence, frequency) per row"),
-        read("settings", "f32", "sample: (temperature, top_p, min_p, unused) per row"),
+        read("settings", "f32", "sample: (temperature, top_p, min_p, masked) per row (sample_masked: != 0 masks)"),
         read("top_k", "i32", "sample: per row (off: <= 0 or >= width); logprobs: top ids per row (< 0: row skipped)"),
         read("keys", "u32", "sample: (seed, counter) per row"),
         write("out", "O", "penalize: logits; sample: ids; logprobs: (rows, LOGPROB_WIDTH) f32"),
@@ -624,6 +624,7 @@ SAMPLING = Family(
         read("ids", "i32", "count_add: the token ids; logprobs: the target id per row"),
         read("reset", "i32", "count_reset: rows to zero"),
         PARAMS,
+        read("allowed", "u32", "sample_masked: (rows, ceil(width / 32)) bitmask, bit t & 31 of word t >> 5"),
     ),
     params=(Field("rows"), Field("width"), Field("count", note="count_add: number of (slot, id) pairs")),
     constants=(
@@ -632,6 +633,8 @@ SAMPLING = Family(
         const("SEARCH_PASSES", 8, note="32 / BIN_BITS: passes that settle a 32-bit key"),
         const("MAX_TOP", 20, note="logprobs: most top ids per row (OpenAI's top_logprobs limit)"),
         const("LOGPROB_WIDTH", 41, note="logprobs: floats per row: the target's, MAX_TOP ids, MAX_TOP values"),
+        const("MASK_WORDS", 32, note="sample_masked: words of an invocation's allowed bits (one per element)"),
+        const("NO_INDEX", 0xFFFFFFFF, note="sample_masked: a row with no allowed token (its id: -1)"),
     ),
     workgroup=DEFAULT_WORKGROUP,
 )

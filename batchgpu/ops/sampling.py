@@ -3,10 +3,11 @@
 - ``penalize(logits, seen, generated, penalties)``: per element, where ``seen > 0`` the repetition penalty
   r of its row (transformers' rule: ``l / r`` for ``l > 0``, else ``l * r``), then
   ``l -= presence * (generated > 0) + frequency * generated`` (OpenAI, vLLM).
-- ``sample(logits, params, top_k, keys)``: one int32 id per row. ``params`` rows are (temperature, top_p,
-  min_p, unused), ``keys`` rows (seed, counter). Temperature <= 0 (or NaN): greedy, ``argmax``'s rule
-  (first maximum, NaN first). Otherwise, with z = logit / temperature and p = softmax(z) over the whole row,
-  a draw from p restricted to the allowed set and renormalized, the set built in vLLM's order: min_p keeps
+- ``sample(logits, params, top_k, keys[, allowed])``: one int32 id per row. ``params`` rows are
+  (temperature, top_p, min_p, masked), ``keys`` rows (seed, counter). Temperature <= 0 (or NaN): greedy,
+  ``argmax``'s rule (first maximum, NaN first). Otherwise, with z = logit / temperature and p = softmax(z)
+  over the whole row, a draw from p restricted to the allowed set and renormalized, the set built in vLLM's
+  order: min_p keeps
   ``p_i >= min_p * p_max`` (0: off) and top_k the top_k largest z (every element tied with the k-th largest
   included; off for k <= 0 or k >= V), both measured on the whole row; then top_p keeps, of what they left,
   the smallest prefix in decreasing z whose mass under p renormalized to that set reaches top_p (elements
@@ -14,7 +15,13 @@
   maximum is always allowed. Rows whose largest z is not finite (a NaN, +inf, all -inf) take the greedy
   id. The draw is Gumbel-max: the first maximum over allowed i of ``z_i + g_i``, ``g_i = -log(-log(u_i))``,
   ``u_i`` from a counter-based hash of (seed, counter, i) (:func:`hash3`, :func:`hash_uniform`), so a
-  (seed, counter) pair always draws the same id.
+  (seed, counter) pair always draws the same id. With ``allowed``, an (S, ceil(V / 32)) uint32
+  allowed-token bitmask (token t allowed iff bit ``t & 31`` of word ``t >> 5`` is set, as llguidance and
+  xgrammar fill it), every row whose ``params[:, 3] != 0`` (1.0, say) sees -inf at each token the mask
+  leaves out, before every step above (as vLLM applies the grammar bitmask to the logits before its
+  sampler); its greedy id is its first allowed maximum (NaN first), and it gives id -1 where the mask
+  allows no token (the caller must treat -1 as an error). Other rows never read the mask and draw what
+  they draw without it; without ``allowed``, ``params[:, 3]`` is ignored.
 - ``logprobs(logits, targets, top_n)``: per row of (S, V) logits, the log-softmax of the raw logits (no
   temperature, penalty or truncation: the model's own distribution, as vLLM reports it) read at the row's
   target id and at its ``top_n`` largest logits (at most ``MAX_TOP``), as (S, ``LOGPROB_WIDTH``) float32 rows
@@ -69,6 +76,9 @@ MAX_VOCAB = WORKGROUP * ((bounds.LOOP_BUDGET - OTHER_LOOPS) // ROW_PASSES)
 """The longest row ``sample`` takes (210,944 with the 16,384-iteration budget): one workgroup per row
 stays within ``bounds.LOOP_BUDGET``. Computed once from the budget: the sampler never cuts rows into
 pieces, so tests that shrink the bounds to reach chunked paths leave it as it is."""
+
+MASK_WORDS = SAMPLING.value("MASK_WORDS")
+assert 32 * MASK_WORDS * WORKGROUP >= MAX_VOCAB, "sample_masked keeps one allowed bit per element an invocation reads"
 
 WORKGROUP_BYTES = 4 * (2 * WORKGROUP + 3 * BINS + 3)
 """``sample``'s workgroup memory: the (value, index) tree, the key counts and the masses (two words) of the
@@ -195,16 +205,35 @@ def top_p_keys(keys: np.ndarray, e: np.ndarray, top_p: np.ndarray) -> np.ndarray
     return _search(keys, fixed_point(e), None, np.asarray(top_p, np.float32))
 
 
-def sample_reference(logits: np.ndarray, params: np.ndarray, top_k: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """The ids ``sample`` draws, computed with numpy the way the kernel does (float32 z, exp and noise)."""
+def allowed_bits(allowed: np.ndarray, width: int) -> np.ndarray:
+    """The (rows, width) booleans of a (rows, ceil(width / 32)) uint32 bitmask: token t is allowed iff bit
+    ``t & 31`` of word ``t >> 5`` is set (least significant bit first; llguidance's and xgrammar's layout)."""
+    t = np.arange(width)
+    words = np.asarray(allowed).view(np.uint32)[:, t >> 5]
+    return ((words >> (t & 31).astype(np.uint32)) & 1).astype(bool)
+
+
+def sample_reference(
+    logits: np.ndarray, params: np.ndarray, top_k: np.ndarray, keys: np.ndarray, allowed: np.ndarray | None = None
+) -> np.ndarray:
+    """The ids ``sample`` draws, computed with numpy the way the kernel does (float32 z, exp and noise). With
+    ``allowed`` (:func:`allowed_bits`' layout), rows whose ``params[:, 3] != 0`` see -inf at every token
+    the mask leaves out, before every step; their greedy id is their first allowed maximum (NaN first), -1
+    where the mask allows no token."""
     logits = np.asarray(logits, np.float32)
     rows, width = logits.shape
     temperature = params[:, 0].astype(np.float32)
     sampling = temperature > 0
+    visible = np.ones((rows, width), bool)
+    if allowed is not None:
+        visible = ~(params[:, 3] != 0)[:, None] | allowed_bits(allowed, width)
+        logits = np.where(visible, logits, np.float32(-np.inf))
     with np.errstate(all="ignore"):
         z = np.where(sampling[:, None], logits / np.where(sampling, temperature, np.float32(1))[:, None], logits)
     greedy = np.argmax(z, axis=1)
-    z_max = z[np.arange(rows), greedy]
+    hidden = ~visible[np.arange(rows), greedy]  # every allowed z is -inf: the first allowed, or none (-1)
+    greedy[hidden] = np.where(visible[hidden].any(axis=1), np.argmax(visible[hidden], axis=1), -1)
+    z_max = np.where(greedy >= 0, z[np.arange(rows), greedy], np.float32(-np.inf))
     with np.errstate(invalid="ignore"):
         random = sampling & np.isfinite(z_max)
     ids = greedy.astype(np.int32)
@@ -339,12 +368,19 @@ PENALIZE = OpSpec(
 # sample ----------------------------------------------------------------------------------------
 
 
+def mask_words(width: int) -> int:
+    """Words of one row of ``sample``'s allowed-token bitmask: ceil(width / 32)."""
+    return -(-width // 32)
+
+
 def _sample_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
-    logits, settings, top_k, keys = inputs
+    logits, settings, top_k, keys = inputs[:4]
     rows, width = _rows_by_vocab("sample", "logits", logits, FLOAT_TYPES)
     _check("sample", "params", settings, (rows, 4), (FLOAT32,))
     _check("sample", "top_k", top_k, (rows,), (INT32,))
     _check("sample", "keys", keys, (rows, 2), (UINT32,))
+    if len(inputs) == 5:
+        _check("sample", "allowed", inputs[4], (rows, mask_words(width)), (UINT32,))
     if width > MAX_VOCAB:
         raise LimitError(
             f"sample: logits {logits.describe()} has rows of {width} tokens; at most {MAX_VOCAB} are supported "
@@ -358,17 +394,20 @@ def _sample_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.nd
 
 
 def _sample_lower(node: Node) -> list[Launch]:
-    logits, settings, top_k, keys = node.inputs
+    logits, settings, top_k, keys = node.inputs[:4]
     rows, width = logits.shape
+    buffers = dict(logits=logits, settings=settings, top_k=top_k, keys=keys, out=node.output)
+    if len(node.inputs) == 5:  # a second entry: the plain one has no binding for the mask
+        buffers["allowed"] = node.inputs[4]
     return [
         SAMPLING.launch(
             label="sample",
-            entry="sample",
+            entry="sample_masked" if "allowed" in buffers else "sample",
             types=wgsl_aliases(A=logits.dtype, O=INT32),
             constants=(("IS_FLOAT", True),),  # NaN comes first in the greedy argmax (lib/best.wgsl)
             groups=rows,
             params=dict(rows=rows, width=width, count=0),
-            buffers=dict(logits=logits, settings=settings, top_k=top_k, keys=keys, out=node.output),
+            buffers=buffers,
             workgroup_bytes=WORKGROUP_BYTES,
         )
     ]
@@ -381,7 +420,8 @@ SAMPLE = OpSpec(
     lower=_sample_lower,
     dtypes="float",
     doc="int32 id per row of (S, V) logits: greedy for temperature <= 0, else a Gumbel-max draw from the "
-    "softmax restricted to top_k, top_p and min_p, keyed by (seed, counter)",
+    "softmax restricted to top_k, top_p and min_p, keyed by (seed, counter); with an (S, ceil(V / 32)) uint32 "
+    "allowed-token bitmask, rows with params[:, 3] != 0 see -inf outside it (-1: no token allowed)",
 )
 
 

@@ -5,6 +5,10 @@
 // order-preserving u32 image of z for the top_k threshold (rows with top_k), then as many for the top_p
 // threshold over what top_k and min_p leave (rows with top_p; vLLM's order; masses in 32.32 fixed point:
 // exact sums in any order), then the first maximum of z + Gumbel noise over the allowed elements.
+// sample_masked: the same with the allowed-token bitmask `allowed` in rows with settings[row, 3] != 0
+// (pass 1 skips disallowed elements, none allowed: id -1; the later passes see -inf there); other rows
+// never read it. The WGSL twin keeps each invocation's bits in private memory (its `sample` entry must not
+// use the binding); here the passes read the row's words directly.
 // logprobs: one block per row of the raw logits (rows with top_k[row] < 0 write NaN and id -1 only): the
 // first maximum (argmax's order: the first top id), the sum of exp(l - max), then one pass per further top
 // id (the first element in argmax's order after the previous pick); rows of LOGPROB_WIDTH floats: the
@@ -83,7 +87,19 @@ __device__ __forceinline__ float mass_of(const unsigned* mass_low, const unsigne
     return (float)mass_high[b] * 4294967296.0f + (float)mass_low[b];
 }
 
-extern "C" __global__ void sample(BG_ARGS) {
+// z of element i of the row as the passes after the first see it: -inf where the row is masked (its words of
+// the allowed bitmask: row_allowed, null for unmasked rows) and i is not allowed.
+__device__ __forceinline__ float visible(const A* row_logits, const unsigned* row_allowed, unsigned i, float t,
+                                         bool sampling) {
+    const bool hidden = row_allowed != nullptr && ((row_allowed[i >> 5] >> (i & 31u)) & 1u) == 0u;
+    const float z = scaled(row_logits, i, t, sampling);
+    return hidden ? __uint_as_float(0xff800000u) : z;  // a select, not a branch: the lanes of a warp agree
+}
+
+// The rest of sample and sample_masked from the thread's first maximum (value, index) of pass 1.
+__device__ __forceinline__ void draw(const Params& p, const A* logits, const float* settings, const int* top_k,
+                                     const unsigned* keys, O* out, const unsigned* row_allowed, float value,
+                                     unsigned index) {
     __shared__ float best_value[WG];
     __shared__ unsigned best_index[WG];
     __shared__ unsigned mass_low[BINS], mass_high[BINS];  // the buckets' masses in 32.32 fixed point
@@ -98,20 +114,10 @@ extern "C" __global__ void sample(BG_ARGS) {
     const int k = top_k[row];
     const unsigned seed = keys[row * 2u], counter = keys[row * 2u + 1u];
     const bool sampling = t > 0.0f;
-
-    // 1. The first maximum of z (NaN first): the greedy id, and z_max.
-    float value = scaled(row_logits, 0u, t, sampling);
-    unsigned index = 0u;
-    for (unsigned i = lid; i < p.width; i += WG) {
-        float v = scaled(row_logits, i, t, sampling);
-        if (bg_better(v, i, value, index)) {
-            value = v;
-            index = i;
-        }
-    }
     if (lid == 0u) k_low = p_low = 0u;
     const unsigned greedy = bg_tree_best(best_value, best_index, lid, value, index);
-    const float z_max = scaled(row_logits, greedy, t, sampling);
+    const bool none = greedy == NO_INDEX;  // a masked row with no allowed token
+    const float z_max = none ? __uint_as_float(0xff800000u) : scaled(row_logits, greedy, t, sampling);
     const bool random = sampling && is_finite(z_max);
     const unsigned key_max = order_key(z_max);
     const bool k_on = random && k > 0 && (unsigned)k < p.width;
@@ -136,7 +142,7 @@ extern "C" __global__ void sample(BG_ARGS) {
         unsigned low[BINS], high[BINS];
         for (unsigned b = 0u; b < BINS; ++b) low[b] = high[b] = 0u;
         for (unsigned i = lid; i < p.width; i += WG) {
-            float z = scaled(row_logits, i, t, sampling);
+            float z = visible(row_logits, row_allowed, i, t, sampling);
             unsigned key = order_key(z);
             unsigned b = (key - first) >> shift;
             if (key < first || b >= BINS) continue;
@@ -209,7 +215,7 @@ extern "C" __global__ void sample(BG_ARGS) {
     unsigned chosen = greedy;
     const unsigned drawn = random ? p.width : 0u;
     for (unsigned i = lid; i < drawn; i += WG) {
-        float z = scaled(row_logits, i, t, sampling);
+        float z = visible(row_logits, row_allowed, i, t, sampling);
         unsigned key = order_key(z);
         if ((key >= k_threshold && key >= p_threshold && expf(z - z_max) >= min_p) || key == key_max) {
             float s = z + gumbel(seed, counter, i);
@@ -220,7 +226,48 @@ extern "C" __global__ void sample(BG_ARGS) {
         }
     }
     const unsigned picked = bg_tree_best(best_value, best_index, lid, score, chosen);
-    if (lid == 0u && item < p.rows) out[item] = CVT(O, (int)picked);
+    if (lid == 0u && item < p.rows) out[item] = CVT(O, none ? -1 : (int)picked);
+}
+
+extern "C" __global__ void sample(BG_ARGS) {
+    const unsigned row = bg_min(bg_block_index(), p.rows - 1u);
+    const A* row_logits = logits + row * p.width;
+    const float t = settings[row * 4u];
+    const bool sampling = t > 0.0f;
+
+    // 1. The first maximum of z (NaN first): the greedy id, and z_max.
+    float value = scaled(row_logits, 0u, t, sampling);
+    unsigned index = 0u;
+    for (unsigned i = threadIdx.x; i < p.width; i += WG) {
+        float v = scaled(row_logits, i, t, sampling);
+        if (bg_better(v, i, value, index)) {
+            value = v;
+            index = i;
+        }
+    }
+    draw(p, logits, settings, top_k, keys, out, nullptr, value, index);
+}
+
+extern "C" __global__ void sample_masked(BG_ARGS) {
+    const unsigned row = bg_min(bg_block_index(), p.rows - 1u);
+    const A* row_logits = logits + row * p.width;
+    const float t = settings[row * 4u];
+    const bool sampling = t > 0.0f;
+    // rows with settings[row, 3] != 0: their words of the bitmask (unmasked rows never read it)
+    const unsigned* row_allowed = settings[row * 4u + 3u] != 0.0f ? allowed + row * ((p.width + 31u) / 32u) : nullptr;
+
+    // 1. The first maximum of z over the allowed elements (NaN first; none: NO_INDEX).
+    float value = row_allowed ? __uint_as_float(0xff800000u) : scaled(row_logits, 0u, t, sampling);
+    unsigned index = row_allowed ? NO_INDEX : 0u;
+    for (unsigned i = threadIdx.x; i < p.width; i += WG) {
+        const bool allowed_here = row_allowed == nullptr || ((row_allowed[i >> 5] >> (i & 31u)) & 1u) != 0u;
+        float v = scaled(row_logits, i, t, sampling);
+        if (allowed_here && bg_better(v, i, value, index)) {
+            value = v;
+            index = i;
+        }
+    }
+    draw(p, logits, settings, top_k, keys, out, row_allowed, value, index);
 }
 
 // The logprob l - lse, or NaN where the row's maximum is not finite.

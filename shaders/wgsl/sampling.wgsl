@@ -13,6 +13,10 @@
 // then merged by workgroup atomics: exact sums in any order), and invocation 0 keeps the highest bucket whose
 // tail reaches the target.
 // The last pass takes the first maximum of z + Gumbel noise over the allowed elements.
+// sample_masked: the same with an allowed-token bitmask (binding `allowed`, which `sample` has not, so that
+// its launches keep their bindings): in rows with settings[row, 3] != 0, pass 1 reads each element's bit
+// once (into the invocation's private bits) and skips disallowed elements (none allowed: id -1); the later
+// passes see -inf there (`visible`). Other rows never read the mask.
 // logprobs: one workgroup per row of the raw logits (rows with top_k[row] < 0 write NaN and id -1 only):
 // pass 1 the first maximum (argmax's order, NaN first: the first top id), pass 2 the sum of exp(l - max)
 // (a workgroup tree), then one pass per further top id: the first element in argmax's order after the
@@ -113,6 +117,20 @@ fn mass_of(b: u32) -> f32 {
     return f32(atomicLoad(&mass_high[b])) * 4294967296.0 + f32(atomicLoad(&mass_low[b]));
 }
 
+// sample_masked's allowed bits of the invocation's elements lid + j * WG (bit j & 31 of word j >> 5), read from
+// `allowed` once per element in its first pass; row_masked: settings[row, 3] != 0 there (false in `sample`,
+// which never reads `allowed`: it has no such binding).
+var<private> allowed_bits: array<u32, MASK_WORDS>;
+var<private> row_masked: bool;
+
+// z of the invocation's element i (i % WG == lid) as the passes after the first see it: -inf where the row is
+// masked and i is not allowed.
+fn visible(i: u32, base: u32, t: f32, sampling: bool) -> f32 {
+    let j = i / WG;
+    let hidden = row_masked && ((allowed_bits[j >> 5u] >> (j & 31u)) & 1u) == 0u;
+    return select(scaled(i, base, t, sampling), from_bits(0xff800000u), hidden);   // no branch: lanes agree
+}
+
 @compute @workgroup_size(WG)
 fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
           @builtin(num_workgroups) groups: vec3<u32>) {
@@ -121,11 +139,6 @@ fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_
     let row = min(item, p.rows - 1u);
     let base = row * p.width;
     let t = settings[row * 4u];
-    let top_p = settings[row * 4u + 1u];
-    let min_p = settings[row * 4u + 2u];
-    let k = top_k[row];
-    let seed = keys[row * 2u];
-    let counter = keys[row * 2u + 1u];
     let sampling = t > 0.0;
 
     // 1. The first maximum of z (NaN first): the greedy id, and z_max.
@@ -135,9 +148,52 @@ fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_
         let v = scaled(i, base, t, sampling);
         if better(v, i, value, index) { value = v; index = i; }
     }
+    draw(lid, item, value, index);
+}
+
+@compute @workgroup_size(WG)
+fn sample_masked(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+                 @builtin(num_workgroups) groups: vec3<u32>) {
+    let lid = local_id.x;
+    let item = wid.x + wid.y * groups.x;
+    let row = min(item, p.rows - 1u);
+    let base = row * p.width;
+    let t = settings[row * 4u];
+    let sampling = t > 0.0;
+    row_masked = settings[row * 4u + 3u] != 0.0;
+    let row_words = row * ((p.width + 31u) / 32u);   // the row's first word of `allowed`
+
+    // 1. The first maximum of z over the allowed elements (NaN first; none: NO_INDEX), keeping their bits.
+    var value = select(scaled(0u, base, t, sampling), from_bits(0xff800000u), row_masked);
+    var index = select(0u, NO_INDEX, row_masked);
+    for (var i = lid; i < p.width; i += WG) {
+        var bit = 1u;
+        if row_masked {   // unmasked rows never read `allowed` (the branch is uniform: one row per workgroup)
+            bit = (allowed[row_words + (i >> 5u)] >> (i & 31u)) & 1u;
+            let j = i / WG;
+            allowed_bits[j >> 5u] |= bit << (j & 31u);
+        }
+        let v = scaled(i, base, t, sampling);
+        if bit != 0u && better(v, i, value, index) { value = v; index = i; }
+    }
+    draw(lid, item, value, index);
+}
+
+// The rest of `sample` from the invocation's first maximum (value, index) of pass 1.
+fn draw(lid: u32, item: u32, value: f32, index: u32) {
+    let row = min(item, p.rows - 1u);
+    let base = row * p.width;
+    let t = settings[row * 4u];
+    let top_p = settings[row * 4u + 1u];
+    let min_p = settings[row * 4u + 2u];
+    let k = top_k[row];
+    let seed = keys[row * 2u];
+    let counter = keys[row * 2u + 1u];
+    let sampling = t > 0.0;
     if lid == 0u { k_low = 0u; p_low = 0u; }
     let greedy = tree_best(lid, value, index);
-    let z_max = scaled(greedy, base, t, sampling);
+    let none = greedy == NO_INDEX;   // a masked row with no allowed token
+    let z_max = select(scaled(min(greedy, p.width - 1u), base, t, sampling), from_bits(0xff800000u), none);
     let random = sampling && is_finite(z_max);
     let key_max = order_key(z_max);
     let k_on = random && k > 0 && u32(k) < p.width;
@@ -167,7 +223,7 @@ fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_
         var low = array<u32, BINS>();    // explicitly zeroed: wgpu 0.32 (naga) keeps a loop-local var without one
         var high = array<u32, BINS>();
         for (var i = lid; i < p.width; i += WG) {
-            let z = scaled(i, base, t, sampling);
+            let z = visible(i, base, t, sampling);
             let key = order_key(z);
             let b = (key - first) >> shift;
             if key < first || b >= BINS { continue; }
@@ -236,7 +292,7 @@ fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_
     var chosen = greedy;
     let drawn = select(0u, p.width, random);
     for (var i = lid; i < drawn; i += WG) {
-        let z = scaled(i, base, t, sampling);
+        let z = visible(i, base, t, sampling);
         let key = order_key(z);
         if (key >= k_threshold && key >= p_threshold && exp(z - z_max) >= min_p) || key == key_max {
             let s = z + gumbel(seed, counter, i);
@@ -244,7 +300,7 @@ fn sample(@builtin(local_invocation_id) local_id: vec3<u32>, @builtin(workgroup_
         }
     }
     let picked = tree_best(lid, score, chosen);
-    if lid == 0u && item < p.rows { out[item] = O(i32(picked)); }
+    if lid == 0u && item < p.rows { out[item] = O(select(i32(picked), -1, none)); }
 }
 
 // logprobs writes O = f32 (the module compiles per launch, with O = i32 for sample).
