@@ -193,6 +193,11 @@ def test_requests_beyond_the_kv_blocks_are_preempted_and_give_their_ids_alone() 
         "blocks": 3,
         "block_size": 8,
     }
+    before = small.status()["preemptions"]
+    samples = small.complete_choices(PROMPT * 2, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, n=3))
+    assert small.status()["preemptions"] > before  # 3 samples of 22 rows sharing 1 block: they do not fit at once
+    assert [c.token_ids for c in samples] == [small.complete(PROMPT * 2, greedy(12)).token_ids] * 3
+    assert small.memory()["blocks_used"] == 0
     with pytest.raises(bg.RequestError, match="need 4 KV blocks of 8 tokens; the cache has 3"):
         small.complete(PROMPT, greedy(20))  # 25 rows: 4 blocks of 8
     assert small.complete(PROMPT, greedy(4)).token_ids == GREEDY[:4]  # the engine goes on
@@ -430,9 +435,10 @@ def test_n_samples_run_the_prompt_once() -> None:
     rows after the 2 full blocks it shares; greedy samples are the same tokens."""
     eng = engine("reference")
     prompt = list(range(1000, 1037))  # ids no other test prompts with: nothing in the prefix cache
-    before = eng.scheduler.stats.prompt_tokens_computed
+    before, counted = eng.scheduler.stats.prompt_tokens_computed, eng.stats.prompt_tokens
     choices = eng.complete_choices(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=4))
     assert eng.scheduler.stats.prompt_tokens_computed - before == 37 + 3 * 5
+    assert eng.stats.prompt_tokens - counted == 37  # the metrics count the request's prompt once
     assert len(choices) == 4 and all(c.token_ids == choices[0].token_ids for c in choices)
     assert choices[0].token_ids == eng.complete(list(range(1000, 1037)), greedy(4)).token_ids
     assert eng.memory()["blocks_used"] == 0

@@ -131,11 +131,12 @@ class OutputProcessor:
         return Piece(text, [token], reason, self.prompt_tokens, self.completion_tokens)
 
     def record_latency(self) -> None:
-        """Count the token just pushed in ``stats``: the first with the prompt and the time to it, the
-        others with the time since the one before."""
+        """Count the token just pushed in ``stats``: the first with the prompt (a request's first sample
+        alone counts it: its samples share it) and the time to it, the others with the time since the one
+        before."""
         now = clock()
         if self.completion_tokens == 1:
-            self.stats.first_token(self.prompt_tokens, now - self.latest)
+            self.stats.first_token(self.prompt_tokens if self.index == 0 else 0, now - self.latest)
         else:
             self.stats.next_token(now - self.latest)
         self.latest = now
