@@ -193,6 +193,11 @@ def test_requests_beyond_the_kv_blocks_are_preempted_and_give_their_ids_alone() 
         "blocks": 3,
         "block_size": 8,
     }
+    before = small.status()["preemptions"]
+    samples = small.complete_choices(PROMPT * 2, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, n=3))
+    assert small.status()["preemptions"] > before  # 3 samples of 22 rows sharing 1 block: they do not fit at once
+    assert [c.token_ids for c in samples] == [small.complete(PROMPT * 2, greedy(12)).token_ids] * 3
+    assert small.memory()["blocks_used"] == 0
     with pytest.raises(bg.RequestError, match="need 4 KV blocks of 8 tokens; the cache has 3"):
         small.complete(PROMPT, greedy(20))  # 25 rows: 4 blocks of 8
     assert small.complete(PROMPT, greedy(4)).token_ids == GREEDY[:4]  # the engine goes on
@@ -396,3 +401,79 @@ def test_a_vanishing_temperature_is_greedy() -> None:
 def test_a_kv_pool_without_blocks_is_refused_before_the_model_loads(settings) -> None:
     with pytest.raises(bg.BatchError, match=r"block_size and kv_blocks must be at least 1, got 8, 32, -?\d+ and"):
         Engine("no-such-model.gguf", bg.Device("reference"), max_context=64, **settings)
+
+
+def sampled(n: int, seed: int, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=7, temperature=1.0, seed=seed, ignore_eos=True, n=n, **extra)
+
+
+def test_n_samples_draw_with_seeds_seed_plus_index_alone_and_among_others() -> None:
+    """n = 3 with a seed: sample i equals the n = 1 request with seed + i (so sample 0 is the request
+    alone), the same again, and the same among other requests (draws keyed by seed and draw alone)."""
+    eng = engine("reference")
+    prompt = "Once upon a time"
+    choices = eng.complete_choices(prompt, sampled(3, 41))
+    assert [c.index for c in choices] == [0, 1, 2] and all(c.completion_tokens == 7 for c in choices)
+    singles = [eng.complete(prompt, sampled(1, 41 + i)).token_ids for i in range(3)]
+    assert [c.token_ids for c in choices] == singles and len({tuple(ids) for ids in singles}) == 3
+    assert [c.token_ids for c in eng.complete_choices(prompt, sampled(3, 41))] == singles
+
+    async def among_others() -> list[list[int]]:
+        async def request() -> list[list[int]]:
+            pieces = [piece async for piece in eng.generate(prompt, sampled(3, 41))]
+            return [[t for p in pieces if p.index == i for t in p.token_ids] for i in range(3)]
+
+        noise = [collect(eng, p, SamplingParams(max_tokens=5, seed=i)) for i, p in enumerate(OTHERS)]
+        return (await asyncio.gather(*noise[:3], request(), *noise[3:]))[3]
+
+    assert asyncio.run(among_others()) == singles
+    assert eng.memory()["blocks_used"] == 0
+
+
+def test_n_samples_run_the_prompt_once() -> None:
+    """n = 4 of a 37-token prompt (blocks of 16): one prompt's rows, and each later sample runs only the 5
+    rows after the 2 full blocks it shares; greedy samples are the same tokens."""
+    eng = engine("reference")
+    prompt = list(range(1000, 1037))  # ids no other test prompts with: nothing in the prefix cache
+    before, counted = eng.scheduler.stats.prompt_tokens_computed, eng.stats.prompt_tokens
+    choices = eng.complete_choices(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=4))
+    assert eng.scheduler.stats.prompt_tokens_computed - before == 37 + 3 * 5
+    assert eng.stats.prompt_tokens - counted == 37  # the metrics count the request's prompt once
+    assert len(choices) == 4 and all(c.token_ids == choices[0].token_ids for c in choices)
+    assert choices[0].token_ids == eng.complete(list(range(1000, 1037)), greedy(4)).token_ids
+    assert eng.memory()["blocks_used"] == 0
+
+
+def test_best_of_returns_the_samples_with_the_highest_cumulative_logprob() -> None:
+    """best_of = 5, n = 2: the 2 of the 5 samples (those n = 5 gives with the same seed) whose tokens'
+    logprobs sum highest, best first; without logprobs asked, none are returned."""
+    eng = engine("reference")
+    every = eng.complete_choices("The best way to learn", sampled(5, 8, logprobs=0))
+    totals = [sum(entry.logprob for entry in c.logprobs) for c in every]
+    ranked = sorted(range(5), key=lambda i: totals[i], reverse=True)[:2]
+    best = eng.complete_choices("The best way to learn", sampled(2, 8, best_of=5, logprobs=0))
+    assert [c.token_ids for c in best] == [every[i].token_ids for i in ranked] and [c.index for c in best] == [0, 1]
+    assert [c.logprobs for c in best] == [every[i].logprobs for i in ranked]
+    plain = eng.complete_choices("The best way to learn", sampled(2, 8, best_of=5))
+    assert [c.token_ids for c in plain] == [c.token_ids for c in best] and plain[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"n": 0}, r"n must be an int in \[1, 16\], got 0"),
+        ({"n": 17}, r"n must be an int in \[1, 16\], got 17"),
+        ({"n": 3, "best_of": 2}, r"best_of must be an int in \[3, 16\], got 2"),
+        ({"best_of": 17}, r"best_of must be an int in \[1, 16\], got 17"),
+    ],
+)
+def test_n_and_best_of_out_of_bounds_are_refused(settings, message) -> None:
+    with pytest.raises(bg.RequestError, match=message):
+        SamplingParams(**settings)
+
+
+def test_complete_refuses_several_samples() -> None:
+    eng = engine("reference")
+    with pytest.raises(bg.RequestError, match="complete_choices"):
+        eng.complete("Hello", sampled(2, 1))
+    assert eng.complete("Hello", greedy(2)).completion_tokens == 2

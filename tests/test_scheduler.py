@@ -336,6 +336,44 @@ def test_a_sequence_waits_rather_than_preempting_itself_for_blocks_that_reads_wi
     assert shape(s.schedule()) == ("decode", [(newest.id, 4, 1, True)]) and newest.blocks == [1, 0]
 
 
+def test_parallel_samples_share_their_parents_full_prompt_blocks_and_compute_only_the_rest() -> None:
+    """n = 4 samples of an 11-token prompt (blocks of 4): the parent runs the prompt; each child waits until
+    the steps writing the parent's first 2 blocks are submitted, takes them (refs 4), and runs only the
+    last 3 prompt tokens in a block of its own: 11 + 3 * 3 prefill rows, not 4 * 11."""
+    s = scheduler(64, 4, max_batch=4, chunk=8)
+    prompt = list(range(1, 12))
+    parent = s.add(prompt, SamplingParams(max_tokens=2), seed=7)
+    children = [s.add(prompt, SamplingParams(max_tokens=2), seed=7 + i, parent=parent) for i in (1, 2, 3)]
+    b, c, d = children
+    assert shape(s.schedule()) == ("prefill", [(parent.id, 0, 8, False)])
+    assert [child.state for child in children] == [WAITING] * 3  # the shared blocks are not written yet
+    assert shape(s.schedule()) == ("prefill", [(parent.id, 8, 3, True), (b.id, 8, 3, True), (c.id, 8, 2, False)])
+    assert all(child.blocks[:2] == parent.blocks[:2] for child in children)
+    assert [s.pool.refs(block) for block in parent.blocks] == [4, 4, 1]
+    assert shape(s.schedule()) == ("decode", [(parent.id, 11, 1, True), (b.id, 11, 1, True)])
+    assert shape(s.schedule()) == ("prefill", [(c.id, 10, 1, True), (d.id, 8, 3, True)])
+    assert len({child.blocks[2] for child in children} | {parent.blocks[2]}) == 4  # the partial block: own
+    assert s.stats.prompt_tokens_computed == 11 + 3 * 3 and s.stats.prefix_cache_hit_tokens == 3 * 8
+    for sequence in (parent, *children):
+        s.finish(sequence)
+    assert s.pool.used == 0
+
+
+def test_a_parallel_sample_runs_its_whole_prompt_where_it_cannot_share() -> None:
+    """A child whose parent ended before it joined, or one whose penalties count every prompt token, runs
+    its whole prompt (and does not wait for the parent)."""
+    s = scheduler(64, 4, max_batch=4, chunk=16)
+    s.prefix_caching = False
+    prompt = list(range(1, 12))
+    parent = s.add(prompt, SamplingParams(max_tokens=2), seed=7)
+    penalized = s.add(prompt, SamplingParams(max_tokens=2, presence_penalty=1.0), seed=8, parent=parent)
+    assert shape(s.schedule()) == ("prefill", [(parent.id, 0, 11, True), (penalized.id, 0, 5, False)])
+    orphan = s.add(prompt, SamplingParams(max_tokens=2), seed=9, parent=parent)
+    s.finish(parent)
+    assert shape(s.schedule()) == ("prefill", [(orphan.id, 0, 11, True), (penalized.id, 5, 5, False)])  # slot order
+    assert s.stats.prompt_tokens_computed == 11 + 5 + 11 + 5 and not set(orphan.blocks) & set(penalized.blocks)
+
+
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_every_generation_runs_to_its_end_and_every_block_comes_back(data: st.DataObject) -> None:
@@ -353,7 +391,7 @@ def test_every_generation_runs_to_its_end_and_every_block_comes_back(data: st.Da
     s = scheduler(blocks, block_size, max_batch=batch, max_context=24, chunk=chunk)
     s.prefix_caching = data.draw(st.booleans(), label="prefix caching")
     ahead = data.draw(st.integers(0, 3), label="ahead")
-    generation = st.tuples(st.integers(0, 20), st.integers(1, 12), st.integers(1, 12), st.integers(0, 2))
+    generation = st.tuples(st.integers(0, 20), st.integers(1, 12), st.integers(1, 12), st.integers(0, 3))
     arrivals = deque(sorted(data.draw(st.lists(generation, min_size=1, max_size=12), label="arrivals")))
     stops = {i: data.draw(st.integers(1, m), label=f"stop{i}") for i, (_, _, m, _) in enumerate(arrivals) if i % 3 == 0}
     sequences: list[Sequence] = []
@@ -362,6 +400,11 @@ def test_every_generation_runs_to_its_end_and_every_block_comes_back(data: st.Da
     for step in range(2000):
         while arrivals and arrivals[0][0] <= step:
             _, prompt_tokens, max_tokens, family = arrivals.popleft()  # families 0 and 1 share prefixes
+            if family == 3 and sequences:  # a parallel sample of the one before: its prompt blocks shared
+                parent = sequences[-1].parent or sequences[-1]
+                child = s.add(parent.prompt, SamplingParams(max_tokens=max_tokens), seed=7, parent=parent)
+                sequences.append(child)
+                continue
             first = 100 * family if family < 2 else 100 * (2 + len(sequences))  # others: a prompt of its own
             prompt = list(range(first + 1, first + prompt_tokens + 1))
             sequences.append(s.add(prompt, SamplingParams(max_tokens=max_tokens), seed=7))

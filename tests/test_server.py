@@ -136,6 +136,62 @@ def test_chat_streamed(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 16
 
 
+def test_n_choices_with_a_seed(client: openai.OpenAI) -> None:
+    """n = 3 with a seed: choices 0..2, each the n = 1 answer with seed + index (so reproducible), the
+    usage counting the prompt once and every choice's tokens; chat too; greedy choices are all the same."""
+    fields = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 1.0, "seed": 17}
+    result = client.completions.create(n=3, **fields, extra_body={"ignore_eos": True})
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    singles = [
+        client.completions.create(**{**fields, "seed": 17 + i}, extra_body={"ignore_eos": True}).choices[0].text
+        for i in range(3)
+    ]
+    assert [c.text for c in result.choices] == singles
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == (5, 15, 20)
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, n=2)
+    assert [c.text for c in greedy.choices] == [" Paris.\n\nThe answer"] * 2
+    messages = [{"role": "user", "content": "Name a color."}]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, n=2, seed=3, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in answer.choices] == [0, 1] and all(c.message.role == "assistant" for c in answer.choices)
+    assert answer.usage.completion_tokens == 8
+
+
+def test_n_streamed_chunks_carry_their_index(client: openai.OpenAI) -> None:
+    """A streamed n = 2 request: each chunk names its choice; each choice's text equals the choice of the
+    same request not streamed; chat's first chunk of each choice has the role; the usage sums both."""
+    fields = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "seed": 5, "n": 2}
+    whole = client.completions.create(**fields)
+    chunks = list(client.completions.create(**fields, stream=True, stream_options={"include_usage": True}))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)]
+    assert texts == [c.text for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    messages = [{"role": "user", "content": "Say hi."}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=2, seed=9, stream=True)
+    firsts: dict[int, Any] = {}
+    for c in stream:
+        firsts.setdefault(c.choices[0].index, c.choices[0].delta)
+    assert sorted(firsts) == [0, 1] and all(delta.role == "assistant" for delta in firsts.values())
+
+
+def test_best_of_returns_the_most_likely_samples(client: openai.OpenAI) -> None:
+    """best_of = 4, n = 2: the two of the four samples (n = 4 with the same seed) whose tokens' logprobs
+    sum highest, best first; logprobs returned only where asked."""
+    fields = {"model": MODEL, "prompt": "Water is", "max_tokens": 4, "seed": 21, "logprobs": 0}
+    every = client.completions.create(n=4, **fields, extra_body={"ignore_eos": True})
+    ranked = sorted(every.choices, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    best = client.completions.create(n=2, best_of=4, **fields, extra_body={"ignore_eos": True})
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.logprobs.token_logprobs for c in best.choices] == [c.logprobs.token_logprobs for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and best.usage.completion_tokens == 8
+    plain = {k: v for k, v in fields.items() if k != "logprobs"}
+    unasked = client.completions.create(n=2, best_of=4, **plain, extra_body={"ignore_eos": True})
+    assert [c.text for c in unasked.choices] == [c.text for c in best.choices]
+    assert all(c.logprobs is None for c in unasked.choices)
+
+
 def test_concurrent_streams_match_sequential(server: str) -> None:
     prompts = [PROMPT, "Once upon a time", "The best way to learn", "Water is", "Hello", "1, 2, 3,"]
 
@@ -258,8 +314,8 @@ def test_refusals_are_http_400(client: openai.OpenAI, server: str) -> None:
         client.completions.create(model=MODEL, prompt="x " * 300, max_tokens=10)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"n must be an int in \[1, 16\], got 17"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=17)
     status, body = _http(f"{server}/v1/chat/completions", b"not json")
     assert status == 400 and "error" in body
     ok = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)  # still serving
@@ -353,7 +409,14 @@ HOSTILE = [  # (id, path, body, status, param, part of the message): one per cla
     ("field-of-the-other-endpoint", COMPLETIONS, comp(messages=[]), 400, "messages", "unrecognized request argument"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "is not supported"),
     ("logprobs", COMPLETIONS, comp(logprobs=21), 400, "logprobs", "logprobs must be an integer in [0, 20]"),
-    ("n", COMPLETIONS, comp(n=2), 400, "n", "n=2 is not supported"),
+    ("n-zero", COMPLETIONS, comp(n=0), 400, "n", "n must be an int in [1, 16], got 0"),
+    ("n-over-the-limit", CHAT, chat(n=17), 400, "n", "n must be an int in [1, 16], got 17"),
+    ("n-not-an-integer", COMPLETIONS, comp(n=2.5), 400, "n", "n must be an integer"),
+    ("best_of-below-n", COMPLETIONS, comp(n=3, best_of=2), 400, "best_of", "best_of must be an int in [3, 16], got 2"),
+    ("best_of-over-the-limit", COMPLETIONS, comp(best_of=100), 400, "best_of", "in [1, 16], got 100"),
+    ("best_of-chat", CHAT, chat(best_of=2), 400, "best_of", "unrecognized request argument"),
+    ("best_of-streamed", COMPLETIONS, comp(n=1, best_of=2, stream=True), 400, "best_of", "cannot be streamed"),
+    ("n-with-echo", COMPLETIONS, comp(n=2, echo=True), 400, "echo", "one sample only"),
     ("model-not-a-string", COMPLETIONS, comp(model=5), 400, "model", "model must be a string"),
     ("model-unknown", COMPLETIONS, comp(model="gpt-4o"), 404, "model", "`gpt-4o` does not exist"),
     ("model-unknown-chat", CHAT, chat(model="any"), 404, "model", "`any` does not exist"),

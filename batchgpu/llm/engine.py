@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
@@ -24,7 +25,7 @@ from ..errors import BatchError, RequestError
 from ..models.llama import load_model, smollm2_path, steps_ahead
 from .blocks import BlockPool, default_blocks
 from .metrics import EngineStats, clock
-from .output import OutputProcessor, Piece, joined
+from .output import OutputProcessor, Piece, choices, cumulative_logprob, joined
 from .params import SamplingParams
 from .prompt import INLINE_PROMPT, Prompt, prompt_ids, prompt_size
 from .scheduler import Scheduler, SequenceState, StepKind, StepPlan
@@ -118,18 +119,20 @@ class Engine:
             ids = prompt_ids(*encode)  # quicker than a hop to the thread
         else:
             ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prompt_ids, *encode)
-        sequence, output = self._add(ids, params, arrival)
+        sequences, queue = self._add(ids, params, arrival)
         try:
-            while True:
-                item = await output.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
+            if params.best_of is not None and params.best_of > params.n:
+                collected = [piece async for piece in _pieces(queue, len(sequences))]
+                for piece in best_samples(choices(collected), params):
+                    yield piece
+            else:
+                async for piece in _pieces(queue, len(sequences)):
+                    yield piece
         finally:
-            if sequence.state is not SequenceState.FINISHED:
+            ending = [sequence for sequence in sequences if sequence.state is not SequenceState.FINISHED]
+            for sequence in ending:
                 self._end(sequence)  # cancelled: its slot and blocks are free at once
+            if ending:
                 self._wake.set()
 
     def generate_sync(
@@ -150,8 +153,17 @@ class Engine:
             loop.close()
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False) -> Piece:
-        """The whole generation as one :class:`Piece` (synchronous)."""
+        """The whole generation as one :class:`Piece` (synchronous); a request with ``n`` > 1 is refused
+        (RequestError): :meth:`complete_choices` returns its samples."""
+        if params is not None and isinstance(params, SamplingParams) and params.n > 1:
+            raise RequestError(f"complete returns one generation, got n={params.n}: use complete_choices", "n")
         return joined(list(self.generate_sync(prompt, params, trusted=trusted)))
+
+    def complete_choices(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False
+    ) -> list[Piece]:
+        """The ``n`` samples of a request, each as one :class:`Piece`, in index order (synchronous)."""
+        return choices(list(self.generate_sync(prompt, params, trusted=trusted)))
 
     def memory(self) -> dict[str, Any]:
         """The paged KV cache (blocks in use and free, ``blocks_cached``: those registered in the prefix
@@ -195,15 +207,26 @@ class Engine:
 
     # requests ------------------------------------------------------------------------------------------
 
-    def _add(self, ids: list[int], params: SamplingParams, arrival: float) -> tuple[ScheduledSequence, OutputProcessor]:
-        """Queue a generation of ``ids`` that arrived at ``arrival`` (RequestError where the engine can never
-        serve it) and wake the driver (started on this event loop if it does not run there)."""
+    def _add(
+        self, ids: list[int], params: SamplingParams, arrival: float
+    ) -> tuple[list[ScheduledSequence], asyncio.Queue[Piece | BaseException]]:
+        """Queue the samples of a generation of ``ids`` that arrived at ``arrival`` (RequestError where the
+        engine can never serve it), all delivering to one queue, and wake the driver (started on this
+        event loop if it does not run there). Sample ``i`` draws with seed ``seed + i``; the later ones
+        share the first's prompt blocks (:meth:`Scheduler.shared_prefix`)."""
         seed = params.seed if params.seed is not None else random.getrandbits(32)
-        sequence = self.scheduler.add(ids, params, seed)
-        output = self.outputs[sequence] = OutputProcessor(self.codec, params, len(ids), self.stats, arrival)
+        queue: asyncio.Queue[Piece | BaseException] = asyncio.Queue()
+        sequences: list[ScheduledSequence] = []
+        for index, sample in enumerate(sample_params(params)):
+            parent = sequences[0] if sequences else None
+            sequence = self.scheduler.add(ids, sample, (seed + index) % 2**32, parent=parent)
+            sequences.append(sequence)
+            self.outputs[sequence] = OutputProcessor(
+                self.codec, sample, len(ids), self.stats, arrival, queue=queue, index=index
+            )
         self._start()
         self._wake.set()
-        return sequence, output
+        return sequences, queue
 
     def _end(self, sequence: ScheduledSequence, item: Piece | BaseException | None = None) -> None:
         """A request ends (its slot and blocks free for the next step); ``item`` goes to its queue."""
@@ -294,3 +317,35 @@ class Engine:
                 output.queue.put_nowait(piece)
             else:
                 self._end(sequence, piece)
+
+
+def sample_params(params: SamplingParams) -> list[SamplingParams]:
+    """The parameters of each sequence of a request: one per sample (``best_of``, or ``n``), each of
+    ``n`` 1; the prompt's logprobs asked of the first alone (the others share its prompt blocks); with
+    ``best_of`` > ``n``, every sampled token's logprob (the ranking needs it)."""
+    single = dataclasses.replace(params, n=1, best_of=None)
+    if params.best_of is not None and params.best_of > params.n and single.logprobs is None:
+        single = dataclasses.replace(single, logprobs=0)
+    rest = dataclasses.replace(single, prompt_logprobs=None)
+    return [single, *[rest] * (params.samples - 1)]
+
+
+def best_samples(samples: list[Piece], params: SamplingParams) -> list[Piece]:
+    """The ``n`` of ``samples`` with the highest cumulative logprob, best first, indexed 0..n-1 (without
+    their token logprobs where the request did not ask for them)."""
+    best = sorted(samples, key=cumulative_logprob, reverse=True)[: params.n]
+    for index, piece in enumerate(best):
+        piece.index = index
+        if params.logprobs is None:
+            piece.logprobs = None
+    return best
+
+
+async def _pieces(queue: asyncio.Queue[Piece | BaseException], samples: int) -> AsyncIterator[Piece]:
+    """The pieces of a request's ``samples`` as they come, until each has ended (an error ends them all)."""
+    while samples:
+        item = await queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        samples -= item.finish_reason is not None

@@ -20,7 +20,8 @@ class Piece:
     """Part of a generation's output: new text and token ids, and on the last piece why it ended
     (``finish_reason``: ``"stop"``, ``"length"`` or ``"cancelled"``) and the token counts. Where the
     request asked (``SamplingParams.logprobs``), ``logprobs`` has one entry per token of ``token_ids``; the
-    first piece carries ``prompt_logprobs`` where asked: one per prompt token, the first with logprob None."""
+    first piece carries ``prompt_logprobs`` where asked: one per prompt token, the first with logprob None.
+    ``index``: which of the request's ``n`` samples (choices) it belongs to."""
 
     text: str
     token_ids: list[int]
@@ -30,6 +31,7 @@ class Piece:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     token_texts: dict[int, str] | None = None
+    index: int = 0
 
 
 def joined(pieces: list[Piece]) -> Piece:
@@ -40,15 +42,29 @@ def joined(pieces: list[Piece]) -> Piece:
     return Piece(
         "".join(piece.text for piece in pieces), [i for piece in pieces for i in piece.token_ids],
         last.finish_reason, last.prompt_tokens, last.completion_tokens, logprobs or None,
-        pieces[0].prompt_logprobs, texts or None,
+        pieces[0].prompt_logprobs, texts or None, last.index,
     )  # fmt: skip
+
+
+def choices(pieces: list[Piece]) -> list[Piece]:
+    """The pieces of a request's samples (interleaved, each with its ``index``) as one joined piece per
+    sample, in index order."""
+    indices = sorted({piece.index for piece in pieces})
+    return [joined([piece for piece in pieces if piece.index == index]) for index in indices]
+
+
+def cumulative_logprob(piece: Piece) -> float:
+    """The sum of the logprobs of a generation's tokens (its ``logprobs``, which it must have)."""
+    assert piece.logprobs is not None, "cumulative_logprob needs the tokens' logprobs"
+    return sum(entry.logprob for entry in piece.logprobs if entry.logprob is not None)
 
 
 class OutputProcessor:
     """One request's output: :meth:`push` each token as it is read back, in order, until a piece comes
     back with its ``finish_reason``; text held back (an unfinished character, the possible start of a stop
     string) comes out on the last piece. ``queue`` takes the pieces (or the error that ends the request)
-    on their way to its caller. Each token pushed counts in ``stats`` (the engine's; None: a private
+    on their way to its caller (``queue``: one that the request's other samples share; their pieces carry
+    their ``index``). Each token pushed counts in ``stats`` (the engine's; None: a private
     one) with its latency: the first since ``arrival`` (a :func:`~batchgpu.llm.metrics.clock` time; None:
     now), the others since the token before."""
 
@@ -59,6 +75,8 @@ class OutputProcessor:
         prompt_tokens: int,
         stats: EngineStats | None = None,
         arrival: float | None = None,
+        queue: asyncio.Queue[Piece | BaseException] | None = None,
+        index: int = 0,
     ) -> None:
         self.params = params
         self.codec = codec
@@ -66,7 +84,8 @@ class OutputProcessor:
         self.eos_ids = frozenset() if params.ignore_eos else codec.eos_ids
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
-        self.queue: asyncio.Queue[Piece | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[Piece | BaseException] = queue if queue is not None else asyncio.Queue()
+        self.index = index
         self.stats = stats if stats is not None else EngineStats()
         self.latest = arrival if arrival is not None else clock()  # the arrival, then the latest token
         self.prompt_logprobs: list[TokenLogprob] | None = None  # gathered over the prompt's pieces
@@ -84,6 +103,7 @@ class OutputProcessor:
         """The piece of ``token`` (with its ``logprob`` where the request asked): its new text, and whether
         (and why) the generation ends with it."""
         piece = self._piece(token)
+        piece.index = self.index
         if logprob is not None:
             piece.logprobs = [logprob]
         if self.completion_tokens == 1:
@@ -111,11 +131,12 @@ class OutputProcessor:
         return Piece(text, [token], reason, self.prompt_tokens, self.completion_tokens)
 
     def record_latency(self) -> None:
-        """Count the token just pushed in ``stats``: the first with the prompt and the time to it, the
-        others with the time since the one before."""
+        """Count the token just pushed in ``stats``: the first with the prompt (a request's first sample
+        alone counts it: its samples share it) and the time to it, the others with the time since the one
+        before."""
         now = clock()
         if self.completion_tokens == 1:
-            self.stats.first_token(self.prompt_tokens, now - self.latest)
+            self.stats.first_token(self.prompt_tokens if self.index == 0 else 0, now - self.latest)
         else:
             self.stats.next_token(now - self.latest)
         self.latest = now

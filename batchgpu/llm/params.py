@@ -24,6 +24,9 @@ MAX_LOGPROBS = MAX_TOP
 """The most top logprobs a token may ask for, 20 (OpenAI's ``top_logprobs`` limit; vLLM's default
 ``max_logprobs``): what the device's ``logprobs`` op gives per row."""
 
+MAX_SAMPLES = 16
+"""The most sequences one request may run (``n`` and ``best_of``): each takes a slot."""
+
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""
 
@@ -50,6 +53,12 @@ class SamplingParams:
     of the most likely tokens at its position; ``prompt_logprobs`` likewise for every prompt token after
     the first (vLLM's names). Both are of the model's raw distribution: the log-softmax of its logits
     before temperature, penalties and truncation, as vLLM reports them.
+
+    ``n`` (1 to :data:`MAX_SAMPLES`) parallel samples of the prompt, which runs once (the samples share its
+    KV blocks); sample ``i`` draws with seed ``seed + i`` (mod 2**32, as vLLM's parallel sampling seeds
+    its child requests), so sample 0 draws what the request draws with ``n`` = 1. ``best_of`` (``n`` to
+    :data:`MAX_SAMPLES`; None: ``n``) samples are drawn and the ``n`` with the highest cumulative logprob
+    of their tokens (as ``logprobs`` reports them) are returned, best first (vLLM v0's ``best_of``).
     """
 
     max_tokens: int = 16
@@ -66,6 +75,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         _whole("max_tokens", self.max_tokens, 1)
@@ -93,12 +104,20 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _whole(name, getattr(self, name), 0, MAX_LOGPROBS)
+        _whole("n", self.n, 1, MAX_SAMPLES)
+        if self.best_of is not None:
+            _whole("best_of", self.best_of, self.n, MAX_SAMPLES)
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {brief(self.ignore_eos)}", "ignore_eos")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def samples(self) -> int:
+        """Sequences the request runs: ``best_of``, or ``n`` without it."""
+        return self.best_of if self.best_of is not None else self.n
 
 
 def _whole(name: str, value: object, low: int, high: int | None = None) -> None:

@@ -86,6 +86,7 @@ class Sequence:
     preemptions: int = 0  # also the epoch of its chunks: those of an older one are stale
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks of known tokens
     registered: int = 0  # its first blocks that are registered in the prefix cache
+    parent: Sequence | None = None  # a parallel sample's first sibling, whose prompt blocks it shares
 
     @property
     def prefill_length(self) -> int:
@@ -162,11 +163,13 @@ class Scheduler:
 
     # sequences in and out ------------------------------------------------------------------------------
 
-    def add(self, prompt: list[int], params: SamplingParams, seed: int) -> Sequence:
+    def add(self, prompt: list[int], params: SamplingParams, seed: int, parent: Sequence | None = None) -> Sequence:
         """A new sequence, waiting; RequestError (nothing queued) for an empty prompt, one whose prompt and
-        ``max_tokens`` exceed ``max_context``, or one that needs more KV blocks than the pool has."""
+        ``max_tokens`` exceed ``max_context``, or one that needs more KV blocks than the pool has. A
+        ``parent`` (another sample of the same prompt, added before it) makes it a parallel sample that
+        shares the parent's full prompt blocks (:meth:`shared_prefix`)."""
         self.check(len(prompt), params.max_tokens)
-        sequence = Sequence(next(self.ids), list(prompt), params, seed)
+        sequence = Sequence(next(self.ids), list(prompt), params, seed, parent=parent)
         self.waiting.append(sequence)
         return sequence
 
@@ -260,7 +263,10 @@ class Scheduler:
         budget = self.pool.free
         while self.waiting and None in self.slots:
             sequence = self.waiting[0]
-            cached = self.cached_prefix(sequence)
+            shared = self.shared_prefix(sequence)
+            if shared is None:
+                return  # its parent's prompt blocks are on their way: it waits for them
+            cached = shared or self.cached_prefix(sequence)
             hit = len(cached) * self.pool.block_size
             first = min(sequence.prefill_length - hit, self.prefill_chunk)
             cost = self.pool.needed(hit + first) - len(cached) + sum(self.pool.refs(b) == 0 for b in cached)
@@ -284,6 +290,19 @@ class Scheduler:
         blocks = (sequence.prefill_length - 1) // self.pool.block_size
         tokens = sequence.token_ids(0, sequence.prefill_length)
         return self.pool.lookup(chain_hashes(sequence.hashes, tokens, self.pool.block_size, blocks)[:blocks])
+
+    def shared_prefix(self, sequence: Sequence) -> list[int] | None:
+        """The blocks a parallel sample takes from its parent: the parent's full blocks of the prompt
+        (leaving at least its last prefill token to compute, whose logits it samples its first token from)
+        once the steps writing them are submitted; None while they are not (the parent runs its prompt
+        first); none where it has no parent, the parent has ended, or it must run its whole prompt."""
+        parent = sequence.parent
+        if parent is None or parent.state is SequenceState.FINISHED or computes_whole_prompt(sequence.params):
+            return []
+        blocks = min(len(sequence.prompt), sequence.prefill_length - 1) // self.pool.block_size
+        if parent.state in QUEUED or parent.computed < blocks * self.pool.block_size:
+            return None
+        return parent.blocks[:blocks]
 
     def allocate(self, demands: list[tuple[Sequence, int]]) -> set[Sequence]:
         """Grow each sequence's blocks to its rows, oldest first; where the pool has too few, preempt the

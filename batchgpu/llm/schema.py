@@ -77,8 +77,8 @@ FIELDS: dict[str, Field] = {
     "stop_token_ids": Field(("array",), sampling="stop_token_ids"),  # vLLM's
     "ignore_eos": Field(("boolean",), sampling="ignore_eos"),  # vLLM's
     "user": Field(("string",), EVERY),  # an end-user id: accepted, not used
-    "n": Field(("integer",), only=(1,)),
-    "best_of": Field(("integer",), (COMPLETIONS,), only=(1,)),
+    "n": Field(("integer",), sampling="n"),  # 1 to MAX_SAMPLES; not with echo (:func:`_check_samples`)
+    "best_of": Field(("integer",), (COMPLETIONS,), sampling="best_of"),  # n to MAX_SAMPLES; not streamed above n
     "echo": Field(("boolean",), (COMPLETIONS,)),  # with logprobs: the prompt's too (:func:`_logprobs`)
     "suffix": Field(("string",), (COMPLETIONS,), only=()),
     "logprobs": Field(("integer", "boolean")),  # completions: an integer; chat: a boolean (:func:`_logprobs`)
@@ -163,10 +163,12 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         raise RequestError(
             "max_tokens=0 is only served with echo (the prompt scored); otherwise at least 1", "max_tokens"
         )
+    params = _sampling(values, _logprobs(values, endpoint), prompt_only)
+    _check_samples(params, stream, echo)
     return ParsedRequest(
         model=values.get("model"),
         prompt=prompt,
-        params=_sampling(values, _logprobs(values, endpoint), prompt_only),
+        params=params,
         stream=stream,
         include_usage=bool(options.get("include_usage")),
         echo=echo,
@@ -209,6 +211,16 @@ def _logprobs(values: dict[str, Any], endpoint: str) -> dict[str, int]:
             raise RequestError("top_logprobs is only allowed when logprobs is true", "top_logprobs")
         _top_count("top_logprobs", top)
     return {"logprobs": top or 0} if logprobs else {}
+
+
+def _check_samples(params: SamplingParams, stream: bool, echo: bool) -> None:
+    """Several samples are served but not streamed when ``best_of`` > ``n`` (the best are known at the
+    end; OpenAI refuses it too), and not with ``echo``."""
+    if stream and params.best_of is not None and params.best_of > params.n:
+        message = f"best_of ({params.best_of}) > n ({params.n}) cannot be streamed: the best are known at the end"
+        raise RequestError(message, "best_of")
+    if echo and params.samples > 1:
+        raise RequestError(f"echo is served with one sample only, got n={params.n}, best_of={params.best_of}", "echo")
 
 
 def _top_count(name: str, value: Any) -> None:

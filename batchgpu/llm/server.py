@@ -21,7 +21,7 @@ from ..errors import RequestError
 from .embeddings import embeddings_response, read_embeddings_request
 from .logprobs import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from .metrics import EngineStats, exposition, metrics_registry
-from .output import Piece, joined
+from .output import Piece, choices
 from .schema import CHAT, COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, ParsedRequest, read_request
 
 
@@ -146,22 +146,16 @@ def create_app(
             collected += [piece async for piece in pieces]
         else:
             await pieces.aclose()
-        last = collected[-1]
-        whole = joined(collected)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": whole.text}
-            choice["logprobs"] = chat_logprobs(whole.logprobs, whole.token_texts or {}) if whole.logprobs else None
-        else:
-            choice.update(_completion_choice(whole, echo))
+        samples = choices(collected)
+        answers = [_choice(whole, chat, echo) for whole in samples]
         return JSONResponse(
             {
                 "id": ident,
                 "object": kind,
                 "created": created,
                 "model": model_name,
-                "choices": [choice],
-                "usage": _usage(echo.usage(last) if echo is not None else last),
+                "choices": answers,
+                "usage": _usage(*([echo.usage(samples[0])] if echo is not None else samples)),
             }
         )
 
@@ -227,6 +221,17 @@ class _Echo:
         return self.prompt_piece(last) if self.prompt_only else last
 
 
+def _choice(whole: Piece, chat: bool, echo: _Echo | None) -> dict[str, Any]:
+    """The choice of one whole sample in a response that is not streamed."""
+    choice: dict[str, Any] = {"index": whole.index, "finish_reason": whole.finish_reason}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": whole.text}
+        choice["logprobs"] = chat_logprobs(whole.logprobs, whole.token_texts or {}) if whole.logprobs else None
+    else:
+        choice.update(_completion_choice(whole, echo))
+    return choice
+
+
 def _completion_choice(piece: Piece, echo: _Echo | None, *, first: bool = True) -> dict[str, Any]:
     """A completions choice's ``text`` and ``logprobs`` for ``piece`` (with the echoed prompt before it on
     the ``first`` piece; only the prompt when the request has max_tokens 0)."""
@@ -260,31 +265,36 @@ async def _events(
         data = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice], **(extra or {})}
         return f"data: {json.dumps(data)}\n\n"
 
-    def chunk(piece: Piece, role: bool) -> str:
+    started: set[int] = set()  # the samples whose first chunk went out (a chat chunk with the role)
+
+    def chunk(piece: Piece) -> str:
+        role = piece.index not in started
+        started.add(piece.index)
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if piece.text or not role:
                 delta["content"] = piece.text
             logprobs = chat_logprobs(piece.logprobs, piece.token_texts or {}) if piece.logprobs else None
-            return event({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason})
-        return event({"index": 0, **_completion_choice(piece, echo, first=role)})
+            choice = {"index": piece.index, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+            return event(choice)
+        return event({"index": piece.index, **_completion_choice(piece, echo, first=role)})
 
     try:
-        last = first
-        yield chunk(first, role=True)
+        last = {first.index: first}  # each sample's latest piece: the last ones count the usage
+        yield chunk(first)
         if echo is not None and echo.prompt_only:
             pieces = _none(pieces)
-            last = echo.prompt_piece(first)
+            last = {0: echo.prompt_piece(first)}
         try:
             async for piece in pieces:
-                last = piece
-                yield chunk(piece, role=False)
+                last[piece.index] = piece
+                yield chunk(piece)
         except RequestError as exc:  # failed mid-stream (a replica lost): an error event, then the end
             yield f"data: {json.dumps(_error_body(str(exc), type(exc).__name__))}\n\n"
             return
         if usage:
             summary = {"id": ident, "object": kind, "created": created, "model": model, "choices": []}
-            yield f"data: {json.dumps({**summary, 'usage': _usage(last)})}\n\n"
+            yield f"data: {json.dumps({**summary, 'usage': _usage(*last.values())})}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         await pieces.aclose()
@@ -297,12 +307,10 @@ async def _none(pieces: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
     yield
 
 
-def _usage(piece: Piece) -> dict[str, int]:
-    return {
-        "prompt_tokens": piece.prompt_tokens,
-        "completion_tokens": piece.completion_tokens,
-        "total_tokens": piece.prompt_tokens + piece.completion_tokens,
-    }
+def _usage(*samples: Piece) -> dict[str, int]:
+    """The usage of a request from each sample's last piece: the prompt once, the completions summed."""
+    prompt, completion = samples[0].prompt_tokens, sum(piece.completion_tokens for piece in samples)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _error(
