@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import random
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
@@ -22,12 +21,13 @@ import numpy as np
 from ..batch import default_device
 from ..device import Device
 from ..errors import BatchError, RequestError
-from ..models.llama import load_model, smollm2_path, steps_ahead
+from ..models.llama import load_model, smollm2_path, steps_ahead, weight_bytes
 from .blocks import BlockPool, default_blocks
 from .metrics import EngineStats, clock
-from .output import OutputProcessor, Piece, choices, cumulative_logprob, joined
+from .output import OutputProcessor, Piece, choices, hand_prompt_logprobs, joined
 from .params import SamplingParams
 from .prompt import INLINE_PROMPT, Prompt, prompt_ids, prompt_size
+from .samples import add_samples, request_pieces
 from .scheduler import Scheduler, SequenceState, StepKind, StepPlan
 from .scheduler import Sequence as ScheduledSequence
 from .step import KVCache, StepRunner, Submitted
@@ -121,18 +121,10 @@ class Engine:
             ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prompt_ids, *encode)
         sequences, queue = self._add(ids, params, arrival)
         try:
-            if params.best_of is not None and params.best_of > params.n:
-                collected = [piece async for piece in _pieces(queue, len(sequences))]
-                for piece in best_samples(choices(collected), params):
-                    yield piece
-            else:
-                async for piece in _pieces(queue, len(sequences)):
-                    yield piece
+            async for piece in request_pieces(queue, len(sequences), params):
+                yield piece
         finally:
-            ending = [sequence for sequence in sequences if sequence.state is not SequenceState.FINISHED]
-            for sequence in ending:
-                self._end(sequence)  # cancelled: its slot and blocks are free at once
-            if ending:
+            if self._end_unfinished(sequences):  # cancelled: their slots and blocks are free at once
                 self._wake.set()
 
     def generate_sync(
@@ -169,10 +161,6 @@ class Engine:
         """The paged KV cache (blocks in use and free, ``blocks_cached``: those registered in the prefix
         cache, held or free; block size, bytes of the pools) and the weights' device bytes per storage
         format (``weight_bytes``: block formats by name, float tensors by dtype)."""
-        weight_bytes: dict[str, int] = {}
-        for tensor in self.weights.values():
-            kind = getattr(tensor, "qtype", None) or tensor.dtype.name
-            weight_bytes[kind] = weight_bytes.get(kind, 0) + tensor.storage.nbytes
         return {
             "blocks_used": self.pool.used,
             "blocks_free": self.pool.free,
@@ -180,7 +168,7 @@ class Engine:
             "blocks": self.pool.blocks,
             "block_size": self.pool.block_size,
             "kv_bytes": self.cache.nbytes,
-            "weight_bytes": weight_bytes,
+            "weight_bytes": weight_bytes(self.weights),
         }
 
     @property
@@ -216,13 +204,10 @@ class Engine:
         share the first's prompt blocks (:meth:`Scheduler.shared_prefix`)."""
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         queue: asyncio.Queue[Piece | BaseException] = asyncio.Queue()
-        sequences: list[ScheduledSequence] = []
-        for index, sample in enumerate(sample_params(params)):
-            parent = sequences[0] if sequences else None
-            sequence = self.scheduler.add(ids, sample, (seed + index) % 2**32, parent=parent)
-            sequences.append(sequence)
+        sequences = add_samples(self.scheduler, ids, params, seed)
+        for index, sequence in enumerate(sequences):
             self.outputs[sequence] = OutputProcessor(
-                self.codec, sample, len(ids), self.stats, arrival, queue=queue, index=index
+                self.codec, sequence.params, len(ids), self.stats, arrival, queue=queue, index=index
             )
         self._start()
         self._wake.set()
@@ -235,11 +220,12 @@ class Engine:
         if output is not None and item is not None:
             output.queue.put_nowait(item)
 
-    def _fail(self, sequences: list[ScheduledSequence], error: BaseException) -> None:
-        """End the requests of ``sequences`` that have not ended with ``error``."""
-        for sequence in sequences:
-            if sequence.state is not SequenceState.FINISHED:
-                self._end(sequence, error)
+    def _end_unfinished(self, sequences: list[ScheduledSequence], error: BaseException | None = None) -> bool:
+        """End the requests of ``sequences`` that have not ended (with ``error``); whether any had not."""
+        unfinished = [sequence for sequence in sequences if sequence.state is not SequenceState.FINISHED]
+        for sequence in unfinished:
+            self._end(sequence, error)
+        return bool(unfinished)
 
     # the driver ----------------------------------------------------------------------------------------
 
@@ -265,7 +251,7 @@ class Engine:
             await self._drive()
         except Exception as exc:
             error = exc if isinstance(exc, BatchError) else BatchError(f"the engine's scheduler failed: {exc!r}")
-            self._fail(self.scheduler.unfinished(), error)
+            self._end_unfinished(self.scheduler.unfinished(), error)
             raise
 
     async def _drive(self) -> None:
@@ -292,7 +278,7 @@ class Engine:
             return self.runner.run(plan)
         except Exception as exc:
             error = exc if isinstance(exc, BatchError) else BatchError(f"the {plan.kind.value} step failed: {exc!r}")
-            self._fail([chunk.sequence for chunk in plan.chunks], error)
+            self._end_unfinished([chunk.sequence for chunk in plan.chunks], error)
             return None
 
     async def _complete(self, submitted: Submitted) -> None:
@@ -302,14 +288,9 @@ class Engine:
             tokens = await submitted.read_async()
             logprobs = await submitted.logprobs_async(tokens)
         except BatchError as exc:
-            self._fail([chunk.sequence for chunk in submitted.plan.chunks], exc)
+            self._end_unfinished([chunk.sequence for chunk in submitted.plan.chunks], exc)
             return
-        sampled = {}
-        for chunk, entry in zip(submitted.plan.chunks, logprobs or ()):
-            output = self.outputs.get(chunk.sequence)
-            if output is not None and entry.prompt is not None:
-                output.add_prompt_logprobs(chunk.sequence.prompt, entry.prompt, chunk.start)
-            sampled[chunk.sequence] = entry.sampled
+        sampled = hand_prompt_logprobs(self.outputs, submitted.plan.chunks, logprobs)
         for sequence, token in self.scheduler.update(submitted.plan, tokens):
             output = self.outputs[sequence]
             piece = output.push(token, sampled.get(sequence))
@@ -317,35 +298,3 @@ class Engine:
                 output.queue.put_nowait(piece)
             else:
                 self._end(sequence, piece)
-
-
-def sample_params(params: SamplingParams) -> list[SamplingParams]:
-    """The parameters of each sequence of a request: one per sample (``best_of``, or ``n``), each of
-    ``n`` 1; the prompt's logprobs asked of the first alone (the others share its prompt blocks); with
-    ``best_of`` > ``n``, every sampled token's logprob (the ranking needs it)."""
-    single = dataclasses.replace(params, n=1, best_of=None)
-    if params.best_of is not None and params.best_of > params.n and single.logprobs is None:
-        single = dataclasses.replace(single, logprobs=0)
-    rest = dataclasses.replace(single, prompt_logprobs=None)
-    return [single, *[rest] * (params.samples - 1)]
-
-
-def best_samples(samples: list[Piece], params: SamplingParams) -> list[Piece]:
-    """The ``n`` of ``samples`` with the highest cumulative logprob, best first, indexed 0..n-1 (without
-    their token logprobs where the request did not ask for them)."""
-    best = sorted(samples, key=cumulative_logprob, reverse=True)[: params.n]
-    for index, piece in enumerate(best):
-        piece.index = index
-        if params.logprobs is None:
-            piece.logprobs = None
-    return best
-
-
-async def _pieces(queue: asyncio.Queue[Piece | BaseException], samples: int) -> AsyncIterator[Piece]:
-    """The pieces of a request's ``samples`` as they come, until each has ended (an error ends them all)."""
-    while samples:
-        item = await queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-        samples -= item.finish_reason is not None

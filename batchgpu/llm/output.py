@@ -7,11 +7,13 @@ records each token's latency in the engine's :class:`~batchgpu.llm.metrics.Engin
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .metrics import EngineStats, clock
 from .params import SamplingParams
-from .step import TokenLogprob
+from .scheduler import Chunk, Sequence
+from .step import ChunkLogprobs, TokenLogprob
 from .text import TextCodec, TextStream
 
 
@@ -140,3 +142,17 @@ class OutputProcessor:
         else:
             self.stats.next_token(now - self.latest)
         self.latest = now
+
+
+def hand_prompt_logprobs(
+    outputs: Mapping[Sequence, OutputProcessor], chunks: Iterable[Chunk], logprobs: list[ChunkLogprobs] | None
+) -> dict[Sequence, TokenLogprob | None]:
+    """Give each chunk's prompt logprobs (a prefill step's rows, where asked) to its request's output, and
+    return each chunk's sampled-token logprob by sequence (to push with its token)."""
+    sampled = {}
+    for chunk, entry in zip(chunks, logprobs or ()):
+        output = outputs.get(chunk.sequence)
+        if output is not None and entry.prompt is not None:
+            output.add_prompt_logprobs(chunk.sequence.prompt, entry.prompt, chunk.start)
+        sampled[chunk.sequence] = entry.sampled
+    return sampled

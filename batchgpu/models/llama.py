@@ -180,6 +180,15 @@ def steps_ahead(device: Device, ahead: int | None, what: str) -> int:
     return ahead
 
 
+def weight_bytes(weights: dict[str, Tensor]) -> dict[str, int]:
+    """Device bytes of ``weights`` per storage format: block formats by name, float tensors by dtype."""
+    sizes: dict[str, int] = {}
+    for tensor in weights.values():
+        kind = getattr(tensor, "qtype", None) or tensor.dtype.name
+        sizes[kind] = sizes.get(kind, 0) + tensor.storage.nbytes
+    return sizes
+
+
 def load_model(
     device: Device, path: Path, max_context: int, *, quantized: bool, fuse: bool, what: str
 ) -> tuple[LlamaConfig, TextCodec, dict[str, Tensor]]:
