@@ -136,6 +136,76 @@ def test_chat_streamed(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 16
 
 
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_response_format_json_schema(client: openai.OpenAI) -> None:
+    """The answer follows the schema (checked field by field), for several seeds; a bad schema is a 400."""
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in (1, 2):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "A person as JSON"}], max_tokens=40, seed=seed,
+            response_format=schema,
+        )  # fmt: skip
+        person = json.loads(reply.choices[0].message.content)
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int) and 0 <= person["age"] <= 150
+        assert reply.choices[0].finish_reason == "stop"
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}
+    with pytest.raises(openai.BadRequestError, match="Invalid type") as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], response_format=bad)
+    assert caught.value.body["param"] == "response_format"
+
+
+def test_tool_calls_and_their_results(client: openai.OpenAI) -> None:
+    """tool_choice required: the answer is a call of the tool with arguments of its schema; the call and the
+    tool's result sent back as history give an answer; streamed, the call comes in the last chunk."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=40, seed=1,
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "21 C"},
+    ]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=8, seed=1)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages[:1], tools=[WEATHER_TOOL], tool_choice="required", max_tokens=40, seed=1,
+        parallel_tool_calls=False, stream=True,
+    )  # fmt: skip
+    chunks = list(stream)
+    calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or ()]
+    assert [c.function.name for c in calls] == ["get_weather"] and calls[0].index == 0
+    assert json.loads(calls[0].function.arguments) == json.loads(call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_n_choices_with_a_seed(client: openai.OpenAI) -> None:
     """n = 3 with a seed: choices 0..2, each the n = 1 answer with seed + index (so reproducible), the
     usage counting the prompt once and every choice's tokens; chat too; greedy choices are all the same."""
@@ -353,7 +423,8 @@ HOSTILE = [  # (id, path, body, status, param, part of the message): one per cla
     ("content-null", CHAT, user(None), 400, "messages", "content must be a string"),
     ("message-not-an-object", CHAT, chat(messages=["Hi"]), 400, "messages", "must be an object"),
     ("role-unknown", CHAT, chat(messages=[{"role": "root", "content": "Hi"}]), 400, "messages", "role must be one of"),
-    ("message-field-unknown", CHAT, user("Hi", tool_calls=[{}]), 400, "messages", "tool_calls is not supported"),
+    ("message-field-unknown", CHAT, user("Hi", audio={}), 400, "messages", "audio is not supported"),
+    ("tool-calls-from-a-user", CHAT, user("Hi", tool_calls=[{}]), 400, "messages", "only allowed in an assistant"),
     ("messages-empty", CHAT, chat(messages=[]), 400, "messages", "non-empty"),
     ("stream_options-not-an-object", COMPLETIONS, comp(stream=True, stream_options=5), 400, "stream_options", "object"),
     ("stream_options-key-unknown", CHAT, chat(stream=True, stream_options={"x": 1}), 400, "stream_options", "x is not"),
@@ -407,7 +478,7 @@ HOSTILE = [  # (id, path, body, status, param, part of the message): one per cla
     ("prompt-past-max_context", COMPLETIONS, comp(prompt="x " * 300, max_tokens=10), 400, "prompt", "max_context"),
     ("field-unknown", COMPLETIONS, comp(frobnicate=1), 400, "frobnicate", "unrecognized request argument"),
     ("field-of-the-other-endpoint", COMPLETIONS, comp(messages=[]), 400, "messages", "unrecognized request argument"),
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "is not supported"),
+    ("tool-name", CHAT, chat(tools=[{"type": "function", "function": {"name": "a b"}}]), 400, "tools", "must match"),
     ("logprobs", COMPLETIONS, comp(logprobs=21), 400, "logprobs", "logprobs must be an integer in [0, 20]"),
     ("n-zero", COMPLETIONS, comp(n=0), 400, "n", "n must be an int in [1, 16], got 0"),
     ("n-over-the-limit", CHAT, chat(n=17), 400, "n", "n must be an int in [1, 16], got 17"),

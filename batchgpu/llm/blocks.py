@@ -74,6 +74,16 @@ class BlockPool:
         """Blocks registered under a hash (held or not)."""
         return len(self._hash_of)
 
+    def usage(self) -> dict[str, int]:
+        """Blocks used, free, cached and in all, and the block size (an engine's ``memory()``)."""
+        return {
+            "blocks_used": self.used,
+            "blocks_free": self.free,
+            "blocks_cached": self.cached,
+            "blocks": self.blocks,
+            "block_size": self.block_size,
+        }
+
     def refs(self, block: int) -> int:
         """How many sequences hold ``block``."""
         return self._refs[block]

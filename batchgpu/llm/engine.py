@@ -2,8 +2,8 @@
 ``update(plan, tokens)`` (vLLM v1's seam): :mod:`~batchgpu.llm.scheduler` decides each step (continuous
 batching, chunked prefill, paged KV blocks), :class:`~batchgpu.llm.step.StepRunner` packs and submits it
 (sampling on the device), :mod:`~batchgpu.llm.output` turns each request's tokens into text. Large
-prompts are tokenized (chat templates rendered) on a thread of the engine's own, one at a time, so they
-do not stall the loop that streams the other requests' tokens; small ones at once."""
+prompts are tokenized (chat templates rendered) and grammars compiled on a thread of the engine's own, one
+at a time, so they do not stall the loop that streams the other requests' tokens; small ones at once."""
 
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ from ..device import Device
 from ..errors import BatchError, RequestError
 from ..models.llama import load_model, smollm2_path, steps_ahead, weight_bytes
 from .blocks import BlockPool, default_blocks
+from .grammar import GrammarEngine, constraint
 from .metrics import EngineStats, clock
 from .output import OutputProcessor, Piece, choices, hand_prompt_logprobs, joined
 from .params import SamplingParams
-from .prompt import INLINE_PROMPT, Prompt, prompt_ids, prompt_size
+from .prompt import INLINE_PROMPT, Prompt, prepare, prompt_size
 from .samples import add_samples, request_pieces
 from .scheduler import Scheduler, SequenceState, StepKind, StepPlan
 from .scheduler import Sequence as ScheduledSequence
@@ -100,6 +101,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         # one thread: a prompt's tokenizer memory (about 150 bytes per character) is held once at a time
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgpu-tokenize")
+        self.grammar = GrammarEngine(self.codec, self.config.vocab)  # structured outputs' grammars
 
     # the public API -------------------------------------------------------------------------------------
 
@@ -114,12 +116,12 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
-        encode, arrival = (self.codec, self.config.vocab, prompt, trusted), clock()
-        if prompt_size(prompt) <= INLINE_PROMPT:
-            ids = prompt_ids(*encode)  # quicker than a hop to the thread
+        encode, arrival = (self.codec, self.config.vocab, prompt, trusted, params, self.grammar), clock()
+        if prompt_size(prompt) <= INLINE_PROMPT and constraint(params, self.codec.chat_template) is None:
+            ids, grammar = prepare(*encode)  # quicker than a hop to the thread
         else:
-            ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prompt_ids, *encode)
-        sequences, queue = self._add(ids, params, arrival)
+            ids, grammar = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prepare, *encode)
+        sequences, queue = self._add(ids, params, arrival, grammar)
         try:
             async for piece in request_pieces(queue, len(sequences), params):
                 yield piece
@@ -161,15 +163,7 @@ class Engine:
         """The paged KV cache (blocks in use and free, ``blocks_cached``: those registered in the prefix
         cache, held or free; block size, bytes of the pools) and the weights' device bytes per storage
         format (``weight_bytes``: block formats by name, float tensors by dtype)."""
-        return {
-            "blocks_used": self.pool.used,
-            "blocks_free": self.pool.free,
-            "blocks_cached": self.pool.cached,
-            "blocks": self.pool.blocks,
-            "block_size": self.pool.block_size,
-            "kv_bytes": self.cache.nbytes,
-            "weight_bytes": weight_bytes(self.weights),
-        }
+        return {**self.pool.usage(), "kv_bytes": self.cache.nbytes, "weight_bytes": weight_bytes(self.weights)}
 
     @property
     def failure(self) -> BaseException | None:
@@ -183,10 +177,7 @@ class Engine:
         """Requests running (holding a slot) and waiting, steps run so far (also per recorded row count),
         preemptions and prompt tokens taken from the prefix cache so far, and :meth:`memory`."""
         return {
-            "running": len(self.scheduler.running()),
-            "waiting": len(self.scheduler.waiting),
-            "preemptions": self.scheduler.stats.preemptions,
-            "prefix_cache_hit_tokens": self.scheduler.stats.prefix_cache_hit_tokens,
+            **self.scheduler.status(),
             "steps": dict(self.steps),
             "decode_sizes": dict(self.decode_sizes),
             "prefill_sizes": dict(self.prefill_sizes),
@@ -196,19 +187,21 @@ class Engine:
     # requests ------------------------------------------------------------------------------------------
 
     def _add(
-        self, ids: list[int], params: SamplingParams, arrival: float
+        self, ids: list[int], params: SamplingParams, arrival: float, grammar: str | None = None
     ) -> tuple[list[ScheduledSequence], asyncio.Queue[Piece | BaseException]]:
         """Queue the samples of a generation of ``ids`` that arrived at ``arrival`` (RequestError where the
         engine can never serve it), all delivering to one queue, and wake the driver (started on this
         event loop if it does not run there). Sample ``i`` draws with seed ``seed + i``; the later ones
-        share the first's prompt blocks (:meth:`Scheduler.shared_prefix`)."""
+        share the first's prompt blocks (:meth:`Scheduler.shared_prefix`); each follows ``grammar``."""
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         queue: asyncio.Queue[Piece | BaseException] = asyncio.Queue()
         sequences = add_samples(self.scheduler, ids, params, seed)
         for index, sequence in enumerate(sequences):
+            sequence.guide = self.grammar.guides(grammar, 1)[0] if grammar is not None else None
             self.outputs[sequence] = OutputProcessor(
-                self.codec, sequence.params, len(ids), self.stats, arrival, queue=queue, index=index
-            )
+                self.codec, sequence.params, len(ids), self.stats, arrival, queue=queue, index=index,
+                guide=sequence.guide,
+            )  # fmt: skip
         self._start()
         self._wake.set()
         return sequences, queue
@@ -293,7 +286,11 @@ class Engine:
         sampled = hand_prompt_logprobs(self.outputs, submitted.plan.chunks, logprobs)
         for sequence, token in self.scheduler.update(submitted.plan, tokens):
             output = self.outputs[sequence]
-            piece = output.push(token, sampled.get(sequence))
+            try:
+                piece = output.push(token, sampled.get(sequence))
+            except BatchError as exc:  # a token its grammar refuses: that request fails alone
+                self._end(sequence, exc)
+                continue
             if piece.finish_reason is None:
                 output.queue.put_nowait(piece)
             else:

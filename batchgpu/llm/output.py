@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .metrics import EngineStats, clock
 from .params import SamplingParams
 from .scheduler import Chunk, Sequence
 from .step import ChunkLogprobs, TokenLogprob
 from .text import TextCodec, TextStream
+from .tools import ToolCall, parse_tool_calls, tool_format
 
 
 @dataclass
@@ -23,7 +25,9 @@ class Piece:
     (``finish_reason``: ``"stop"``, ``"length"`` or ``"cancelled"``) and the token counts. Where the
     request asked (``SamplingParams.logprobs``), ``logprobs`` has one entry per token of ``token_ids``; the
     first piece carries ``prompt_logprobs`` where asked: one per prompt token, the first with logprob None.
-    ``index``: which of the request's ``n`` samples (choices) it belongs to."""
+    ``index``: which of the request's ``n`` samples (choices) it belongs to. A request with ``tools`` gets
+    its text whole on the last piece: the message's content (None where it is only calls) and the
+    ``tool_calls`` parsed from it, with ``finish_reason`` ``"tool_calls"`` where there are any."""
 
     text: str
     token_ids: list[int]
@@ -34,6 +38,7 @@ class Piece:
     prompt_logprobs: list[TokenLogprob] | None = None
     token_texts: dict[int, str] | None = None
     index: int = 0
+    tool_calls: list[ToolCall] | None = None
 
 
 def joined(pieces: list[Piece]) -> Piece:
@@ -44,7 +49,7 @@ def joined(pieces: list[Piece]) -> Piece:
     return Piece(
         "".join(piece.text for piece in pieces), [i for piece in pieces for i in piece.token_ids],
         last.finish_reason, last.prompt_tokens, last.completion_tokens, logprobs or None,
-        pieces[0].prompt_logprobs, texts or None, last.index,
+        pieces[0].prompt_logprobs, texts or None, last.index, last.tool_calls,
     )  # fmt: skip
 
 
@@ -79,6 +84,7 @@ class OutputProcessor:
         arrival: float | None = None,
         queue: asyncio.Queue[Piece | BaseException] | None = None,
         index: int = 0,
+        guide: Any = None,
     ) -> None:
         self.params = params
         self.codec = codec
@@ -91,6 +97,8 @@ class OutputProcessor:
         self.stats = stats if stats is not None else EngineStats()
         self.latest = arrival if arrival is not None else clock()  # the arrival, then the latest token
         self.prompt_logprobs: list[TokenLogprob] | None = None  # gathered over the prompt's pieces
+        self.guide = guide  # a structured output's grammar state (batchgpu.llm.grammar.Guide): takes each token
+        self.held: list[str] | None = [] if params.tools is not None else None  # a tool request's text, until its end
 
     def add_prompt_logprobs(self, prompt: list[int], entries: list[TokenLogprob], start: int) -> None:
         """The logprobs of the prompt tokens after positions ``start``, ``start + 1``, ... (a prefill step's
@@ -103,8 +111,12 @@ class OutputProcessor:
 
     def push(self, token: int, logprob: TokenLogprob | None = None) -> Piece:
         """The piece of ``token`` (with its ``logprob`` where the request asked): its new text, and whether
-        (and why) the generation ends with it."""
+        (and why) the generation ends with it. RequestError where the request's grammar refuses the token."""
+        if self.guide is not None:
+            self.guide.accept(token)
         piece = self._piece(token)
+        if self.held is not None:
+            self.hold(piece)
         piece.index = self.index
         if logprob is not None:
             piece.logprobs = [logprob]
@@ -116,6 +128,17 @@ class OutputProcessor:
             piece.token_texts = {i: self.codec.decode([i]) for i in ids}
         return piece
 
+    def hold(self, piece: Piece) -> None:
+        """A tool request's piece: its text held until the last piece, which gets the content and calls."""
+        assert self.held is not None and self.params.tools is not None
+        self.held.append(piece.text)
+        piece.text = ""
+        if piece.finish_reason is not None:
+            content, calls = parse_tool_calls("".join(self.held), tool_format(self.codec.chat_template))
+            piece.text, piece.tool_calls = content or "", calls or None
+            if calls:
+                piece.finish_reason = "tool_calls"
+
     def _piece(self, token: int) -> Piece:
         self.completion_tokens += 1
         self.record_latency()
@@ -123,6 +146,9 @@ class OutputProcessor:
         delta = self.stream.finish() if ends else self.stream.push(token)
         text, reason = delta.text, None
         if ends or delta.stopped:
+            reason = "stop"
+        elif self.guide is not None and self.guide.stopped:  # the grammar ended: nothing may follow
+            text += self.stream.finish().text
             reason = "stop"
         elif self.completion_tokens >= self.params.max_tokens:
             tail = self.stream.finish()  # the text held back, up to a stop string it completes

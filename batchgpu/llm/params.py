@@ -12,6 +12,8 @@ import numpy as np
 from ..arguments import brief
 from ..errors import RequestError
 from ..ops.sampling import MAX_TOP
+from .structured import StructuredOutput
+from .tools import ToolCalling
 
 INT32_MAX = 2**31 - 1
 """The largest ``top_k``: it goes to the device as an int32 (any value above the vocabulary keeps every
@@ -59,6 +61,12 @@ class SamplingParams:
     its child requests), so sample 0 draws what the request draws with ``n`` = 1. ``best_of`` (``n`` to
     :data:`MAX_SAMPLES`; None: ``n``) samples are drawn and the ``n`` with the highest cumulative logprob
     of their tokens (as ``logprobs`` reports them) are returned, best first (vLLM v0's ``best_of``).
+
+    ``structured``: a :class:`~batchgpu.llm.structured.StructuredOutput` the output must follow (a JSON
+    schema, any JSON object, a grammar); only tokens it allows are drawn, on the device. ``tools``: a
+    :class:`~batchgpu.llm.tools.ToolCalling` (chat prompts only): the functions are rendered into the
+    prompt, the output held to calls where ``choice`` requires one, and the last piece carries the
+    ``tool_calls`` parsed from it (not both ``structured`` and ``tools``).
     """
 
     max_tokens: int = 16
@@ -77,6 +85,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     n: int = 1
     best_of: int | None = None
+    structured: StructuredOutput | None = None
+    tools: ToolCalling | None = None
 
     def __post_init__(self) -> None:
         _whole("max_tokens", self.max_tokens, 1)
@@ -107,8 +117,19 @@ class SamplingParams:
         _whole("n", self.n, 1, MAX_SAMPLES)
         if self.best_of is not None:
             _whole("best_of", self.best_of, self.n, MAX_SAMPLES)
+        self._check_constraints()
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {brief(self.ignore_eos)}", "ignore_eos")
+
+    def _check_constraints(self) -> None:
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise RequestError(
+                f"structured must be a StructuredOutput, got {brief(self.structured)}", "response_format"
+            )
+        if self.tools is not None and not isinstance(self.tools, ToolCalling):
+            raise RequestError(f"tools must be a ToolCalling, got {brief(self.tools)}", "tools")
+        if self.structured is not None and self.tools is not None:
+            raise RequestError("a request takes a structured output or tools, not both", "response_format")
 
     @property
     def greedy(self) -> bool:

@@ -9,7 +9,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import RequestError
+from .grammar import GrammarEngine, constraint
+from .params import SamplingParams
 from .text import TextCodec
+from .tools import ToolCalling, ToolFormat, plain_history, tool_format, tool_messages
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 """A text prompt, token ids, or chat messages (``[{"role": "user", "content": "..."}]``)."""
@@ -29,15 +32,31 @@ def prompt_size(prompt: Any) -> int:
     return len(prompt) + sum(len(s) for s in strings)
 
 
-def prompt_ids(codec: TextCodec, vocab: int, prompt: Prompt, trusted: bool) -> list[int]:
+def prepare(
+    codec: TextCodec, vocab: int, prompt: Prompt, trusted: bool, params: SamplingParams, grammars: GrammarEngine
+) -> tuple[list[int], str | None]:
+    """A request's prompt ids (:func:`prompt_ids`, with its tools) and the compiled grammar its output
+    follows (:func:`~batchgpu.llm.grammar.constraint`; None: free text). Safe to call from another thread."""
+    ids = prompt_ids(codec, vocab, prompt, trusted, params.tools)
+    output = constraint(params, codec.chat_template)
+    return ids, grammars.compile(output) if output is not None else None
+
+
+def prompt_ids(
+    codec: TextCodec, vocab: int, prompt: Prompt, trusted: bool, tools: ToolCalling | None = None
+) -> list[int]:
     """The prompt's token ids: a text prompt encoded whole, chat messages through
-    :meth:`~batchgpu.llm.text.TextCodec.encode_chat` (``trusted`` as there), token ids checked against
-    ``vocab``. Safe to call from another thread."""
+    :meth:`~batchgpu.llm.text.TextCodec.encode_chat` (``trusted`` as there; ``tools`` rendered as the
+    chat template's tool format has them, :func:`~batchgpu.llm.tools.tool_messages`), token ids checked
+    against ``vocab``. Safe to call from another thread."""
+    items = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
+    chat = bool(items) and all(isinstance(m, Mapping) for m in items or ())
+    if tools is not None and not chat:
+        raise RequestError("tools are served with chat messages only", "tools")
     if isinstance(prompt, str):
         return codec.encode(prompt)
-    items = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
-    if items and all(isinstance(m, Mapping) for m in items):
-        return codec.encode_chat(items, trusted=trusted)
+    if chat and items:
+        return chat_ids(codec, items, trusted, tools)
     if items is not None and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
         bad = [t for t in items if not 0 <= t < vocab]
         if bad:
@@ -47,3 +66,17 @@ def prompt_ids(codec: TextCodec, vocab: int, prompt: Prompt, trusted: bool) -> l
         f"prompt must be a str, a list of token ids or a list of chat messages, got {type(prompt).__name__}",
         "prompt",
     )
+
+
+def chat_ids(
+    codec: TextCodec, messages: list[Mapping[str, Any]], trusted: bool, tools: ToolCalling | None
+) -> list[int]:
+    """Token ids of chat ``messages`` through the model's template, with ``tools`` where given (a template
+    without a tool format of its own sees earlier calls as the generic format's JSON)."""
+    form = tool_format(codec.chat_template)
+    if form is ToolFormat.GENERIC:
+        messages = plain_history(messages)
+    if tools is None:
+        return codec.encode_chat(messages, trusted=trusted)
+    rendered, offered = tool_messages(messages, tools, form)
+    return codec.encode_chat(rendered, trusted=trusted, tools=offered)

@@ -20,7 +20,8 @@ Plans may be made before the previous steps' tokens are read (the engine's ``ahe
 the tokens its submitted steps sample (``sampled``) apart from those read back (``output``), and a
 sequence that finished or was preempted meanwhile gets none of the tokens still on their way (the steps
 already submitted write only into blocks it held, before any later step of the blocks' next holder runs:
-steps run in submission order)."""
+steps run in submission order). A sequence with a grammar (``guide``) runs no step ahead: its next token's
+mask depends on the tokens before it, so it is planned once they are all read back."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from ..errors import RequestError, ShapeError
 from .blocks import BlockPool, chain_hashes
@@ -87,6 +89,9 @@ class Sequence:
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks of known tokens
     registered: int = 0  # its first blocks that are registered in the prefix cache
     parent: Sequence | None = None  # a parallel sample's first sibling, whose prompt blocks it shares
+    guide: Any = (
+        None  # a structured output's grammar state (batchgpu.llm.grammar.Guide): its masks need every token read
+    )
 
     @property
     def prefill_length(self) -> int:
@@ -95,8 +100,10 @@ class Sequence:
 
     @property
     def wants_token(self) -> bool:
-        """Its prompt ran and it needs more tokens than the submitted steps sample."""
-        return self.state is SequenceState.DECODING and self.sampled < self.params.max_tokens
+        """Its prompt ran and it needs more tokens than the submitted steps sample; a sequence with a
+        ``guide`` only once its tokens are all read back (its next mask follows from them)."""
+        waiting = self.guide is not None and self.sampled > len(self.output)
+        return self.state is SequenceState.DECODING and self.sampled < self.params.max_tokens and not waiting
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Its tokens at positions ``[start, stop)``: the prompt, then the output."""
@@ -225,6 +232,15 @@ class Scheduler:
     def running(self) -> list[Sequence]:
         """The sequences holding a slot, in slot order."""
         return [s for s in self.slots if s is not None]
+
+    def status(self) -> dict[str, int]:
+        """Sequences running and waiting, preemptions and prefix cache hits so far (an engine's ``status()``)."""
+        return {
+            "running": len(self.running()),
+            "waiting": len(self.waiting),
+            "preemptions": self.stats.preemptions,
+            "prefix_cache_hit_tokens": self.stats.prefix_cache_hit_tokens,
+        }
 
     def unfinished(self) -> list[Sequence]:
         """Every sequence waiting or running."""

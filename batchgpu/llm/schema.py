@@ -16,6 +16,8 @@ import numpy as np
 
 from ..errors import RequestError
 from .params import MAX_LOGPROBS, SamplingParams, brief
+from .structured import StructuredOutput
+from .tools import Function, ToolCalling
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 """The largest request body the server reads by default (``serve --max-request-bytes``): 4 MiB, hundreds
@@ -84,10 +86,10 @@ FIELDS: dict[str, Field] = {
     "logprobs": Field(("integer", "boolean")),  # completions: an integer; chat: a boolean (:func:`_logprobs`)
     "top_logprobs": Field(("integer",), (CHAT,)),
     "logit_bias": Field(("object",), only=({},)),
-    "response_format": Field(("object",), (CHAT,), only=({"type": "text"},)),
-    "tools": Field(("array",), (CHAT,), only=([],)),
-    "tool_choice": Field(("string", "object"), (CHAT,), only=("none",)),
-    "parallel_tool_calls": Field(("boolean",), (CHAT,)),  # without tools: nothing to do
+    "response_format": Field(("object",)),  # text, json_object, json_schema (:func:`_response_format`)
+    "tools": Field(("array",), (CHAT,)),  # functions (:func:`_tools`)
+    "tool_choice": Field(("string", "object"), (CHAT,)),  # none, auto, required, a function
+    "parallel_tool_calls": Field(("boolean",), (CHAT,)),  # false: at most one call
     "input": Field(("string", "array"), (EMBEDDINGS,)),  # checked by batchgpu.llm.embeddings
     "encoding_format": Field(("string",), (EMBEDDINGS,), only=("float", "base64")),
     "dimensions": Field(("integer",), (EMBEDDINGS,)),  # only the model's own (batchgpu.llm.embeddings)
@@ -95,7 +97,12 @@ FIELDS: dict[str, Field] = {
 """The request fields of ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/embeddings``."""
 
 STREAM_OPTIONS = {"include_usage": "boolean"}
-MESSAGE_FIELDS = {"role": "string", "content": "string or array", "name": "string"}
+MESSAGE_FIELDS = {
+    "role": "string", "content": "string or array", "name": "string", "tool_calls": "array", "tool_call_id": "string",
+}  # fmt: skip
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+JSON_SCHEMA_FIELDS = {"name": "string", "description": "string", "schema": "object", "strict": "boolean"}
+FUNCTION_FIELDS = {"name": "string", "description": "string", "parameters": "object", "strict": "boolean"}
 
 
 @dataclass
@@ -163,7 +170,8 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         raise RequestError(
             "max_tokens=0 is only served with echo (the prompt scored); otherwise at least 1", "max_tokens"
         )
-    params = _sampling(values, _logprobs(values, endpoint), prompt_only)
+    constraints = {"structured": _response_format(values.get("response_format")), "tools": _tools(values)}
+    params = _sampling(values, {**_logprobs(values, endpoint), **constraints}, prompt_only)
     _check_samples(params, stream, echo)
     return ParsedRequest(
         model=values.get("model"),
@@ -228,9 +236,71 @@ def _top_count(name: str, value: Any) -> None:
         raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {_json_type(value)}", name)
 
 
-def _sampling(values: dict[str, Any], logprobs: dict[str, int], prompt_only: bool) -> SamplingParams:
-    settings = {FIELDS[name].sampling: value for name, value in values.items() if FIELDS[name].sampling}
-    settings.update(logprobs)
+def _response_format(value: Any) -> StructuredOutput | None:
+    """``response_format``: ``{"type": "text"}`` (None), ``{"type": "json_object"}`` or ``{"type":
+    "json_schema", "json_schema": {"name", "schema"[, "description", "strict"]}}``."""
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise RequestError(
+            f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got {brief(kind)}", "response_format"
+        )
+    _check_keys(
+        value, {"type": "string", **({"json_schema": "object"} if kind == "json_schema" else {})}, "response_format"
+    )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    spec = value.get("json_schema")
+    if spec is None or not isinstance(spec.get("schema"), dict):
+        raise RequestError("response_format.json_schema.schema must be an object (the JSON schema)", "response_format")
+    _check_keys(spec, JSON_SCHEMA_FIELDS, "response_format.json_schema", param="response_format")
+    return StructuredOutput(json_schema=spec["schema"])
+
+
+def _tools(values: dict[str, Any]) -> ToolCalling | None:
+    """``tools`` (OpenAI's function objects), ``tool_choice`` and ``parallel_tool_calls``; None without tools
+    or with ``tool_choice`` "none" (the tools are then left out of the prompt)."""
+    tools, choice = values.get("tools"), values.get("tool_choice", "auto")
+    if isinstance(choice, dict):
+        choice = _named_choice(choice)
+    elif choice not in ("none", "auto", "required"):
+        raise RequestError(
+            f"tool_choice must be none, auto, required or a function, got {brief(choice)}", "tool_choice"
+        )
+    if not tools:
+        if "tool_choice" in values and choice != "none":
+            raise RequestError("tool_choice is only allowed when tools are given", "tool_choice")
+        return None
+    if choice == "none":
+        return None
+    functions = tuple(_function(tool, f"tools[{i}]") for i, tool in enumerate(tools))
+    return ToolCalling(functions, choice, values.get("parallel_tool_calls", True))
+
+
+def _named_choice(choice: dict[str, Any]) -> str:
+    function = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RequestError('tool_choice must be {"type": "function", "function": {"name": ...}}', "tool_choice")
+    _check_keys(choice, {"type": "string", "function": "object"}, "tool_choice")
+    _check_keys(function, {"name": "string"}, "tool_choice.function", param="tool_choice")
+    return function["name"]
+
+
+def _function(tool: Any, where: str) -> Function:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise RequestError(f'{where} must be {{"type": "function", "function": {{...}}}}', "tools")
+    _check_keys(tool, {"type": "string", "function": "object"}, where, param="tools")
+    function = tool["function"]
+    _check_keys(function, FUNCTION_FIELDS, f"{where}.function", param="tools")
+    parameters = function.get("parameters") or {"type": "object"}
+    return Function(function.get("name"), function.get("description"), parameters)
+
+
+def _sampling(values: dict[str, Any], settings: dict[str, Any], prompt_only: bool) -> SamplingParams:
+    settings = {**{FIELDS[name].sampling: value for name, value in values.items() if FIELDS[name].sampling}, **settings}
     if prompt_only:  # the prompt's logprobs come with the first token: one is generated, then dropped
         settings["max_tokens"] = 1
     if "max_completion_tokens" in values:  # chat: OpenAI's newer name wins
@@ -258,7 +328,9 @@ def _prompt(prompt: Any) -> str | list[int]:
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
     """The chat messages, each ``{"role", "content"[, "name"]}`` with text content (content parts: their
-    texts joined); other message fields (``tool_calls``, ...) only as null."""
+    texts joined); an assistant's ``tool_calls`` (its content may then be null) with their arguments
+    parsed (chat templates read them as objects, as vLLM gives them) and a tool message's
+    ``tool_call_id``; other message fields only as null."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty array of messages", "messages")
     return [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
@@ -274,6 +346,13 @@ def _message(message: Any, where: str) -> dict[str, Any]:
     role, content = fields.get("role"), fields.get("content")
     if role not in ROLES:
         raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {brief(role)}", "messages")
+    if "tool_calls" in fields:
+        if role != "assistant":
+            raise RequestError(f"{where}.tool_calls is only allowed in an assistant message", "messages")
+        fields["tool_calls"] = [_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(fields["tool_calls"])]
+        content = "" if content is None else content
+    if "tool_call_id" in fields and not isinstance(fields["tool_call_id"], str):
+        raise RequestError(f"{where}.tool_call_id must be a string", "messages")
     if isinstance(content, list):
         content = "".join(_text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content))
     if not isinstance(content, str):
@@ -282,6 +361,27 @@ def _message(message: Any, where: str) -> dict[str, Any]:
     if "name" in fields and not isinstance(fields["name"], str):
         raise RequestError(f"{where}.name must be a string, got {_json_type(fields['name'])}", "messages")
     return {**fields, "role": role, "content": content}
+
+
+def _call(call: Any, where: str) -> dict[str, Any]:
+    """An earlier tool call in a message: ``{"id", "type": "function", "function": {"name", "arguments"}}``,
+    its arguments (JSON text) parsed."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RequestError(
+            f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', "messages"
+        )
+    _check_keys(call, {"id": "string", "type": "string", "function": "object"}, where, param="messages")
+    _check_keys(function, {"name": "string", "arguments": "string"}, f"{where}.function", param="messages")
+    try:
+        arguments = json.loads(function.get("arguments") or "{}", parse_constant=_no_constant)
+    except ValueError:
+        raise RequestError(f"{where}.function.arguments must be JSON text", "messages") from None
+    return {
+        "id": call.get("id", ""),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }
 
 
 def _text_part(part: Any, where: str) -> str:

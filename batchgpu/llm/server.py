@@ -226,6 +226,10 @@ def _choice(whole: Piece, chat: bool, echo: _Echo | None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": whole.index, "finish_reason": whole.finish_reason}
     if chat:
         choice["message"] = {"role": "assistant", "content": whole.text}
+        if whole.tool_calls:
+            choice["message"] = {
+                "role": "assistant", "content": whole.text or None, "tool_calls": [c.openai() for c in whole.tool_calls]
+            }  # fmt: skip
         choice["logprobs"] = chat_logprobs(whole.logprobs, whole.token_texts or {}) if whole.logprobs else None
     else:
         choice.update(_completion_choice(whole, echo))
@@ -274,6 +278,8 @@ async def _events(
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if piece.text or not role:
                 delta["content"] = piece.text
+            if piece.tool_calls:  # the calls come whole, with the last piece
+                delta["tool_calls"] = [{"index": i, **call.openai()} for i, call in enumerate(piece.tool_calls)]
             logprobs = chat_logprobs(piece.logprobs, piece.token_texts or {}) if piece.logprobs else None
             choice = {"index": piece.index, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
             return event(choice)

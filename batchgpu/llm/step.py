@@ -114,6 +114,7 @@ def record_step(
     prompt: bool,
     by_slot: bool,
     scoring: bool = False,
+    masked: bool = False,
 ) -> Step:
     """Record the step. Inputs (feed them all each run):
 
@@ -137,7 +138,9 @@ def record_step(
     - ``logprob_n`` (samples,): the top ids each sample's logprobs give (-1: the sample asks for none);
     - with ``scoring`` (a prefill step for prompts that ask for their own logprobs: the head runs on every
       row) also ``prompt_targets`` (rows,): the prompt token after each row, and ``prompt_n`` (rows,): the top
-      ids its logprobs give (-1: not asked).
+      ids its logprobs give (-1: not asked);
+    - with ``masked`` (a step with rows of structured outputs) also ``allowed`` (samples, ceil(vocab / 32))
+      uint32: each sample's allowed-token bitmask, read for the samples whose ``sampling[:, 3]`` is 1.
     Outputs: ``next_ids`` (samples,) int32; ``logprobs`` (samples, 41) float32, the ``logprobs`` op's rows of
     the raw logits at each sampled id; with ``scoring``, ``prompt_logprobs`` (rows, 41).
     """
@@ -167,6 +170,8 @@ def record_step(
         inputs["count_slots"] = inp("count_slots", (rows,), np.int32)
         inputs["generated_slots"] = inp("generated_slots", (rows,), np.int32)
         inputs["reset"] = inp("reset", (slots,), np.int32)
+    if masked:
+        inputs["allowed"] = inp("allowed", (samples, (config.vocab + 31) // 32), np.uint32)
     if scoring:
         inputs["prompt_targets"] = inp("prompt_targets", (rows,), np.int32)
         inputs["prompt_n"] = inp("prompt_n", (rows,), np.int32)
@@ -201,7 +206,7 @@ def record_step(
         seen = batch.embedding(x["sample_slots"], cache.seen)
         generated = batch.embedding(x["sample_slots"], cache.generated)
     penalized = batch.penalize(logits, seen, generated, x["penalties"])
-    next_ids = batch.sample(penalized, x["sampling"], x["top_k"], x["keys"])
+    next_ids = batch.sample(penalized, x["sampling"], x["top_k"], x["keys"], x.get("allowed"))
     logprobs = batch.logprobs(logits, next_ids, x["logprob_n"])  # the raw logits: before the penalties
     batch.count_tokens(cache.seen, x["sampled_slots"], next_ids)
     batch.count_tokens(cache.generated, x["sampled_slots"], next_ids)
@@ -272,6 +277,20 @@ class Submitted:
         return result
 
 
+def guided(chunk: Chunk) -> bool:
+    """Whether ``chunk`` samples a real token under a grammar (its sequence's ``guide``)."""
+    return chunk.sampled and chunk.sequence.guide is not None
+
+
+def mask_feeds(feeds: dict[str, np.ndarray], chunks: list[Chunk], samples: list[int]) -> None:
+    """A masked step's grammar rows: sample ``samples[i]`` of a guided chunk ``i`` gets its guide's
+    allowed-token bitmask and the flag that applies it (``sampling[:, 3]``); the other rows keep theirs off."""
+    for chunk, sample in zip(chunks, samples):
+        if guided(chunk):
+            chunk.sequence.guide.fill(feeds["allowed"][sample])
+            feeds["sampling"][sample, 3] = 1.0
+
+
 def wants_prompt_logprobs(chunk: Chunk) -> bool:
     """Whether ``chunk`` is a prompt piece whose sequence asks for its prompt's logprobs."""
     return chunk.sequence.params.prompt_logprobs is not None and chunk.start < len(chunk.sequence.prompt)
@@ -302,7 +321,7 @@ class StepRunner:
             StepKind.DECODE: self.ladder(record, StepKind.DECODE, max_batch),
             StepKind.PREFILL: self.ladder(record, StepKind.PREFILL, prefill_chunk),
         }
-        self.scoring: dict[int, Step] = {}  # prefill steps with every row's logprobs, recorded on first use
+        self.variants: dict[tuple[StepKind, int, bool, bool], Step] = {}  # scoring or masked: on first use
         self.runs = {kind: dict.fromkeys(steps, 0) for kind, steps in self.recorded.items()}
         self.counts = dict.fromkeys((kind.value for kind in StepKind), 0)
 
@@ -310,23 +329,31 @@ class StepRunner:
         """Steps of ``kind`` recorded at each row count of :func:`step_sizes` (``largest``)."""
         return {size: self.record_size(record, kind, size) for size in step_sizes(largest)}
 
-    def record_size(self, record: Callable[..., Step], kind: StepKind, size: int, scoring: bool = False) -> Step:
-        """The step of ``kind`` at ``size`` rows (``scoring``: a prefill step giving every row's logprobs)."""
+    def record_size(
+        self, record: Callable[..., Step], kind: StepKind, size: int, scoring: bool = False, masked: bool = False
+    ) -> Step:
+        """The step of ``kind`` at ``size`` rows (``scoring``: a prefill step giving every row's logprobs;
+        ``masked``: with the samples' allowed-token bitmasks)."""
         prompt = kind is StepKind.PREFILL
         samples = min(self.max_batch, size)
+        label = ("score" if scoring else kind.value) + ("-masked" if masked else "")
         return record(
-            rows=size, samples=samples, table_rows=samples, name=f"{'score' if scoring else kind.value}{size}",
-            prompt=prompt, by_slot=not prompt and samples == self.max_batch, scoring=scoring,
+            rows=size, samples=samples, table_rows=samples, name=f"{label}{size}", prompt=prompt,
+            by_slot=not prompt and samples == self.max_batch, scoring=scoring, masked=masked,
         )  # fmt: skip
 
     def step_for(self, plan: StepPlan, size: int) -> Step:
-        """The recorded step of ``size`` rows that runs ``plan``: a scoring prefill step (recorded the first
-        time one is needed) where a prompt piece of the plan asks for its prompt's logprobs."""
-        if plan.kind is StepKind.PREFILL and any(wants_prompt_logprobs(c) for c in plan.chunks):
-            if size not in self.scoring:
-                self.scoring[size] = self.record_size(self.record, StepKind.PREFILL, size, scoring=True)
-            return self.scoring[size]
-        return self.recorded[plan.kind][size]
+        """The recorded step of ``size`` rows that runs ``plan``: a scoring prefill step where a prompt piece
+        of the plan asks for its prompt's logprobs, a masked one where a chunk samples with a grammar (each
+        variant recorded the first time one is needed)."""
+        scoring = plan.kind is StepKind.PREFILL and any(wants_prompt_logprobs(c) for c in plan.chunks)
+        masked = any(guided(c) for c in plan.chunks)
+        if not scoring and not masked:
+            return self.recorded[plan.kind][size]
+        key = (plan.kind, size, scoring, masked)
+        if key not in self.variants:
+            self.variants[key] = self.record_size(self.record, plan.kind, size, scoring=scoring, masked=masked)
+        return self.variants[key]
 
     def run(self, plan: StepPlan) -> Submitted:
         """Pack ``plan`` into the smallest recorded step of its kind that holds its rows and submit it."""
@@ -339,6 +366,8 @@ class StepRunner:
             by_slot = size == self.max_batch
             token_rows = [c.sequence.slot for c in plan.chunks] if by_slot else list(range(len(plan.chunks)))
             feeds = decode_feeds(step, plan.chunks, token_rows, self.cache.block_size)
+        if "allowed" in feeds:
+            mask_feeds(feeds, plan.chunks, token_rows)
         submission = step.run(feeds)
         self.runs[plan.kind][size] += 1
         self.counts[plan.kind.value] += 1

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,10 +108,13 @@ class TextCodec:
         """Text of ``ids``; control tokens (``<|im_end|>``) are left out, as in a chat reply."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
         """The prompt for ``messages`` (``[{"role": ..., "content": ...}, ...]``) through the model's own
-        chat template, with the assistant's turn opened; a template that refuses the messages
-        (``raise_exception``, or an error on them) raises RequestError."""
+        chat template, with the assistant's turn opened (``tools``: OpenAI's tool objects, the template's
+        ``tools`` variable); a template that refuses the messages (``raise_exception``, or an error on
+        them) raises RequestError."""
         if not self.chat_template:
             raise RequestError("chat: this model's files have no chat template; send a prompt instead", "messages")
         _check_messages(messages)
@@ -120,6 +125,7 @@ class TextCodec:
         try:
             return template.render(
                 messages=[dict(m) for m in messages],
+                tools=[dict(t) for t in tools] if tools is not None else None,
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -127,17 +133,23 @@ class TextCodec:
         except Exception as exc:  # raise_exception, or the template failing on these messages
             raise RequestError(f"chat: the chat template refused the messages: {exc}", "messages") from None
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, trusted: bool = False) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        trusted: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of :meth:`render_chat`'s prompt. Control tokens come from the template alone: text in
         the messages that spells a special token (``<|im_end|>``) is encoded as plain text, so a message
         cannot open a turn of another role (:mod:`batchgpu.models.control`); otherwise the ids equal those of
         the rendered prompt encoded as one string, as ``transformers`` and vLLM encode it. ``trusted``:
         special-token text in the messages is control too (that one-string encoding; for messages the
-        application itself wrote)."""
+        application itself wrote). ``tools`` as in :meth:`render_chat`, their text kept apart alike."""
         _check_messages(messages)
         if trusted:
-            return self.encode(self.render_chat(messages), special=False)
-        ids = self.control.encode(messages, self.render_chat)
+            return self.encode(self.render_chat(messages, tools), special=False)
+        ids = self.control.encode(messages, self.render_chat, tools)
         if len(ids) >= LARGE_TEXT // 8:
             release_freed_memory()
         return ids
@@ -168,8 +180,19 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
         if not isinstance(message.get("content"), str):
             raise RequestError(f"chat: messages[{i}]['content'] must be a str", "messages")
         for key, value in message.items():
-            if isinstance(value, str):
-                _check_text(value, f"messages[{i}].{key}", "messages")
+            _check_texts(value, f"messages[{i}].{key}")
+
+
+def _check_texts(value: Any, what: str) -> None:
+    """Every string in ``value`` (a message's field: nested lists and mappings too) is valid text."""
+    if isinstance(value, str):
+        _check_text(value, what, "messages")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_texts(item, f"{what}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_texts(item, f"{what}[{index}]")
 
 
 def _check_text(text: Any, what: str, param: str = "prompt") -> None:
@@ -235,6 +258,16 @@ def _chat_environment() -> Any:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    environment.globals["raise_exception"] = raise_exception
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:  # fmt: skip
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    environment.filters["tojson"] = tojson  # transformers' (jinja's own escapes HTML: "<" as "\u003c")
+    environment.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     return environment

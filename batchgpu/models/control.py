@@ -62,10 +62,17 @@ class ControlTokens:
             text: f"{PLACEHOLDER_START}{self.nonce}:{k}{PLACEHOLDER_END}" for k, text in enumerate(self.texts)
         }
 
-    def encode(self, messages: Sequence[Mapping[str, Any]], render: Callable[[list[dict[str, Any]]], str]) -> list[int]:
-        """Token ids of the prompt ``render`` makes of ``messages``, control tokens only where the template
-        wrote them (no BOS or other tokens added around the prompt: the template writes those)."""
-        rendered = render([self._escaped(message) for message in messages])
+    def encode(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        render: Callable[[list[dict[str, Any]], Any], str],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of the prompt ``render(messages, tools)`` makes, control tokens only where the template
+        wrote them (no BOS or other tokens added around the prompt: the template writes those); the
+        strings of ``tools`` (the request's tool objects) are kept apart like the messages'."""
+        escaped_tools = self._escaped(list(tools)) if tools is not None else None
+        rendered = render([self._escaped(message) for message in messages], escaped_tools)
         if self.pattern is not None:
             rendered = self.pattern.sub(lambda found: self.markers[found.group()], rendered)
         for text, placeholder in self.placeholders.items():

