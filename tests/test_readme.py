@@ -115,6 +115,16 @@ def test_parser_reads_markers_and_indented_blocks() -> None:
     assert (shell.language, shell.skip) == ("bash", "")  # no reason: test_exemptions_... would fail on it
 
 
+def test_the_request_field_table_names_every_field() -> None:
+    """The serving section's table of request fields has a row for each field the server takes."""
+    from batchgpu.llm.schema import FIELDS
+
+    text = README.read_text(encoding="utf-8")
+    table = text[text.index("| field | endpoints | served |") :].split("\n\n")[0].splitlines()[2:]
+    named = {name for row in table for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert named == set(FIELDS)
+
+
 def test_exemptions_are_few_and_give_a_reason() -> None:
     text = README.read_text(encoding="utf-8")
     markers = [line for line in text.splitlines() if re.match(r"\s*<!-- readme-skip", line)]
@@ -170,6 +180,10 @@ def _check_embeddings(out: str) -> None:
     assert out.splitlines()[0] == "(2, 384) [0.0677 0.0635 0.0487 0.0793]", out
 
 
+def _check_structured(out: str) -> None:
+    assert out.splitlines() == ['{"city": "Paris"}', "tool_calls get_weather {'city': 'Paris'}"], out
+
+
 def _check_openai_client(out: str) -> None:
     assert out.strip(), "the stream gave no text"
 
@@ -183,6 +197,7 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "profiling": _check_profiling,
     "openai_client": _check_openai_client,
     "embeddings": _check_embeddings,
+    "structured": _check_structured,
 }
 
 
