@@ -54,6 +54,11 @@ class RequestError(BatchError, ValueError):
         self.param = param
 
 
+class GrammarError(RequestError):
+    """A structured request's grammar cannot go on (a token it refuses, or the grammar engine's limits
+    reached while generating): that request fails alone."""
+
+
 class ExportError(BatchError, BufferError):
     """A tensor cannot be shared through ``__dlpack__`` / ``__cuda_array_interface__`` (a BufferError,
     as DLPack consumers expect)."""

@@ -432,3 +432,17 @@ def test_required_tool_calls_in_each_format(template: str | None) -> None:
     assert piece.finish_reason == "tool_calls", piece
     assert len(piece.tool_calls) == 1 and piece.tool_calls[0].name == "get_weather"
     jsonschema.validate(json.loads(piece.tool_calls[0].arguments), WEATHER.schema)
+
+
+@needs_model
+@pytest.mark.model
+def test_a_grammar_past_the_grammar_engines_limits_fails_its_request_alone() -> None:
+    """llguidance stops a grammar whose lexer grows past its limits (here on the first tokens); the request
+    gets a GrammarError (a RequestError naming response_format) and the engine serves the next one."""
+    eng = engine("reference")
+    hostile = structured(StructuredOutput(regex="(a{1000}){1000}"), temperature=0.0, max_tokens=8)
+    with pytest.raises(bg.GrammarError, match="grammar failed: lexer error") as caught:
+        eng.complete("Say a:", hostile)
+    assert caught.value.param == "response_format"
+    assert eng.complete("The capital of France is", SamplingParams(max_tokens=2, temperature=0)).text == " Paris."
+    assert eng.memory()["blocks_used"] == 0

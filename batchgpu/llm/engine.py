@@ -23,7 +23,7 @@ from ..device import Device
 from ..errors import BatchError, RequestError
 from ..models.llama import load_model, smollm2_path, steps_ahead, weight_bytes
 from .blocks import BlockPool, default_blocks
-from .grammar import GrammarEngine, constraint
+from .grammar import GrammarEngine, Guide, constraint
 from .metrics import EngineStats, clock
 from .output import OutputProcessor, Piece, choices, hand_prompt_logprobs, joined
 from .params import SamplingParams
@@ -118,10 +118,10 @@ class Engine:
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
         encode, arrival = (self.codec, self.config.vocab, prompt, trusted, params, self.grammar), clock()
         if prompt_size(prompt) <= INLINE_PROMPT and constraint(params, self.codec.chat_template) is None:
-            ids, grammar = prepare(*encode)  # quicker than a hop to the thread
+            ids, guides = prepare(*encode)  # quicker than a hop to the thread
         else:
-            ids, grammar = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prepare, *encode)
-        sequences, queue = self._add(ids, params, arrival, grammar)
+            ids, guides = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prepare, *encode)
+        sequences, queue = self._add(ids, params, arrival, guides)
         try:
             async for piece in request_pieces(queue, len(sequences), params):
                 yield piece
@@ -187,17 +187,17 @@ class Engine:
     # requests ------------------------------------------------------------------------------------------
 
     def _add(
-        self, ids: list[int], params: SamplingParams, arrival: float, grammar: str | None = None
+        self, ids: list[int], params: SamplingParams, arrival: float, guides: list[Guide] | None = None
     ) -> tuple[list[ScheduledSequence], asyncio.Queue[Piece | BaseException]]:
         """Queue the samples of a generation of ``ids`` that arrived at ``arrival`` (RequestError where the
         engine can never serve it), all delivering to one queue, and wake the driver (started on this
         event loop if it does not run there). Sample ``i`` draws with seed ``seed + i``; the later ones
-        share the first's prompt blocks (:meth:`Scheduler.shared_prefix`); each follows ``grammar``."""
+        share the first's prompt blocks (:meth:`Scheduler.shared_prefix`); sample ``i`` follows ``guides[i]``."""
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         queue: asyncio.Queue[Piece | BaseException] = asyncio.Queue()
         sequences = add_samples(self.scheduler, ids, params, seed)
         for index, sequence in enumerate(sequences):
-            sequence.guide = self.grammar.guides(grammar, 1)[0] if grammar is not None else None
+            sequence.guide = guides[index] if guides is not None else None
             self.outputs[sequence] = OutputProcessor(
                 self.codec, sequence.params, len(ids), self.stats, arrival, queue=queue, index=index,
                 guide=sequence.guide,

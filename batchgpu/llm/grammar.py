@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import RequestError
+from ..errors import GrammarError, RequestError
 from .params import SamplingParams
 from .structured import JSON_LAYOUT, StructuredOutput
 from .text import TextCodec
@@ -38,23 +38,30 @@ def mask_words(vocab: int) -> int:
 class Guide:
     """One sequence's grammar state: :meth:`fill` its next token's allowed bitmask, :meth:`accept` each
     token read back; ``stopped`` once the grammar has ended (after its end-of-sequence token, or text
-    nothing can follow)."""
+    nothing can follow). ``first``: the mask at the start, computed ahead (off the engine's loop: a
+    grammar's first mask builds its lexer, the dearest one)."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, first: np.ndarray | None = None) -> None:
         self.matcher = matcher
+        self.first = first
 
     def fill(self, row: np.ndarray) -> None:
         """Write the allowed-token bitmask of the next token into ``row`` (uint32, :func:`mask_words` long)."""
+        if self.first is not None:
+            row[:] = self.first
+            self.first = None
+            return
         from llguidance.numpy import fill_next_token_bitmask
 
         fill_next_token_bitmask(self.matcher, row.view(np.int32).reshape(1, -1), 0)
 
     def accept(self, token: int) -> None:
-        """Advance over ``token``; RequestError where the grammar refuses it (a token the mask left out, or
-        -1: the mask allowed none)."""
+        """Advance over ``token``; RequestError where the grammar refuses it (a token the mask left out, -1:
+        the mask allowed none, or the grammar engine's limits reached)."""
+        self.first = None
         if token < 0 or not self.matcher.consume_token(token):
-            error = self.matcher.get_error() or f"token {token} is not allowed here"
-            raise RequestError(f"the output's grammar failed: {error}", "response_format")
+            error = (self.matcher.get_error() or f"token {token} is not allowed here").splitlines()[0]
+            raise GrammarError(f"the output's grammar failed: {error}", "response_format")
 
     @property
     def stopped(self) -> bool:
@@ -101,12 +108,18 @@ class GrammarEngine:
             raise RequestError(f"the {output.param} is not valid: {exc}", output.param) from None
         problem = LLMatcher.validate_grammar(grammar, self.tokenizer())
         if problem:
-            raise RequestError(f"the {output.param} is not valid: {problem[:500]}", output.param)
+            raise RequestError(f"the {output.param} is not valid: {problem.splitlines()[0][:300]}", output.param)
         return grammar
 
     def guides(self, grammar: str, count: int) -> list[Guide]:
-        """``count`` guides of one compiled ``grammar``, each at its start."""
+        """``count`` guides of one compiled ``grammar``, each at its start with its first mask computed
+        (call it off the event loop)."""
         from llguidance import LLMatcher
 
         tokenizer = self.tokenizer()
-        return [Guide(LLMatcher(tokenizer, grammar)) for _ in range(count)]
+        guides = [Guide(LLMatcher(tokenizer, grammar)) for _ in range(count)]
+        first = np.zeros(mask_words(self.vocab), np.uint32)
+        guides[0].fill(first)
+        for guide in guides:
+            guide.first = first.copy()
+        return guides

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RequestError
-from .grammar import GrammarEngine, constraint
+from .grammar import GrammarEngine, Guide, constraint
 from .params import SamplingParams
 from .text import TextCodec
 from .tools import ToolCalling, ToolFormat, plain_history, tool_format, tool_messages
@@ -34,12 +34,13 @@ def prompt_size(prompt: Any) -> int:
 
 def prepare(
     codec: TextCodec, vocab: int, prompt: Prompt, trusted: bool, params: SamplingParams, grammars: GrammarEngine
-) -> tuple[list[int], str | None]:
-    """A request's prompt ids (:func:`prompt_ids`, with its tools) and the compiled grammar its output
-    follows (:func:`~batchgpu.llm.grammar.constraint`; None: free text). Safe to call from another thread."""
+) -> tuple[list[int], list[Guide] | None]:
+    """A request's prompt ids (:func:`prompt_ids`, with its tools) and, where its output follows a grammar
+    (:func:`~batchgpu.llm.grammar.constraint`), one guide per sample (None: free text). Safe to call from
+    another thread."""
     ids = prompt_ids(codec, vocab, prompt, trusted, params.tools)
     output = constraint(params, codec.chat_template)
-    return ids, grammars.compile(output) if output is not None else None
+    return ids, grammars.guides(grammars.compile(output), params.samples) if output is not None else None
 
 
 def prompt_ids(

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-from ..errors import RequestError
+from ..errors import GrammarError, RequestError
 from .embeddings import embeddings_response, read_embeddings_request
 from .logprobs import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from .metrics import EngineStats, exposition, metrics_registry
@@ -143,7 +143,10 @@ def create_app(
             return StreamingResponse(events, media_type="text/event-stream")
         collected = [first]
         if echo is None or not echo.prompt_only:
-            collected += [piece async for piece in pieces]
+            try:
+                collected += [piece async for piece in pieces]
+            except GrammarError as exc:  # its grammar could not go on (the grammar engine's limits)
+                return _error(400, str(exc), param=exc.param)
         else:
             await pieces.aclose()
         samples = choices(collected)
