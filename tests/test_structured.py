@@ -446,3 +446,35 @@ def test_a_grammar_past_the_grammar_engines_limits_fails_its_request_alone() -> 
     assert caught.value.param == "response_format"
     assert eng.complete("The capital of France is", SamplingParams(max_tokens=2, temperature=0)).text == " Paris."
     assert eng.memory()["blocks_used"] == 0
+
+
+@needs_model
+@pytest.mark.model
+def test_split_steps_ahead_give_what_steps_one_by_one_give() -> None:
+    """With steps submitted ahead, a decode step with grammar rows is split: its forward part runs while the
+    step before is read, its sampling part (the masks) once that token is taken. Every request's tokens
+    equal those of an engine that runs one step at a time (ahead=0), grammar and free rows mixed, greedy
+    and seeded."""
+    prompts = ["A person:", "Once upon a time", "Someone else:", "Water is"]
+    person = StructuredOutput(json_schema=PERSON)
+    params = [
+        structured(person, temperature=0.0, max_tokens=30),
+        SamplingParams(max_tokens=20, temperature=0.9, seed=5, ignore_eos=True),
+        structured(person, seed=11, max_tokens=30),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+    ]
+
+    def run(eng: Engine) -> list[list[int]]:
+        async def all_of() -> list[list[int]]:
+            async def one(prompt: str, p: SamplingParams) -> list[int]:
+                return [t async for piece in eng.generate(prompt, p) for t in piece.token_ids]
+
+            return await asyncio.gather(*(one(prompt, p) for prompt, p in zip(prompts, params)))
+
+        return asyncio.new_event_loop().run_until_complete(all_of())
+
+    kwargs = dict(max_batch=4, max_context=128, prefill_chunk=16, block_size=16)
+    ahead = Engine(device=bg.Device("reference"), ahead=2, **kwargs)
+    one_by_one = Engine(device=bg.Device("reference"), ahead=0, **kwargs)
+    assert run(ahead) == run(one_by_one)
+    assert any(step.forward is not None for step in ahead.runner.variants.values())  # split steps ran

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import random
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,13 +42,12 @@ class Engine:
     (default: room for every slot at a quarter of ``max_context``, at least one full context), in
     ``kv_dtype`` (float32 or float16), taken as sequences grow (when none is left, the newest request
     is preempted and recomputed later); full blocks are kept for later prompts with the same prefix
-    (``prefix_caching``); prompts run in chunks of ``prefill_chunk`` tokens. ``fuse``
-    concatenates each layer's q/k/v weights: one GEMV, then rope and both KV pool writes in one kernel
-    (False: the separate ops, the same numbers). Each step's sampled tokens stay on the device as the next
-    decode step's input, so up to ``ahead`` steps are submitted before the oldest one's tokens are read
-    (0: every step waits for the previous one's read; default: :func:`~batchgpu.models.llama.steps_ahead`);
-    a request that stops early drops what ran past it.
-    """
+    (``prefix_caching``); prompts run in chunks of ``prefill_chunk`` tokens. ``fuse``: one q/k/v GEMV per
+    layer, then rope and both KV writes in one kernel (False: separate ops, the same numbers). Sampled
+    tokens stay on the device as the next decode step's input, so up to ``ahead`` steps are submitted before
+    the oldest one's tokens are read (0: none; default: :func:`~batchgpu.models.llama.steps_ahead`); a
+    request that stops early drops what ran past it. A step with grammar rows (structured outputs) is
+    split: its sampling part, whose masks need the step before, is submitted once that step is read."""
 
     def __init__(
         self,
@@ -249,12 +248,19 @@ class Engine:
 
     async def _drive(self) -> None:
         """Submit planned steps while fewer than ``ahead + 1`` are in flight, then read the oldest and
-        deliver its tokens; wait when there is nothing to run."""
+        deliver its tokens; wait when there is nothing to run. A split step's sampling part goes once the
+        steps before it are read (its grammar rows' masks need their tokens), before anything else."""
         in_flight: deque[Submitted] = deque()
         while True:
+            if in_flight and in_flight[-1].pending is not None:  # its masks need the tokens of the steps before
+                if len(in_flight) > 1:
+                    await self._complete(in_flight.popleft())
+                elif self._submit(in_flight[-1].plan, self.runner.sample, in_flight[-1]) is None:
+                    in_flight.pop()
+                continue
             plan = self.scheduler.schedule() if len(in_flight) <= self.ahead else None
             if plan is not None:
-                submitted = self._submit(plan)
+                submitted = self._submit(plan, self.runner.run, plan)
                 if submitted is not None:
                     in_flight.append(submitted)
                 continue
@@ -265,10 +271,11 @@ class Engine:
             await self._complete(in_flight.popleft())
             await asyncio.sleep(0)  # let consumers take their pieces between steps
 
-    def _submit(self, plan: StepPlan) -> Submitted | None:
-        """Run ``plan``'s step; where packing or submitting fails, its requests fail and the engine goes on."""
+    def _submit(self, plan: StepPlan, submit: Callable[[Any], Any], argument: Any) -> Any:
+        """``submit(argument)``: run ``plan``'s step (or its sampling part); where packing or submitting fails,
+        its requests fail (None) and the engine goes on."""
         try:
-            return self.runner.run(plan)
+            return submit(argument)
         except Exception as exc:
             error = exc if isinstance(exc, BatchError) else BatchError(f"the {plan.kind.value} step failed: {exc!r}")
             self._end_unfinished([chunk.sequence for chunk in plan.chunks], error)

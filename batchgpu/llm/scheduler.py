@@ -20,8 +20,9 @@ Plans may be made before the previous steps' tokens are read (the engine's ``ahe
 the tokens its submitted steps sample (``sampled``) apart from those read back (``output``), and a
 sequence that finished or was preempted meanwhile gets none of the tokens still on their way (the steps
 already submitted write only into blocks it held, before any later step of the blocks' next holder runs:
-steps run in submission order). A sequence with a grammar (``guide``) runs no step ahead: its next token's
-mask depends on the tokens before it, so it is planned once they are all read back."""
+steps run in submission order). A sequence with a grammar (``guide``) runs at most one step ahead: its next
+token's mask depends on the token before it, so a step that samples it is planned while that token is on
+its way at most (the engine reads it before it submits that step's sampling part)."""
 
 from __future__ import annotations
 
@@ -101,8 +102,9 @@ class Sequence:
     @property
     def wants_token(self) -> bool:
         """Its prompt ran and it needs more tokens than the submitted steps sample; a sequence with a
-        ``guide`` only once its tokens are all read back (its next mask follows from them)."""
-        waiting = self.guide is not None and self.sampled > len(self.output)
+        ``guide`` only with at most one token on its way (its next mask follows from it: the step's sampling
+        waits for that read, its forward part need not)."""
+        waiting = self.guide is not None and self.sampled > len(self.output) + 1
         return self.state is SequenceState.DECODING and self.sampled < self.params.max_tokens and not waiting
 
     def token_ids(self, start: int, stop: int) -> list[int]:

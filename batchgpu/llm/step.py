@@ -57,6 +57,7 @@ class KVCache:
     tokens: Tensor
     block_size: int
     blocks: int
+    logits: Tensor | None = None  # (slots, vocab) float32: a split step's logits, allocated on first use
 
     @classmethod
     def allocate(
@@ -81,6 +82,13 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.keys, *self.values))
 
+    def logits_store(self, device: Device, vocab: int) -> Tensor:
+        """The resident (slots, vocab) float32 rows where a split step's forward part leaves its logits for
+        its sampling part (allocated the first time a split step is recorded)."""
+        if self.logits is None:
+            self.logits = device.tensor(np.zeros((self.seen.shape[0], vocab), np.float32), name="logits")
+        return self.logits
+
 
 @dataclass
 class Step:
@@ -93,11 +101,26 @@ class Step:
     next_ids: Tensor
     logprobs: Tensor
     prompt_logprobs: Tensor | None = None
+    forward: GpuCommandBatch | None = None  # a split step's forward part (``batch``: its sampling part)
 
     def run(self, feeds: dict[str, np.ndarray]) -> Submission:
         """Execute with the named inputs (every input each time: they are small); the submission reads
-        ``next_ids`` later."""
-        return self.batch.execute({self.inputs[name]: value for name, value in feeds.items()})
+        ``next_ids`` later. A split step runs its forward part alone (then :meth:`run_sample`)."""
+        if self.forward is None:
+            return self.batch.execute({self.inputs[name]: value for name, value in feeds.items()})
+        return self.forward.execute({self.inputs[name]: feeds[name] for name in FORWARD_INPUTS if name in self.inputs})
+
+    def run_sample(self, feeds: dict[str, np.ndarray]) -> Submission:
+        """A split step's sampling part (after :meth:`run`), whose submission reads ``next_ids``."""
+        named = {name: value for name, value in feeds.items() if name not in FORWARD_INPUTS}
+        return self.batch.execute({self.inputs[name]: value for name, value in named.items()})
+
+
+FORWARD_INPUTS = frozenset(
+    {"ids", "token_slots", "positions", "kv_rows", "seq", "lengths", "block_tables", "sample_rows", "count_slots"}
+    | {"generated_slots", "reset", "prompt_targets", "prompt_n"}
+)
+"""A step's inputs that its forward part reads (the others: its sampling part)."""
 
 
 def record_step(
@@ -115,6 +138,7 @@ def record_step(
     by_slot: bool,
     scoring: bool = False,
     masked: bool = False,
+    split: bool = False,
 ) -> Step:
     """Record the step. Inputs (feed them all each run):
 
@@ -141,14 +165,19 @@ def record_step(
       ids its logprobs give (-1: not asked);
     - with ``masked`` (a step with rows of structured outputs) also ``allowed`` (samples, ceil(vocab / 32))
       uint32: each sample's allowed-token bitmask, read for the samples whose ``sampling[:, 3]`` is 1.
+    With ``split`` (a decode step whose masks are filled while its forward part runs), two batches: the
+    forward part (the inputs of :data:`FORWARD_INPUTS`) leaves its logits in ``cache.logits``, the
+    sampling part (the other inputs) samples from them.
     Outputs: ``next_ids`` (samples,) int32; ``logprobs`` (samples, 41) float32, the ``logprobs`` op's rows of
     the raw logits at each sampled id; with ``scoring``, ``prompt_logprobs`` (rows, 41).
     """
     batch = GpuCommandBatch(device, name=name)
+    sampler = GpuCommandBatch(device, name=f"{name}-sample") if split else batch
     slots = cache.seen.shape[0]
 
     def inp(label: str, shape: tuple[int, ...], dtype: type) -> Tensor:
-        return batch.upload(np.zeros(shape, dtype), name=label)
+        part = batch if label in FORWARD_INPUTS else sampler
+        return part.upload(np.zeros(shape, dtype), name=label)
 
     inputs = {
         ("ids" if prompt else "token_slots"): inp("ids" if prompt else "token_slots", (rows,), np.int32),
@@ -198,6 +227,21 @@ def record_step(
     if prompt:  # prompt tokens count before this step's sampling (HF's repetition penalty covers the prompt)
         batch.count_tokens(cache.seen, x["count_slots"], x["ids"], x["reset"])
         batch.count_tokens(cache.generated, x["generated_slots"], x["ids"], x["reset"])
+    if split:  # the logits go through the resident store to the sampling part
+        store, rows_of = cache.logits_store(device, config.vocab), np.arange(samples, dtype=np.int32)
+        batch.scatter_rows(store, batch.upload(rows_of, name="store_rows"), logits)
+        logits = sampler.embedding(sampler.upload(rows_of, name="store_rows"), store)
+    next_ids, logprobs = record_sampling(sampler, cache, x, logits, samples=samples, by_slot=by_slot)
+    sampler.outputs(next_ids, logprobs, *([prompt_logprobs] if prompt_logprobs is not None else []))
+    return Step(sampler, rows, samples, inputs, next_ids, logprobs, prompt_logprobs, batch if split else None)
+
+
+def record_sampling(
+    batch: GpuCommandBatch, cache: KVCache, x: dict[str, Tensor], logits: Tensor, *, samples: int, by_slot: bool
+) -> tuple[Tensor, Tensor]:
+    """A step's sampling from ``logits`` (samples, vocab): penalties, the (masked) draw, the sampled ids'
+    logprobs, their counts and their place in ``cache.tokens``; returns ``(next_ids, logprobs)``."""
+    slots = cache.seen.shape[0]
     if by_slot:  # sample i is slot i's: its counts row is its own
         if samples != slots:
             raise ValueError(f"record_step: by_slot needs one sample per slot ({slots}), got {samples}")
@@ -211,8 +255,7 @@ def record_step(
     batch.count_tokens(cache.seen, x["sampled_slots"], next_ids)
     batch.count_tokens(cache.generated, x["sampled_slots"], next_ids)
     batch.scatter_rows(cache.tokens, x["sampled_slots"], batch.reshape(next_ids, (samples, 1)))
-    batch.outputs(next_ids, logprobs, *([prompt_logprobs] if prompt_logprobs is not None else []))
-    return Step(batch, rows, samples, inputs, next_ids, logprobs, prompt_logprobs)
+    return next_ids, logprobs
 
 
 # running a plan ------------------------------------------------------------------------------------------
@@ -238,13 +281,15 @@ class ChunkLogprobs:
 @dataclass
 class Submitted:
     """A plan's step, submitted: ``next_ids[token_rows[i]]`` is the token of ``plan.chunks[i]``; the step's
-    ``logprobs`` rows likewise, and ``prompt_rows[i]`` the rows of chunk ``i`` in ``prompt_logprobs``."""
+    ``logprobs`` rows likewise, and ``prompt_rows[i]`` the rows of chunk ``i`` in ``prompt_logprobs``. A
+    split step is ``pending`` until :meth:`StepRunner.sample` submits its sampling part."""
 
     plan: StepPlan
     submission: Submission
     step: Step
     token_rows: list[int]
     prompt_rows: list[range]
+    pending: dict[str, np.ndarray] | None = None  # a split step's feeds until its sampling part is submitted
 
     async def read_async(self) -> list[int]:
         """The step's token for each chunk of its plan (awaits the device)."""
@@ -284,9 +329,10 @@ def guided(chunk: Chunk) -> bool:
 
 def mask_feeds(feeds: dict[str, np.ndarray], chunks: list[Chunk], samples: list[int]) -> None:
     """A masked step's grammar rows: sample ``samples[i]`` of a guided chunk ``i`` gets its guide's
-    allowed-token bitmask and the flag that applies it (``sampling[:, 3]``); the other rows keep theirs off."""
+    allowed-token bitmask and the flag that applies it (``sampling[:, 3]``); the other rows keep theirs off,
+    and so does a chunk whose sequence ended or was preempted meanwhile (its token will be dropped)."""
     for chunk, sample in zip(chunks, samples):
-        if guided(chunk):
+        if guided(chunk) and chunk.current:
             chunk.sequence.guide.fill(feeds["allowed"][sample])
             feeds["sampling"][sample, 3] = 1.0
 
@@ -333,19 +379,21 @@ class StepRunner:
         self, record: Callable[..., Step], kind: StepKind, size: int, scoring: bool = False, masked: bool = False
     ) -> Step:
         """The step of ``kind`` at ``size`` rows (``scoring``: a prefill step giving every row's logprobs;
-        ``masked``: with the samples' allowed-token bitmasks)."""
+        ``masked``: with the samples' allowed-token bitmasks; a masked decode step is split, so its masks,
+        which need the tokens before, are filled while its forward part runs)."""
         prompt = kind is StepKind.PREFILL
         samples = min(self.max_batch, size)
         label = ("score" if scoring else kind.value) + ("-masked" if masked else "")
         return record(
             rows=size, samples=samples, table_rows=samples, name=f"{label}{size}", prompt=prompt,
             by_slot=not prompt and samples == self.max_batch, scoring=scoring, masked=masked,
+            split=masked and not prompt,
         )  # fmt: skip
 
     def step_for(self, plan: StepPlan, size: int) -> Step:
         """The recorded step of ``size`` rows that runs ``plan``: a scoring prefill step where a prompt piece
         of the plan asks for its prompt's logprobs, a masked one where a chunk samples with a grammar (each
-        variant recorded the first time one is needed)."""
+        variant recorded the first time one is needed; a masked decode step split in two parts)."""
         scoring = plan.kind is StepKind.PREFILL and any(wants_prompt_logprobs(c) for c in plan.chunks)
         masked = any(guided(c) for c in plan.chunks)
         if not scoring and not masked:
@@ -366,12 +414,23 @@ class StepRunner:
             by_slot = size == self.max_batch
             token_rows = [c.sequence.slot for c in plan.chunks] if by_slot else list(range(len(plan.chunks)))
             feeds = decode_feeds(step, plan.chunks, token_rows, self.cache.block_size)
-        if "allowed" in feeds:
+        if "allowed" in feeds and step.forward is None:
             mask_feeds(feeds, plan.chunks, token_rows)
         submission = step.run(feeds)
         self.runs[plan.kind][size] += 1
         self.counts[plan.kind.value] += 1
-        return Submitted(plan, submission, step, token_rows, piece_rows(plan))
+        pending = feeds if step.forward is not None else None
+        return Submitted(plan, submission, step, token_rows, piece_rows(plan), pending)
+
+    def sample(self, submitted: Submitted) -> Submitted:
+        """Submit a split step's sampling part, with its grammar rows' masks (their guides must have taken
+        every token before this step: read the steps before it first); returns ``submitted``."""
+        feeds = submitted.pending
+        assert feeds is not None, "sample: the step is not split or its sampling part already runs"
+        mask_feeds(feeds, submitted.plan.chunks, submitted.token_rows)
+        submitted.submission = submitted.step.run_sample(feeds)
+        submitted.pending = None
+        return submitted
 
 
 def piece_rows(plan: StepPlan) -> list[range]:
