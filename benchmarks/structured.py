@@ -8,9 +8,10 @@ on grammars per step (filling the allowed-token masks and advancing the guides, 
 Every request generates exactly ``--tokens`` tokens (end-of-sequence ignored for free text; the schema, a
 long array of short strings, cannot end sooner), sampled at temperature 0.8 with its own seed. Timed: from
 submitting a level's requests to the last token; the engine is built and warmed up (masked step variants
-recorded) first. Target (issue 29): a JSON schema at most 10% slower. The grammar rows run no step ahead
-of their reads (their next mask needs the token before), so on a GPU with ``ahead`` > 0 the cost also
-includes the lost overlap; on these CPU devices steps are not run ahead by default.
+recorded) first. Target (issue 29): a JSON schema at most 10% slower. A decode step with grammar rows is
+split (forward, then sampling once the step before is read and the masks filled), so with ``ahead`` > 0
+(a GPU's default) the masks are filled while the forward part runs; on these CPU devices steps are not run
+ahead by default (``--ahead`` sets it).
 """
 
 from __future__ import annotations
