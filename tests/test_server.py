@@ -176,6 +176,22 @@ def test_response_format_json_schema(client: openai.OpenAI) -> None:
     assert caught.value.body["param"] == "response_format"
 
 
+def test_a_grammar_that_cannot_go_on_fails_its_request_alone(client: openai.OpenAI, server: str) -> None:
+    """A schema whose pattern grows the grammar engine's lexer past its limits compiles, then fails after its
+    first token: a 400 naming response_format (not streamed), an error event (streamed); the server serves on."""
+    hostile = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+    }
+    body = {"messages": [{"role": "user", "content": "Say a"}], "max_tokens": 8, "response_format": hostile}
+    status, reply = _post(server, CHAT, body)
+    assert status == 400 and reply["error"]["param"] == "response_format", reply
+    assert "grammar failed" in reply["error"]["message"]
+    with pytest.raises(openai.APIError, match="grammar failed"):  # the stream's error event
+        list(client.chat.completions.create(model=MODEL, stream=True, **body))
+    _assert_serves(server)
+
+
 def test_tool_calls_and_their_results(client: openai.OpenAI) -> None:
     """tool_choice required: the answer is a call of the tool with arguments of its schema; the call and the
     tool's result sent back as history give an answer; streamed, the call comes in the last chunk."""
