@@ -308,11 +308,21 @@ def test_bad_grammars_are_refused_naming_the_field(output: StructuredOutput, mes
     assert caught.value.param == "response_format"
 
 
+@pytest.mark.parametrize("parameters", ["{not json", "[1, 2]", 5, {"type": object}])
+def test_function_parameters_must_be_a_json_schema_object(parameters: Any) -> None:
+    with pytest.raises(RequestError, match="parameters must be a JSON schema object") as caught:
+        Function("f", None, parameters)
+    assert caught.value.param == "tools"
+    assert Function("f", None, '{"type": "object"}').schema == Function("f", None, {"type": "object"}).schema
+
+
 def test_structured_output_takes_exactly_one_constraint() -> None:
     with pytest.raises(RequestError, match="exactly one"):
         StructuredOutput()
     with pytest.raises(RequestError, match="exactly one"):
         StructuredOutput(json_object=True, regex="x")
+    with pytest.raises(RequestError, match="json_schema is not JSON"):
+        StructuredOutput(json_schema={"type": object})
     with pytest.raises(RequestError, match="characters long"):
         StructuredOutput(regex="x" * ((1 << 20) + 1))
 

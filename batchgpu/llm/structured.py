@@ -38,7 +38,10 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, Mapping):
-            object.__setattr__(self, "json_schema", json.dumps(self.json_schema, separators=(",", ":")))
+            try:
+                object.__setattr__(self, "json_schema", json.dumps(self.json_schema, separators=(",", ":")))
+            except (TypeError, ValueError) as exc:
+                raise RequestError(f"json_schema is not JSON: {exc}", self.param) from None
         given = [name for name in ("json_schema", "lark", "regex") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
         if len(given) != 1:

@@ -66,7 +66,7 @@ class Function:
 
     name: str
     description: str | None = None
-    parameters: str = json.dumps(ANY_PARAMETERS)
+    parameters: str | Mapping[str, Any] = json.dumps(ANY_PARAMETERS)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not FUNCTION_NAME.fullmatch(self.name):
@@ -75,16 +75,21 @@ class Function:
             raise RequestError(
                 f"function {self.name}: description must be a str, got {brief(self.description)}", "tools"
             )
-        if isinstance(self.parameters, Mapping):
-            object.__setattr__(self, "parameters", json.dumps(self.parameters, separators=(",", ":")))
-        if not isinstance(self.parameters, str):
-            raise RequestError(
-                f"function {self.name}: parameters must be a JSON schema, got {brief(self.parameters)}", "tools"
-            )
+        parameters = self.parameters
+        try:
+            parsed = json.loads(parameters) if isinstance(parameters, str) else parameters
+            text = json.dumps(parsed, separators=(",", ":")) if isinstance(parsed, Mapping) else None
+        except (ValueError, TypeError):
+            text = None
+        if text is None:
+            message = f"function {self.name}: parameters must be a JSON schema object, got {brief(parameters)}"
+            raise RequestError(message, "tools")
+        object.__setattr__(self, "parameters", text)
 
     @property
     def schema(self) -> dict[str, Any]:
         """Its parameters' schema, parsed."""
+        assert isinstance(self.parameters, str)
         return json.loads(self.parameters)
 
     def openai(self) -> dict[str, Any]:
