@@ -353,6 +353,15 @@ def engine(kind: str) -> Engine:
     return Engine(device=bg.Device(kind), max_batch=4, max_context=512, prefill_chunk=16, block_size=16, ahead=1)
 
 
+@functools.cache
+def small_engine(ahead: int) -> Engine:
+    """A KV pool too small for a few requests at once: they preempt."""
+    return Engine(
+        device=bg.Device("reference"), max_batch=3, max_context=96, prefill_chunk=16, block_size=8, kv_blocks=9,
+        ahead=ahead,
+    )  # fmt: skip
+
+
 def structured(output: StructuredOutput, **fields: Any) -> SamplingParams:
     return SamplingParams(**{"max_tokens": 48, "temperature": 1.0, "structured": output, **fields})
 
@@ -408,9 +417,7 @@ def test_structured_rows_beside_free_rows_leave_the_free_ones_unchanged() -> Non
 @needs_model
 @pytest.mark.model
 def test_a_preempted_structured_request_equals_its_solo_output() -> None:
-    eng = Engine(
-        device=bg.Device("reference"), max_batch=3, max_context=96, prefill_chunk=16, block_size=8, kv_blocks=9, ahead=1
-    )
+    eng = small_engine(1)
     params = structured(StructuredOutput(json_schema=PERSON), temperature=0.0, max_tokens=40)
     solo = eng.complete("Someone:", params).text
 
@@ -464,7 +471,7 @@ def test_split_steps_ahead_give_what_steps_one_by_one_give() -> None:
     """With steps submitted ahead, a decode step with grammar rows is split: its forward part runs while the
     step before is read, its sampling part (the masks) once that token is taken. Every request's tokens
     equal those of an engine that runs one step at a time (ahead=0), grammar and free rows mixed, greedy
-    and seeded."""
+    and seeded, with preemptions (the KV pool holds two of the four at once)."""
     prompts = ["A person:", "Once upon a time", "Someone else:", "Water is"]
     person = StructuredOutput(json_schema=PERSON)
     params = [
@@ -483,8 +490,7 @@ def test_split_steps_ahead_give_what_steps_one_by_one_give() -> None:
 
         return asyncio.new_event_loop().run_until_complete(all_of())
 
-    kwargs = dict(max_batch=4, max_context=128, prefill_chunk=16, block_size=16)
-    ahead = Engine(device=bg.Device("reference"), ahead=2, **kwargs)
-    one_by_one = Engine(device=bg.Device("reference"), ahead=0, **kwargs)
+    ahead, one_by_one = small_engine(1), small_engine(0)
     assert run(ahead) == run(one_by_one)
+    assert ahead.status()["preemptions"] > 0 and one_by_one.status()["preemptions"] > 0
     assert any(step.forward is not None for step in ahead.runner.variants.values())  # split steps ran
