@@ -168,20 +168,13 @@ class Engine:
     def failure(self) -> BaseException | None:
         """The error that ended the scheduler task, if one did (a health check's question)."""
         task = self._task
-        if task is None or not task.done() or task.cancelled():
-            return None
-        return task.exception()
+        return None if task is None or not task.done() or task.cancelled() else task.exception()
 
     def status(self) -> dict[str, Any]:
         """Requests running (holding a slot) and waiting, steps run so far (also per recorded row count),
         preemptions and prompt tokens taken from the prefix cache so far, and :meth:`memory`."""
-        return {
-            **self.scheduler.status(),
-            "steps": dict(self.steps),
-            "decode_sizes": dict(self.decode_sizes),
-            "prefill_sizes": dict(self.prefill_sizes),
-            "memory": self.memory(),
-        }
+        sizes = {"decode_sizes": dict(self.decode_sizes), "prefill_sizes": dict(self.prefill_sizes)}
+        return {**self.scheduler.status(), "steps": dict(self.steps), **sizes, "memory": self.memory()}
 
     # requests ------------------------------------------------------------------------------------------
 
