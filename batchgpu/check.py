@@ -80,6 +80,8 @@ BENCHMARKS = (
     Benchmark("formats", "formats.py", ("--rows", "16384", "--k", "8192"), ("--rows", "512", "--k", "256",
               "--repeat", "2"), 120, label="16384x8192"),
     Benchmark("fusion", "fusion.py", (), ("--elements", "65536", "--repeat", "3"), 60),
+    Benchmark("structured", "structured.py", ("--concurrency", "1,16", "--tokens", "48"),
+              ("--concurrency", "1,2", "--tokens", "4", "--rounds", "1"), 120, model=True, json=True),
 )  # fmt: skip
 """The GPU benchmarks and their arguments, sized to end within the check's budget on an H100."""
 
