@@ -106,6 +106,8 @@ class OutputProcessor:
         (and why) the generation ends with it."""
         piece = self._piece(token)
         piece.index = self.index
+        if logprob is None and (self.prompt_logprobs is None or self.completion_tokens != 1):
+            return piece  # nothing asked: no logprobs, no token texts
         if logprob is not None:
             piece.logprobs = [logprob]
         if self.completion_tokens == 1:

@@ -251,7 +251,8 @@ class ChunkLogprobs:
 @dataclass
 class Submitted:
     """A plan's step, submitted: ``next_ids[token_rows[i]]`` is the token of ``plan.chunks[i]``; the step's
-    ``logprobs`` rows likewise, and ``prompt_rows[i]`` the rows of chunk ``i`` in ``prompt_logprobs``."""
+    ``logprobs`` rows likewise, and (a scoring prefill step's) ``prompt_rows[i]`` the rows of chunk ``i`` in
+    ``prompt_logprobs``."""
 
     plan: StepPlan
     submission: Submission
@@ -355,7 +356,8 @@ class StepRunner:
         submission = step.run_packed()
         self.runs[plan.kind][size] += 1
         self.counts[plan.kind.value] += 1
-        return Submitted(plan, submission, step, token_rows, piece_rows(plan))
+        prompt_rows = piece_rows(plan) if step.prompt_logprobs is not None else []
+        return Submitted(plan, submission, step, token_rows, prompt_rows)
 
 
 def piece_rows(plan: StepPlan) -> list[range]:
