@@ -58,6 +58,7 @@ class StepFeeds:
         self.idle = self.buffer.copy()
         self.sent: np.ndarray | None = None  # the buffer as the step last ran with it (None: unknown)
         self.signature: Hashable | None = None
+        self.rows = np.zeros(0, np.intp)  # the rows of the plan last packed (decode)
         self.tables: dict[int, list[int]] = {}  # block-table row -> the blocks written there (decode)
 
     def reset(self) -> dict[str, np.ndarray]:
@@ -129,15 +130,15 @@ def pack_decode(feeds: StepFeeds, chunks: list[Chunk], rows: list[int], block_si
             arrays["token_slots"][row] = chunk.sequence.slot  # its latest token, where the step before left it
             arrays["seq"][row] = row
             pack_sample(arrays, row, chunk, row=row)
-        feeds.signature = signature
-    arrays = feeds.arrays
+        feeds.signature, feeds.rows = signature, np.array(rows, np.intp)
+    arrays, index = feeds.arrays, feeds.rows
     positions = np.array([chunk.start for chunk in chunks], np.int32)
-    arrays["positions"][rows] = positions
-    arrays["lengths"][rows] = positions + 1
-    arrays["kv_rows"][rows] = [
+    arrays["positions"][index] = positions
+    arrays["lengths"][index] = positions + 1
+    arrays["kv_rows"][index] = [
         c.sequence.blocks[c.start // block_size] * block_size + c.start % block_size for c in chunks
     ]
-    arrays["keys"][rows, 1] = [chunk.draw for chunk in chunks]
+    arrays["keys"][index, 1] = [chunk.draw for chunk in chunks]
     tables, written = arrays["block_tables"], feeds.tables
     for row, chunk in zip(rows, chunks):
         blocks = chunk.sequence.blocks
