@@ -241,3 +241,19 @@ def test_a_reused_step_keeps_nothing_of_a_larger_plan_before_it() -> None:
     steps.check(plan)
     idle = [row for row in range(4) if row not in rows]
     assert idle and (feeds.arrays["lengths"][idle] == 0).all() and (feeds.arrays["block_tables"][idle] == 0).all()
+
+
+def test_only_changed_inputs_are_fed_and_a_failed_run_feeds_them_all_again() -> None:
+    shapes = input_shapes(rows=4, samples=4, slots=4, max_blocks=3, prompt=False, scoring=False)
+    feeds = StepFeeds(shapes)
+    assert feeds.changed().keys() == shapes.keys()  # nothing ran yet: every input
+    feeds.ran()
+    assert feeds.changed() == {}
+    feeds.arrays["positions"][2] = 7
+    feeds.arrays["keys"][3, 1] = 5
+    assert set(feeds.changed()) == {"positions", "keys"}
+    feeds.ran()
+    assert feeds.changed() == {}
+    feeds.forget()  # a run failed: what the device holds is unknown
+    assert feeds.changed().keys() == shapes.keys()
+    np.testing.assert_array_equal(feeds.changed()["positions"], [0, 0, 7, 0])

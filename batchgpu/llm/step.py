@@ -96,7 +96,7 @@ class Step:
     next_ids: Tensor
     logprobs: Tensor
     prompt_logprobs: Tensor | None = None
-    feeds: StepFeeds = field(init=False)
+    feeds: StepFeeds = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.feeds = StepFeeds({name: (t.shape, t.dtype) for name, t in self.inputs.items()})
