@@ -39,16 +39,13 @@ class StepFeeds:
     were last packed for (None: nothing reusable)."""
 
     def __init__(self, shapes: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
-        offsets, size = [], 0
-        for shape, dtype in shapes.values():
-            offsets.append(size)
-            size += -(-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // 8) * 8
-        self.buffer = np.zeros(size, np.uint8)
-        self.starts = np.array(offsets, np.intp)
+        sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in shapes.values()]
+        offsets = np.cumsum([0] + [-(-size // 8) * 8 for size in sizes])  # each array 8-byte aligned
+        self.buffer = np.zeros(int(offsets[-1]), np.uint8)
+        self.starts = offsets[:-1].astype(np.intp)
         self.arrays: dict[str, np.ndarray] = {}
-        for (name, (shape, dtype)), start in zip(shapes.items(), offsets):
-            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            self.arrays[name] = self.buffer[start : start + nbytes].view(dtype).reshape(shape)
+        for (name, (shape, dtype)), start, size in zip(shapes.items(), self.starts, sizes):
+            self.arrays[name] = self.buffer[start : start + size].view(dtype).reshape(shape)
         for name, value in IDLE_VALUES.items():
             if name in self.arrays:
                 self.arrays[name][...] = value
