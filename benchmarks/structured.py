@@ -44,14 +44,14 @@ PROMPT = [{"role": "user", "content": "List many English words as JSON."}]
 
 
 class GrammarClock:
-    """Host seconds spent filling masks (``mask_feeds``) and advancing guides (``Guide.accept``)."""
+    """Host seconds spent filling masks (``pack_masks``) and advancing guides (``Guide.accept``)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         from batchgpu.llm import grammar
 
-        self.originals = (step_module.mask_feeds, grammar.Guide.accept)
-        step_module.mask_feeds = self.timed(step_module.mask_feeds)
+        self.originals = (step_module.pack_masks, grammar.Guide.accept)
+        step_module.pack_masks = self.timed(step_module.pack_masks)
         grammar.Guide.accept = self.timed(grammar.Guide.accept)
 
     def timed(self, function):  # type: ignore[no-untyped-def]

@@ -245,7 +245,7 @@ class Engine:
         steps before it are read (its grammar rows' masks need their tokens), before anything else."""
         in_flight: deque[Submitted] = deque()
         while True:
-            if in_flight and in_flight[-1].pending is not None:  # its masks need the tokens of the steps before
+            if in_flight and in_flight[-1].pending:  # its masks need the tokens of the steps before
                 if len(in_flight) > 1:
                     await self._complete(in_flight.popleft())
                 elif self._submit(in_flight[-1].plan, self.runner.sample, in_flight[-1]) is None:

@@ -118,6 +118,8 @@ class OutputProcessor:
         if self.held is not None:
             self.hold(piece)
         piece.index = self.index
+        if logprob is None and (self.prompt_logprobs is None or self.completion_tokens != 1):
+            return piece  # nothing asked: no logprobs, no token texts
         if logprob is not None:
             piece.logprobs = [logprob]
         if self.completion_tokens == 1:

@@ -56,15 +56,20 @@ async def pieces_of(queue: asyncio.Queue[Piece | BaseException], samples: int) -
         samples -= item.finish_reason is not None
 
 
-async def request_pieces(
+def request_pieces(
     queue: asyncio.Queue[Piece | BaseException], samples: int, params: SamplingParams
 ) -> AsyncIterator[Piece]:
-    """The pieces a request's caller gets: every sample's as they come, or with ``best_of`` > ``n`` the
-    best ``n`` samples, each whole (:func:`best_samples`), once all have ended."""
+    """The pieces a request's caller gets: every sample's as they come (:func:`pieces_of`), or with
+    ``best_of`` > ``n`` the best ``n`` samples, each whole (:func:`best_samples`), once all have ended."""
     if params.best_of is not None and params.best_of > params.n:
-        collected = [piece async for piece in pieces_of(queue, samples)]
-        for piece in best_samples(choices(collected), params):
-            yield piece
-        return
-    async for piece in pieces_of(queue, samples):
+        return best_pieces(queue, samples, params)
+    return pieces_of(queue, samples)
+
+
+async def best_pieces(
+    queue: asyncio.Queue[Piece | BaseException], samples: int, params: SamplingParams
+) -> AsyncIterator[Piece]:
+    """The best ``params.n`` of a request's ``samples``, each as one piece, once all have ended."""
+    collected = [piece async for piece in pieces_of(queue, samples)]
+    for piece in best_samples(choices(collected), params):
         yield piece

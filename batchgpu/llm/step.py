@@ -3,13 +3,15 @@ tokens on the device. The engine records decode steps (one row per decoding sequ
 and prefill steps (pieces of several prompts, each one's last row sampled, kept where its prompt ends
 there), each at a ladder of row counts. Everything that changes per step is an input: token ids,
 positions, the paged KV cache rows to write, block tables, sequence lengths, sampling parameters and
-keys; only the sampled ids come back, and for the rows that asked, their logprobs (never the logits)."""
+keys; only the sampled ids come back, and for the rows that asked, their logprobs (never the logits). A plan
+is packed into the step's preallocated host arrays (:mod:`~batchgpu.llm.feeds`) and only the inputs that
+changed since the step's previous run are uploaded."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,8 +21,8 @@ from ..models.config import LlamaConfig
 from ..models.decoder import PagedKV, record_decoder, record_logits
 from ..ops.sampling import MAX_TOP
 from ..tensor import Tensor
-from .blocks import pool_rows
-from .scheduler import Chunk, StepKind, StepPlan
+from .feeds import StepFeeds, guided, pack_decode, pack_masks, pack_prefill, wants_prompt_logprobs
+from .scheduler import StepKind, StepPlan
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ class KVCache:
 
 @dataclass
 class Step:
-    """A recorded step and its input and output tensors (see :func:`record_step`)."""
+    """A recorded step, its input and output tensors (see :func:`record_step`) and ``feeds``, the host
+    arrays its inputs are packed into (:class:`~batchgpu.llm.feeds.StepFeeds`)."""
 
     batch: GpuCommandBatch
     rows: int
@@ -102,18 +105,44 @@ class Step:
     logprobs: Tensor
     prompt_logprobs: Tensor | None = None
     forward: GpuCommandBatch | None = None  # a split step's forward part (``batch``: its sampling part)
+    feeds: StepFeeds = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.feeds = StepFeeds({name: (t.shape, t.dtype) for name, t in self.inputs.items()})
 
     def run(self, feeds: dict[str, np.ndarray]) -> Submission:
-        """Execute with the named inputs (every input each time: they are small); the submission reads
-        ``next_ids`` later. A split step runs its forward part alone (then :meth:`run_sample`)."""
+        """Execute with the named inputs (those not named keep the values of the step's previous run); the
+        submission reads ``next_ids`` later. A split step runs its forward part alone (then
+        :meth:`run_sample`)."""
         if self.forward is None:
             return self.batch.execute({self.inputs[name]: value for name, value in feeds.items()})
-        return self.forward.execute({self.inputs[name]: feeds[name] for name in FORWARD_INPUTS if name in self.inputs})
+        named = {name: value for name, value in feeds.items() if name in FORWARD_INPUTS}
+        return self.forward.execute({self.inputs[name]: value for name, value in named.items()})
 
     def run_sample(self, feeds: dict[str, np.ndarray]) -> Submission:
         """A split step's sampling part (after :meth:`run`), whose submission reads ``next_ids``."""
         named = {name: value for name, value in feeds.items() if name not in FORWARD_INPUTS}
         return self.batch.execute({self.inputs[name]: value for name, value in named.items()})
+
+    def run_packed(self) -> Submission:
+        """Execute with :attr:`feeds` as packed, uploading only the arrays that changed since the previous
+        run (every one after a failed run); a split step's forward part alone (then :meth:`sample_packed`)."""
+        return self.packed(self.run, done=self.forward is None)
+
+    def sample_packed(self) -> Submission:
+        """A split step's sampling part with :attr:`feeds` as they are now (its masks filled)."""
+        return self.packed(self.run_sample, done=True)
+
+    def packed(self, run: Callable[[dict[str, np.ndarray]], Submission], *, done: bool) -> Submission:
+        """``run`` with the arrays that changed; ``done``: the step's inputs now hold every array."""
+        try:
+            submission = run(self.feeds.changed())
+        except BaseException:
+            self.feeds.forget()
+            raise
+        if done:
+            self.feeds.ran()
+        return submission
 
 
 FORWARD_INPUTS = frozenset(
@@ -140,7 +169,7 @@ def record_step(
     masked: bool = False,
     split: bool = False,
 ) -> Step:
-    """Record the step. Inputs (feed them all each run):
+    """Record the step. Inputs (each keeps its value until fed again):
 
     - a prefill step's ``ids`` (rows,): each row's prompt token; a decode step's ``token_slots`` (rows,):
       the slot whose latest sampled token (``cache.tokens``, on the device) each row decodes;
@@ -281,20 +310,21 @@ class ChunkLogprobs:
 @dataclass
 class Submitted:
     """A plan's step, submitted: ``next_ids[token_rows[i]]`` is the token of ``plan.chunks[i]``; the step's
-    ``logprobs`` rows likewise, and ``prompt_rows[i]`` the rows of chunk ``i`` in ``prompt_logprobs``. A
-    split step is ``pending`` until :meth:`StepRunner.sample` submits its sampling part."""
+    ``logprobs`` rows likewise, and (a scoring prefill step's) ``prompt_rows[i]`` the rows of chunk ``i`` in
+    ``prompt_logprobs``. A split step is ``pending`` until :meth:`StepRunner.sample` submits its sampling
+    part."""
 
     plan: StepPlan
     submission: Submission
     step: Step
     token_rows: list[int]
     prompt_rows: list[range]
-    pending: dict[str, np.ndarray] | None = None  # a split step's feeds until its sampling part is submitted
+    pending: bool = False  # a split step whose sampling part is not submitted yet
 
     async def read_async(self) -> list[int]:
         """The step's token for each chunk of its plan (awaits the device)."""
         ids = await self.submission.read_async(self.step.next_ids)
-        return [int(ids[row]) for row in self.token_rows]
+        return ids[self.token_rows].tolist()
 
     async def logprobs_async(self, tokens: list[int]) -> list[ChunkLogprobs] | None:
         """Per chunk, the logprobs its sequence asked for (of its sampled token, ``tokens[i]``, and of its
@@ -320,26 +350,6 @@ class Submitted:
                 entry.prompt = [token_logprob(lines[row], t) for row, t in zip(self.prompt_rows[index], following)]
             result.append(entry)
         return result
-
-
-def guided(chunk: Chunk) -> bool:
-    """Whether ``chunk`` samples a real token under a grammar (its sequence's ``guide``)."""
-    return chunk.sampled and chunk.sequence.guide is not None
-
-
-def mask_feeds(feeds: dict[str, np.ndarray], chunks: list[Chunk], samples: list[int]) -> None:
-    """A masked step's grammar rows: sample ``samples[i]`` of a guided chunk ``i`` gets its guide's
-    allowed-token bitmask and the flag that applies it (``sampling[:, 3]``); the other rows keep theirs off,
-    and so does a chunk whose sequence ended or was preempted meanwhile (its token will be dropped)."""
-    for chunk, sample in zip(chunks, samples):
-        if guided(chunk) and chunk.current:
-            chunk.sequence.guide.fill(feeds["allowed"][sample])
-            feeds["sampling"][sample, 3] = 1.0
-
-
-def wants_prompt_logprobs(chunk: Chunk) -> bool:
-    """Whether ``chunk`` is a prompt piece whose sequence asks for its prompt's logprobs."""
-    return chunk.sequence.params.prompt_logprobs is not None and chunk.start < len(chunk.sequence.prompt)
 
 
 class StepRunner:
@@ -409,120 +419,35 @@ class StepRunner:
         step = self.step_for(plan, size)
         if plan.kind is StepKind.PREFILL:
             token_rows = list(range(len(plan.chunks)))
-            feeds = prefill_feeds(step, plan.chunks, self.cache.block_size)
+            pack_prefill(step.feeds, plan.chunks, self.cache.block_size)
         else:
             by_slot = size == self.max_batch
             token_rows = [c.sequence.slot for c in plan.chunks] if by_slot else list(range(len(plan.chunks)))
-            feeds = decode_feeds(step, plan.chunks, token_rows, self.cache.block_size)
-        if "allowed" in feeds and step.forward is None:
-            mask_feeds(feeds, plan.chunks, token_rows)
-        submission = step.run(feeds)
+            pack_decode(step.feeds, plan.chunks, token_rows, self.cache.block_size)
+        if "allowed" in step.feeds.arrays and step.forward is None:
+            pack_masks(step.feeds.arrays, plan.chunks, token_rows)
+        submission = step.run_packed()
         self.runs[plan.kind][size] += 1
         self.counts[plan.kind.value] += 1
-        pending = feeds if step.forward is not None else None
-        return Submitted(plan, submission, step, token_rows, piece_rows(plan), pending)
+        prompt_rows = piece_rows(plan) if step.prompt_logprobs is not None else []
+        return Submitted(plan, submission, step, token_rows, prompt_rows, pending=step.forward is not None)
 
     def sample(self, submitted: Submitted) -> Submitted:
         """Submit a split step's sampling part, with its grammar rows' masks (their guides must have taken
         every token before this step: read the steps before it first); returns ``submitted``."""
-        feeds = submitted.pending
-        assert feeds is not None, "sample: the step is not split or its sampling part already runs"
-        mask_feeds(feeds, submitted.plan.chunks, submitted.token_rows)
-        submitted.submission = submitted.step.run_sample(feeds)
-        submitted.pending = None
+        assert submitted.pending, "sample: the step is not split or its sampling part already runs"
+        step = submitted.step
+        pack_masks(step.feeds.arrays, submitted.plan.chunks, submitted.token_rows)
+        submitted.submission = step.sample_packed()
+        submitted.pending = False
         return submitted
 
 
 def piece_rows(plan: StepPlan) -> list[range]:
     """The rows of each chunk of ``plan`` in its step (a prefill step's pieces run back to back; a decode
-    step's rows are placed by :func:`decode_feeds`, and only prefill steps score prompts)."""
+    step's rows are placed by :func:`~batchgpu.llm.feeds.pack_decode`, and only prefill steps score prompts)."""
     rows, start = [], 0
     for chunk in plan.chunks:
         rows.append(range(start, start + chunk.count))
         start += chunk.count
     return rows
-
-
-IDLE_NONE = ("kv_rows", "count_slots", "generated_slots", "sampled_slots", "logprob_n", "prompt_n", "prompt_targets")
-"""Inputs whose rows say "none" with -1 (no KV row written, no count, no logprobs) in an idle step."""
-
-
-def idle_feeds(step: Step) -> dict[str, np.ndarray]:
-    """Every input of ``step`` as an idle step: no rows written, attended or counted, no logprobs."""
-    feeds = {name: np.zeros(t.shape, t.dtype) for name, t in step.inputs.items()}
-    for name in IDLE_NONE:
-        if name in feeds:
-            feeds[name][:] = -1
-    feeds["sampling"][:, 1] = 1.0  # top_p off
-    feeds["penalties"][:, 0] = 1.0  # repetition penalty off
-    return feeds
-
-
-def prefill_feeds(step: Step, chunks: list[Chunk], block_size: int) -> dict[str, np.ndarray]:
-    """A prefill step's feeds: each chunk's prompt piece a contiguous run of rows, in order; chunk ``i``
-    samples from its last row (a real token only where its piece ends its prompt). A preempted sequence's
-    prompt is its prompt and output: the output's rows count as generated tokens too."""
-    feeds = idle_feeds(step)
-    start = 0
-    for index, chunk in enumerate(chunks):
-        sequence = chunk.sequence
-        rows = slice(start, start + chunk.count)
-        positions = np.arange(chunk.start, chunk.start + chunk.count, dtype=np.int32)
-        feeds["ids"][rows] = sequence.token_ids(chunk.start, chunk.start + chunk.count)
-        feeds["positions"][rows] = positions
-        feeds["kv_rows"][rows] = pool_rows(sequence.blocks, positions, block_size)
-        feeds["seq"][rows] = index
-        feeds["lengths"][rows] = positions + 1
-        feeds["block_tables"][index, : len(sequence.blocks)] = sequence.blocks
-        feeds["count_slots"][rows] = sequence.slot
-        feeds["generated_slots"][rows] = np.where(positions >= len(sequence.prompt), sequence.slot, -1)
-        if chunk.start == 0:  # (a prompt starting from prefix-cached blocks reads no counts: no penalties)
-            feeds["reset"][sequence.slot] = 1
-        sampling_feeds(feeds, index, chunk, row=start + chunk.count - 1)
-        feeds["sampled_slots"][index] = sequence.slot if chunk.sampled else -1
-        if "prompt_n" in feeds and wants_prompt_logprobs(chunk):
-            prompt_feeds(feeds, rows, chunk)
-        start += chunk.count
-    return feeds
-
-
-def decode_feeds(step: Step, chunks: list[Chunk], rows: list[int], block_size: int) -> dict[str, np.ndarray]:
-    """A decode step's feeds: row ``rows[i]`` decodes chunk ``i``'s sequence at its position, from the token
-    the step before left in its slot, and samples its next token."""
-    feeds = idle_feeds(step)
-    for row, chunk in zip(rows, chunks):
-        sequence, position = chunk.sequence, chunk.start
-        feeds["token_slots"][row] = sequence.slot  # its latest token, where the step before left it
-        feeds["positions"][row] = position
-        feeds["kv_rows"][row] = pool_rows(sequence.blocks, position, block_size)
-        feeds["seq"][row] = row
-        feeds["lengths"][row] = position + 1
-        feeds["block_tables"][row, : len(sequence.blocks)] = sequence.blocks
-        sampling_feeds(feeds, row, chunk, row=row)
-        feeds["sampled_slots"][row] = sequence.slot
-    return feeds
-
-
-def prompt_feeds(feeds: dict[str, np.ndarray], rows: slice, chunk: Chunk) -> None:
-    """A scoring prefill step's rows of ``chunk``: each row's target is the prompt token after it; the row of
-    the prompt's last token has none (the sampled token's logprob is the first output's)."""
-    sequence = chunk.sequence
-    following = sequence.prompt[chunk.start + 1 : chunk.start + chunk.count + 1]
-    first = rows.start or 0
-    feeds["prompt_targets"][first : first + len(following)] = following
-    feeds["prompt_n"][first : first + len(following)] = sequence.params.prompt_logprobs
-
-
-def sampling_feeds(feeds: dict[str, np.ndarray], index: int, chunk: Chunk, *, row: int) -> None:
-    """Sample ``index`` of a step: from ``row``'s logits, with its sequence's parameters, penalty counts
-    (its slot's) and seeded key."""
-    sequence = chunk.sequence
-    params = sequence.params
-    feeds["sample_rows"][index] = row
-    feeds["sample_slots"][index] = sequence.slot
-    feeds["penalties"][index] = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
-    feeds["sampling"][index] = (params.temperature, params.top_p, params.min_p, 0.0)
-    feeds["top_k"][index] = params.top_k
-    feeds["keys"][index] = (sequence.seed, chunk.draw)
-    if chunk.sampled and params.logprobs is not None:
-        feeds["logprob_n"][index] = params.logprobs

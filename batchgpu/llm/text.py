@@ -4,12 +4,23 @@ model's (``from batchgpu.llm.text import TextCodec`` still works, for one releas
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..models.codec import TextCodec
 
 REPLACEMENT = "\ufffd"  # what a decoder makes of an incomplete UTF-8 sequence
+
+_TOKEN_TEXTS: weakref.WeakKeyDictionary[TextCodec, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+def token_texts(codec: TextCodec) -> dict[int, str]:
+    """The text of single token ids decoded so far with ``codec`` (``decode([id])``), shared by its streams."""
+    texts = _TOKEN_TEXTS.get(codec)
+    if texts is None:
+        texts = _TOKEN_TEXTS[codec] = {}
+    return texts
 
 
 @dataclass
@@ -24,7 +35,8 @@ class TextStream:
     """Incremental detokenization of one generation: :meth:`push` takes each new token id and returns the
     text that is now final; :meth:`finish` returns the rest when the generation ends. Each token is decoded
     with the few before it (a window from the last point where the text was whole), so a stream costs about
-    the same per token however long it gets. Text is held back while the newest tokens end in an
+    the same per token however long it gets (a one-token window's text, the usual case, is decoded once per
+    codec and token id). Text is held back while the newest tokens end in an
     incomplete UTF-8 character (their decoding ends in U+FFFD) or while it could still be the start of a
     stop string; a stop string ends the stream, its text and anything after it left out (as OpenAI's API
     does). Nothing is lost: the pushed pieces and :meth:`finish` together are ``decode`` of all the ids, up
@@ -33,6 +45,7 @@ class TextStream:
 
     def __init__(self, codec: TextCodec, stop: Sequence[str] = ()) -> None:
         self.codec = codec
+        self.single = token_texts(codec)
         self.stop = [s for s in stop if s]
         self.holdback = max((len(s) - 1 for s in self.stop), default=0)
         self.ids: list[int] = []
@@ -59,7 +72,7 @@ class TextStream:
     def _advance(self, *, final: bool) -> Delta:
         """Take the window's new text into ``text`` (not while it ends in an unfinished character, unless
         ``final``) and release what can no longer be part of a stop string."""
-        known = self.codec.decode(self.ids[self.prefix : self.read])
+        known = self._known()
         window = self.codec.decode(self.ids[self.prefix :])
         if not final and (window.endswith(REPLACEMENT) or len(window) <= len(known)):
             return Delta("")  # a character split over tokens (or nothing visible yet): wait
@@ -71,6 +84,16 @@ class TextStream:
             self.stopped = True
             return self._release(min(found), stopped=True)
         return self._release(len(self.text) if final else len(self.text) - self.holdback)
+
+    def _known(self) -> str:
+        """The text of the window's tokens already in ``text`` (``decode(ids[prefix:read])``)."""
+        if self.read - self.prefix != 1:
+            return self.codec.decode(self.ids[self.prefix : self.read])
+        token = self.ids[self.prefix]
+        text = self.single.get(token)
+        if text is None:
+            text = self.single[token] = self.codec.decode([token])
+        return text
 
     def _release(self, end: int, *, stopped: bool = False) -> Delta:
         piece = self.text[self.sent : end] if end > self.sent else ""

@@ -1,0 +1,198 @@
+"""Host time of the engine's decode steps: the CPU time the engine's driver thread spends per step outside
+the device's work, at ``--sequences`` concurrent greedy requests (end-of-sequence ignored), on this checkout
+and, with ``--baseline-tree PATH``, on another checkout of batchgpu in the same run (each round runs both
+trees in fresh subprocesses, alternating, so load changes hit both alike; the ratio is of the medians).
+
+    python benchmarks/host_step.py [--device reference,wgpu] [--sequences 16] [--tokens 48] [--rounds 3]
+    git archive cd1570b | tar -x -C /tmp/base    # an older commit's tree
+    python benchmarks/host_step.py --baseline-tree /tmp/base
+
+Method: the driver (``Engine``'s asyncio task) and the requests' consumers run on one thread, the event
+loop's. Over the window in which every request decodes (from the moment the last request has its first
+token to the moment the first one ends: decode steps only, all ``--sequences`` rows busy), the benchmark
+takes that thread's CPU time (``time.thread_time``) and subtracts the device's work done on it: with the
+numpy reference executor the device runs inside the executor's ``run`` (its ops, and copying the feeds
+into its arrays), timed the same way; with wgpu the device (lavapipe's threads, or a GPU) runs
+elsewhere, and waiting for it costs the thread no CPU time. What is left is the host's work per step:
+scheduling, packing the feeds, the batch's execute (feed validation, and for wgpu the uploads, encoding
+and submit), reading the tokens back, the scheduler's update, detokenization and stop checks, and handing
+each piece to its request's consumer. Divided by the window's decode steps: host µs per step; by the
+sequences too: per sequence. CPU time, not wall time: a core taken by another process costs the thread
+nothing, so the figure does not swing with the shared machine's load (the wall-time ms per step is
+printed beside it).
+
+Only public, long-standing API is used (``Engine.generate``, ``Engine.steps``, ``Device.executor``), so the
+script runs against older checkouts too: the tree is whatever ``batchgpu`` imports (``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+try:
+    from machine_load import load_average
+except ImportError:  # loaded by path from elsewhere
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from machine_load import load_average
+
+DEVICE_WORK = {"reference": "run"}
+"""Per executor kind, the executor method in which the device's work runs on the calling thread."""
+
+
+class DeviceClock:
+    """CPU time of the calling thread inside the executor's device work (see :data:`DEVICE_WORK`)."""
+
+    def __init__(self, executor: Any, kind: str) -> None:
+        self.spent = 0.0
+        method = DEVICE_WORK.get(kind)
+        if method is not None:
+            inner = getattr(executor, method)
+
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                started = time.thread_time()
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    self.spent += time.thread_time() - started
+
+            setattr(executor, method, timed)
+
+
+class Window:
+    """The window in which every request decodes: opened when the last one has its first token, closed
+    when the first one ends; CPU time (less the device's), wall time and decode steps inside it."""
+
+    def __init__(self, engine: Any, clock: DeviceClock, sequences: int) -> None:
+        self.engine, self.clock, self.waiting = engine, clock, sequences
+        self.start: tuple[float, float, float, int] | None = None
+        self.end: tuple[float, float, float, int] | None = None
+
+    def mark(self) -> tuple[float, float, float, int]:
+        return time.thread_time(), self.clock.spent, time.perf_counter(), self.engine.steps["decode"]
+
+    def first_token(self) -> None:
+        self.waiting -= 1
+        if self.waiting == 0:
+            self.start = self.mark()
+
+    def finished(self) -> None:
+        if self.end is None and self.start is not None:
+            self.end = self.mark()
+
+    def per_step(self) -> dict[str, float]:
+        assert self.start is not None and self.end is not None
+        steps = self.end[3] - self.start[3]
+        host = (self.end[0] - self.start[0]) - (self.end[1] - self.start[1])
+        return {"steps": steps, "host_s": host, "wall_s": self.end[2] - self.start[2]}
+
+
+async def request(engine: Any, prompt: str, tokens: int, window: Window) -> None:
+    from batchgpu.llm import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    first = True
+    async for piece in engine.generate(prompt, params):
+        if first:
+            first = False
+            window.first_token()
+        if piece.finish_reason is not None:
+            window.finished()
+
+
+async def crowd(engine: Any, window: Window, sequences: int, tokens: int) -> None:
+    await asyncio.gather(*(request(engine, f"Once upon a time ({i})", tokens, window) for i in range(sequences)))
+
+
+def measure(kind: str, sequences: int, tokens: int, repeats: int) -> dict[str, Any]:
+    """In this process: the engine of whatever ``batchgpu`` imports, warmed up, then ``repeats`` crowds."""
+    import batchgpu as bg
+    from batchgpu.llm import Engine
+
+    device = bg.Device(kind)
+    blocks = sequences * -(-(16 + tokens) // 16)
+    engine = Engine(device=device, max_batch=sequences, max_context=256, prefill_chunk=16, kv_blocks=blocks)
+    clock = DeviceClock(device.executor, kind)
+    asyncio.run(crowd(engine, Window(engine, clock, sequences), sequences, 4))  # records and plans every step
+    runs = []
+    for _ in range(repeats):
+        window = Window(engine, clock, sequences)
+        asyncio.run(crowd(engine, window, sequences, tokens))
+        runs.append(window.per_step())
+    steps = sum(r["steps"] for r in runs)
+    host_us = 1e6 * sum(r["host_s"] for r in runs) / steps
+    return {
+        "tree": str(Path(bg.__file__).resolve().parents[1]),
+        "device": device.name,
+        "kind": kind,
+        "sequences": sequences,
+        "steps": steps,
+        "host_us_per_step": host_us,
+        "host_us_per_sequence": host_us / sequences,
+        "wall_ms_per_step": 1e3 * sum(r["wall_s"] for r in runs) / steps,
+    }
+
+
+def run_tree(tree: Path, kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`measure` in a fresh subprocess importing ``batchgpu`` from ``tree``."""
+    command = [sys.executable, __file__, "--measure", "--device", kind, "--sequences", str(args.sequences)]
+    command += ["--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, cwd=tree)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="reference,wgpu", help="comma-separated device kinds")
+    parser.add_argument("--sequences", type=int, default=16, help="concurrent requests (decode rows)")
+    parser.add_argument("--tokens", type=int, default=48, help="tokens per request")
+    parser.add_argument("--repeats", type=int, default=2, help="crowds per subprocess")
+    parser.add_argument("--rounds", type=int, default=3, help="subprocesses per tree (alternating trees)")
+    parser.add_argument("--baseline-tree", type=Path, help="another checkout's root, measured in the same run")
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one tree, in this process
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.device, args.sequences, args.tokens, args.repeats)))
+        return
+    this = Path(__file__).resolve().parents[1]
+    trees = {"this": this, **({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})}
+    print(f"date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}; load (1 min) {load_average():.2f}")
+    report = []
+    for kind in args.device.split(","):
+        results: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+        for _ in range(args.rounds):
+            for name in reversed(list(trees)):  # the baseline first in each round
+                results[name].append(run_tree(trees[name], kind, args))
+        print(
+            f"\n{results['this'][0]['device']} ({kind}), {args.sequences} sequences decoding; load {load_average():.2f}"
+        )
+        print("| tree | host µs per step | host µs per sequence | wall ms per step | rounds |")
+        print("|---|---:|---:|---:|---:|")
+        medians = {}
+        for name, runs in results.items():
+            host = statistics.median(r["host_us_per_step"] for r in runs)
+            wall = statistics.median(r["wall_ms_per_step"] for r in runs)
+            medians[name] = host
+            print(
+                f"| {name} ({runs[0]['tree']}) | {host:.0f} | {host / args.sequences:.1f} | {wall:.1f} | {len(runs)} |"
+            )
+        if "baseline" in medians:
+            print(f"host time per step, baseline / this: {medians['baseline'] / medians['this']:.2f}x")
+        report.append({"kind": kind, "results": results})
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
