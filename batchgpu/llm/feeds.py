@@ -14,6 +14,7 @@ from collections.abc import Hashable
 import numpy as np
 
 from .blocks import pool_rows
+from .grammar import fill_masks
 from .scheduler import Chunk
 
 IDLE_VALUES: dict[str, float] = {
@@ -95,10 +96,10 @@ def pack_masks(arrays: dict[str, np.ndarray], chunks: list[Chunk], samples: list
     theirs off, and so does a chunk whose sequence ended or was preempted since the plan (its token is
     dropped). Packing resets the flags with the rest (decode packing rewrites a row's sampling settings
     whenever its sequence changes)."""
-    for chunk, sample in zip(chunks, samples):
-        if guided(chunk) and chunk.current:
-            chunk.sequence.guide.fill(arrays["allowed"][sample])
-            arrays["sampling"][sample, 3] = 1.0
+    rows = [(chunk.sequence.guide, sample) for chunk, sample in zip(chunks, samples) if guided(chunk) and chunk.current]
+    fill_masks(rows, arrays["allowed"])
+    for _, sample in rows:
+        arrays["sampling"][sample, 3] = 1.0
 
 
 def wants_prompt_logprobs(chunk: Chunk) -> bool:

@@ -41,9 +41,10 @@ class Guide:
     nothing can follow). ``first``: the mask at the start, computed ahead (off the engine's loop: a
     grammar's first mask builds its lexer, the dearest one)."""
 
-    def __init__(self, matcher: Any, first: np.ndarray | None = None) -> None:
+    def __init__(self, matcher: Any, first: np.ndarray | None = None, executor: Any = None) -> None:
         self.matcher = matcher
         self.first = first
+        self.executor = executor  # the engine's llguidance thread pool (:func:`fill_masks`)
 
     def fill(self, row: np.ndarray) -> None:
         """Write the allowed-token bitmask of the next token into ``row`` (uint32, :func:`mask_words` long)."""
@@ -68,6 +69,22 @@ class Guide:
         return bool(self.matcher.is_stopped())
 
 
+def fill_masks(guides: list[tuple[Guide, int]], masks: np.ndarray) -> None:
+    """Each guide's next allowed-token bitmask into its row of ``masks`` (uint32, (rows, words)): the
+    first masks copied, the others computed by llguidance on its own threads, all rows at once (the GIL let
+    go), as vLLM fills a batch's masks."""
+    pending = []
+    for guide, row in guides:
+        if guide.first is not None or guide.executor is None:
+            guide.fill(masks[row])
+        else:
+            pending.append((guide.matcher, row))
+    if pending:
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        fill_next_token_bitmask_par(guides[0][0].executor, pending, masks.view(np.int32))
+
+
 class GrammarEngine:
     """The llguidance tokenizer of a model (``codec``; ``vocab``: its logits' width, which may exceed the
     tokenizer's), built on first use, and the grammars of requests."""
@@ -76,14 +93,16 @@ class GrammarEngine:
         self.codec, self.vocab = codec, vocab
         self.lock = threading.Lock()
         self.built: Any = None
+        self.executor: Any = None  # llguidance's thread pool for a step's masks, made with the tokenizer
 
     def tokenizer(self) -> Any:
         with self.lock:
             if self.built is None:
-                from llguidance import LLTokenizer
+                from llguidance import LLExecutor, LLTokenizer
 
                 eos = min(self.codec.eos_ids) if self.codec.eos_ids else None
                 self.built = LLTokenizer(self.codec.tokenizer.to_str(), n_vocab=self.vocab, eos_token=eos)
+                self.executor = LLExecutor()
             return self.built
 
     def compile(self, output: StructuredOutput) -> str:
@@ -117,7 +136,7 @@ class GrammarEngine:
         from llguidance import LLMatcher
 
         tokenizer = self.tokenizer()
-        guides = [Guide(LLMatcher(tokenizer, grammar)) for _ in range(count)]
+        guides = [Guide(LLMatcher(tokenizer, grammar), executor=self.executor) for _ in range(count)]
         first = np.zeros(mask_words(self.vocab), np.uint32)
         guides[0].fill(first)
         for guide in guides:
