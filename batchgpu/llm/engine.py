@@ -23,7 +23,7 @@ from ..device import Device
 from ..errors import BatchError, RequestError
 from ..models.llama import load_model, smollm2_path, steps_ahead, weight_bytes
 from .blocks import BlockPool, default_blocks
-from .grammar import GrammarEngine, Guide, constraint
+from .grammar import GrammarEngine, Guide
 from .metrics import EngineStats, clock
 from .output import OutputProcessor, Piece, choices, hand_prompt_logprobs, joined
 from .params import SamplingParams
@@ -116,7 +116,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
         encode, arrival = (self.codec, self.config.vocab, prompt, trusted, params, self.grammar), clock()
-        if prompt_size(prompt) <= INLINE_PROMPT and constraint(params, self.codec.chat_template) is None:
+        if prompt_size(prompt) <= INLINE_PROMPT and params.structured is None and params.tools is None:
             ids, guides = prepare(*encode)  # quicker than a hop to the thread
         else:
             ids, guides = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prepare, *encode)

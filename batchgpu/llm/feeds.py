@@ -13,7 +13,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from .blocks import pool_rows
+from .blocks import pool_row, pool_rows
 from .grammar import fill_masks
 from .scheduler import Chunk
 
@@ -150,9 +150,7 @@ def pack_decode(feeds: StepFeeds, chunks: list[Chunk], rows: list[int], block_si
     positions = np.array([chunk.start for chunk in chunks], np.int32)
     arrays["positions"][index] = positions
     arrays["lengths"][index] = positions + 1
-    arrays["kv_rows"][index] = [
-        c.sequence.blocks[c.start // block_size] * block_size + c.start % block_size for c in chunks
-    ]
+    arrays["kv_rows"][index] = [pool_row(c.sequence.blocks, c.start, block_size) for c in chunks]
     arrays["keys"][index, 1] = [chunk.draw for chunk in chunks]
     tables, written = arrays["block_tables"], feeds.tables
     for row, chunk in zip(rows, chunks):

@@ -228,11 +228,10 @@ def _choice(whole: Piece, chat: bool, echo: _Echo | None) -> dict[str, Any]:
     """The choice of one whole sample in a response that is not streamed."""
     choice: dict[str, Any] = {"index": whole.index, "finish_reason": whole.finish_reason}
     if chat:
-        choice["message"] = {"role": "assistant", "content": whole.text}
-        if whole.tool_calls:
-            choice["message"] = {
-                "role": "assistant", "content": whole.text or None, "tool_calls": [c.openai() for c in whole.tool_calls]
-            }  # fmt: skip
+        message: dict[str, Any] = {"role": "assistant", "content": whole.text}
+        if whole.tool_calls:  # the calls, and the text before them where there is any
+            message.update(content=whole.text or None, tool_calls=[call.openai() for call in whole.tool_calls])
+        choice["message"] = message
         choice["logprobs"] = chat_logprobs(whole.logprobs, whole.token_texts or {}) if whole.logprobs else None
     else:
         choice.update(_completion_choice(whole, echo))
