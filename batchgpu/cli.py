@@ -1,5 +1,5 @@
 """The command line, ``python -m batchgpu`` or the ``batchgpu`` console script: ``info``, ``bench``,
-``profile``, ``serve`` and ``check``.
+``profile``, ``serve``, ``synth`` and ``check``.
 
 - ``info``: wgpu adapters (backend, type, limits, features) and the one ``Device()`` picks, the cache
   dir, and whether the CUDA/HIP drivers behind ``bg.Device("cuda")``/``("hip")`` load, and why not.
@@ -11,6 +11,7 @@
   batch's per-op table for its latest execute (``--top N``: the N slowest dispatches and a per-kernel
   summary; ``--trace`` writes a Chrome trace of them all).
 - ``serve``: an OpenAI-compatible HTTP server of a GGUF or Hugging Face model (:mod:`batchgpu.llm.server`).
+- ``synth``: a GGUF file of random weights in the shape of a real model (:mod:`batchgpu.models.synth`).
 - ``check``: on a machine with a GPU, the test suite with one pytest-xdist worker per CPU and the GPU
   benchmarks on every GPU executor present, into one Markdown report and one JSON file
   (:mod:`batchgpu.check`; needs the source checkout).
@@ -38,7 +39,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import __version__, cache, check, coldstart, profiling
-from .errors import UnsupportedError
+from .errors import BatchError, UnsupportedError
 from .progress import progress
 
 if TYPE_CHECKING:
@@ -55,8 +56,8 @@ QUICK_OPS = (10, 50)
 
 DESCRIPTION = (
     "batchgpu command line: list adapters and devices (info), run the benchmark suite (bench), profile "
-    "every batch of a script (profile), serve a model over an OpenAI-compatible HTTP API (serve), or run the "
-    "test suite and the GPU benchmarks into one report (check)."
+    "every batch of a script (profile), serve a model over an OpenAI-compatible HTTP API (serve), write a "
+    "synthetic model file (synth), or run the test suite and the GPU benchmarks into one report (check)."
 )
 VERBOSE_HELP = "log compiles (-v) and cache hits (-vv); accepted before and after the command, counts add up"
 
@@ -159,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="CPUs each replica holds with --ray (default: 1 beside a GPU, else the CPUs split between replicas)",
     )
+    synth = command("synth", "a GGUF file of random weights in the shape of a real model, for benchmarks")
+    synth.add_argument(
+        "--preset", required=True, help="the model's shape, e.g. llama-3.1-8b (an unknown name lists them)"
+    )
+    synth.add_argument("--format", required=True, help="q4_0, q4_1, q8_0, q4_k, q5_k, q6_k, f16 or bf16")
+    synth.add_argument("--out", required=True, help="the GGUF file to write (its directory must exist)")
+    synth.add_argument("--seed", type=int, default=0, help="random seed; the same arguments write the same file")
+    synth.add_argument("--vocab", default="bytes", help="bytes (a byte-level tokenizer, default) or smollm2")
     add_check_command(command("check", "the test suite and the GPU benchmarks on every GPU executor: one report"))
     return parser
 
@@ -194,7 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     level = log_level(args)
     if level is not None:
         logging.basicConfig(level=level, format="%(name)s: %(message)s")
-    commands = {"info": cmd_info, "bench": cmd_bench, "profile": cmd_profile, "serve": cmd_serve, "check": cmd_check}
+    commands = {
+        "info": cmd_info,
+        "bench": cmd_bench,
+        "profile": cmd_profile,
+        "serve": cmd_serve,
+        "synth": cmd_synth,
+        "check": cmd_check,
+    }
     return commands[args.command](args)
 
 
@@ -630,6 +646,21 @@ def serve_on_ray(args: argparse.Namespace, options: EngineOptions, model_name: s
         max_request_bytes=args.max_request_bytes,
         trusted_messages=args.trusted_messages,
     )
+    return 0
+
+
+# synth ------------------------------------------------------------------------------------------
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from .models.synth import write_synthetic
+
+    try:
+        written = write_synthetic(args.out, args.preset, args.format, seed=args.seed, vocab=args.vocab)
+    except BatchError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(f"{written.path}: {written.bytes / 2**20:.1f} MiB, {written.tensors} tensors, {written.seconds:.1f} s")
     return 0
 
 
