@@ -5,9 +5,10 @@ The file is what llama.cpp's ``convert_hf_to_gguf.py`` writes for the model, qua
 ``llama-quantize --pure`` does: ``general.architecture`` llama or qwen2 and the ``<arch>.*`` keys of the
 preset's ``config.json``; 1-D tensors (norms, biases, ``rope_freqs``) in F32; every matrix, ``token_embd``
 and ``output`` included, in the format asked for, except that a K-quant matrix whose rows are not whole
-256-weight super-blocks falls back as llama.cpp's quantizer does (:data:`K_FALLBACKS`); Llama's q/k rows
-permuted for its interleaved RoPE, Qwen2's as they are; Llama 3's RoPE scaling as the ``rope_freqs``
-tensor the converter computes.
+256-weight super-blocks falls back as llama.cpp's quantizer does (:data:`K_FALLBACKS`); Llama 3's RoPE
+scaling as the ``rope_freqs`` tensor the converter computes. Llama's q/k rows are read as the converter
+permuted them (for interleaved RoPE; Qwen2's as they are): here every row is independent random blocks, so
+the rows written are already the permutation of a random matrix and there is nothing to permute.
 
 Weights: matrices normal with std :data:`WEIGHT_STD`, norms ``1 + N(0, NORM_NOISE)``, biases
 ``N(0, BIAS_STD)``. A matrix is filled with whole blocks drawn at random from a pool of quantized normal
@@ -101,6 +102,8 @@ VOCABULARIES = ("bytes", "smollm2")
 WEIGHT_STD, NORM_NOISE, BIAS_STD = 0.02, 0.02, 0.02
 POOL_WEIGHTS = 1 << 22
 """Normal weights quantized once per format; matrices are filled with blocks drawn from them."""
+K_BLOCK = 256
+"""Weights of the largest block (a K-quant super-block): a pool holds whole ones."""
 CHUNK_BYTES = 32 << 20
 """Bytes of a matrix drawn and written at once."""
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION
@@ -115,7 +118,6 @@ class TensorPlan:
     shape: tuple[int, ...]
     format: str
     fill: str
-    heads: int = 0  # rows of this many heads are permuted (llama's attn_q / attn_k)
 
     @property
     def nbytes(self) -> int:
@@ -142,23 +144,20 @@ def tensor_plans(preset: Preset, fmt: str) -> list[TensorPlan]:
         "head_dim": preset.head_dim,
     }
 
-    def plan(name: str, shape: tuple[int, ...], heads: int = 0) -> TensorPlan:
+    def plan(name: str, shape: tuple[int, ...]) -> TensorPlan:
         if len(shape) == 1:
             return TensorPlan(name, shape, "f32", "norm" if name.endswith("norm.weight") else "bias")
-        return TensorPlan(name, shape, matrix_format(fmt, shape[1]), "matrix", heads)
+        return TensorPlan(name, shape, matrix_format(fmt, shape[1]), "matrix")
 
     plans = []
     if preset.rope_scaling is not None:
         plans.append(TensorPlan("rope_freqs.weight", (preset.head_dim // 2,), "f32", "rope"))
     plans.append(plan("token_embd.weight", (preset.vocab, preset.hidden)))
-    permuted = (
-        {"attn_q.weight": preset.heads, "attn_k.weight": preset.kv_heads} if preset.architecture == "llama" else {}
-    )
     for layer in range(preset.layers):
         for name, (dims, required) in LAYER_TENSORS.items():
             if required or (preset.biases and name.endswith(".bias")):
                 shape = tuple(sizes[d] for d in dims)
-                plans.append(plan(f"blk.{layer}.{name}", shape, permuted.get(name, 0)))
+                plans.append(plan(f"blk.{layer}.{name}", shape))
     plans.append(plan("output_norm.weight", (preset.hidden,)))
     if not preset.tied:
         plans.append(plan("output.weight", (preset.vocab, preset.hidden)))
@@ -249,26 +248,19 @@ def vocabulary(kind: str, preset: Preset) -> Vocabulary:
 # the weights --------------------------------------------------------------------------------------
 
 
-def block_pool(fmt: str, rng: np.random.Generator) -> np.ndarray:
-    """(blocks, gguf_bytes) uint8: :data:`POOL_WEIGHTS` normal weights of std :data:`WEIGHT_STD` in ``fmt``."""
-    weights = rng.standard_normal(POOL_WEIGHTS, dtype=np.float32) * np.float32(WEIGHT_STD)
+def block_pool(fmt: str, plans: list[TensorPlan], rng: np.random.Generator) -> np.ndarray:
+    """(blocks, gguf_bytes) uint8: normal weights of std :data:`WEIGHT_STD` in ``fmt``, as many as the file's
+    matrices in ``fmt`` hold, at most :data:`POOL_WEIGHTS`."""
+    needed = sum(int(np.prod(plan.shape)) for plan in plans if plan.format == fmt)
+    count = -(-min(needed, POOL_WEIGHTS) // K_BLOCK) * K_BLOCK
+    weights = rng.standard_normal(count, dtype=np.float32) * np.float32(WEIGHT_STD)
     return quantize(weights, fmt)
-
-
-def permute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's q/k row permutation for interleaved RoPE (``gguf_file.unpermute_rows``'
-    inverse; rows of block bytes alike)."""
-    n, width = rows.shape
-    return rows.reshape(heads, 2, n // heads // 2, width).swapaxes(1, 2).reshape(n, width)
 
 
 def matrix_chunks(plan: TensorPlan, pool: np.ndarray, rng: np.random.Generator) -> Iterator[np.ndarray]:
     """The matrix's block bytes, whole rows at a time: blocks drawn from ``pool``."""
     rows, row = plan.shape
     per_row = row // FORMATS[plan.format].weights
-    if plan.heads:  # a q/k matrix is small: drawn whole and permuted
-        yield permute_rows(pool[rng.integers(0, len(pool), rows * per_row)].reshape(rows, -1), plan.heads)
-        return
     step = max(1, CHUNK_BYTES // (per_row * pool.shape[1]))
     for start in range(0, rows, step):
         count = min(step, rows - start)
@@ -370,7 +362,7 @@ def write_synthetic(
         words = vocabulary(vocab, model)
         stages.phase("block pools")
         seeds = np.random.SeedSequence(seed)
-        pools = {f: block_pool(f, np.random.default_rng([seed, i])) for i, f in enumerate(sorted(FORMATS))
+        pools = {f: block_pool(f, plans, np.random.default_rng([seed, i])) for i, f in enumerate(sorted(FORMATS))
                  if any(p.format == f for p in plans)}  # fmt: skip
         writer = GGUFWriter(str(partial), model.architecture)
         try:
