@@ -58,6 +58,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "dtypes.py",
         "promotion.py",
         "quant.py",
+        "quantize.py",
         "interop.py",
         "limits.py",
         "kernels.py",
