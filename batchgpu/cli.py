@@ -660,6 +660,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
     except BatchError as exc:
         print(exc, file=sys.stderr)
         return 2
+    except OSError as exc:  # the disk full, the directory not writable: the partial file is removed
+        print(f"synth: writing {args.out} failed: {exc}", file=sys.stderr)
+        return 1
     print(f"{written.path}: {written.bytes / 2**20:.1f} MiB, {written.tensors} tensors, {written.seconds:.1f} s")
     return 0
 

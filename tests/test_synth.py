@@ -265,6 +265,7 @@ def test_the_same_seed_writes_the_same_file(tmp_path):
         (["--preset", "tiny-llama", "--format", "q3_k"], r"format 'q3_k' is not supported; formats: q4_0, q4_1"),
         (["--preset", "tiny-llama", "--format", "q4_0", "--vocab", "x"], r"vocabulary 'x' is not known"),
         (["--preset", "tiny-llama", "--format", "q4_0", "--vocab", "smollm2"], r"49152 tokens, more than 512"),
+        (["--preset", "tiny-llama", "--format", "q4_0", "--seed", "-1"], r"the seed must be an int >= 0, got -1"),
     ],
 )
 def test_the_command_refuses_bad_requests(tmp_path, capsys, args, message):

@@ -294,7 +294,7 @@ class Written:
     seconds: float
 
 
-def check_request(preset: str, fmt: str, vocab: str, out: Path) -> Preset:
+def check_request(preset: str, fmt: str, vocab: str, seed: int, out: Path) -> Preset:
     """The preset, after every argument is checked (ArgumentError naming what is wrong and what is accepted)."""
     if preset not in PRESETS:
         raise ArgumentError(f"synth: preset {preset!r} is not known; presets: {', '.join(PRESETS)}")
@@ -302,6 +302,8 @@ def check_request(preset: str, fmt: str, vocab: str, out: Path) -> Preset:
         raise ArgumentError(f"synth: format {fmt!r} is not supported; formats: {', '.join(FILE_TYPES)}")
     if vocab not in VOCABULARIES:
         raise ArgumentError(f"synth: vocabulary {vocab!r} is not known; vocabularies: {', '.join(VOCABULARIES)}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ArgumentError(f"synth: the seed must be an int >= 0, got {seed!r}")
     if not out.parent.is_dir():
         raise ArgumentError(f"synth: the output's directory {str(out.parent)!r} does not exist")
     if out.is_dir():
@@ -354,7 +356,7 @@ def write_synthetic(
     from gguf import GGMLQuantizationType, GGUFWriter
 
     path = Path(path)
-    model = check_request(preset, fmt, vocab, path)
+    model = check_request(preset, fmt, vocab, seed, path)
     partial = path.with_name(path.name + ".partial")
     plans = tensor_plans(model, fmt)
     with Stages(unit="tensors", show=show) as stages:
