@@ -135,7 +135,8 @@ def matrix_format(fmt: str, row: int) -> str:
 
 
 def tensor_plans(preset: Preset, fmt: str) -> list[TensorPlan]:
-    """Every tensor of the preset's file in the order the converter writes them."""
+    """Every tensor of the preset's file: ``rope_freqs`` first as the converter writes it, then the embedding, the
+    layers, the output norm and head (llama.cpp finds tensors by name; their order is free)."""
     sizes = {
         "hidden": preset.hidden,
         "ffn": preset.ffn,
