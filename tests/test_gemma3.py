@@ -213,10 +213,74 @@ def test_gemma3_270m_continues_like_llama_cpp(gemma3_270m):
     at once: the file's norm weights already 1 + w (not added again), embeddings scaled by sqrt(640), head size
     256 (not 640 / 4), RoPE bases 10000 (windowed layers) and 1e6 (every sixth), the attention scale
     1 / sqrt(256), GeGLU, the post-norms and the tied 262,144-row head."""
-    model = Llama(bg.Device("reference"), gemma3_270m, max_context=16)
+    model = Llama(bg.Device("reference"), gemma3_270m, quantized=False, max_context=16)  # 20 s, not 30
     assert [model.config.window(layer) for layer in range(18)] == ([512] * 5 + [0]) * 3
     codec = model.weights.codec()
     prompt = codec.tokenizer.encode("The capital of France is").ids
     assert prompt == [2, 818, 5279, 529, 7001, 563]  # <bos> The ▁capital ▁of ▁France ▁is
     ids = list(model.generate(prompt, 6))
     assert codec.tokenizer.decode(ids) == " the capital of the country of"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda w: w.pop("blk.3.post_ffw_norm.weight"), r"'blk.3.post_attention_norm.weight' comes without tensor "),
+        (
+            lambda w: [w.pop(f"blk.{i}.post_{n}.weight") for i in range(7) for n in ("attention_norm", "ffw_norm")],
+            r"tensor 'blk.0.post_attention_norm.weight' is missing \(every gemma3 layer has post norms\)",
+        ),
+        (lambda w: w.pop("blk.0.attn_k_norm.weight"), r"'blk.0.attn_q_norm.weight' comes without tensor"),
+    ],
+    ids=["one post-norm", "no post-norms", "one q/k norm"],
+)
+def test_gemma3_files_missing_parts_are_refused(tmp_path, change, message):
+    """A gemma3 file without the norms every Gemma 3 layer has is a ModelFileError naming the tensor, before
+    any upload; the device still runs the intact model afterwards."""
+    weights = random_gemma3(TINY, 31)
+    change(weights)
+    write_gemma3(tmp_path / "bad.gguf", weights)
+    device = bg.Device("reference")
+    with pytest.raises(bg.ModelFileError, match=message):
+        Llama(device, tmp_path / "bad.gguf", quantized=False, max_context=16)
+    intact = random_gemma3(TINY, 31)
+    write_gemma3(tmp_path / "good.gguf", intact)
+    model = Llama(device, tmp_path / "good.gguf", quantized=False, max_context=16)
+    assert list(model.generate(PROMPT, 2)) == greedy(TINY, intact, PROMPT, 2)
+
+
+def test_post_norms_in_a_llama_file_are_refused(tmp_path):
+    """Post-norms in an architecture without them would be ignored by llama.cpp's llama graph: refused."""
+    from .test_llama_variants import VARIANTS, random_weights, write_gguf
+
+    weights = random_weights(VARIANTS["llama"], 4)
+    for layer in range(VARIANTS["llama"]["layers"]):
+        for name in ("post_attention_norm", "post_ffw_norm"):
+            weights[f"blk.{layer}.{name}.weight"] = np.ones(VARIANTS["llama"]["hidden"], np.float32)
+    write_gguf(tmp_path / "llama.gguf", "llama", weights)
+    with pytest.raises(bg.ModelFileError, match=r"'blk.0.post_attention_norm.weight' is not part of a llama layer"):
+        Llama(bg.Device("reference"), tmp_path / "llama.gguf", max_context=16)
+
+
+def test_a_262144_token_vocabulary_on_wgpu():
+    """Gemma 3's vocabulary: greedy ids (``argmax``, which ``Llama`` samples with) are split over chunks of the
+    row and equal numpy's on wgpu, past llvmpipe's per-invocation loop cap; the engine's ``sample`` and
+    ``logprobs`` run one workgroup per row and refuse rows this long with a LimitError at record time (the
+    batch still works)."""
+    rng = np.random.default_rng(32)
+    logits = rng.standard_normal((2, 262144)).astype(np.float32)
+    logits[0, 262143] = logits[1, 70000] = 9.0  # the maxima past 65,535 x 256 / 256 iterations and in the tail
+    batch = bg.GpuCommandBatch(bg.Device("wgpu"))
+    tensor = batch.upload(logits)
+    with pytest.raises(bg.LimitError, match=r"sample: .* rows of 262144 tokens; at most 210944"):
+        batch.sample(
+            tensor,
+            batch.upload(np.zeros((2, 4), np.float32)),
+            batch.upload(np.zeros(2, np.int32)),
+            batch.upload(np.zeros((2, 2), np.uint32)),
+        )
+    with pytest.raises(bg.LimitError, match=r"logprobs: .* rows of 262144 tokens; at most 180992"):
+        batch.logprobs(tensor, batch.upload(np.zeros(2, np.int32)), batch.upload(np.zeros(2, np.int32)))
+    ids = batch.argmax(tensor)
+    batch.execute()
+    np.testing.assert_array_equal(batch.read(ids), [262143, 70000])
