@@ -284,3 +284,18 @@ def test_a_262144_token_vocabulary_on_wgpu():
     ids = batch.argmax(tensor)
     batch.execute()
     np.testing.assert_array_equal(batch.read(ids), [262143, 70000])
+
+
+def test_tiny_gemma3_records_its_layer(tiny):
+    """The op sequence of a Gemma 3 layer (one decoder builder: Llama's row of differences, not a copy), each
+    layer's window and RoPE base as the config gives them: 3 and 10000 where windowed, 0 and 1e6 in layer 5."""
+    model = Llama(bg.Device("reference"), tiny[0], quantized=False, max_context=32)
+    nodes = model.record(5).batch.nodes
+    attention = ["matmul", "reshape", "matmul", "reshape", "rms_norm", "rms_norm", "matmul", "reshape", "rope", "rope"]
+    attention += ["kv_write", "kv_write", "attention", "reshape", "matmul", "rms_norm"]
+    mlp = ["add_rms_norm", "matmul", "matmul", "gelu_tanh", "mul", "matmul", "rms_norm", "add_rms_norm"]
+    head = ["slice", "matmul", "argmax", "reshape", "scatter_rows"]
+    assert [node.spec.name for node in nodes] == ["embedding", "mul", "rms_norm", *(attention + mlp) * 7, *head]
+    assert [node.params["window"] for node in nodes if node.spec.name == "attention"] == [3, 3, 3, 3, 3, 0, 3]
+    thetas = [node.params["theta"] for node in nodes if node.spec.name == "rope"][::2]
+    assert thetas == [1e4] * 5 + [1e6, 1e4]
