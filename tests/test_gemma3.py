@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import batchgpu as bg
+from batchgpu.models.config import LlamaConfig
 from batchgpu.models.llama import Llama
 
 from .test_llama_variants import stored, tiny_tokenizer
@@ -299,3 +300,66 @@ def test_tiny_gemma3_records_its_layer(tiny):
     assert [node.params["window"] for node in nodes if node.spec.name == "attention"] == [3, 3, 3, 3, 3, 0, 3]
     thetas = [node.params["theta"] for node in nodes if node.spec.name == "rope"][::2]
     assert thetas == [1e4] * 5 + [1e6, 1e4]
+
+
+# which layers are windowed, from either file --------------------------------------------------------
+
+HF_SIZES = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, intermediate_size=96, vocab_size=50)
+
+
+@pytest.mark.parametrize(
+    ("settings", "windows"),
+    [
+        (dict(model_type="mistral", sliding_window=5), [5, 5, 5]),  # every layer
+        (dict(model_type="mistral", sliding_window=None), [0, 0, 0]),
+        (dict(model_type="qwen2", sliding_window=5, use_sliding_window=False), [0, 0, 0]),  # carried, unused
+        (dict(model_type="qwen2", sliding_window=5, use_sliding_window=True, max_window_layers=1), [0, 5, 5]),
+        (
+            dict(
+                model_type="qwen3",
+                sliding_window=5,
+                layer_types=["sliding_attention", "full_attention"] * 1 + ["sliding_attention"],
+            ),
+            [5, 0, 5],
+        ),
+    ],
+    ids=["mistral", "no window", "qwen2 unused", "qwen2 max_window_layers", "layer_types"],
+)
+def test_hf_configs_window_the_layers_transformers_does(settings, windows):
+    """transformers' rules: Mistral windows every layer, Qwen2 the layers from ``max_window_layers`` on where
+    ``use_sliding_window``, ``layer_types`` names each layer's kind."""
+    config = LlamaConfig.from_hf(dict(HF_SIZES, **settings))
+    assert [config.window(layer) for layer in range(3)] == windows
+    assert config.rope(0) == {"theta": config.theta, "factors": None}  # one RoPE base outside Gemma 3
+
+
+def test_hf_layer_types_of_another_length_are_refused():
+    with pytest.raises(bg.ModelFileError, match=r"layer_types must be an array of one type per layer \(3\)"):
+        LlamaConfig.from_hf(dict(HF_SIZES, model_type="qwen3", layer_types=["full_attention"]))
+
+
+def test_gemma3_27b_scales_attention_by_hidden_over_heads(tmp_path):
+    """llama.cpp's gemma3: the 27B model (62 layers) scales queries by 1 / sqrt(hidden / heads) (its
+    query_pre_attn_scalar), the others by 1 / sqrt(key_length); read from the metadata alone."""
+    from batchgpu.models.gguf_reader import GGUFFile
+
+    d = dict(TINY, layers=62, hidden=5376, heads=32, head_dim=128)
+    writer = gguf.GGUFWriter(str(tmp_path / "27b.gguf"), "gemma3")
+    for key, value in (
+        ("block_count", 62),
+        ("embedding_length", d["hidden"]),
+        ("attention.head_count", d["heads"]),
+        ("attention.key_length", d["head_dim"]),
+        ("feed_forward_length", 21504),
+        ("vocab_size", 262144),
+        ("attention.sliding_window", 1024),
+    ):
+        writer.add_uint32(f"gemma3.{key}", value)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = LlamaConfig.from_gguf(GGUFFile(tmp_path / "27b.gguf"))
+    assert config.query_scale == pytest.approx(1 / math.sqrt(5376 / 32))
+    assert [config.window(layer) for layer in range(12)] == [1024] * 5 + [0] + [1024] * 5 + [0]
