@@ -211,26 +211,23 @@ def record_decoder(
     normed = batch.rms_norm(h, w["blk.0.attn_norm.weight"], config.eps)
     for layer in range(config.layers):
         block = f"blk.{layer}."
-        attended = post_norm(
-            batch,
-            config,
-            w,
-            block + "post_attention_norm.weight",
-            record_attention(batch, config, w, layer, normed, kv),
-        )
+        attended = record_attention(batch, config, w, layer, normed, kv)
+        attended = post_norm(batch, config, w, block, "post_attention_norm.weight", attended)
         normed, h = batch.add_rms_norm(attended, h, w[block + "ffn_norm.weight"], config.eps)
-        ffn = post_norm(batch, config, w, block + "post_ffw_norm.weight", feed_forward(batch, config, normed, w, block))
+        ffn = post_norm(batch, config, w, block, "post_ffw_norm.weight", feed_forward(batch, config, normed, w, block))
         after = f"blk.{layer + 1}.attn_norm.weight" if layer + 1 < config.layers else "output_norm.weight"
         normed, h = batch.add_rms_norm(ffn, h, w[after], config.eps)
     return normed
 
 
-def post_norm(batch: GpuCommandBatch, config: LlamaConfig, w: dict[str, Tensor], name: str, x: Tensor) -> Tensor:
-    """``x`` RMS-normed by ``w[name]`` where the architecture norms a sublayer's output
+def post_norm(
+    batch: GpuCommandBatch, config: LlamaConfig, w: dict[str, Tensor], block: str, name: str, x: Tensor
+) -> Tensor:
+    """``x`` RMS-normed by ``w[block + name]`` where the layer ``block`` norms its sublayers' outputs
     (:attr:`Architecture.post_norms`), else ``x``."""
-    if architecture(config).post_norms is Presence.NEVER:
+    if not architecture(config).has("post_norms", w, block):
         return x
-    return batch.rms_norm(x, w[name], config.eps)
+    return batch.rms_norm(x, w[block + name], config.eps)
 
 
 def record_logits(batch: GpuCommandBatch, weights: dict[str, Tensor], x: Tensor) -> Tensor:
