@@ -42,9 +42,12 @@ class SlidingLayout:
     local_theta: float
     """The RoPE base of the windowed layers (``<arch>.rope.freq_base_swa`` where the file has it); they
     are never frequency-scaled (llama.cpp's ``rope_freq_scale_train_swa`` 1)."""
+    wide_scale_layers: int = 0
+    """A model of this many layers scales its queries by 1 / sqrt(hidden / heads) rather than 1 / sqrt(head
+    size) (llama.cpp's Gemma 3 27B, whose ``query_pre_attn_scalar`` is hidden / heads; not in the file)."""
 
 
-SLIDING_LAYOUTS = {"gemma3": SlidingLayout(global_every=6, local_theta=10000.0)}
+SLIDING_LAYOUTS = {"gemma3": SlidingLayout(global_every=6, local_theta=10000.0, wide_scale_layers=62)}
 """GGUF architecture -> its interleaving of windowed and global layers; an architecture not listed applies
 a file's window (``attention.sliding_window``) to every layer (Mistral)."""
 
@@ -233,8 +236,7 @@ def gguf_sliding(metadata: Fields, architecture: str, sizes: dict[str, int]) -> 
     if layout is None:
         return {}
     every = layout.global_every
-    # llama.cpp's gemma3: 1 / sqrt(hidden / heads) for the 27B model (62 layers), else 1 / sqrt(key_length)
-    scale = (sizes["heads"] / sizes["hidden"]) ** 0.5 if sizes["layers"] == 62 else 0.0
+    scale = (sizes["heads"] / sizes["hidden"]) ** 0.5 if sizes["layers"] == layout.wide_scale_layers else 0.0
     return dict(
         sliding_layers=tuple(layer % every < every - 1 for layer in range(sizes["layers"])),
         local_theta=metadata.number("rope.freq_base_swa", layout.local_theta, positive=True),
