@@ -264,27 +264,30 @@ def test_post_norms_in_a_llama_file_are_refused(tmp_path):
 
 
 def test_a_262144_token_vocabulary_on_wgpu():
-    """Gemma 3's vocabulary: greedy ids (``argmax``, which ``Llama`` samples with) are split over chunks of the
-    row and equal numpy's on wgpu, past llvmpipe's per-invocation loop cap; the engine's ``sample`` and
-    ``logprobs`` run one workgroup per row and refuse rows this long with a LimitError at record time (the
-    batch still works)."""
+    """Gemma 3's vocabulary on wgpu, past llvmpipe's per-invocation loop cap: greedy ids (``argmax``, which
+    ``Llama`` samples with, split over chunks of the row), the engine's ``sample`` (one workgroup per row:
+    a greedy row, a top_k + top_p row) and ``logprobs`` equal numpy's exactly (ids; logprob values within
+    float32 rounding of exp/log sums over 262,144 terms)."""
+    from batchgpu.ops import sampling
+
     rng = np.random.default_rng(32)
-    logits = rng.standard_normal((2, 262144)).astype(np.float32)
-    logits[0, 262143] = logits[1, 70000] = 9.0  # the maxima past 65,535 x 256 / 256 iterations and in the tail
+    logits = (rng.standard_normal((2, 262144)) * 2).astype(np.float32)
+    logits[0, 262143] = logits[1, 70000] = 12.0  # the maxima past 65,535 x 256 / 256 iterations and in the tail
+    settings = np.array([[0.0, 1.0, 0.0, 0.0], [1.0, 0.9, 0.0, 0.0]], np.float32)
+    top_k, keys = np.array([0, 5000], np.int32), np.array([[3, 0], [3, 1]], np.uint32)
+    targets, top_n = np.array([5, 262143], np.int32), np.array([20, 3], np.int32)
     batch = bg.GpuCommandBatch(bg.Device("wgpu"))
     tensor = batch.upload(logits)
-    with pytest.raises(bg.LimitError, match=r"sample: .* rows of 262144 tokens; at most 210944"):
-        batch.sample(
-            tensor,
-            batch.upload(np.zeros((2, 4), np.float32)),
-            batch.upload(np.zeros(2, np.int32)),
-            batch.upload(np.zeros((2, 2), np.uint32)),
-        )
-    with pytest.raises(bg.LimitError, match=r"logprobs: .* rows of 262144 tokens; at most 180992"):
-        batch.logprobs(tensor, batch.upload(np.zeros(2, np.int32)), batch.upload(np.zeros(2, np.int32)))
     ids = batch.argmax(tensor)
+    drawn = batch.sample(tensor, batch.upload(settings), batch.upload(top_k), batch.upload(keys))
+    scored = batch.logprobs(tensor, batch.upload(targets), batch.upload(top_n))
     batch.execute()
     np.testing.assert_array_equal(batch.read(ids), [262143, 70000])
+    np.testing.assert_array_equal(batch.read(drawn), sampling.sample_reference(logits, settings, top_k, keys))
+    expected, got = sampling.logprobs_reference(logits, targets, top_n), batch.read(scored)
+    top = slice(1, 1 + sampling.MAX_TOP)
+    np.testing.assert_array_equal(got[:, top], expected[:, top])  # the top ids
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4, equal_nan=True)
 
 
 def test_tiny_gemma3_records_its_layer(tiny):
