@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import batchgpu as bg
+from batchgpu.llm import Engine, SamplingParams
 from batchgpu.models.config import LlamaConfig
 from batchgpu.models.llama import Llama
 
@@ -181,7 +182,6 @@ def test_tiny_gemma3_matches_float64_numpy(tiny, kind):
 def test_engine_serves_tiny_gemma3(tiny):
     """The engine (paged KV, chunked prefill across the window, on-device sampling) serves the model unchanged:
     greedy ids equal the float64 model's."""
-    from batchgpu.llm import Engine, SamplingParams
 
     path, weights = tiny
     engine = Engine(path, bg.Device("reference"), max_batch=2, max_context=32, block_size=4, prefill_chunk=4)
@@ -209,18 +209,18 @@ def gemma3_270m():
 
 @pytest.mark.slow
 def test_gemma3_270m_continues_like_llama_cpp(gemma3_270m):
-    """Greedy decoding of the real file on the reference executor gives llama.cpp's continuation of "The capital
-    of France is" (which tokenizes with BOS, as llama.cpp does for gemma3). Being right needs every convention
-    at once: the file's norm weights already 1 + w (not added again), embeddings scaled by sqrt(640), head size
-    256 (not 640 / 4), RoPE bases 10000 (windowed layers) and 1e6 (every sixth), the attention scale
-    1 / sqrt(256), GeGLU, the post-norms and the tied 262,144-row head."""
-    model = Llama(bg.Device("reference"), gemma3_270m, quantized=False, max_context=16)  # 20 s, not 30
-    assert [model.config.window(layer) for layer in range(18)] == ([512] * 5 + [0]) * 3
-    codec = model.weights.codec()
-    prompt = codec.tokenizer.encode("The capital of France is").ids
-    assert prompt == [2, 818, 5279, 529, 7001, 563]  # <bos> The ▁capital ▁of ▁France ▁is
-    ids = list(model.generate(prompt, 6))
-    assert codec.tokenizer.decode(ids) == " the capital of the country of"
+    """The engine serves the real file (its sampler over the 262,144-token rows) and greedy decoding on the
+    reference executor gives llama.cpp's continuation of "The capital of France is" (which tokenizes with BOS,
+    as llama.cpp does for gemma3). Being right needs every convention at once: the file's norm weights
+    already 1 + w (not added again), embeddings scaled by sqrt(640), head size 256 (not 640 / 4), RoPE bases
+    10000 (windowed layers) and 1e6 (every sixth), the attention scale 1 / sqrt(256), GeGLU, the post-norms
+    and the tied 262,144-row head."""
+    engine = Engine(gemma3_270m, bg.Device("reference"), max_batch=1, max_context=16, quantized=False)  # 14 s
+    assert [engine.config.window(layer) for layer in range(18)] == ([512] * 5 + [0]) * 3
+    prompt = "The capital of France is"
+    assert engine.codec.tokenizer.encode(prompt).ids == [2, 818, 5279, 529, 7001, 563]  # <bos> The ▁capital ...
+    piece = engine.complete(prompt, SamplingParams(max_tokens=6, temperature=0.0))
+    assert (piece.text, piece.prompt_tokens) == (" the capital of the country of", 6)
 
 
 @pytest.mark.parametrize(
