@@ -442,14 +442,18 @@ class GpuCommandBatch:
         *,
         causal: bool = True,
         scale: float | None = None,
+        window: int = 0,
         name: str = "",
     ) -> Tensor:
         """Attention of ``q`` (tokens, heads, head_dim) over cache rows ``[0, pos + tokens)``; query t
-        sees rows up to ``pos + t`` when causal. Grouped-query: heads a multiple of the cache's kv heads."""
+        sees rows up to ``pos + t`` when causal. Grouped-query: heads a multiple of the cache's kv heads.
+        ``window`` (sliding-window attention, causal only): query t sees only the ``window`` rows up to
+        ``pos + t`` (0: all)."""
         pos = self._own_scalar("attention", pos)
         causal = arguments.flag("attention", "causal", causal)
         scale = None if scale is None else arguments.real("attention", "scale", scale)
-        return self._named(self._record("attention", (q, k_cache, v_cache), pos=pos, causal=causal, scale=scale), name)
+        record = self._record("attention", (q, k_cache, v_cache), pos=pos, causal=causal, scale=scale, window=window)
+        return self._named(record, name)
 
     def embedding(self, ids: Tensor, table: Tensor, *, name: str = "") -> Tensor:
         """Rows of ``table`` picked by int32 ``ids`` (any shape); out-of-range ids give zero rows."""
@@ -546,6 +550,7 @@ class GpuCommandBatch:
         *,
         block_size: int,
         scale: float | None = None,
+        window: int = 0,
     ) -> Tensor:
         """Attention over a paged KV cache (vLLM's PagedAttention), (N, heads, head_dim) in q's dtype. Row n
         of ``q`` (N, heads, head_dim) attends, grouped-query like ``attention``, over positions
@@ -554,7 +559,8 @@ class GpuCommandBatch:
         (computed in f32). Causality is in the lengths (a prefill row at position t: t + 1). A row with no
         positions (length <= 0, or ``seq[n]`` outside the table's rows) gives zeros; lengths past
         ``max_blocks * block_size`` are clamped to it; a position whose block lies outside the pool is left
-        out (a row left with none gives zeros). ``scale`` defaults to 1/sqrt(head_dim)."""
+        out (a row left with none gives zeros). ``scale`` defaults to 1/sqrt(head_dim). ``window``
+        (sliding-window attention): row n sees only positions ``[lengths[n] - window, lengths[n])`` (0: all)."""
         if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)):
             raise ArgumentError(f"paged_attention: block_size must be an int >= 1, got {block_size!r}")
         scale = None if scale is None else arguments.real("paged_attention", "scale", scale)
@@ -562,7 +568,7 @@ class GpuCommandBatch:
         for name, value in zip(("q", "k_pool", "v_pool", "block_tables", "seq", "lengths"), inputs):
             if not isinstance(value, Tensor):
                 raise ArgumentError(f"paged_attention: {name} must be a Tensor, got {type(value).__name__}")
-        return self._record("paged_attention", inputs, block_size=int(block_size), scale=scale)
+        return self._record("paged_attention", inputs, block_size=int(block_size), scale=scale, window=window)
 
     # recording core --------------------------------------------------------------------------
 

@@ -57,3 +57,18 @@ def test_tiny_bert_on_the_cuda_kernels(gpu, tmp_path):
     vectors = test_encoder.Encoder(gpu, directory, max_batch=2).embed(ids)
     expected = test_encoder.forward64(directory, ids)
     np.testing.assert_allclose(vectors, expected, rtol=0, atol=test_encoder.TOLERANCE)
+
+
+def test_tiny_gemma3_on_the_cuda_kernels(gpu, tmp_path):
+    """A tiny random Gemma 3 (sliding-window layers with their own RoPE base, q/k norms, post-norms, GeGLU) on
+    the CUDA kernels: prefill logits within 1e-5 x max|logit| of its float64 forward, greedy ids equal."""
+    from . import test_gemma3  # skips this test where the gguf package is missing
+
+    weights = test_gemma3.random_gemma3(test_gemma3.TINY, 30)
+    test_gemma3.write_gemma3(tmp_path / "gemma3.gguf", weights)
+    model = test_gemma3.Llama(gpu, tmp_path / "gemma3.gguf", quantized=False, max_context=16)
+    prompt = test_gemma3.PROMPT
+    expected = test_gemma3.gemma3_float64_logits(test_gemma3.TINY, weights, prompt)
+    step = model.prefill(prompt)
+    np.testing.assert_allclose(step.batch.read(step.logits)[0], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    assert list(model.generate(prompt, 3)) == test_gemma3.greedy(test_gemma3.TINY, weights, prompt, 3)

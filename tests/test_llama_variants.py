@@ -117,6 +117,8 @@ def float64_logits(d: dict, weights: dict[str, np.ndarray], ids: list[int]) -> n
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
         scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd)
         scores += np.triu(np.full((t, t), -np.inf), 1)
+        if d.get("window"):
+            scores += np.tril(np.full((t, t), -np.inf), -d["window"])
         p = np.exp(scores - scores.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         h = h + np.einsum("hts,shd->thd", p, v).reshape(t, -1) @ f[b + "attn_output.weight"].T
@@ -313,7 +315,7 @@ def test_unknown_architectures_are_refused(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(
-        bg.BatchError, match=r"GGUF architecture 'gemma' is not supported; supported: llama, qwen2, qwen3"
+        bg.BatchError, match=r"GGUF architecture 'gemma' is not supported; supported: llama, qwen2, qwen3, gemma3"
     ):
         Llama(bg.Device("reference"), path)
 
@@ -323,21 +325,28 @@ def test_unknown_architectures_are_refused(tmp_path):
     [
         ({"blk.0.ffn_gate.bias": np.ones(96, np.float32)}, {}, r"tensor 'blk.0.ffn_gate.bias' is not used by this"),
         ({}, {"rope__dimension_count": 8}, r"llama.rope.dimension_count other than the key length 16"),
-        (
-            {},
-            {"attention__sliding_window": 16},
-            r"sliding-window attention \(16 positions\) is not supported; max_context 32",
-        ),
+        ({}, {"final_logit_softcapping": 30}, r"llama.final_logit_softcapping \(logit soft-capping\) is not"),
     ],
 )
 def test_features_the_decoder_lacks_are_refused(tmp_path, extra, metadata, message):
     """A file with tensors or settings the decoder would silently ignore (a bias it has no place for, partial
-    rotary, a sliding window shorter than the context) is refused by name instead of computing wrong numbers."""
+    rotary, logit soft-capping) is refused by name instead of computing wrong numbers."""
     path = tmp_path / "model.gguf"
     weights = random_weights(VARIANTS["llama"], 1)
     write_gguf(path, "llama", {**weights, **extra}, **metadata)
     with pytest.raises(bg.BatchError, match=message):
         Llama(bg.Device("reference"), path, max_context=32)
+
+
+def test_a_window_shorter_than_the_context_applies_to_every_layer(tmp_path):
+    """Mistral's sliding window (a llama file with ``attention.sliding_window``; refused before the attention
+    kernels had windows): every layer's query sees its own and the previous 2 positions, prompt and decode."""
+    path = tmp_path / "mistral.gguf"
+    weights = random_weights(VARIANTS["llama"], 2)
+    write_gguf(path, "llama", weights, attention__sliding_window=3)
+    d = dict(VARIANTS["llama"], window=3)
+    for kind in ("reference", "wgpu"):
+        check_model(Llama(bg.Device(kind), path, quantized=False, max_context=32), d, weights)
 
 
 def test_a_window_no_shorter_than_the_context_changes_nothing(tmp_path):

@@ -601,8 +601,11 @@ def test_layer_norm_past_loop_cap(gpu):
 # position checks.
 
 
-def attention_float64(q, k, v, pos: int, causal: bool = True, scale: float | None = None) -> np.ndarray:
-    """Grouped-query attention over cache rows [0, pos + T) in float64, written out per token."""
+def attention_float64(
+    q, k, v, pos: int, causal: bool = True, scale: float | None = None, window: int = 0
+) -> np.ndarray:
+    """Grouped-query attention over cache rows [0, pos + T) in float64, written out per token; with a
+    ``window``, token t over rows (pos + t - window, pos + t] only."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     tokens, heads, head_dim = q.shape
     group = heads // k.shape[1]
@@ -610,7 +613,8 @@ def attention_float64(q, k, v, pos: int, causal: bool = True, scale: float | Non
     out = np.empty_like(q)
     for t in range(tokens):
         rows = min(pos + t + 1 if causal else pos + tokens, k.shape[0])
-        keys, values = np.repeat(k[:rows], group, axis=1), np.repeat(v[:rows], group, axis=1)
+        first = max(rows - window, 0) if window else 0
+        keys, values = np.repeat(k[first:rows], group, axis=1), np.repeat(v[first:rows], group, axis=1)
         scores = np.einsum("hd,shd->hs", q[t], keys) * scale
         weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
         out[t] = np.einsum("hs,shd->hd", weights / weights.sum(axis=-1, keepdims=True), values)
@@ -696,6 +700,62 @@ def test_attention_scale_zero_weighs_rows_uniformly(gpu, ref, small_bounds, rows
     for t in range(2):
         means = v[: pos + t + 1].astype(np.float64).mean(axis=0)  # (kv_heads, head_dim)
         assert_close(out[t], np.repeat(means, 2, axis=0).astype(np.float32), scale=10)
+
+
+@pytest.mark.parametrize(
+    "head_dim,tokens,heads,kv_heads,rows,pos,window,dtype",
+    [
+        (8, 5, 4, 2, 40, 30, 1, np.float32),  # one pass: each token sees its own row only
+        (8, 6, 3, 1, 40, 20, 7, np.float16),  # a prime window, every token past it
+        (8, 4, 2, 2, 40, 2, 5, np.float32),  # the first tokens inside the window, the later ones past it
+        (2, 3, 6, 2, 300, 290, 131, np.float32),  # blocks of 128: the first block wholly before the window
+        (8, 4, 6, 2, 300, 150, 13, np.float16),  # the window inside one block, later blocks past the tokens
+        (8, 2, 4, 2, 300, 100, 500, np.float32),  # a window longer than the context: every row
+        (64, 3, 4, 1, 200, 190, 67, np.float32),  # blocks of 64, a window across two of them
+        (512, 2, 2, 1, 1600, 1500, 1031, np.float32),  # 25 blocks folded by attention_merge
+    ],
+)
+def test_attention_sliding_window(gpu, ref, small_bounds, head_dim, tokens, heads, kv_heads, rows, pos, window, dtype):
+    """A sliding window (Mistral, Gemma 3): token t attends over the ``window`` rows up to pos + t, in one pass
+    and split over blocks of rows (blocks before the window contribute nothing), against float64."""
+    q, k, v = _attention_inputs(75 + window, tokens, heads, kv_heads, rows, head_dim, dtype)
+
+    def build(batch, tq, tk, tv):
+        return batch.attention(tq, tk, tv, pos, window=window)
+
+    out = check(gpu, ref, [q, k, v], build, dtype, scale=10)
+    assert_close(out, attention_float64(q, k, v, pos, window=window).astype(dtype), dtype, scale=10)
+
+
+@pytest.mark.parametrize("rows,head_dim", [(40, 8), (700, 8)])  # one pass; 6 blocks of 128 (small_bounds)
+def test_attention_sliding_window_with_position_scalar(gpu, ref, small_bounds, rows, head_dim):
+    """One recorded windowed attention executed at positions before, at and past the window: where the window
+    starts is computed from the per-execute position."""
+    q, k, v = _attention_inputs(76, 3, 4, 2, rows, head_dim, np.float32)
+    window, positions = 17, [0, 13, 14, 15, rows - 3]
+    for device in (gpu, ref):
+        batch = bg.GpuCommandBatch(device)
+        out = batch.attention(batch.upload(q), batch.upload(k), batch.upload(v), batch.scalar("pos"), window=window)
+        for position in positions:
+            batch.execute(scalars={"pos": position})
+            expected = attention_float64(q, k, v, position, window=window).astype(np.float32)
+            assert_close(batch.read(out), expected, np.float32, scale=10)
+
+
+def test_attention_refuses_bad_windows(gpu):
+    """A window that is not an int >= 0, or one without causality, is an ArgumentError at record time; the
+    batch still runs a windowed attention afterwards."""
+    q, k, v = _attention_inputs(77, 2, 2, 1, 9, 4, np.float32)
+    batch = bg.GpuCommandBatch(gpu)
+    tq, tk, tv = batch.upload(q), batch.upload(k), batch.upload(v)
+    for window in (-1, 2.0, True, 2**31, "3"):
+        with pytest.raises(bg.ArgumentError, match=r"attention: window must be an int in \[0, 2\*\*31\)"):
+            batch.attention(tq, tk, tv, 3, window=window)
+    with pytest.raises(bg.ArgumentError, match=r"attention: a window \(3\) needs causal=True"):
+        batch.attention(tq, tk, tv, 3, window=3, causal=False)
+    out = batch.attention(tq, tk, tv, 7, window=3)
+    batch.execute()
+    assert_close(batch.read(out), attention_float64(q, k, v, 7, window=3).astype(np.float32), scale=10)
 
 
 def test_attention_refuses_bad_scale_and_position(gpu):

@@ -223,9 +223,9 @@ def paged_pools(rng, keys, values, block_size: int, max_blocks: int, dtype, spar
     return k_pool, v_pool, tables
 
 
-def attention_rows_float64(q, keys, values, seq, lengths, scale=None) -> np.ndarray:
-    """Row n of q over the first lengths[n] rows of sequence seq[n]'s contiguous keys and values, float64;
-    zeros for a row with none."""
+def attention_rows_float64(q, keys, values, seq, lengths, scale=None, window=0) -> np.ndarray:
+    """Row n of q over the first lengths[n] rows of sequence seq[n]'s contiguous keys and values (with a
+    ``window``, the last ``window`` of them), float64; zeros for a row with none."""
     q = q.astype(np.float64)
     out = np.zeros_like(q)
     heads, head_dim = q.shape[1:]
@@ -234,8 +234,9 @@ def attention_rows_float64(q, keys, values, seq, lengths, scale=None) -> np.ndar
         if length <= 0:
             continue
         group = heads // keys[s].shape[1]
-        k = np.repeat(keys[s][:length].astype(np.float64), group, axis=1)
-        v = np.repeat(values[s][:length].astype(np.float64), group, axis=1)
+        first = max(length - window, 0) if window else 0
+        k = np.repeat(keys[s][first:length].astype(np.float64), group, axis=1)
+        v = np.repeat(values[s][first:length].astype(np.float64), group, axis=1)
         scores = np.einsum("hd,phd->hp", q[n], k) * scale
         weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
         out[n] = np.einsum("hp,phd->hd", weights / weights.sum(axis=-1, keepdims=True), v)
@@ -290,6 +291,53 @@ def test_paged_attention_equals_contiguous_attention(gpu, ref, small_bounds, hea
         np.testing.assert_array_equal(out[idle], 0)
     expected = attention_rows_float64(q, keys, values, seq, lengths)
     for out in results.values():
+        assert_close(out, expected.astype(dtype), dtype, scale=10)
+
+
+@pytest.mark.parametrize(
+    "window,block_size,table_blocks,dtype,split",
+    [
+        (1, 7, 30, np.float32, True),  # each row its own position only; 210 positions over blocks of 128
+        (7, 1, 210, np.float16, True),  # a prime window over pool blocks of one row
+        (13, 16, 14, np.float32, False),  # one pass over 224 positions
+        (131, 7, 30, np.float16, True),  # a window across pool blocks and blocks of positions; short rows see all
+        (1000, 16, 14, np.float32, True),  # a window longer than every sequence: all positions
+    ],
+)
+def test_paged_attention_sliding_window(gpu, ref, request, window, block_size, table_blocks, dtype, split):
+    """Each row attends over the last ``window`` positions of its sequence, through shuffled block tables,
+    prefill-like and decode-like rows and idle rows in one call, in one pass and split over blocks of positions
+    (``small_bounds``), against float64 and the contiguous windowed attention of each row's sequence."""
+    if split:
+        request.getfixturevalue("small_bounds")
+    rng = np.random.default_rng(280 + window)
+    keys = [random_array(rng, (n, 2, 8), dtype) for n in SEQUENCE_LENGTHS]
+    values = [random_array(rng, (n, 2, 8), dtype) for n in SEQUENCE_LENGTHS]
+    k_pool, v_pool, tables = paged_pools(rng, keys, values, block_size, table_blocks, dtype)
+    q = random_array(rng, (len(ROWS), 6, 8), dtype)
+    seq = np.array([s for s, _ in ROWS], np.int32)
+    lengths = np.array([n for _, n in ROWS], np.int32)
+    for device in (gpu, ref):
+        batch = bg.GpuCommandBatch(device)
+        tq = batch.upload(q)
+        args = [batch.upload(a) for a in (k_pool, v_pool, tables, seq, lengths)]
+        paged = batch.paged_attention(tq, *args, block_size=block_size, window=window)
+        assert paged_entries(batch) == (SPLIT if split else ["paged_attention"])
+        contiguous = [
+            (
+                n,
+                batch.attention(
+                    tq[n : n + 1], batch.upload(keys[s]), batch.upload(values[s]), length - 1, window=window
+                ),
+            )
+            for n, (s, length) in enumerate(ROWS)
+            if length
+        ]
+        batch.execute()
+        out = batch.read(paged)
+        for n, expected in contiguous:
+            assert_close(out[n : n + 1], batch.read(expected), dtype, scale=10)
+        expected = attention_rows_float64(q, keys, values, seq, lengths, window=window)
         assert_close(out, expected.astype(dtype), dtype, scale=10)
 
 

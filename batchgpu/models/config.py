@@ -1,7 +1,7 @@
-"""The shape of a Llama-family decoder (Llama 1-3, SmolLM2, Mistral, Qwen2 / 2.5 / 3) as one dataclass, read
-from a GGUF file's metadata or a Hugging Face ``config.json``, and the RoPE frequency scalings they use.
-Anything the decoder cannot compute (YaRN, partial rotary, a window shorter than the context asked for) is
-refused by name rather than run with wrong numbers."""
+"""The shape of a Llama-family decoder (Llama 1-3, SmolLM2, Mistral, Qwen2 / 2.5 / 3, Gemma 3) as one
+dataclass, read from a GGUF file's metadata or a Hugging Face ``config.json``, and the RoPE frequency scalings
+they use. Anything the decoder cannot compute (YaRN, partial rotary, logit soft-capping) is refused by name
+rather than run with wrong numbers."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from .fields import INT32_MAX, REQUIRED, Fields
 from .files import describe
 from .gguf_reader import GGUFFile
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 """GGUF ``general.architecture`` values this decoder runs: Llama (and the Llama-layout SmolLM2 and
-Mistral), Qwen2 / Qwen2.5 (q/k/v biases) and Qwen3 (q/k RMS norms, an explicit head size)."""
+Mistral), Qwen2 / Qwen2.5 (q/k/v biases), Qwen3 (q/k RMS norms, an explicit head size) and Gemma 3
+(sliding-window layers interleaved with global ones, post-norms, GeGLU)."""
 
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 """Hugging Face ``model_type`` -> the architecture whose tensor names and conventions it shares."""
@@ -28,6 +29,31 @@ PERMUTED_ARCHITECTURES = ("llama",)
 """Architectures whose q/k rows llama.cpp's converter permutes for interleaved RoPE (undone when a GGUF is
 read: the kernels rotate halves, as transformers does); Qwen's are stored as they are, and Hugging Face
 checkpoints never are."""
+
+
+@dataclass(frozen=True)
+class SlidingLayout:
+    """Which layers of an architecture's GGUF files attend through the sliding window, and their RoPE:
+    llama.cpp fixes these per architecture rather than reading them from the file."""
+
+    global_every: int
+    """Every ``global_every``-th layer (``layer % global_every == global_every - 1``) attends to all positions,
+    the others through the window (llama.cpp's ``set_swa_pattern``)."""
+    local_theta: float
+    """The RoPE base of the windowed layers (``<arch>.rope.freq_base_swa`` where the file has it); they
+    are never frequency-scaled (llama.cpp's ``rope_freq_scale_train_swa`` 1)."""
+    wide_scale_layers: int = 0
+    """A model of this many layers scales its queries by 1 / sqrt(hidden / heads) rather than 1 / sqrt(head
+    size) (llama.cpp's Gemma 3 27B, whose ``query_pre_attn_scalar`` is hidden / heads; not in the file)."""
+
+
+SLIDING_LAYOUTS = {"gemma3": SlidingLayout(global_every=6, local_theta=10000.0, wide_scale_layers=62)}
+"""GGUF architecture -> its interleaving of windowed and global layers; an architecture not listed applies
+a file's window (``attention.sliding_window``) to every layer (Mistral)."""
+
+UNSUPPORTED_KEYS = ("final_logit_softcapping", "attn_logit_softcapping")
+"""GGUF metadata keys (after ``<arch>.``) naming computations this decoder lacks: a file setting one is
+refused (Gemma 2's logit soft-capping; Gemma 3 has none)."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +70,10 @@ class LlamaConfig:
     architecture: str = "llama"  # the GGUF's general.architecture: its metadata keys' prefix
     head_size: int = 0  # the attention head size where the file gives one (0: hidden // heads)
     rope_factors: tuple[float, ...] | None = None  # per rotation pair, its frequency is divided by this
-    sliding_window: int = 0  # attention sees at most this many positions back (0: all)
+    sliding_window: int = 0  # a windowed layer's query sees its own and the previous window - 1 positions
+    sliding_layers: tuple[bool, ...] = ()  # per layer, whether it is windowed (empty: all, where a window is set)
+    local_theta: float = 0.0  # the RoPE base of windowed layers, which are not frequency-scaled (0: theta, scaled)
+    query_scale: float = 0.0  # the attention scale (0: 1 / sqrt(head_dim))
 
     @property
     def head_dim(self) -> int:
@@ -55,14 +84,18 @@ class LlamaConfig:
         """Whether llama.cpp's converter permuted this architecture's q/k rows (for interleaved RoPE)."""
         return self.architecture in PERMUTED_ARCHITECTURES
 
-    def check_context(self, max_context: int, what: str) -> None:
-        """BatchError when a sliding window would hide positions a ``max_context`` sequence attends to
-        (the decoder attends to every position; a window of at least ``max_context`` changes nothing)."""
-        if self.sliding_window and self.sliding_window < max_context:
-            raise BatchError(
-                f"{what}: sliding-window attention ({self.sliding_window} positions) is not supported; "
-                f"max_context {max_context} must be at most the window"
-            )
+    def window(self, layer: int) -> int:
+        """The sliding window of ``layer`` (positions a query sees, its own included; 0: all)."""
+        if not self.sliding_window or (self.sliding_layers and not self.sliding_layers[layer]):
+            return 0
+        return self.sliding_window
+
+    def rope(self, layer: int) -> dict[str, Any]:
+        """The ``theta`` and ``factors`` keywords of ``rope`` / ``rope_kv_write`` for ``layer``: windowed
+        layers of an architecture with a local RoPE base use it unscaled."""
+        if self.local_theta and self.window(layer):
+            return {"theta": self.local_theta, "factors": None}
+        return {"theta": self.theta, "factors": self.rope_factors}
 
     @classmethod
     def from_gguf(cls, file: GGUFFile) -> LlamaConfig:
@@ -75,6 +108,9 @@ class LlamaConfig:
                 f"supported: {', '.join(ARCHITECTURES)}"
             )
         metadata = fields.under(f"{architecture}.")
+        for key in UNSUPPORTED_KEYS:
+            if metadata.has(key):
+                raise BatchError(f"{file.source}: {metadata.name(key)} (logit soft-capping) is not supported")
         embedding = file.tensors.get("token_embd.weight")
         sizes = read_sizes(metadata, "gguf", {"vocab": embedding.shape[0] if embedding else REQUIRED})
         head_size = sizes["head_size"]
@@ -102,6 +138,7 @@ class LlamaConfig:
             theta=metadata.number("rope.freq_base", 10000.0, positive=True),
             architecture=architecture,
             rope_factors=factors,
+            **gguf_sliding(metadata, architecture, sizes),
         )
 
     @classmethod
@@ -126,11 +163,8 @@ class LlamaConfig:
             fields.mapping("rope_parameters") or fields.mapping("rope_scaling") or Fields({}, source, "rope_scaling.")
         )
         theta = rope.number("rope_theta", fields.number("rope_theta", 10000.0, positive=True), positive=True)
-        layer_types = fields.texts("layer_types", [])
-        if not fields.flag("use_sliding_window", True) and "sliding_attention" not in layer_types:
-            sizes["sliding_window"] = 0  # Qwen2/3 carry a window they do not use
         return cls(
-            **sizes,
+            **hf_sliding(fields, sizes),
             eps=fields.number("rms_norm_eps", 1e-6, positive=True),
             theta=theta,
             architecture=HF_MODEL_TYPES[model_type],
@@ -192,6 +226,40 @@ def read_sizes(fields: Fields, source: str, defaults: Mapping[str, Any]) -> dict
         raise fields.refuse(key("kv_heads"), f"a divisor of {fields.name(key('heads'))} {heads}", sizes["kv_heads"])
     if sizes["head_size"] % 2:
         raise fields.refuse(key("head_size"), "even (RoPE rotates pairs)", sizes["head_size"])
+    return sizes
+
+
+def gguf_sliding(metadata: Fields, architecture: str, sizes: dict[str, int]) -> dict[str, Any]:
+    """The sliding-window fields of a GGUF config beyond the window itself: the windowed layers, their RoPE
+    base (:data:`SLIDING_LAYOUTS`) and the attention scale, as llama.cpp reads them."""
+    layout = SLIDING_LAYOUTS.get(architecture)
+    if layout is None:
+        return {}
+    every = layout.global_every
+    scale = (sizes["heads"] / sizes["hidden"]) ** 0.5 if sizes["layers"] == layout.wide_scale_layers else 0.0
+    return dict(
+        sliding_layers=tuple(layer % every < every - 1 for layer in range(sizes["layers"])),
+        local_theta=metadata.number("rope.freq_base_swa", layout.local_theta, positive=True),
+        query_scale=scale,
+    )
+
+
+def hf_sliding(fields: Fields, sizes: dict[str, int]) -> dict[str, Any]:
+    """``sizes`` with the sliding-window fields of a ``config.json``: the windowed layers from
+    ``layer_types``, or transformers' Qwen2 rule (layers from ``max_window_layers`` on, where
+    ``use_sliding_window``); no window where the model does not use it (Qwen2/3 carry one they do not)."""
+    layers = sizes["layers"]
+    layer_types = fields.texts("layer_types", None)
+    if layer_types is not None:
+        if len(layer_types) != layers:
+            raise fields.refuse("layer_types", f"an array of one type per layer ({layers})", layer_types)
+        windowed = tuple(kind == "sliding_attention" for kind in layer_types)
+        return dict(sizes, sliding_layers=windowed, sliding_window=sizes["sliding_window"] if any(windowed) else 0)
+    if not fields.flag("use_sliding_window", True):
+        return dict(sizes, sliding_window=0)
+    if fields.has("max_window_layers"):
+        first = fields.integer("max_window_layers", low=0, high=SIZES["layers"].high)
+        return dict(sizes, sliding_layers=tuple(layer >= first for layer in range(layers)))
     return sizes
 
 

@@ -18,6 +18,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..batch import GpuCommandBatch
 from ..errors import ModelFileError
 from ..scalars import Scalar
@@ -41,7 +43,13 @@ class Architecture:
     qkv_biases: Presence = Presence.NEVER
     """q/k/v projections add biases (Qwen2 always; Llama where the file has them, as llama.cpp reads it)."""
     qk_norms: Presence = Presence.NEVER
-    """q and k heads are RMS-normed before RoPE (Qwen3); q/k/v then stay three projections."""
+    """q and k heads are RMS-normed before RoPE (Qwen3, Gemma 3); q/k/v then stay three projections."""
+    post_norms: Presence = Presence.NEVER
+    """The attention's and the MLP's outputs are RMS-normed before their residual adds (Gemma 3)."""
+    activation: str = "silu"
+    """The MLP gate's activation, an elementwise op: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU, Gemma 3)."""
+    embedding_scale: bool = False
+    """Token embeddings are multiplied by sqrt(hidden) (Gemma; llama.cpp scales in f32)."""
 
     def has(self, part: str, names: Collection[str], block: str) -> bool:
         """Whether the layer ``block`` (``blk.<i>.``) of a model whose tensors are ``names`` has ``part``
@@ -56,6 +64,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(qkv_biases=Presence.OPTIONAL),  # Llama 1-3, SmolLM2, Mistral
     "qwen2": Architecture(qkv_biases=Presence.ALWAYS),  # Qwen2, Qwen2.5
     "qwen3": Architecture(qk_norms=Presence.ALWAYS),
+    "gemma3": Architecture(
+        qk_norms=Presence.ALWAYS, post_norms=Presence.ALWAYS, activation="gelu_tanh", embedding_scale=True
+    ),
 }
 """Each of :data:`~batchgpu.models.config.ARCHITECTURES` (``LlamaConfig.architecture``) -> its layer's
 differences."""
@@ -63,6 +74,7 @@ differences."""
 PART_TENSORS = {
     "qkv_biases": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
     "qk_norms": ("attn_q_norm.weight", "attn_k_norm.weight"),
+    "post_norms": ("post_attention_norm.weight", "post_ffw_norm.weight"),
 }
 """An :class:`Architecture` field -> the per-layer tensors (after ``blk.<i>.``) that hold that part."""
 
@@ -113,8 +125,9 @@ class KVLayout(Protocol):
         """Write the layer's (already rotated) keys and its values."""
         ...
 
-    def attend(self, batch: GpuCommandBatch, layer: int, q: Tensor) -> Tensor:
-        """Attention of the rotated queries (rows, heads, head_dim) over what the layer holds."""
+    def attend(self, batch: GpuCommandBatch, layer: int, q: Tensor, **attention: Any) -> Tensor:
+        """Attention of the rotated queries (rows, heads, head_dim) over what the layer holds, with the
+        ``window`` and ``scale`` keywords of the attention ops (:func:`attention_settings`)."""
         ...
 
 
@@ -139,9 +152,9 @@ class ContiguousKV:
         batch.kv_write(keys, k, self.pos)
         batch.kv_write(values, v, self.pos)
 
-    def attend(self, batch: GpuCommandBatch, layer: int, q: Tensor) -> Tensor:
+    def attend(self, batch: GpuCommandBatch, layer: int, q: Tensor, **attention: Any) -> Tensor:
         keys, values = self.caches[layer]
-        return batch.attention(q, keys, values, self.pos)
+        return batch.attention(q, keys, values, self.pos, **attention)
 
 
 @dataclass(frozen=True)
@@ -169,7 +182,7 @@ class PagedKV:
         batch.scatter_rows(keys, self.rows, k)
         batch.scatter_rows(values, self.rows, v)
 
-    def attend(self, batch: GpuCommandBatch, layer: int, q: Tensor) -> Tensor:
+    def attend(self, batch: GpuCommandBatch, layer: int, q: Tensor, **attention: Any) -> Tensor:
         return batch.paged_attention(
             q,
             self.keys[layer],
@@ -178,6 +191,7 @@ class PagedKV:
             self.seq,
             self.lengths,
             block_size=self.block_size,
+            **attention,
         )
 
 
@@ -190,17 +204,30 @@ def record_decoder(
     """Record the decoder over the token ``ids`` (rows,): embedding, every layer (keys and values written
     through ``kv``), the final norm. Returns the normed hidden states (rows, hidden). Each residual add is
     fused into the norm after it (``add_rms_norm``)."""
-    w = weights
+    w, row = weights, architecture(config)
     h = batch.embedding(ids, w["token_embd.weight"])
+    if row.embedding_scale:
+        h = batch.mul(h, float(np.float32(config.hidden**0.5)))
     normed = batch.rms_norm(h, w["blk.0.attn_norm.weight"], config.eps)
     for layer in range(config.layers):
         block = f"blk.{layer}."
         attended = record_attention(batch, config, w, layer, normed, kv)
+        attended = post_norm(batch, config, w, block, "post_attention_norm.weight", attended)
         normed, h = batch.add_rms_norm(attended, h, w[block + "ffn_norm.weight"], config.eps)
-        ffn = feed_forward(batch, normed, w, block)
+        ffn = post_norm(batch, config, w, block, "post_ffw_norm.weight", feed_forward(batch, config, normed, w, block))
         after = f"blk.{layer + 1}.attn_norm.weight" if layer + 1 < config.layers else "output_norm.weight"
         normed, h = batch.add_rms_norm(ffn, h, w[after], config.eps)
     return normed
+
+
+def post_norm(
+    batch: GpuCommandBatch, config: LlamaConfig, w: dict[str, Tensor], block: str, name: str, x: Tensor
+) -> Tensor:
+    """``x`` RMS-normed by ``w[block + name]`` where the layer ``block`` norms its sublayers' outputs
+    (:attr:`Architecture.post_norms`), else ``x``."""
+    if not architecture(config).has("post_norms", w, block):
+        return x
+    return batch.rms_norm(x, w[block + name], config.eps)
 
 
 def record_logits(batch: GpuCommandBatch, weights: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -216,7 +243,7 @@ def record_attention(
     """The layer's attention over the normed ``x`` (rows, hidden), through its output projection: q/k/v
     one GEMV and RoPE with both KV writes one kernel where the weights are joined, else the separate ops."""
     w, block, rows = weights, f"blk.{layer}.", x.shape[0]
-    rope = rope_settings(config)
+    rope = config.rope(layer)
     if block + "attn_qkv.weight" in w:
         width = (rows, config.heads + 2 * config.kv_heads, config.head_dim)
         q = kv.rope_write(batch, layer, batch.reshape(linear(batch, x, w, block + "attn_qkv.weight"), width), rope)
@@ -224,7 +251,9 @@ def record_attention(
         q, k, v = project_heads(batch, x, w, block, config, rows)
         q = batch.rope(q, kv.positions, **rope)
         kv.write_kv(batch, layer, batch.rope(k, kv.positions, **rope), v)
-    attended = batch.reshape(kv.attend(batch, layer, q), (rows, config.heads * config.head_dim))
+    attended = batch.reshape(
+        kv.attend(batch, layer, q, **attention_settings(config, layer)), (rows, config.heads * config.head_dim)
+    )
     return batch.matmul(attended, w[block + "attn_output.weight"], transpose_b=True)
 
 
@@ -234,9 +263,9 @@ def linear(batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], name: str) -
     return batch.matmul(x, w[name], transpose_b=True, bias=w.get(name.removesuffix("weight") + "bias"))
 
 
-def rope_settings(config: LlamaConfig) -> dict[str, Any]:
-    """The ``theta`` and ``factors`` keywords of ``rope`` / ``rope_kv_write`` for the model."""
-    return {"theta": config.theta, "factors": config.rope_factors}
+def attention_settings(config: LlamaConfig, layer: int) -> dict[str, Any]:
+    """The ``window`` and ``scale`` keywords of ``attention`` / ``paged_attention`` for ``layer``."""
+    return {"window": config.window(layer), "scale": config.query_scale or None}
 
 
 def project_heads(
@@ -255,13 +284,16 @@ def project_heads(
     return q, k, project("attn_v.weight", config.kv_heads)
 
 
-def feed_forward(batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], block: str) -> Tensor:
-    """The layer's MLP, (silu(x @ gate.T) * (x @ up.T)) @ down.T: gate and up one GEMV with the swiglu
-    epilogue where the weights are joined (interleaved rows), else two GEMVs and ``silu_mul``."""
+def feed_forward(batch: GpuCommandBatch, config: LlamaConfig, x: Tensor, w: dict[str, Tensor], block: str) -> Tensor:
+    """The layer's MLP, (act(x @ gate.T) * (x @ up.T)) @ down.T (:attr:`Architecture.activation`): gate and
+    up one GEMV with the swiglu epilogue where the weights are joined (interleaved rows; SwiGLU only), else
+    two GEMVs and ``silu_mul`` (or the activation, then ``mul``)."""
+    activation = architecture(config).activation
     if block + "ffn_gate_up.weight" in w:
         hidden = batch.matmul(x, w[block + "ffn_gate_up.weight"], transpose_b=True, epilogue="swiglu")
     else:
         gate = batch.matmul(x, w[block + "ffn_gate.weight"], transpose_b=True)
         up = batch.matmul(x, w[block + "ffn_up.weight"], transpose_b=True)
-        hidden = batch.silu_mul(gate, up)
+        silu = activation == "silu"
+        hidden = batch.silu_mul(gate, up) if silu else batch.mul(getattr(batch, activation)(gate), up)
     return batch.matmul(hidden, w[block + "ffn_down.weight"], transpose_b=True)

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 1-3, SmolLM2, Mistral, Qwen2/2.5/3; default SmolLM2-135M-Instruct from its
+"""A Llama-family decoder (Llama 1-3, SmolLM2, Mistral, Qwen2/2.5/3, Gemma 3; default SmolLM2-135M-Instruct from its
 GGUF file) on batchgpu, from a GGUF file or a Hugging Face directory (batchgpu/models/weights.py).
 
 Weights are uploaded once as resident tensors (blocks of any format of batchgpu/quant.py, kept
@@ -147,7 +147,8 @@ def _upload(
 
 def _fused_groups(weights: Weights) -> list[FusedGroup]:
     """Per layer, the joined weights whose parts all exist with one block format and row length; a joined
-    bias only beside its joined weight; no joined q/k/v where q and k are normed before RoPE (Qwen3)."""
+    bias only beside its joined weight; no joined q/k/v where q and k are normed before RoPE (Qwen3, Gemma 3),
+    no joined gate/up for an MLP other than SwiGLU (Gemma 3's GeGLU)."""
     present = set(weights.names())
     row = architecture(weights.config)
     groups = []
@@ -162,6 +163,8 @@ def _fused_groups(weights: Weights) -> list[FusedGroup]:
                 continue
             if fused.startswith("attn_qkv") and row.has("qk_norms", present, block):
                 continue
+            if fused.startswith("ffn_gate_up") and row.activation != "silu":
+                continue  # the swiglu epilogue is SwiGLU's
             if len({(qtype, shape[1:]) for qtype, shape in map(weights.layout, parts)}) == 1:
                 groups.append(FusedGroup(block + fused, parts, interleaved))
                 joined.add(fused)
@@ -201,7 +204,6 @@ def load_model(
         trained = config.context or max_context
         if not 1 <= max_context <= trained:
             raise BatchError(f"{what}: max_context must be in [1, {trained}] (the model's trained length)")
-        config.check_context(max_context, what)
         return config, codec, upload_weights(device, weights, quantized=quantized, fuse=fuse, stages=stages)
 
 
@@ -240,7 +242,6 @@ class Llama:
         with loading(path, progress) as stages:  # one display from before the file is read; it stays
             self.weights = open_weights(path)
             self.config = self.weights.config
-            self.config.check_context(max_context, "Llama")
             self.params = upload_weights(
                 device, self.weights, quantized=quantized, fuse=fuse, progress=progress, stages=stages
             )

@@ -41,12 +41,14 @@ LAYER_TENSORS: dict[str, tuple[tuple[str, ...], bool]] = {
     "attn_v.bias": (("kv_rows",), False),
     "attn_q_norm.weight": (("head_dim",), False),
     "attn_k_norm.weight": (("head_dim",), False),
+    "post_attention_norm.weight": (("hidden",), False),
+    "post_ffw_norm.weight": (("hidden",), False),
 }
 """Every tensor the decoder computes with, per model and per layer (``blk.<i>.``): its shape in the
 config's terms and whether every model has it (``rope_freqs``: the config's RoPE factors). A file holding
 others (biases elsewhere, layers past the config's count) is refused rather than run without them."""
-PAIRED = ("attn_q_norm.weight", "attn_k_norm.weight")
-"""Per-layer tensors a layer has all of or none of."""
+PAIRED = (("attn_q_norm.weight", "attn_k_norm.weight"), ("post_attention_norm.weight", "post_ffw_norm.weight"))
+"""Per-layer tensors a layer has all of or none of, in sets."""
 
 Raw = tuple[np.ndarray, "str | None", tuple[int, ...]]
 
@@ -109,10 +111,10 @@ def check_tensors(
             raise ModelFileError(
                 f"{describe(name)} must have the shape the config implies, ({terms}) = {shape}, got {shapes[name]}"
             )
-    for layer in range(config.layers):
-        present = [f"blk.{layer}.{name}" for name in PAIRED if f"blk.{layer}.{name}" in shapes]
-        if present and len(present) != len(PAIRED):
-            missing = next(f"blk.{layer}.{name}" for name in PAIRED if f"blk.{layer}.{name}" not in shapes)
+    for layer, paired in ((layer, paired) for layer in range(config.layers) for paired in PAIRED):
+        present = [f"blk.{layer}.{name}" for name in paired if f"blk.{layer}.{name}" in shapes]
+        if present and len(present) != len(paired):
+            missing = next(f"blk.{layer}.{name}" for name in paired if f"blk.{layer}.{name}" not in shapes)
             raise ModelFileError(f"{describe(present[0])} comes without tensor {missing!r}")
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import FLOAT32, INT32
-from ..errors import BatchError, DTypeError, LimitError, ShapeError
+from ..errors import ArgumentError, BatchError, DTypeError, LimitError, ShapeError
 from ..kernels import Launch, wgsl_aliases
 from ..scalars import Scalar, operand
 from ..tensor import Storage, Tensor
@@ -26,6 +26,7 @@ FAMILY = interface.ATTENTION
 ATTENTION_WORKGROUP = FAMILY.value("WG")
 F32_MAX = float(np.finfo(np.float32).max)
 U32_MAX = 2**32 - 1
+I32_MAX = 2**31 - 1
 
 
 def _position(op: str, pos: Any) -> None:
@@ -69,6 +70,7 @@ def family_params(
     block_size: int = 0,
     max_blocks: int = 0,
     sequences: int = 0,
+    window: int = 0,
 ) -> dict[str, Any]:
     """The attention family's ``Params`` by name (``pos``: a Scalar or an int)."""
     pos_slot, pos_literal = operand(pos)
@@ -88,6 +90,7 @@ def family_params(
         block_size=block_size,
         max_blocks=max_blocks,
         sequences=sequences,
+        window=window,
     )
 
 
@@ -430,6 +433,13 @@ def check_heads(op: str, q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str,
         )
 
 
+def check_window(op: str, params: dict[str, Any]) -> None:
+    """ArgumentError unless the ``window`` param is an int in [0, 2**31) (0: no window)."""
+    window = params.get("window", 0)
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)) or not 0 <= window <= I32_MAX:
+        raise ArgumentError(f"{op}: window must be an int in [0, 2**31) (0: no window), got {window!r}")
+
+
 def check_scale(op: str, params: dict[str, Any]) -> None:
     """BatchError unless the ``scale`` param is None or a finite f32."""
     scale = params.get("scale")
@@ -443,6 +453,11 @@ def _attention_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[
     check_dtype("attention", "float", q, "q")
     check_heads("attention", q, k, v, ("q", "k_cache", "v_cache"))
     check_scale("attention", params)
+    check_window("attention", params)
+    if params.get("window") and not params.get("causal", True):
+        raise ArgumentError(
+            f"attention: a window ({params['window']}) needs causal=True (it counts back from each query)"
+        )
     pos = params["pos"]
     _position("attention", pos)
     tokens, rows = q.shape[0], k.shape[0]
@@ -464,7 +479,10 @@ def _attention_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np
     v = np.repeat(v_cache[:length], group, axis=1)
     scores = np.einsum("thd,shd->hts", q, k) * np.float32(attention_scale(params, head_dim))
     if params.get("causal", True):
-        allowed = np.arange(length)[None, :] <= (pos + np.arange(tokens))[:, None]
+        query = (pos + np.arange(tokens))[:, None]
+        allowed = np.arange(length)[None, :] <= query
+        if params.get("window"):
+            allowed &= np.arange(length)[None, :] > query - params["window"]
         scores = np.where(allowed[None], scores, -np.inf)
     scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
     weights = scores / scores.sum(axis=-1, keepdims=True)
@@ -542,7 +560,8 @@ def _attention_params(node: Node, **split: int) -> dict[str, Any]:
     tokens, heads, head_dim = q.shape
     cache_len, kv_heads, _ = k.shape
     pos, causal, scale = node.params["pos"], node.params["causal"], attention_scale(node.params, head_dim)
-    return family_params(tokens, heads, kv_heads, head_dim, cache_len, pos, causal, scale, **split)
+    window = node.params.get("window", 0)
+    return family_params(tokens, heads, kv_heads, head_dim, cache_len, pos, causal, scale, window=window, **split)
 
 
 ROWS_SHARED = FAMILY.value("ROWS_SHARED")
@@ -590,7 +609,8 @@ ATTENTION = OpSpec(
     reference=_attention_reference,
     lower=_attention_lower,
     dtypes="float",
-    doc="softmax(q k^T / sqrt(d) + causal mask at pos) v over cache rows [0, pos + T); grouped-query heads",
+    doc="softmax(q k^T / sqrt(d) + causal mask at pos) v over cache rows [0, pos + T); grouped-query heads; "
+    "with a window, query t sees rows (pos + t - window, pos + t]",
 )
 
 SPECS: list[OpSpec] = [ROPE, KV_WRITE, ROPE_KV_WRITE, ATTENTION]

@@ -19,6 +19,12 @@ from __future__ import annotations
 LOOP_BUDGET = 16384
 """Loop iterations one invocation of a built-in kernel may run in total (llvmpipe stops at 65,535)."""
 
+WHOLE_ROW_BUDGET = 2 * LOOP_BUDGET
+"""Loop iterations of one invocation of a kernel that keeps a whole row in one workgroup and runs several
+passes over it (``sample``, ``logprobs``: their selection state lives in workgroup memory, so a row is not
+cut into pieces): twice :data:`LOOP_BUDGET`, still a 2x margin under llvmpipe's 65,535, which lets one
+workgroup take Gemma 3's 262,144-token rows."""
+
 ROW_CHUNK = 256 * 256
 """Elements of a row one 256-invocation workgroup handles in one pass (256 iterations per loop);
 longer rows take extra passes over per-chunk partial results (reductions, softmax, norms, argmax)."""

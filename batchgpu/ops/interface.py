@@ -568,6 +568,7 @@ ATTENTION = Family(
         Field("block_size", note="paged attention: pool rows per block"),
         Field("max_blocks", note="paged attention: block-table columns"),
         Field("sequences", note="paged attention: block-table rows"),
+        Field("window", note="attention: positions a query sees, its own included (0: all)"),
     ),
     constants=(
         override("SMAX", 1, runtime=True, note="scores' length: cache rows one workgroup takes"),

@@ -21,6 +21,7 @@ from .attention import (
     attention_scale,
     check_heads,
     check_scale,
+    check_window,
     family_launch,
     family_params,
     index_vector,
@@ -103,6 +104,7 @@ def _paged_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tupl
     same_dtype(op, (k, v), ("k_pool", "v_pool"))
     check_heads(op, q, k, v, ("q", "k_pool", "v_pool"))
     check_scale(op, params)
+    check_window(op, params)
     if tables.dtype != INT32:
         raise DTypeError(f"{op}: block_tables {tables.describe()} must be int32, got {tables.dtype.name}")
     if tables.ndim != 2:
@@ -121,11 +123,12 @@ def _paged_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tupl
     return q.shape, q.dtype
 
 
-def pool_rows(table: np.ndarray, length: int, block_size: int, pool: int) -> np.ndarray:
-    """The pool rows of a sequence's positions [0, length) (clamped to its block table) whose block is in a
-    pool of ``pool`` rows, in position order: the rows a query of that length attends over."""
+def pool_rows(table: np.ndarray, length: int, block_size: int, pool: int, window: int = 0) -> np.ndarray:
+    """The pool rows of a sequence's positions [0, length) (clamped to its block table; with a ``window``,
+    the last ``window`` of them) whose block is in a pool of ``pool`` rows, in position order: the rows a
+    query of that length attends over."""
     count = min(max(int(length), 0), table.shape[0] * block_size)
-    positions = np.arange(count, dtype=np.int64)
+    positions = np.arange(max(count - window, 0) if window else 0, count, dtype=np.int64)
     rows = table[positions // block_size].astype(np.int64) * block_size + positions % block_size
     return rows[(table[positions // block_size] >= 0) & (rows < pool)]
 
@@ -140,7 +143,9 @@ def _paged_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.nda
     scale = float(np.float32(attention_scale(params, head_dim)))  # the kernels scale in f32
     valid = (seq >= 0) & (seq < tables.shape[0])
     rows = [
-        pool_rows(tables[seq[n]], lengths[n], params["block_size"], pool) if valid[n] else _NO_ROWS
+        pool_rows(tables[seq[n]], lengths[n], params["block_size"], pool, params.get("window", 0))
+        if valid[n]
+        else _NO_ROWS
         for n in range(tokens)
     ]
     out = np.zeros(q.shape, np.float64)
@@ -216,6 +221,7 @@ def _paged_params(node: Node, **split: int) -> dict[str, Any]:
         block_size=node.params["block_size"],
         max_blocks=max_blocks,
         sequences=sequences,
+        window=node.params.get("window", 0),
         **split,
     )
 
@@ -228,7 +234,7 @@ PAGED_ATTENTION = OpSpec(
     dtypes="float",
     literal_operands=False,
     doc="grouped-query attention of each row n of q over positions [0, lengths[n]) of sequence seq[n], stored in "
-    "pool rows through its block table",
+    "pool rows through its block table; with a window, over its last window of them",
 )
 
 SPECS: list[OpSpec] = [SCATTER_ROWS, PAGED_ATTENTION]

@@ -72,13 +72,14 @@ OTHER_LOOPS = 1536
 and per search pass 16 (zeroing its mass buckets, where that is a loop), 16 (merging them into the
 workgroup's) and 2 x 16 (invocation 0 sums and picks the buckets): 1,040 in all."""
 
-MAX_VOCAB = WORKGROUP * ((bounds.LOOP_BUDGET - OTHER_LOOPS) // ROW_PASSES)
-"""The longest row ``sample`` takes (210,944 with the 16,384-iteration budget): one workgroup per row
-stays within ``bounds.LOOP_BUDGET``. Computed once from the budget: the sampler never cuts rows into
-pieces, so tests that shrink the bounds to reach chunked paths leave it as it is."""
-
 MASK_WORDS = SAMPLING.value("MASK_WORDS")
-assert 32 * MASK_WORDS * WORKGROUP >= MAX_VOCAB, "sample_masked keeps one allowed bit per element an invocation reads"
+"""``sample_masked``: words of allowed bits an invocation keeps, one bit per element it reads."""
+
+MAX_VOCAB = min(WORKGROUP * ((bounds.WHOLE_ROW_BUDGET - OTHER_LOOPS) // ROW_PASSES), 32 * MASK_WORDS * WORKGROUP)
+"""The longest row ``sample`` takes (262,144, Gemma 3's vocabulary: the allowed bits ``sample_masked``
+keeps; the 32,768-iteration budget alone would allow 444,160): one workgroup per row stays within
+``bounds.WHOLE_ROW_BUDGET``. Computed once from the budget: the sampler never cuts rows into pieces, so
+tests that shrink the bounds to reach chunked paths leave it as it is."""
 
 WORKGROUP_BYTES = 4 * (2 * WORKGROUP + 3 * BINS + 3)
 """``sample``'s workgroup memory: the (value, index) tree, the key counts and the masses (two words) of the
@@ -90,11 +91,11 @@ MAX_TOP = SAMPLING.value("MAX_TOP")
 LOGPROB_WIDTH = SAMPLING.value("LOGPROB_WIDTH")
 assert LOGPROB_WIDTH == 1 + 2 * MAX_TOP
 
-MAX_LOGPROB_VOCAB = WORKGROUP * ((bounds.LOOP_BUDGET - OTHER_LOOPS) // (MAX_TOP + 1))
-"""The longest row ``logprobs`` takes (178,688 with the 16,384-iteration budget, past Llama 3's and Qwen's
-vocabularies): one workgroup per row runs a pass for the maximum (the first top id), one for the sum of
+MAX_LOGPROB_VOCAB = WORKGROUP * ((bounds.WHOLE_ROW_BUDGET - OTHER_LOOPS) // (MAX_TOP + 1))
+"""The longest row ``logprobs`` takes (380,672 with the 32,768-iteration budget, past Gemma 3's, Llama 3's
+and Qwen's vocabularies): one workgroup per row runs a pass for the maximum (the first top id), one for the sum of
 exponentials and one per further top id, each ceil(V / WG) iterations of one loop per invocation, within
-``bounds.LOOP_BUDGET``; its (value, index) tree and sum tree stay under ``OTHER_LOOPS``. Computed once from
+``bounds.WHOLE_ROW_BUDGET``; its (value, index) tree and sum tree stay under ``OTHER_LOOPS``. Computed once from
 the budget, like :data:`MAX_VOCAB`."""
 
 F32_ONE_THIRD, F32_ONE_SIXTH = np.float32(1 / 3), np.float32(1 / 6)

@@ -147,6 +147,12 @@ __device__ __forceinline__ unsigned visible_rows(const Params& p, const unsigned
     return p.causal != 0u ? bg_min(start + t + 1u, p.cache_len) : bg_min(start + p.tokens, p.cache_len);
 }
 
+// The first row (position) a query seeing up to `end` (exclusive) sees: end - window with a sliding window
+// (p.window > 0, causal), else 0.
+__device__ __forceinline__ unsigned window_start(const Params& p, unsigned end) {
+    return p.window == 0u || end <= p.window ? 0u : end - p.window;
+}
+
 // Offset of item (token * heads + head)'s kv head within a cache row.
 __device__ __forceinline__ unsigned kv_offset(const Params& p, unsigned item) {
     return (item % p.heads) / (p.heads / p.kv_heads) * p.head_dim;
@@ -220,10 +226,11 @@ extern "C" __global__ void attention(BG_ARGS) {
     bool valid = item < p.tokens * p.heads;
     unsigned it = bg_min(item, p.tokens * p.heads - 1u);
     unsigned count = visible_rows(p, scalars, it / p.heads);
-    RowStats stats = softmax_rows(src, keys, p, scores, q_row, partial, lid, it, 0u, count);
+    unsigned start = window_start(p, count);
+    RowStats stats = softmax_rows(src, keys, p, scores, q_row, partial, lid, it, start, count);
     if (!valid) return;
     for (unsigned d = lid; d < p.head_dim; d += WG) {
-        dst[it * p.head_dim + d] = CVT(A, weighted_values(values, p, scores, it, 0u, count, d) / stats.total);
+        dst[it * p.head_dim + d] = CVT(A, weighted_values(values, p, scores, it, start, count, d) / stats.total);
     }
 }
 
@@ -238,8 +245,10 @@ extern "C" __global__ void attention_partial(BG_ARGS) {
     bool valid = block < blocks;
     unsigned b = bg_min(block, blocks - 1u);
     unsigned it = b / p.splits;
-    unsigned first = (b % p.splits) * p.split_rows;
-    unsigned last = bg_min(bg_max(visible_rows(p, scalars, it / p.heads), first), first + p.split_rows);
+    unsigned visible = visible_rows(p, scalars, it / p.heads);
+    unsigned block_first = (b % p.splits) * p.split_rows;
+    unsigned last = bg_min(bg_max(visible, block_first), block_first + p.split_rows);
+    unsigned first = bg_min(bg_max(window_start(p, visible), block_first), last);
     RowStats stats = softmax_rows(src, keys, p, scores, q_row, partial, lid, it, first, last);
     if (!valid) return;
     unsigned base = b * (p.head_dim + PARTIAL_HEADER);
@@ -378,12 +387,13 @@ extern "C" __global__ void paged_attention(BG_ARGS) {
     bool valid = item < p.tokens * p.heads;
     unsigned it = bg_min(item, p.tokens * p.heads - 1u);
     PagedSpan span = paged_span(indices, lengths, p, it / p.heads);
-    RowStats stats = paged_softmax(src, keys, block_tables, p, scores, q_row, partial, lid, it, span.table_row, 0u,
+    unsigned start = window_start(p, span.count);
+    RowStats stats = paged_softmax(src, keys, block_tables, p, scores, q_row, partial, lid, it, span.table_row, start,
                                    span.count);
     if (!valid) return;
     float total = span.count == 0u ? 1.0f : stats.total;
     for (unsigned d = lid; d < p.head_dim; d += WG) {
-        float acc = paged_weighted_values(values, block_tables, p, scores, it, span.table_row, 0u, span.count, d);
+        float acc = paged_weighted_values(values, block_tables, p, scores, it, span.table_row, start, span.count, d);
         dst[it * p.head_dim + d] = CVT(A, acc / total);
     }
 }
@@ -400,8 +410,9 @@ extern "C" __global__ void paged_attention_partial(BG_ARGS) {
     unsigned b = bg_min(block, blocks - 1u);
     unsigned it = b / p.splits;
     PagedSpan span = paged_span(indices, lengths, p, it / p.heads);
-    unsigned first = (b % p.splits) * p.split_rows;
-    unsigned last = bg_min(bg_max(span.count, first), first + p.split_rows);
+    unsigned block_first = (b % p.splits) * p.split_rows;
+    unsigned last = bg_min(bg_max(span.count, block_first), block_first + p.split_rows);
+    unsigned first = bg_min(bg_max(window_start(p, span.count), block_first), last);
     RowStats stats = paged_softmax(src, keys, block_tables, p, scores, q_row, partial, lid, it, span.table_row, first,
                                    last);
     if (!valid) return;

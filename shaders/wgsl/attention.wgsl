@@ -7,7 +7,8 @@
 // rope_kv_scatter: the same at positions indices[t], into rows rows[t] (a paged pool);
 // scatter_rows: dst[indices[i]] = src[i] for rows of kv_heads * head_dim elements, rows outside
 //            [0, cache_len) skipped, in place.
-// attention: softmax(q . k^T * scale + causal mask) . v over cache rows [0, pos + t], grouped-query
+// attention: softmax(q . k^T * scale + causal mask) . v over cache rows [0, pos + t] (with a sliding
+//            window, p.window > 0: rows (pos + t - window, pos + t]), grouped-query
 //            heads (head h reads kv head h / (heads / kv_heads)); one workgroup per (token, head),
 //            scores kept in workgroup memory (SMAX = cache length: caches up to one block of rows).
 // Longer caches, flash-decoding style, over f32 partials (max score, sum of exp, head_dim exp-weighted
@@ -168,6 +169,13 @@ fn visible_rows(t: u32) -> u32 {
     return min(position() + p.tokens, p.cache_len);
 }
 
+// The first row (position) a query seeing up to `end` (exclusive) sees: end - window with a sliding window
+// (p.window > 0, causal), else 0.
+fn window_start(end: u32) -> u32 {
+    if p.window == 0u || end <= p.window { return 0u; }
+    return end - p.window;
+}
+
 // Offset of item (token * heads + head)'s kv head within a cache row.
 fn kv_offset(item: u32) -> u32 {
     return (item % p.heads) / (p.heads / p.kv_heads) * p.head_dim;
@@ -237,10 +245,11 @@ fn attention(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id
     let valid = item < p.tokens * p.heads;
     let it = min(item, p.tokens * p.heads - 1u);
     let count = visible_rows(it / p.heads);
-    let stats = softmax_rows(lid.x, it, 0u, count);
+    let start = window_start(count);
+    let stats = softmax_rows(lid.x, it, start, count);
     if !valid { return; }
     for (var d = lid.x; d < p.head_dim; d += WG) {
-        dst[it * p.head_dim + d] = A(weighted_values(it, 0u, count, d) / stats.y);
+        dst[it * p.head_dim + d] = A(weighted_values(it, start, count, d) / stats.y);
     }
 }
 
@@ -252,8 +261,9 @@ fn attention_partial(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(work
     let valid = block < blocks;
     let b = min(block, blocks - 1u);
     let it = b / p.splits;
-    let first = (b % p.splits) * p.split_rows;
-    let last = clamp(visible_rows(it / p.heads), first, first + p.split_rows);
+    let visible = visible_rows(it / p.heads);
+    let last = clamp(visible, (b % p.splits) * p.split_rows, (b % p.splits + 1u) * p.split_rows);
+    let first = clamp(window_start(visible), (b % p.splits) * p.split_rows, last);
     let stats = softmax_rows(lid.x, it, first, last);
     if !valid { return; }
     let base = b * (p.head_dim + PARTIAL_HEADER);
@@ -329,7 +339,7 @@ fn attention_combine(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(work
 }
 
 // Paged attention. Query row n (item = n * heads + head) of sequence indices[n] attends over positions
-// [0, lengths[n]) (clamped to max_blocks * block_size); position j lives in pool row
+// [0, lengths[n]) (clamped to max_blocks * block_size; with a window, its last p.window of them); position j lives in pool row
 // block_tables[seq * max_blocks + j / block_size] * block_size + j % block_size of keys / values
 // (cache_len rows). A position whose block is not in the pool scores LOWEST and its value row is never
 // read: next to any position in the pool its weight exp(LOWEST - top) is 0, and a row whose positions
@@ -388,11 +398,12 @@ fn paged_attention(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgr
     let valid = item < p.tokens * p.heads;
     let it = min(item, p.tokens * p.heads - 1u);
     let span = paged_span(it / p.heads);
-    let stats = paged_softmax(lid.x, it, span.y, 0u, span.x);
+    let start = window_start(span.x);
+    let stats = paged_softmax(lid.x, it, span.y, start, span.x);
     if !valid { return; }
     let total = select(stats.y, 1.0, span.x == 0u);
     for (var d = lid.x; d < p.head_dim; d += WG) {
-        dst[it * p.head_dim + d] = A(paged_weighted_values(it, span.y, 0u, span.x, d) / total);
+        dst[it * p.head_dim + d] = A(paged_weighted_values(it, span.y, start, span.x, d) / total);
     }
 }
 
@@ -405,8 +416,8 @@ fn paged_attention_partial(@builtin(local_invocation_id) lid: vec3<u32>, @builti
     let b = min(block, blocks - 1u);
     let it = b / p.splits;
     let span = paged_span(it / p.heads);
-    let first = (b % p.splits) * p.split_rows;
-    let last = clamp(span.x, first, first + p.split_rows);
+    let last = clamp(span.x, (b % p.splits) * p.split_rows, (b % p.splits + 1u) * p.split_rows);
+    let first = clamp(window_start(span.x), (b % p.splits) * p.split_rows, last);
     let stats = paged_softmax(lid.x, it, span.y, first, last);
     if !valid { return; }
     let base = b * (p.head_dim + PARTIAL_HEADER);
