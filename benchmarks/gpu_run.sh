@@ -128,18 +128,19 @@ stage() {
 run_here() {  # stage, then "$@" with this checkout and the staged packages on the path
     stage
     vulkan_driver_files
-    mkdir -p "$OUT"
     export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     "$@"
 }
 
 check() {
+    mkdir -p "$OUT"  # before the pipe: tee opens its file at once
     run_here "$PY" -m batchgpu check --out "$OUT" "$@" 2>&1 | tee "$OUT/check.log"
 }
 
 real_sizes() {
     # synthetic 8B/7B files written and deleted under /tmp (at most two at once: 16 GB + 5 GB of the 64 GiB disk);
     # about 5 minutes on an H100 with the default rows (rows past --budget are left out: the f16 ones first)
+    mkdir -p "$OUT"
     run_here "$PY" benchmarks/real_sizes.py --json "$OUT/real_sizes.json" "$@" 2>&1 | tee "$OUT/real_sizes.md"
 }
 

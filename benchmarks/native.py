@@ -425,7 +425,7 @@ def section_kernels(device: bg.Device, args: argparse.Namespace) -> dict[str, An
         kernels = per_kernel(profile)
         total = sum(us for _, us in kernels.values())
         print(f"\n{name}: {len(profile.rows)} launches, {total:.1f} us of kernel time")
-        print(kernel_table(kernels))
+        print(kernel_table(kernels, unit="GPU us" if profile.gpu_timing else "host us"))
         results[name] = {"launches": len(profile.rows), "gpu_us": total, "kernels": kernels}
     return results
 

@@ -211,11 +211,14 @@ def step_bytes(model: Llama) -> int:
 
 
 class Contestant(Protocol):
-    """A batch-1 decoder of one file: greedy ids and the median step after the first tokens; prefill seconds."""
+    """A batch-1 decoder of one file: its untimed first run; greedy ids and the median step after the first
+    tokens; prefill seconds."""
 
-    def decode(self, prompt: Sequence[int], tokens: int) -> tuple[list[int], float]: ...
+    def warm(self, prompt: Sequence[int]) -> Any: ...
 
-    def prefill(self, ids: Sequence[int]) -> float: ...
+    def decode(self, prompt: Sequence[int], tokens: int) -> tuple[list[int], float] | None: ...
+
+    def prefill(self, ids: Sequence[int]) -> float | None: ...
 
 
 class BatchgpuSingle:
@@ -223,6 +226,9 @@ class BatchgpuSingle:
 
     def __init__(self, model: Llama) -> None:
         self.model = model
+
+    def warm(self, prompt: Sequence[int]) -> None:
+        self.decode(prompt, WARM_TOKENS + 1)  # recording, compiles, a native graph's capture
 
     def decode(self, prompt: Sequence[int], tokens: int) -> tuple[list[int], float]:
         ids, steps = steady_steps(self.model.generate(prompt, tokens))
@@ -248,6 +254,10 @@ class TorchStatic:
             embedding = self.decoder.w["token_embd.weight"]
             self.weight_bytes -= (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
 
+    def warm(self, prompt: Sequence[int]) -> None:
+        self.decode(prompt, WARM_TOKENS + 1)
+        self.decoder.capture()
+
     def decode(self, prompt: Sequence[int], tokens: int) -> tuple[list[int], float]:
         ids, times = self.decoder.generate(prompt, tokens)  # times[i]: token i + 1
         return ids, statistics.median(times[WARM_TOKENS - 1 :])
@@ -256,6 +266,25 @@ class TorchStatic:
         started = time.perf_counter()
         self.decoder.prefill(ids)
         return time.perf_counter() - started
+
+
+class Guarded:
+    """A rival whose errors are noted in its own row (then it gives None), not the batchgpu row's."""
+
+    def __init__(self, contestant: Contestant, row: Row) -> None:
+        self.contestant, self.row = contestant, row
+
+    def call(self, stage: str, work: Callable[[], Any]) -> Any:
+        return None if self.row.stopped else self.row.guard(stage, work)
+
+    def warm(self, prompt: Sequence[int]) -> Any:
+        return self.call("warm-up", lambda: self.contestant.warm(prompt))
+
+    def decode(self, prompt: Sequence[int], tokens: int) -> tuple[list[int], float] | None:
+        return self.call("decode", lambda: self.contestant.decode(prompt, tokens))
+
+    def prefill(self, ids: Sequence[int]) -> float | None:
+        return self.call("prefill", lambda: self.contestant.prefill(ids))
 
 
 def alternate(contestants: dict[str, Contestant], rounds: int, measure: Callable[[Contestant], Any]) -> dict:
@@ -309,11 +338,16 @@ class Row(dict):
         return bool(self.get("refused") or self.get("failed"))
 
 
+def single_context(args: argparse.Namespace) -> int:
+    """The batch-1 decoders' context: the prefill prompt or the decode, and room for the profiled step."""
+    return max(args.prompt, args.decode_prompt + args.tokens) + 8
+
+
 def measure_single(row: Row, device: bg.Device, path: Path, args: argparse.Namespace, prompts: dict,
                    rivals: dict[str, Contestant]) -> dict[str, Any]:  # fmt: skip
     """Load, batch-1 decode, the profiled step and prefill on ``device``, alternating with ``rivals``;
     returns the rivals' figures."""
-    context = max(args.prompt, args.decode_prompt + args.tokens) + 8
+    context = single_context(args)
     reset = reset_peak_rss()
     before, started = current_rss(), time.perf_counter()
     model = Llama(device, path, max_context=context, progress=lambda names: names)
@@ -322,12 +356,11 @@ def measure_single(row: Row, device: bg.Device, path: Path, args: argparse.Names
     contestants: dict[str, Contestant] = {"batchgpu": BatchgpuSingle(model), **rivals}
     decode_prompt, prefill_prompt = prompts["decode"], prompts["prefill"]
     for contestant in contestants.values():  # untimed: recording, compiles, graph capture
-        contestant.decode(decode_prompt, WARM_TOKENS + 1)
-        if isinstance(contestant, TorchStatic):
-            contestant.decoder.capture()
+        contestant.warm(decode_prompt)
     decoded = alternate(contestants, args.rounds, lambda c: c.decode(decode_prompt, args.tokens))
     profile = profiled_step(model, decoded["batchgpu"][-1][0][-1])
-    row.update(kernels=per_kernel(profile), launches=len(profile.rows), kernel_timing=profile.gpu_timing)
+    row.update(kernels=per_kernel(profile), launches=len(profile.rows), kernel_timing=profile.gpu_timing,
+               profile_note=profile.message)  # fmt: skip
     for contestant in contestants.values():  # untimed: recording, compiles (a native graph's capture: round 1)
         contestant.prefill(prefill_prompt)
     prefilled = alternate(contestants, args.rounds, lambda c: c.prefill(prefill_prompt))
@@ -340,6 +373,7 @@ def measure_single(row: Row, device: bg.Device, path: Path, args: argparse.Names
             "prefill_rounds_s": prefilled[name],
         }
         for name in contestants
+        if None not in decoded[name] + prefilled[name]  # a rival that failed: noted in its row
     }
     row.update(figures.pop("batchgpu"))
     del model, contestants
@@ -408,7 +442,8 @@ def row_details(row: dict[str, Any]) -> str:
     lines = [f"\n## {row['preset']} {row['format']} on {row['executor']} ({row.get('device', '-')})", summary([row])]
     if row.get("kernels"):
         unit = "GPU us" if row.get("kernel_timing") else "host us"
-        lines.append(f"\none decode step (batch 1): {row['launches']} launches, the {TOP_KERNELS} slowest kernels:")
+        note = f" ({row['profile_note']})" if row.get("profile_note") else ""
+        lines.append(f"\none decode step: {row['launches']} launches; the {TOP_KERNELS} slowest kernels{note}")
         lines.append(kernel_table(row["kernels"], TOP_KERNELS, unit))
     for key in ("b1_ids", "b16_ids"):
         if key in row:
@@ -451,18 +486,21 @@ def measure_row(files: Files, run: Run, kind: str, device: bg.Device, args: argp
                 prompts: dict, bandwidth: float, torch: Any) -> list[Row]:  # fmt: skip
     """The row of ``run`` on ``kind`` (and the torch row beside it where ``torch`` is given)."""
     row = Row(preset=run[0], format=run[1], executor=kind, device=device.name)
-    path, waited = files.ready(run)
+    written = row.guard("synth", lambda: files.ready(run))
+    if written is None:
+        return [row]
+    path, waited = written
     row.update(file_bytes=path.stat().st_size, file_wait_s=waited)
     rivals: dict[str, Contestant] = {}
     rows = [row]
     if torch is not None:
         twin = Row(preset=run[0], format=f"f16 of {run[1]}", executor="torch", device=torch.cuda.get_device_name())
         started = time.perf_counter()
-        context = max(args.prompt, args.decode_prompt + args.tokens) + 8
-        rival = twin.guard("build", lambda: TorchStatic(torch, path, context))
+        rival = twin.guard("build", lambda: TorchStatic(torch, path, single_context(args)))
         if rival is not None:
             twin.update(load_s=time.perf_counter() - started, step_bytes=rival.weight_bytes)
-            rivals["torch"] = rival
+            rivals["torch"] = Guarded(rival, twin)
+        del rival  # the torch model lives in rivals until this row is done
         rows.append(twin)
     figures = row.guard("batch 1", lambda: measure_single(row, device, path, args, prompts, rivals))
     if not row.stopped:

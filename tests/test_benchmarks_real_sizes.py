@@ -90,3 +90,27 @@ def test_a_refused_row_says_so_in_place_of_its_figures():
     cells = module.cells(row)
     assert cells[module.HEADER.index("load s")] == f"refused: batch 1: {message}"
     assert set(cells[module.HEADER.index("load s") + 1 :]) == {"-"}
+
+
+def test_a_rival_that_fails_is_noted_in_its_own_row_only():
+    """torch's errors (a rival of batchgpu's batch-1 decode) go to the torch row, which stops there."""
+    module = real_sizes()
+    twin = module.Row(preset="llama-3.1-8b", format="f16 of q4_0", executor="torch", device="GPU")
+    calls = []
+
+    class Failing:
+        def warm(self, prompt):
+            calls.append("warm")
+            raise RuntimeError("CUDA graph capture failed")
+
+        def decode(self, prompt, tokens):
+            calls.append("decode")
+            return [1], 0.1
+
+        def prefill(self, ids):
+            calls.append("prefill")
+            return 0.1
+
+    rival = module.Guarded(Failing(), twin)
+    assert rival.warm([1, 2]) is None and rival.decode([1, 2], 4) is None and rival.prefill([1]) is None
+    assert calls == ["warm"] and twin["failed"] == ["warm-up: RuntimeError: CUDA graph capture failed"]
