@@ -17,9 +17,14 @@ when its rows are done, and per (preset, format, executor):
   torch has CUDA, else batchgpu's ``copy`` op timed by its profile), and each decode time over it;
 - one decode step's GPU time per kernel (``batchgpu.profiling``: every launch timed), the 10 slowest.
 
+Untimed first: one short generation per decoder and engine (recording, compiles, graph capture) and one
+prefill. The floor leaves out the KV cache's reads (at these short contexts under 1% of an 8B step's bytes
+at batch 1, about 2% at batch 16 in q4_0).
+
 torch, where it has CUDA: a plain-torch float16 Llama on a static KV cache, its decode step replayed as a
 CUDA graph (benchmarks/torch_llama.py), from the same file's dequantized weights: once per preset, beside
-its first format on the first executor, batch 1 and prefill rounds alternating with batchgpu's.
+its first format on the first executor, batch 1 and prefill rounds alternating with batchgpu's; its
+"load s" is building it (dequantizing on the host, a thread per CPU, and the upload).
 
     python benchmarks/real_sizes.py [--preset P,...] [--format F,...] [--device cuda,wgpu] [--json out.json]
     python benchmarks/real_sizes.py --preset qwen2.5-0.5b --format q4_0 --device reference --tokens 4 --prompt 32
