@@ -139,7 +139,7 @@ check() {
 
 real_sizes() {
     # synthetic 8B/7B files written and deleted under /tmp (at most two at once: 16 GB + 5 GB of the 64 GiB disk);
-    # about 5 minutes on an H100 with the default rows (rows past --budget are left out: the f16 ones first)
+    # about 5 minutes on an H100 with the default rows, estimated (rows past --budget are left out: f16 first)
     mkdir -p "$OUT"
     run_here "$PY" benchmarks/real_sizes.py --json "$OUT/real_sizes.json" "$@" 2>&1 | tee "$OUT/real_sizes.md"
 }

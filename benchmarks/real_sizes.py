@@ -27,7 +27,7 @@ its first format on the first executor, batch 1 and prefill rounds alternating w
 "load s" is building it (dequantizing on the host, a thread per CPU, and the upload).
 
     python benchmarks/real_sizes.py [--preset P,...] [--format F,...] [--device cuda,wgpu] [--json out.json]
-    python benchmarks/real_sizes.py --preset qwen2.5-0.5b --format q4_0 --device reference --tokens 4 --prompt 32
+    python benchmarks/real_sizes.py --preset qwen2.5-0.5b --format q4_0 --device wgpu --tokens 4 --prompt 32 --rounds 1
 
 Default (no --preset, no --format): llama-3.1-8b in q4_0, q4_k and q8_0, qwen2.5-7b in q4_k, then
 llama-3.1-8b in f16 (last: its 16 GB file costs the most, and ``--budget`` drops rows from the end), on every
