@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_run.sh prepare   # here, with network: fills .whl/, .gl/ and .model/ (git-ignored)
 #   bash benchmarks/gpu_run.sh stage     # there: installs what was brought; keeps model parts in /tmp
 #   bash benchmarks/gpu_run.sh [check] [CHECK ARGS...]   # there: stage, then the check into $OUT
+#   bash benchmarks/gpu_run.sh real-sizes [ARGS...]      # there: stage, then benchmarks/real_sizes.py into $OUT
 #
 # Only the folders that were brought along are used, so the steps can be split across runs whose
 # upload is limited (the 98 MB model travels in two parts, .model/part-00 and .model/part-01, each with
@@ -124,17 +125,29 @@ stage() {
     assemble_model
 }
 
-check() {
+run_here() {  # stage, then "$@" with this checkout and the staged packages on the path
     stage
     vulkan_driver_files
-    mkdir -p "$OUT"
     export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    "$PY" -m batchgpu check --out "$OUT" "$@" 2>&1 | tee "$OUT/check.log"
+    "$@"
+}
+
+check() {
+    mkdir -p "$OUT"  # before the pipe: tee opens its file at once
+    run_here "$PY" -m batchgpu check --out "$OUT" "$@" 2>&1 | tee "$OUT/check.log"
+}
+
+real_sizes() {
+    # synthetic 8B/7B files written and deleted under /tmp (at most two at once: 16 GB + 5 GB of the 64 GiB disk);
+    # about 5 minutes on an H100 with the default rows, estimated (rows past --budget are left out: f16 first)
+    mkdir -p "$OUT"
+    run_here "$PY" benchmarks/real_sizes.py --json "$OUT/real_sizes.json" "$@" 2>&1 | tee "$OUT/real_sizes.md"
 }
 
 case "${1:-check}" in
     prepare) prepare ;;
     stage) stage ;;
     check) shift $(( $# > 0 ? 1 : 0 )); check "$@" ;;
+    real-sizes) shift; real_sizes "$@" ;;
     *) check "$@" ;;
 esac

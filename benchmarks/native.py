@@ -377,17 +377,42 @@ def section_decode(device: bg.Device, args: argparse.Namespace) -> dict[str, Any
 # (b') where a decode step's GPU time goes ------------------------------------------------------
 
 
-def profiled_decode_step(device: bg.Device, quantized: bool) -> bg.Profile:
-    """The profile of one SmolLM2 decode step after a short warm generation (eager, timing events)."""
-    model = Llama(device, quantized=quantized, max_context=len(PROMPT) + 8)
-    list(model.generate(PROMPT, 3))
+def profiled_step(model: Llama, token: int) -> bg.Profile:
+    """The profile of one decode step of ``model`` on ``token`` (eager, timing events; the model has decoded
+    before, so the step's batch is recorded and compiled)."""
     profiling.profile_all(True)
     try:
-        step = model.decode(PROMPT[-1])
+        step = model.decode(token)
         step.batch.read(step.next_token)
     finally:
         profiling.profile_all(False)
     return step.batch.profile()
+
+
+def profiled_decode_step(device: bg.Device, quantized: bool) -> bg.Profile:
+    """The profile of one SmolLM2 decode step after a short warm generation."""
+    model = Llama(device, quantized=quantized, max_context=len(PROMPT) + 8)
+    list(model.generate(PROMPT, 3))
+    return profiled_step(model, PROMPT[-1])
+
+
+def per_kernel(profile: bg.Profile) -> dict[str, list[float]]:
+    """{kernel: [launches, GPU µs]} of a profile's dispatches (host µs of each op on the reference executor),
+    slowest first."""
+    kernels: dict[str, list[float]] = {}
+    for row in profile.rows:
+        count_us = kernels.setdefault(row.kernel, [0, 0.0])
+        count_us[0] += 1
+        count_us[1] += (row.gpu_us if profile.gpu_timing else row.host_us) or 0.0
+    return dict(sorted(kernels.items(), key=lambda item: -item[1][1]))
+
+
+def kernel_table(kernels: dict[str, list[float]], limit: int | None = None, unit: str = "GPU us") -> str:
+    """:func:`per_kernel`'s figures as a Markdown table (the ``limit`` slowest kernels; shares of them all)."""
+    total = sum(us for _, us in kernels.values()) or float("nan")
+    ranked = list(kernels.items())[:limit]
+    cells = [[k, str(int(n)), fmt(us, 1), fmt(us / n, 2), fmt(100 * us / total, 1)] for k, (n, us) in ranked]
+    return table(["kernel", "launches", unit, "us/launch", "%"], cells)
 
 
 def section_kernels(device: bg.Device, args: argparse.Namespace) -> dict[str, Any]:
@@ -397,17 +422,11 @@ def section_kernels(device: bg.Device, args: argparse.Namespace) -> dict[str, An
     for quantized in (False, True):
         name = "Q4_1/Q8_0" if quantized else "fp32"
         profile = profiled_decode_step(device, quantized)
-        per_kernel: dict[str, list[float]] = {}
-        for row in profile.rows:
-            count_us = per_kernel.setdefault(row.kernel, [0, 0.0])
-            count_us[0] += 1
-            count_us[1] += row.gpu_us or 0.0
-        total = sum(us for _, us in per_kernel.values())
-        ranked = sorted(per_kernel.items(), key=lambda item: -item[1][1])
-        cells = [[k, str(int(n)), fmt(us, 1), fmt(us / n, 2), fmt(100 * us / total, 1)] for k, (n, us) in ranked]
+        kernels = per_kernel(profile)
+        total = sum(us for _, us in kernels.values())
         print(f"\n{name}: {len(profile.rows)} launches, {total:.1f} us of kernel time")
-        print(table(["kernel", "launches", "GPU us", "us/launch", "%"], cells))
-        results[name] = {"launches": len(profile.rows), "gpu_us": total, "kernels": per_kernel}
+        print(kernel_table(kernels, unit="GPU us" if profile.gpu_timing else "host us"))
+        results[name] = {"launches": len(profile.rows), "gpu_us": total, "kernels": kernels}
     return results
 
 

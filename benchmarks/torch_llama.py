@@ -5,7 +5,9 @@
   permutation, so the rows are in HF's rotate-half RoPE layout); decoded HF-style by :func:`hf_generate`
   (``model(..., past_key_values=...)`` per token, the default dynamic cache).
 - :class:`StaticDecoder`: plain torch ops with a static KV cache and the position as a device tensor, so
-  one decode step can be captured into a ``torch.cuda.CUDAGraph`` and replayed.
+  one decode step can be captured into a ``torch.cuda.CUDAGraph`` and replayed; float32 or float16 (norms and
+  softmax in float32, as transformers), q/k/v biases (Qwen2), an untied output head and RoPE factors
+  (Llama 3) where the file has them; :meth:`StaticDecoder.prefill` runs a prompt as one causal forward.
 
 Both return greedy ids; the benchmark compares them with batchgpu's and prints MISMATCH when they differ.
 """
@@ -13,8 +15,10 @@ Both return greedy ids; the benchmark compares them with batchgpu's and prints M
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -35,10 +39,26 @@ HF_NAMES = {
 
 
 def inv_freq(weights: GGUFWeights) -> np.ndarray:
-    """RoPE inverse frequencies, float32, as batchgpu's numpy decoder computes them."""
+    """RoPE inverse frequencies, float32, as batchgpu's numpy decoder computes them (each divided by the
+    config's RoPE factor of its pair where it has them: Llama 3)."""
     cfg = weights.config
     d = cfg.head_dim
-    return (1.0 / np.float32(cfg.theta) ** (np.arange(0, d, 2, dtype=np.float32) / d)).astype(np.float32)
+    inv = 1.0 / np.float32(cfg.theta) ** (np.arange(0, d, 2, dtype=np.float32) / d)
+    if cfg.rope_factors is not None:
+        inv = inv / np.asarray(cfg.rope_factors, np.float32)
+    return inv.astype(np.float32)
+
+
+def device_weights(torch: Any, weights: GGUFWeights, device: str, dtype: Any) -> dict[str, Any]:
+    """Every tensor dequantized on the host (one thread per CPU: numpy frees the GIL) and moved to ``device``
+    as ``dtype``; at most one float32 copy per thread is on the host at a time."""
+
+    def one(name: str) -> Any:
+        return torch.from_numpy(np.ascontiguousarray(weights.float32(name))).to(device=device, dtype=dtype)
+
+    names = weights.names()
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(zip(names, pool.map(one, names)))
 
 
 def hf_state_dict(weights: GGUFWeights) -> dict[str, np.ndarray]:
@@ -118,64 +138,95 @@ def hf_generate(
 
 
 class StaticDecoder:
-    """Plain-torch Llama decode step on a static KV cache (graph-capturable: no host sync inside)."""
+    """Plain-torch Llama decode step on a static KV cache (graph-capturable: no host sync inside), its
+    weights, activations and KV cache in ``dtype`` (default float32)."""
 
-    def __init__(self, torch: Any, weights: GGUFWeights, device: str, max_context: int) -> None:
+    def __init__(self, torch: Any, weights: GGUFWeights, device: str, max_context: int, dtype: Any = None) -> None:
         self.torch = torch
         self.cfg = cfg = weights.config
-        self.w = {
-            name: torch.from_numpy(np.ascontiguousarray(weights.float32(name))).to(device) for name in weights.names()
-        }
+        self.dtype = dtype = dtype or torch.float32
+        self.w = device_weights(torch, weights, device, dtype)
+        self.head = self.w.get("output.weight", self.w["token_embd.weight"])  # tied where the file has no head
         shape = (cfg.layers, max_context, cfg.kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device)
-        self.v = torch.zeros(shape, device=device)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
         angles = np.arange(max_context, dtype=np.float32)[:, None] * inv_freq(weights)[None, :]
-        self.cos = torch.from_numpy(np.cos(angles)).to(device)
-        self.sin = torch.from_numpy(np.sin(angles)).to(device)
+        self.cos = torch.from_numpy(np.cos(angles)).to(device=device, dtype=dtype)
+        self.sin = torch.from_numpy(np.sin(angles)).to(device=device, dtype=dtype)
         self.positions = torch.arange(max_context, device=device)
-        self.zeros = torch.zeros(max_context, device=device)
-        self.minus_inf = torch.full((max_context,), float("-inf"), device=device)
+        self.zeros = torch.zeros(max_context, device=device, dtype=dtype)
+        self.minus_inf = torch.full((max_context,), float("-inf"), device=device, dtype=dtype)
         self.token = torch.zeros(1, dtype=torch.int64, device=device)
         self.pos = torch.zeros(1, dtype=torch.int64, device=device)
         self.out = torch.zeros(1, dtype=torch.int64, device=device)
         self.graph: Any = None
 
     def _rms(self, x: Any, g: Any) -> Any:
-        return x * self.torch.rsqrt((x * x).mean(-1, keepdim=True) + self.cfg.eps) * g
+        """RMS norm in float32, the result in the model's dtype times the weight (transformers' order)."""
+        x32 = x.float()
+        return (x32 * self.torch.rsqrt((x32 * x32).mean(-1, keepdim=True) + self.cfg.eps)).to(self.dtype) * g
+
+    def _project(self, x: Any, name: str) -> Any:
+        """``x @ W.T`` (+ the bias where the file has one: Qwen2's q/k/v)."""
+        bias = self.w.get(name.removesuffix("weight") + "bias")
+        return self.torch.nn.functional.linear(x, self.w[name], bias)
+
+    def _attention(self, q: Any, keys: Any, values: Any, mask: Any) -> Any:
+        """Softmax attention of q (tokens, heads, d) over the cache rows (context, kv heads, d) with an additive
+        mask (tokens, context): head j reads kv head j // group (transformers' repeat_kv); softmax in float32."""
+        cfg = self.cfg
+        context, group = keys.shape[0], cfg.heads // cfg.kv_heads
+        shape = (context, cfg.kv_heads, group, cfg.head_dim)
+        keys = keys.unsqueeze(2).expand(shape).reshape(context, cfg.heads, cfg.head_dim)
+        values = values.unsqueeze(2).expand(shape).reshape(context, cfg.heads, cfg.head_dim)
+        scores = self.torch.einsum("thd,chd->thc", q, keys) / math.sqrt(cfg.head_dim) + mask[:, None, :]
+        weights = self.torch.softmax(scores.float(), -1).to(self.dtype)
+        return self.torch.einsum("thc,chd->thd", weights, values).reshape(q.shape[0], cfg.heads * cfg.head_dim)
+
+    def _layers(self, h: Any, cos: Any, sin: Any, rows: Any, mask: Any) -> Any:
+        """Every layer over the tokens ``h`` (tokens, hidden) at cache rows ``rows`` (their positions)."""
+        cfg, w = self.cfg, self.w
+        d, tokens = cfg.head_dim, h.shape[0]
+        for i in range(cfg.layers):
+            b = f"blk.{i}."
+            x = self._rms(h, w[b + "attn_norm.weight"])
+            q = self._rope(self._project(x, b + "attn_q.weight").view(tokens, cfg.heads, d), cos, sin)
+            k = self._rope(self._project(x, b + "attn_k.weight").view(tokens, cfg.kv_heads, d), cos, sin)
+            v = self._project(x, b + "attn_v.weight").view(tokens, cfg.kv_heads, d)
+            self.k[i].index_copy_(0, rows, k)
+            self.v[i].index_copy_(0, rows, v)
+            h = h + self._project(self._attention(q, self.k[i], self.v[i], mask), b + "attn_output.weight")
+            x = self._rms(h, w[b + "ffn_norm.weight"])
+            gate, up = self._project(x, b + "ffn_gate.weight"), self._project(x, b + "ffn_up.weight")
+            h = h + self._project(self.torch.nn.functional.silu(gate) * up, b + "ffn_down.weight")
+        return h
 
     def _rope(self, x: Any, cos: Any, sin: Any) -> Any:
+        """Rotate-half RoPE of x (tokens, heads, d) by the tokens' cos/sin rows (tokens, d/2)."""
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
+        cos, sin = cos[:, None, :], sin[:, None, :]
         return self.torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
     def step(self) -> Any:
         """One token (``self.token`` at ``self.pos``) through the model; returns the greedy next id (1,)."""
-        torch, cfg, w = self.torch, self.cfg, self.w
-        linear = torch.nn.functional.linear
-        d, group = cfg.head_dim, cfg.heads // cfg.kv_heads
         cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)  # (1, d/2)
-        masked = torch.where(self.positions <= self.pos, self.zeros, self.minus_inf)  # (context,)
-        context = self.positions.shape[0]
-        h = w["token_embd.weight"].index_select(0, self.token)  # (1, hidden)
-        for i in range(cfg.layers):
-            b = f"blk.{i}."
-            x = self._rms(h, w[b + "attn_norm.weight"])
-            q = self._rope(linear(x, w[b + "attn_q.weight"]).view(cfg.heads, d), cos, sin)
-            k = self._rope(linear(x, w[b + "attn_k.weight"]).view(cfg.kv_heads, d), cos, sin)
-            v = linear(x, w[b + "attn_v.weight"]).view(cfg.kv_heads, d)
-            self.k[i].index_copy_(0, self.pos, k.unsqueeze(0))
-            self.v[i].index_copy_(0, self.pos, v.unsqueeze(0))
-            # (context, heads, d): head j reads kv head j // group (HF's repeat_kv), no host sync
-            keys = self.k[i].unsqueeze(2).expand(context, cfg.kv_heads, group, d).reshape(context, cfg.heads, d)
-            values = self.v[i].unsqueeze(2).expand(context, cfg.kv_heads, group, d).reshape(context, cfg.heads, d)
-            scores = torch.einsum("hd,chd->hc", q, keys) / math.sqrt(d) + masked
-            att = torch.einsum("hc,chd->hd", torch.softmax(scores, -1), values).reshape(1, cfg.hidden)
-            h = h + linear(att, w[b + "attn_output.weight"])
-            x = self._rms(h, w[b + "ffn_norm.weight"])
-            gate, up = linear(x, w[b + "ffn_gate.weight"]), linear(x, w[b + "ffn_up.weight"])
-            h = h + linear(torch.nn.functional.silu(gate) * up, w[b + "ffn_down.weight"])
-        logits = linear(self._rms(h, w["output_norm.weight"]), w["token_embd.weight"])
+        mask = self.torch.where(self.positions <= self.pos, self.zeros, self.minus_inf)[None, :]  # (1, context)
+        h = self._layers(self.w["token_embd.weight"].index_select(0, self.token), cos, sin, self.pos, mask)
+        logits = self.torch.nn.functional.linear(self._rms(h, self.w["output_norm.weight"]), self.head)
         return logits.argmax(-1)
+
+    def prefill(self, prompt: Sequence[int]) -> int:
+        """The prompt as one causal forward from position 0 (its KV rows written); the greedy next id."""
+        torch = self.torch
+        tokens = len(prompt)
+        rows = self.positions[:tokens]
+        ids = torch.tensor(list(prompt), dtype=torch.int64, device=rows.device)
+        mask = torch.where(self.positions[None, :] <= rows[:, None], self.zeros, self.minus_inf)  # (tokens, context)
+        h = self._layers(self.w["token_embd.weight"].index_select(0, ids), self.cos[:tokens], self.sin[:tokens],
+                         rows, mask)  # fmt: skip
+        last = self._rms(h[-1:], self.w["output_norm.weight"])
+        return int(torch.nn.functional.linear(last, self.head).argmax(-1).item())
 
     def capture(self) -> None:
         """Warm up on a side stream, then capture one step into a CUDA graph (replayed by :meth:`run`)."""
