@@ -89,7 +89,8 @@ def upload_weights(
     """Every tensor of ``weights`` resident on ``device``: GGUF blocks kept quantized (or dequantized
     to float32 with ``quantized=False``), float32 tensors as they are. With ``fuse``, each layer's
     :data:`FUSED_PROJECTIONS` parts are uploaded joined under the fused name instead (where the parts
-    share a block format and row length).
+    share a block format and row length). A matrix over the device's storage binding limit is held as row
+    pieces (:func:`~batchgpu.models.row_pieces.upload_matrix`), which the decoder computes over.
 
     Progress: ``progress(names)`` wraps the tensor names if given (the caller's own display); else a bar over
     the tensors is the next phase of ``stages`` (a load's display, :func:`loading`), or of a display of its

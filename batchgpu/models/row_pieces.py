@@ -78,16 +78,9 @@ def upload_matrix(
         rows, k = shape
         per = piece_rows(device, device_row_bytes(data, qtype, k), multiple)
         if 0 < per < rows:
-            matrix = data.reshape(rows, -1)
-            return RowPieces(
-                tuple(
-                    upload_one(
-                        device, matrix[start : start + per], qtype, (min(per, rows - start), k), f"{name}[{start}:]"
-                    )
-                    for start in range(0, rows, per)
-                ),
-                name,
-            )
+            matrix, cuts = data.reshape(rows, -1), [(a, min(a + per, rows)) for a in range(0, rows, per)]
+            pieces = tuple(upload_one(device, matrix[a:b], qtype, (b - a, k), f"{name}[{a}:{b}]") for a, b in cuts)
+            return RowPieces(pieces, name)
     return upload_one(device, data, qtype, shape, name)
 
 
