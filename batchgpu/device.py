@@ -6,6 +6,7 @@ import itertools
 import math
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -32,14 +33,23 @@ class Device:
     ``Device()`` uses ``$BATCHGPU_DEVICE`` or else ``"wgpu"`` on the best adapter;
     ``Device("reference")`` is the numpy executor. ``adapter`` picks a wgpu adapter by index,
     summary substring or object. ``poison=True`` fills new output buffers with a sentinel so tests
-    catch elements a kernel never writes.
+    catch elements a kernel never writes. ``limits`` lowers ``max_*`` limits below the device's own
+    (``{"max_storage_buffer_binding_size": 2**27}``: a browser's binding size on a desktop GPU;
+    :meth:`batchgpu.limits.Limits.lowered`).
     """
 
-    def __init__(self, kind: str | None = None, *, adapter: Any = None, poison: bool = False) -> None:
+    def __init__(
+        self,
+        kind: str | None = None,
+        *,
+        adapter: Any = None,
+        poison: bool = False,
+        limits: Mapping[str, int] | None = None,
+    ) -> None:
         if kind is not None and not isinstance(kind, str):
             raise ArgumentError(f"Device: kind must be a str such as 'wgpu' or 'reference', got {type(kind).__name__}")
         self.kind = kind or os.environ.get(ENV_DEVICE) or "wgpu"
-        self.executor: Executor = create_executor(self.kind, adapter=adapter, poison=poison)
+        self.executor: Executor = create_executor(self.kind, adapter=adapter, poison=poison, limits=limits)
         self.thread = threading.get_ident()  # the one thread allowed to use this device and its batches
         self.number = next(_device_numbers)  # tells apart devices of one kind in reprs and errors
 

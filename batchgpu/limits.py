@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
-from .errors import LimitError
+from .errors import ArgumentError, LimitError
 
 if TYPE_CHECKING:
     from .kernels import Launch
@@ -35,6 +36,34 @@ class Limits:
         """Build from a mapping with WebGPU names, dashed (``max-buffer-size``) or underscored."""
         normalized = {key.replace("-", "_"): value for key, value in values.items()}
         return cls(**{f.name: int(normalized[f.name]) for f in fields(cls) if f.name in normalized})
+
+    def lowered(self, wanted: Mapping[str, int] | None, device_name: str) -> Limits:
+        """These limits with the ``max_*`` ones ``wanted`` names (WebGPU names, dashed or underscored) lowered
+        to its values: a device that behaves like a smaller one (a browser's 128 MiB storage binding on a
+        desktop GPU, or tests reaching a size-dependent path with small data). ArgumentError for an unknown
+        or non-``max_*`` name or a value that is not a positive int; LimitError for a value above what
+        ``device_name`` has."""
+        if wanted is None:
+            return self
+        if not isinstance(wanted, Mapping):
+            raise ArgumentError(f"Device: limits must be a mapping of limit names to ints, got {type(wanted).__name__}")
+        lowerable = [f.name for f in fields(self) if f.name.startswith("max_")]
+        changes = {}
+        for key, value in wanted.items():
+            name = key.replace("-", "_") if isinstance(key, str) else key
+            if name not in lowerable:
+                raise ArgumentError(
+                    f"Device: limits: {key!r} is not a limit that can be lowered; one of {', '.join(lowerable)}"
+                )
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ArgumentError(f"Device: limits: {name} must be an int >= 1, got {value!r}")
+            if value > getattr(self, name):
+                raise LimitError(
+                    f"Device: limits: {name} {value} is above the {getattr(self, name)} of {device_name}; "
+                    f"limits can only be lowered"
+                )
+            changes[name] = value
+        return replace(self, **changes)
 
 
 def split_groups(groups: int, per_dim: Limits | int) -> tuple[int, int, int]:

@@ -215,7 +215,7 @@ def staging_parts(layout: ReadbackLayout, limit: int) -> list[tuple[int, int]]:
 class WgpuExecutor(DeviceExecutor):
     kind = "wgpu"
 
-    def __init__(self, adapter: Any = None, *, poison: bool = False) -> None:
+    def __init__(self, adapter: Any = None, *, poison: bool = False, limits: Mapping[str, int] | None = None) -> None:
         super().__init__()
         quiet_environment()
         driver_cache = configure_driver_cache()  # before the graphics instance exists
@@ -224,7 +224,12 @@ class WgpuExecutor(DeviceExecutor):
         self.wgpu = wgpu  # the wgpu-py module this executor runs on
         chosen = choose_adapter(wgpu, adapter)
         features = [f for f in REQUESTED_FEATURES if f in chosen.features]
-        wanted_limits = {k: v for k, v in chosen.limits.items() if k.replace("-", "_") in Limits.__dataclass_fields__}
+        wanted = Limits.from_mapping(dict(chosen.limits)).lowered(limits, chosen.summary)
+        wanted_limits = {
+            k: getattr(wanted, k.replace("-", "_"))
+            for k in chosen.limits
+            if k.replace("-", "_") in Limits.__dataclass_fields__
+        }
         self.device = chosen.request_device_sync(required_features=features, required_limits=wanted_limits)
         self.adapter = chosen
         self.name = chosen.summary

@@ -25,6 +25,7 @@ from ..errors import ModelFileError
 from ..scalars import Scalar
 from ..tensor import Tensor
 from .config import LlamaConfig
+from .row_pieces import Weight, embed, project
 
 
 class Presence(Enum):
@@ -199,13 +200,14 @@ class PagedKV:
 
 
 def record_decoder(
-    batch: GpuCommandBatch, config: LlamaConfig, weights: dict[str, Tensor], ids: Tensor, kv: KVLayout
+    batch: GpuCommandBatch, config: LlamaConfig, weights: dict[str, Weight], ids: Tensor, kv: KVLayout
 ) -> Tensor:
     """Record the decoder over the token ``ids`` (rows,): embedding, every layer (keys and values written
     through ``kv``), the final norm. Returns the normed hidden states (rows, hidden). Each residual add is
-    fused into the norm after it (``add_rms_norm``)."""
+    fused into the norm after it (``add_rms_norm``). Weight matrices held as row pieces (over a storage
+    binding, :mod:`batchgpu.models.row_pieces`) are gathered from and projected onto piece by piece."""
     w, row = weights, architecture(config)
-    h = batch.embedding(ids, w["token_embd.weight"])
+    h = embed(batch, ids, w["token_embd.weight"])
     if row.embedding_scale:
         h = batch.mul(h, float(np.float32(config.hidden**0.5)))
     normed = batch.rms_norm(h, w["blk.0.attn_norm.weight"], config.eps)
@@ -221,7 +223,7 @@ def record_decoder(
 
 
 def post_norm(
-    batch: GpuCommandBatch, config: LlamaConfig, w: dict[str, Tensor], block: str, name: str, x: Tensor
+    batch: GpuCommandBatch, config: LlamaConfig, w: dict[str, Weight], block: str, name: str, x: Tensor
 ) -> Tensor:
     """``x`` RMS-normed by ``w[block + name]`` where the layer ``block`` norms its sublayers' outputs
     (:attr:`Architecture.post_norms`), else ``x``."""
@@ -230,15 +232,14 @@ def post_norm(
     return batch.rms_norm(x, w[block + name], config.eps)
 
 
-def record_logits(batch: GpuCommandBatch, weights: dict[str, Tensor], x: Tensor) -> Tensor:
+def record_logits(batch: GpuCommandBatch, weights: dict[str, Weight], x: Tensor) -> Tensor:
     """Logits (rows, vocab) of final hidden states ``x``: the untied output head where the file has one,
     else the token embedding."""
-    head = weights.get("output.weight", weights["token_embd.weight"])
-    return batch.matmul(x, head, transpose_b=True)
+    return project(batch, x, weights.get("output.weight", weights["token_embd.weight"]))
 
 
 def record_attention(
-    batch: GpuCommandBatch, config: LlamaConfig, weights: dict[str, Tensor], layer: int, x: Tensor, kv: KVLayout
+    batch: GpuCommandBatch, config: LlamaConfig, weights: dict[str, Weight], layer: int, x: Tensor, kv: KVLayout
 ) -> Tensor:
     """The layer's attention over the normed ``x`` (rows, hidden), through its output projection: q/k/v
     one GEMV and RoPE with both KV writes one kernel where the weights are joined, else the separate ops."""
@@ -254,13 +255,13 @@ def record_attention(
     attended = batch.reshape(
         kv.attend(batch, layer, q, **attention_settings(config, layer)), (rows, config.heads * config.head_dim)
     )
-    return batch.matmul(attended, w[block + "attn_output.weight"], transpose_b=True)
+    return project(batch, attended, w[block + "attn_output.weight"])
 
 
-def linear(batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], name: str) -> Tensor:
+def linear(batch: GpuCommandBatch, x: Tensor, w: dict[str, Weight], name: str) -> Tensor:
     """``x @ w[name].T``, plus the matching ``.bias`` where the model has one (:attr:`Architecture.qkv_biases`:
     :func:`check_parts` holds the file to its architecture's row)."""
-    return batch.matmul(x, w[name], transpose_b=True, bias=w.get(name.removesuffix("weight") + "bias"))
+    return project(batch, x, w[name], bias=w.get(name.removesuffix("weight") + "bias"))
 
 
 def attention_settings(config: LlamaConfig, layer: int) -> dict[str, Any]:
@@ -269,7 +270,7 @@ def attention_settings(config: LlamaConfig, layer: int) -> dict[str, Any]:
 
 
 def project_heads(
-    batch: GpuCommandBatch, x: Tensor, w: dict[str, Tensor], block: str, config: LlamaConfig, rows: int
+    batch: GpuCommandBatch, x: Tensor, w: dict[str, Weight], block: str, config: LlamaConfig, rows: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The layer's q, k and v heads (rows, heads, head_dim) from separate projections, q and k RMS-normed
     per head before RoPE where the architecture norms them (:attr:`Architecture.qk_norms`)."""
@@ -284,16 +285,15 @@ def project_heads(
     return q, k, project("attn_v.weight", config.kv_heads)
 
 
-def feed_forward(batch: GpuCommandBatch, config: LlamaConfig, x: Tensor, w: dict[str, Tensor], block: str) -> Tensor:
+def feed_forward(batch: GpuCommandBatch, config: LlamaConfig, x: Tensor, w: dict[str, Weight], block: str) -> Tensor:
     """The layer's MLP, (act(x @ gate.T) * (x @ up.T)) @ down.T (:attr:`Architecture.activation`): gate and
     up one GEMV with the swiglu epilogue where the weights are joined (interleaved rows; SwiGLU only), else
     two GEMVs and ``silu_mul`` (or the activation, then ``mul``)."""
     activation = architecture(config).activation
     if block + "ffn_gate_up.weight" in w:
-        hidden = batch.matmul(x, w[block + "ffn_gate_up.weight"], transpose_b=True, epilogue="swiglu")
+        hidden = project(batch, x, w[block + "ffn_gate_up.weight"], epilogue="swiglu")
     else:
-        gate = batch.matmul(x, w[block + "ffn_gate.weight"], transpose_b=True)
-        up = batch.matmul(x, w[block + "ffn_up.weight"], transpose_b=True)
+        gate, up = project(batch, x, w[block + "ffn_gate.weight"]), project(batch, x, w[block + "ffn_up.weight"])
         silu = activation == "silu"
         hidden = batch.silu_mul(gate, up) if silu else batch.mul(getattr(batch, activation)(gate), up)
-    return batch.matmul(hidden, w[block + "ffn_down.weight"], transpose_b=True)
+    return project(batch, hidden, w[block + "ffn_down.weight"])

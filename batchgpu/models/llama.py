@@ -28,6 +28,7 @@ from .config import LlamaConfig
 from .decoder import ContiguousKV, architecture, check_parts, record_decoder, record_logits
 from .gguf_file import GGUFWeights
 from .loader import open_weights
+from .row_pieces import Weight, tensors, upload_matrix
 from .weights import Weights
 
 __all__ = ["GGUFWeights", "Llama", "LlamaConfig", "Weights", "load_tokenizer", "open_weights", "smollm2_path"]
@@ -84,11 +85,12 @@ def upload_weights(
     fuse: bool = False,
     progress: Progress | None = None,
     stages: Stages | None = None,
-) -> dict[str, Tensor]:
+) -> dict[str, Weight]:
     """Every tensor of ``weights`` resident on ``device``: GGUF blocks kept quantized (or dequantized
     to float32 with ``quantized=False``), float32 tensors as they are. With ``fuse``, each layer's
     :data:`FUSED_PROJECTIONS` parts are uploaded joined under the fused name instead (where the parts
-    share a block format and row length).
+    share a block format and row length). A matrix over the device's storage binding limit is held as row
+    pieces (:func:`~batchgpu.models.row_pieces.upload_matrix`), which the decoder computes over.
 
     Progress: ``progress(names)`` wraps the tensor names if given (the caller's own display); else a bar over
     the tensors is the next phase of ``stages`` (a load's display, :func:`loading`), or of a display of its
@@ -114,7 +116,7 @@ def loading(path: Path | str, progress: Progress | None = None) -> Stages:
 
 def _upload(
     device: Device, weights: Weights, items: Iterable[str], *, quantized: bool, fuse: bool
-) -> dict[str, Tensor]:
+) -> dict[str, Weight]:
     """Upload the tensors ``items`` names (every name of ``weights``, in order) as :func:`upload_weights` says."""
     groups = _fused_groups(weights) if fuse else []
     group_of = {part: group for group in groups for part in group.parts}
@@ -125,23 +127,18 @@ def _upload(
             return weights.float32(name), None, shape
         return data, qtype, shape
 
-    def upload(name: str, data: np.ndarray, qtype: str | None, shape: tuple[int, ...]) -> Tensor:
-        if qtype is None:
-            return device.tensor(data, name=name)
-        return device.quantized(data, qtype, (shape[0], shape[1]), name=name)
-
-    uploaded = {}
+    uploaded: dict[str, Weight] = {}
     for name in items:
         group = group_of.get(name)
         if group is None:
-            uploaded[name] = upload(name, *rows(name))
+            uploaded[name] = upload_matrix(device, *rows(name), name=name)
         elif name == group.parts[0]:  # the group goes up with its first part
             pieces = [rows(part) for part in group.parts]
             data = group.join([piece[0].reshape(piece[2][0], -1) for piece in pieces])
             shape = (sum(piece[2][0] for piece in pieces), *pieces[0][2][1:])
-            uploaded[group.name] = upload(
-                group.name, data.reshape(shape) if pieces[0][1] is None else data, pieces[0][1], shape
-            )
+            data = data.reshape(shape) if pieces[0][1] is None else data
+            pairs = 2 if group.interleaved else 1  # a row cut keeps swiglu's (gate, up) pairs whole
+            uploaded[group.name] = upload_matrix(device, data, pieces[0][1], shape, name=group.name, multiple=pairs)
     return uploaded
 
 
@@ -183,10 +180,10 @@ def steps_ahead(device: Device, ahead: int | None, what: str) -> int:
     return ahead
 
 
-def weight_bytes(weights: dict[str, Tensor]) -> dict[str, int]:
+def weight_bytes(weights: dict[str, Weight]) -> dict[str, int]:
     """Device bytes of ``weights`` per storage format: block formats by name, float tensors by dtype."""
     sizes: dict[str, int] = {}
-    for tensor in weights.values():
+    for tensor in (tensor for weight in weights.values() for tensor in tensors(weight)):
         kind = getattr(tensor, "qtype", None) or tensor.dtype.name
         sizes[kind] = sizes.get(kind, 0) + tensor.storage.nbytes
     return sizes
@@ -194,7 +191,7 @@ def weight_bytes(weights: dict[str, Tensor]) -> dict[str, int]:
 
 def load_model(
     device: Device, path: Path, max_context: int, *, quantized: bool, fuse: bool, what: str
-) -> tuple[LlamaConfig, TextCodec, dict[str, Tensor]]:
+) -> tuple[LlamaConfig, TextCodec, dict[str, Weight]]:
     """The model's config, text codec and device weights for ``what`` (an engine serving it), after
     checking ``max_context`` against its trained length (before uploading); one display over reading the
     file and uploading."""
