@@ -80,10 +80,10 @@ def float64_run(directory) -> tuple[np.ndarray, list[int]]:
     return logits, greedy
 
 
-def check_matches(path, expected: np.ndarray, greedy: list[int]) -> Llama:
-    """Our reference-executor model of ``path``: prefill logits within 1e-5 x max|logit| of transformers'
+def check_matches(path, expected: np.ndarray, greedy: list[int], kind: str = "reference") -> Llama:
+    """Our model of ``path`` on executor ``kind``: prefill logits within 1e-5 x max|logit| of transformers'
     float64 ones (our float32 kernels against float64), the same greedy ids."""
-    ours = Llama(bg.Device("reference"), path, max_context=32)
+    ours = Llama(bg.Device(kind), path, max_context=32)
     step = ours.prefill(PROMPT)
     logits = step.batch.read(step.logits)[0]
     np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
@@ -120,13 +120,15 @@ def test_checkpoint_matches_transformers(tmp_path, name, dtype):
 @pytest.mark.parametrize("name", sorted(WINDOWED))
 def test_sliding_window_checkpoint_matches_transformers(tmp_path, name):
     """A window of 3 positions over a 7-token prompt and 4 generated tokens: logits and greedy ids as
-    transformers', from Llama and from the engine; Qwen2's also from a transformers 4 config.json (no
-    ``layer_types``: the windowed layers from ``use_sliding_window`` and ``max_window_layers``)."""
+    transformers', from Llama (reference and wgpu executors) and from the engine; Qwen2's also from a
+    transformers 4 config.json (no ``layer_types``: the windowed layers from ``use_sliding_window`` and
+    ``max_window_layers``)."""
     config = WINDOWED[name]()
     tiny_model(config, len(name), torch.float32).save_pretrained(tmp_path, safe_serialization=True)
     expected, greedy = float64_run(tmp_path)
     ours = check_matches(tmp_path, expected, greedy)
     assert [ours.config.window(layer) for layer in range(2)] == WINDOWS[name]
+    check_matches(tmp_path, expected, greedy, "wgpu")
     write_tokenizer(tmp_path, SIZES["vocab_size"])
     assert engine_greedy(tmp_path) == greedy
     if name == "qwen2-window":
@@ -208,8 +210,9 @@ def gemma3_gguf_weights(model: torch.nn.Module, layers: int) -> dict[str, np.nda
 def test_gemma3_matches_transformers(tmp_path):
     """transformers' Gemma3ForCausalLM (float64) against batchgpu's reading of a GGUF written from the same
     weights (float32): prefill logits within 1e-5 x max|logit| and greedy ids over a prompt longer than the
-    window, from Llama and from the engine. transformers' Gemma RMS norm computes in float32 even in a float64
-    model, so the reference holds float32 rounding there (far inside the tolerance)."""
+    window, from Llama (reference and wgpu executors) and from the engine. transformers' Gemma RMS norm
+    computes in float32 even in a float64 model, so the reference holds float32 rounding there (far inside
+    the tolerance)."""
     from .test_gemma3 import write_gemma3
 
     config = transformers.Gemma3TextConfig(**GEMMA3)
@@ -231,6 +234,7 @@ def test_gemma3_matches_transformers(tmp_path):
     path = tmp_path / "gemma3.gguf"
     write_gemma3(path, gemma3_gguf_weights(model, d["layers"]), d)
     ours = check_matches(path, expected, greedy)
+    check_matches(path, expected, greedy, "wgpu")
     windowed = [kind == "sliding_attention" for kind in config.layer_types]
     assert [ours.config.window(layer) for layer in range(d["layers"])] == [WINDOW * w for w in windowed]
     assert {ours.config.rope(layer)["theta"] for layer in range(d["layers"]) if windowed[layer]} == {1e4}
