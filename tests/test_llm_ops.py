@@ -4,6 +4,7 @@ attention with per-execute position scalars, embedding, argmax, fused silu*up an
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -839,6 +840,83 @@ def test_quantized_matmul_split_k(gpu, ref, small_bounds, qtype, m, rows, k):
         batch.execute()
         assert len(batch.nodes[-1].launches) == 2  # the partial sums, then their sum
         np.testing.assert_allclose(batch.read(y), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+# Several rows of x per weight block (batch decode): the CPU form (matmul_q4_1 / matmul_q8_0 / matmul_blocks)
+# dequantizes each block once for XROWS (4) rows of x; counts of rows around multiples of 4 and a last group
+# with rows past the end. Each output's sum over the blocks keeps its order, so the tolerance is the one of
+# the single-row tests (float32 sums of 32-value blocks against float64; a driver may contract a * b + c).
+QUANT_ROW_COUNTS = (1, 2, 3, 4, 5, 16, 17)
+
+
+def _quantized_weights(devices, qtype: str, rows: int, k: int, seed: int):
+    """(weights per device, their float64 values): gguf's quantizer for q4_1 / q8_0, random K-quant blocks."""
+    if qtype != "q4_k":
+        weights, truth = quantized_pair(devices, qtype, rows, k, seed)
+        return weights, truth.astype(np.float64)
+    from .test_block_formats import gguf_dequantized, random_blocks
+
+    raw = random_blocks(np.random.default_rng(seed), qtype, rows, k)
+    truth = gguf_dequantized(raw, qtype, (rows, k)).astype(np.float64)
+    return [device.quantized(raw, qtype, (rows, k)) for device in devices], truth
+
+
+@pytest.mark.parametrize("qtype,k", [("q4_1", 160), ("q8_0", 160), ("q4_k", 512)])
+def test_quantized_matmul_row_groups_split_k(gpu, ref, small_bounds, qtype, k):
+    """m rows of x times 37 weight rows (not a multiple of 8 or of the workgroup), K past the split chunk
+    (2 blocks under small_bounds), bias: every row count of QUANT_ROW_COUNTS against float64."""
+    devices = [gpu, ref]
+    weights, truth = _quantized_weights(devices, qtype, 37, k, seed=k)
+    rng = np.random.default_rng(61)
+    bias = random_array(rng, (37,), np.float32)
+    for m in QUANT_ROW_COUNTS:
+        x = random_array(rng, (m, k), np.float32)
+        expected = x.astype(np.float64) @ truth.T + bias
+        for device, w in zip(devices, weights):
+            batch = bg.GpuCommandBatch(device)
+            y = batch.matmul(batch.upload(x), w, transpose_b=True, bias=batch.upload(bias))
+            batch.execute()
+            scale = np.abs(x).astype(np.float64) @ np.abs(truth).T + 1
+            assert np.all(np.abs(batch.read(y) - expected) <= 2e-6 * scale), (device, m)
+
+
+@pytest.mark.parametrize("qtype,k", [("q4_1", 96), ("q8_0", 96), ("q4_k", 256)])
+def test_quantized_matmul_row_groups_epilogues(gpu, ref, qtype, k):
+    """One split, the epilogues in the kernel's store (bias, activation, swiglu) for row counts around the
+    rows of one invocation, against float64."""
+    devices = [gpu, ref]
+    weights, truth = _quantized_weights(devices, qtype, 38, k, seed=k + 1)
+    rng = np.random.default_rng(62)
+    bias = random_array(rng, (38,), np.float32)
+    for m in (3, 5, 17):
+        x = random_array(rng, (m, k), np.float32)
+        product = x.astype(np.float64) @ truth.T
+        with np.errstate(over="ignore"):  # exp(-gate) of a very negative gate: silu gives -0
+            cases = (
+                (dict(bias=True, activation="relu"), np.maximum(product + bias, 0)),
+                (dict(epilogue="swiglu"), swiglu_of_pairs(product)),
+            )
+        for options, expected in cases:
+            for device, w in zip(devices, weights):
+                batch = bg.GpuCommandBatch(device)
+                extra = dict(options, bias=batch.upload(bias)) if options.get("bias") else options
+                y = batch.matmul(batch.upload(x), w, transpose_b=True, **extra)
+                assert len(batch.nodes[-1].launches) == 1  # the epilogue in the GEMV's store
+                batch.execute()
+                np.testing.assert_allclose(batch.read(y), expected, rtol=2e-4, atol=2e-5 * np.abs(expected).max())
+
+
+def test_quantized_matmul_dequantizes_once_per_row_group(ref):
+    """The CPU form's grid: a workgroup row per 4 rows of x (each weight block dequantized once for them),
+    not one per row; the GPU form keeps a warp per output of every row."""
+    from batchgpu.ops import matmul
+
+    (w,), _ = quantized_pair([ref], "q8_0", 40, 64, seed=63)
+    batch = bg.GpuCommandBatch(ref)
+    batch.matmul(batch.upload(np.ones((17, 64), np.float32)), w, transpose_b=True)
+    (launch,) = batch.nodes[-1].launches
+    assert launch.groups[1] == 5  # ceil(17 / 4)
+    assert launch.gpu.groups == math.ceil(40 / matmul.WARPS_PER_BLOCK) * 17
 
 
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])

@@ -511,6 +511,7 @@ QMATMUL = Family(
         override("HAS_BIAS", False, "bool"),
         override("SWIGLU", False, "bool", note="epilogue: out[m, i] = silu(acc[m, 2i]) * acc[m, 2i + 1]"),
         const("ROWS", 8, note="output features per invocation of matmul_q4_1 / matmul_q8_0"),
+        const("XROWS", 4, note="rows of x per invocation of matmul_q4_1 / matmul_q8_0 / matmul_blocks"),
         *GEMV,
     ),
     workgroup=64,

@@ -1,8 +1,8 @@
 """matmul: 2-D and batched (numpy broadcasting over batch dims), optional transposes, 1-D operands
 promoted like numpy. Lowered to one tiled kernel: 64x64 output tiles, 16-deep k tiles staged in
 workgroup memory, 4x4 outputs per invocation. With a quantized ``b`` (QuantTensor, rows of GGUF
-blocks) it lowers to ``qmatmul.wgsl``: one invocation per 8 output features and one row of ``a``,
-blocks dequantized in registers.
+blocks) it lowers to ``qmatmul.wgsl``: one invocation per 8 output features and 4 rows of ``a``,
+each block dequantized once in registers for the 4 rows.
 
 Split-K: an invocation accumulates at most ``bounds.MATMUL_K_CHUNK`` values of K (quantized b:
 ``bounds.QUANT_BLOCK_CHUNK`` blocks). Longer K is cut into ``splits`` ranges: the kernel (every form of
@@ -40,6 +40,7 @@ SKINNY_WORKGROUP = FAMILY.value("SKINNY_WG")
 SKINNY_COLUMNS = FAMILY.value("SKINNY_COLUMNS")  # output columns per invocation in matmul_skinny
 QUANT_WORKGROUP = QMATMUL.value("WG")
 QUANT_ROWS = QMATMUL.value("ROWS")  # output features per invocation in qmatmul.wgsl
+QUANT_X_ROWS = QMATMUL.value("XROWS")  # rows of x per invocation in qmatmul.wgsl (one dequantization)
 BIG_TILE = FAMILY.value("BIG")  # the native executors' large-matmul tile (matmul_128, matmul_mma_f16)
 BIG_TILE_K = FAMILY.value("BIG_K")  # k per shared tile step of matmul_128 (4-byte accumulators)
 MMA_ROW_HALVES = FAMILY.value("MMA_PAD")  # a float16 tile row of matmul_mma_f16: 32 k values + 8 halves of padding
@@ -349,7 +350,7 @@ def _lower_quantized(node: Node) -> list[Launch]:
         entry=entry,
         snippets=snippets,
         types=wgsl_aliases(A=x.dtype, O=target.dtype),
-        groups=(math.ceil(rows / (QUANT_WORKGROUP * QUANT_ROWS)), m, splits),
+        groups=(math.ceil(rows / (QUANT_WORKGROUP * QUANT_ROWS)), math.ceil(m / QUANT_X_ROWS), splits),
         constants=(("HAS_BIAS", len(node.inputs) == 3),),
         params=dict(m=m, n=rows, k=k, blocks=k // BLOCK, block_chunk=block_chunk, splits=splits),
         buffers=dict(x=x, w=w, out=target, bias=bias),

@@ -1,10 +1,12 @@
 // Matmul with GGUF block-quantized weights: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]).
 // W is (N, K) rows of 32-weight blocks (see batchgpu/quant.py for the word layout). Each invocation
-// computes ROWS (8) consecutive output features for one row m of x (workgroup y): it walks the blocks
-// once, loads each block of x once and applies it to the 8 weight rows, dequantizing their words in
-// registers. Loading x once per 8 rows matters most on CPU drivers (llvmpipe), where every loaded
+// computes ROWS (8) consecutive output features for XROWS (4) rows m0.. of x (workgroup y): it walks the
+// blocks once, loads each block of the rows of x once and applies it to the 8 weight rows, dequantizing
+// each weight block once in registers for all the rows of x (a batch decode's rows cost ceil(m / 4)
+// dequantizations, not m). Each output's sum runs over the blocks in the same order whatever the rows
+// grouped with it. Loading x once per 8 rows matters most on CPU drivers (llvmpipe), where every loaded
 // scalar costs the same whatever its address; the code uses no arrays, which such drivers spill to
-// memory. Split-K (batchgpu/ops/matmul.py): split s of p.splits takes blocks [s * block_chunk, min(blocks,
+// memory (a vec4 lane per row of x instead). Split-K (batchgpu/ops/matmul.py): split s of p.splits takes blocks [s * block_chunk, min(blocks,
 // (s + 1) * block_chunk)) and writes its partial sums to slice s of a (splits, m, n) output that a sum pass
 // reduces; only split 0 adds the bias. One split covers all blocks. SWIGLU (one split, no bias): rows come in
 // (gate, up) pairs and the output is (m, n / 2) of silu(gate) * up. Aliases: A (x type), O (output), C (f32).
@@ -56,51 +58,69 @@ fn high(word: u32) -> vec4<f32> {
     return vec4<f32>(unpack4xU8((word >> 4u) & 0x0F0F0F0Fu));
 }
 
-// Q4_1 block b of row n dotted with xb: d * sum(q * x) + m * sum(x). Rows past the end give 0.
-fn q4_1_block(n: u32, b: u32, xb: XBlock) -> f32 {
-    if n >= p.n { return 0.0; }
+fn signed(word: u32) -> vec4<f32> {
+    return vec4<f32>(unpack4xI8(word));
+}
+
+// Q4_1 block b of row n dequantized: q0..q3 the low nibbles (x[0..16)), q4..q7 the high ones, d0 and m0.
+fn q4_1_weights(n: u32, b: u32) -> QBlock {
     let at = (n * p.blocks + b) * 5u;
     let w1 = w[at + 1u];
     let w2 = w[at + 2u];
     let w3 = w[at + 3u];
     let w4 = w[at + 4u];
-    let qx = dot(low(w1), xb.v0) + dot(low(w2), xb.v1) + dot(low(w3), xb.v2) + dot(low(w4), xb.v3)
-           + dot(high(w1), xb.v4) + dot(high(w2), xb.v5) + dot(high(w3), xb.v6) + dot(high(w4), xb.v7);
     let scale = unpack2x16float(w[at]);
-    return scale.x * qx + scale.y * xb.total;
+    return QBlock(low(w1), low(w2), low(w3), low(w4), high(w1), high(w2), high(w3), high(w4), scale.x, scale.y, 0.0, 0.0);
 }
 
-fn signed(word: u32) -> vec4<f32> {
-    return vec4<f32>(unpack4xI8(word));
-}
-
-// Q8_0 block b of row n dotted with xb: d * sum(q * x). Rows past the end give 0.
-fn q8_0_block(n: u32, b: u32, xb: XBlock) -> f32 {
-    if n >= p.n { return 0.0; }
+// Q8_0 block b of row n dequantized: q0..q7 and d0.
+fn q8_0_weights(n: u32, b: u32) -> QBlock {
     let at = (n * p.blocks + b) * 9u;
-    let qx = dot(signed(w[at + 1u]), xb.v0) + dot(signed(w[at + 2u]), xb.v1) + dot(signed(w[at + 3u]), xb.v2)
-           + dot(signed(w[at + 4u]), xb.v3) + dot(signed(w[at + 5u]), xb.v4) + dot(signed(w[at + 6u]), xb.v5)
-           + dot(signed(w[at + 7u]), xb.v6) + dot(signed(w[at + 8u]), xb.v7);
-    return unpack2x16float(w[at]).x * qx;
-}
-
-// Block b of row n in the rendered FORMAT dotted with xb: d0 * sum(q x) + m0 * sum(x) over each half.
-fn format_block(n: u32, b: u32, xb: XBlock) -> f32 {
-    if n >= p.n { return 0.0; }
-    let qb = load_block(p.blocks, n, b);
-    let first = dot(qb.q0, xb.v0) + dot(qb.q1, xb.v1) + dot(qb.q2, xb.v2) + dot(qb.q3, xb.v3);
-    let second = dot(qb.q4, xb.v4) + dot(qb.q5, xb.v5) + dot(qb.q6, xb.v6) + dot(qb.q7, xb.v7);
-    return qb.d0 * first + qb.m0 * xb.half + qb.d1 * second + qb.m1 * (xb.total - xb.half);
+    return QBlock(signed(w[at + 1u]), signed(w[at + 2u]), signed(w[at + 3u]), signed(w[at + 4u]),
+                  signed(w[at + 5u]), signed(w[at + 6u]), signed(w[at + 7u]), signed(w[at + 8u]),
+                  unpack2x16float(w[at]).x, 0.0, 0.0, 0.0);
 }
 
 const Q4_1: u32 = 0u;
 const Q8_0: u32 = 1u;
 const FORMAT: u32 = 2u;  // the rendered FORMAT
 
-fn block_of(kind: u32, n: u32, b: u32, xb: XBlock) -> f32 {
-    if kind == Q4_1 { return q4_1_block(n, b, xb); }
-    if kind == Q8_0 { return q8_0_block(n, b, xb); }
-    return format_block(n, b, xb);
+// Block b of row n (clamped to the last row: the caller drops rows past the end) in `kind`'s layout.
+fn weights_of(kind: u32, n: u32, b: u32) -> QBlock {
+    let row = min(n, p.n - 1u);
+    if kind == Q4_1 { return q4_1_weights(row, b); }
+    if kind == Q8_0 { return q8_0_weights(row, b); }
+    return load_block(p.blocks, row, b);
+}
+
+// A dequantized block of `kind` dotted with xb. Q4_1: d * sum(q x) + m * sum(x); Q8_0: d * sum(q x); the
+// rendered FORMAT: d0 * sum(q x) + m0 * sum(x) over each half.
+fn block_dot(kind: u32, qb: QBlock, xb: XBlock) -> f32 {
+    if kind == FORMAT {
+        let first = dot(qb.q0, xb.v0) + dot(qb.q1, xb.v1) + dot(qb.q2, xb.v2) + dot(qb.q3, xb.v3);
+        let second = dot(qb.q4, xb.v4) + dot(qb.q5, xb.v5) + dot(qb.q6, xb.v6) + dot(qb.q7, xb.v7);
+        return qb.d0 * first + qb.m0 * xb.half + qb.d1 * second + qb.m1 * (xb.total - xb.half);
+    }
+    let qx = dot(qb.q0, xb.v0) + dot(qb.q1, xb.v1) + dot(qb.q2, xb.v2) + dot(qb.q3, xb.v3)
+           + dot(qb.q4, xb.v4) + dot(qb.q5, xb.v5) + dot(qb.q6, xb.v6) + dot(qb.q7, xb.v7);
+    if kind == Q4_1 { return qb.d0 * qx + qb.m0 * xb.total; }
+    return qb.d0 * qx;
+}
+
+// Block b of row n dequantized once and dotted with the blocks of XROWS (4) rows of x: a vec4 lane per row.
+// Lanes past `rows` (the rows of x left in the last group; uniform) stay 0.
+fn block_rows(kind: u32, n: u32, b: u32, rows: u32, x0: XBlock, x1: XBlock, x2: XBlock, x3: XBlock) -> vec4<f32> {
+    let qb = weights_of(kind, n, b);
+    var dots = vec4<f32>(block_dot(kind, qb, x0), 0.0, 0.0, 0.0);
+    if rows > 1u { dots.y = block_dot(kind, qb, x1); }
+    if rows > 2u { dots.z = block_dot(kind, qb, x2); }
+    if rows > 3u { dots.w = block_dot(kind, qb, x3); }
+    return dots;
+}
+
+// Block b of row n in the rendered FORMAT dotted with xb (the warp form).
+fn format_block(n: u32, b: u32, xb: XBlock) -> f32 {
+    return block_dot(FORMAT, load_block(p.blocks, n, b), xb);
 }
 
 // [first, end) of the blocks split `split` takes (empty for a split past the end).
@@ -123,7 +143,9 @@ fn store_pair(n: u32, m: u32, gate: f32, up: f32) {
     out[m * (p.n / 2u) + n / 2u] = O(gate / (1.0 + exp(-gate)) * up);
 }
 
+// Row m's outputs n0..n0 + 7; nothing for a row past the end (the last group of XROWS rows).
 fn store_rows(split: u32, n0: u32, m: u32, a0: f32, a1: f32, a2: f32, a3: f32, a4: f32, a5: f32, a6: f32, a7: f32) {
+    if m >= p.m { return; }
     if SWIGLU {
         store_pair(n0, m, a0, a1);
         store_pair(n0 + 2u, m, a2, a3);
@@ -141,27 +163,58 @@ fn store_rows(split: u32, n0: u32, m: u32, a0: f32, a1: f32, a2: f32, a3: f32, a
     store(split, n0 + 7u, m, a7);
 }
 
-// ROWS consecutive output features n0.. of row m (workgroup y) and split (workgroup z), blocks of `kind`.
+// The sums of ROWS (8) output features, a vec4 lane per row of x.
+struct RowSums {
+    a0: vec4<f32>, a1: vec4<f32>, a2: vec4<f32>, a3: vec4<f32>,
+    a4: vec4<f32>, a5: vec4<f32>, a6: vec4<f32>, a7: vec4<f32>,
+}
+
+// Output features n0.. of `rows` (1..XROWS) rows m0.. of x over the blocks [range.x, range.y) of `kind`:
+// each weight block is dequantized once for the rows; lanes past `rows` are neither read nor computed.
+// One loop iteration per block, as with one row.
+fn row_group_sums(kind: u32, n0: u32, m0: u32, rows: u32, range: vec2<u32>) -> RowSums {
+    var s = RowSums(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0),
+                    vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0));
+    for (var b = range.x; b < range.y; b++) {
+        let x0 = load_x(m0, b);
+        var x1 = x0;
+        var x2 = x0;
+        var x3 = x0;
+        if rows > 1u { x1 = load_x(m0 + 1u, b); }
+        if rows > 2u { x2 = load_x(m0 + 2u, b); }
+        if rows > 3u { x3 = load_x(m0 + 3u, b); }
+        s.a0 += block_rows(kind, n0, b, rows, x0, x1, x2, x3);
+        s.a1 += block_rows(kind, n0 + 1u, b, rows, x0, x1, x2, x3);
+        s.a2 += block_rows(kind, n0 + 2u, b, rows, x0, x1, x2, x3);
+        s.a3 += block_rows(kind, n0 + 3u, b, rows, x0, x1, x2, x3);
+        s.a4 += block_rows(kind, n0 + 4u, b, rows, x0, x1, x2, x3);
+        s.a5 += block_rows(kind, n0 + 5u, b, rows, x0, x1, x2, x3);
+        s.a6 += block_rows(kind, n0 + 6u, b, rows, x0, x1, x2, x3);
+        s.a7 += block_rows(kind, n0 + 7u, b, rows, x0, x1, x2, x3);
+    }
+    return s;
+}
+
+// ROWS consecutive output features n0.. of XROWS rows m0.. of x (workgroup y; the last group may have
+// fewer) and split (workgroup z), blocks of `kind`. A single row (one sequence's decode) takes its own call
+// with rows a constant 1, which the driver's compiler specializes (the lanes of other rows folded away).
 fn matmul_rows(gid: vec3<u32>, wid: vec3<u32>, kind: u32) {
     let n0 = gid.x * ROWS;
     if n0 >= p.n { return; }
-    let m = wid.y;
+    let m0 = wid.y * XROWS;
+    let rows = min(XROWS, p.m - m0);
     let split = wid.z;
     let range = split_blocks(split);
-    var a0 = 0.0; var a1 = 0.0; var a2 = 0.0; var a3 = 0.0;
-    var a4 = 0.0; var a5 = 0.0; var a6 = 0.0; var a7 = 0.0;
-    for (var b = range.x; b < range.y; b++) {
-        let xb = load_x(m, b);
-        a0 += block_of(kind, n0, b, xb);
-        a1 += block_of(kind, n0 + 1u, b, xb);
-        a2 += block_of(kind, n0 + 2u, b, xb);
-        a3 += block_of(kind, n0 + 3u, b, xb);
-        a4 += block_of(kind, n0 + 4u, b, xb);
-        a5 += block_of(kind, n0 + 5u, b, xb);
-        a6 += block_of(kind, n0 + 6u, b, xb);
-        a7 += block_of(kind, n0 + 7u, b, xb);
+    var s: RowSums;
+    if rows == 1u {
+        s = row_group_sums(kind, n0, m0, 1u, range);
+    } else {
+        s = row_group_sums(kind, n0, m0, rows, range);
     }
-    store_rows(split, n0, m, a0, a1, a2, a3, a4, a5, a6, a7);
+    store_rows(split, n0, m0, s.a0.x, s.a1.x, s.a2.x, s.a3.x, s.a4.x, s.a5.x, s.a6.x, s.a7.x);
+    store_rows(split, n0, m0 + 1u, s.a0.y, s.a1.y, s.a2.y, s.a3.y, s.a4.y, s.a5.y, s.a6.y, s.a7.y);
+    store_rows(split, n0, m0 + 2u, s.a0.z, s.a1.z, s.a2.z, s.a3.z, s.a4.z, s.a5.z, s.a6.z, s.a7.z);
+    store_rows(split, n0, m0 + 3u, s.a0.w, s.a1.w, s.a2.w, s.a3.w, s.a4.w, s.a5.w, s.a6.w, s.a7.w);
 }
 
 @compute @workgroup_size(WG)
