@@ -12,7 +12,7 @@ import pytest
 import batchgpu as bg
 
 from . import cuda_cpu
-from .conftest import check_smollm2_greedy_ids, collect_device_tests
+from .conftest import check_smollm2_greedy_ids, collect_device_tests, random_array
 
 TOO_BIG = frozenset({"test_op_above_one_dispatch_limit"})  # 2^25 elements: the small grid covers splitting
 
@@ -72,3 +72,28 @@ def test_tiny_gemma3_on_the_cuda_kernels(gpu, tmp_path):
     step = model.prefill(prompt)
     np.testing.assert_allclose(step.batch.read(step.logits)[0], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
     assert list(model.generate(prompt, 3)) == test_gemma3.greedy(test_gemma3.TINY, weights, prompt, 3)
+
+
+@pytest.mark.parametrize("qtype,k", [("q8_0", 96), ("q4_k", 256)])
+def test_quantized_matmul_cpu_form_on_the_cuda_kernels(gpu, qtype, k):
+    """The CUDA twin of the quantized matmul's CPU form (matmul_q8_0 / matmul_blocks: 8 output features
+    of 4 rows of x per thread, which the native executors leave for the warp form) computes every row of
+    the grid the lowering gives it: row counts around multiples of 4, bias, the swiglu epilogue."""
+    from .test_llm_ops import QUANT_ROW_COUNTS, _quantized_weights, swiglu_of_pairs
+
+    cpu_form = cuda_cpu.device(gpu.executor.kernels)
+    cpu_form.executor.form = lambda launch: launch  # the launch as lowered, not its native form
+    (w,), truth = _quantized_weights([cpu_form], qtype, 38, k, seed=k + 2)
+    rng = np.random.default_rng(64)
+    bias = random_array(rng, (38,), np.float32)
+    for m in QUANT_ROW_COUNTS:
+        x = random_array(rng, (m, k), np.float32)
+        product = x.astype(np.float64) @ truth.T
+        with np.errstate(over="ignore"):
+            cases = (({"bias": True}, product + bias), ({"epilogue": "swiglu"}, swiglu_of_pairs(product)))
+        for options, expected in cases:
+            batch = bg.GpuCommandBatch(cpu_form)
+            extra = dict(bias=batch.upload(bias)) if options.get("bias") else options
+            y = batch.matmul(batch.upload(x), w, transpose_b=True, **extra)
+            batch.execute()
+            np.testing.assert_allclose(batch.read(y), expected, rtol=2e-4, atol=2e-5 * np.abs(expected).max())

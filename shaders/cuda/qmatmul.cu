@@ -1,6 +1,7 @@
 // Matmul with GGUF block-quantized weights: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]).
 // matmul_q4_1 / matmul_q8_0 mirror shaders/wgsl/qmatmul.wgsl: each thread computes ROWS (8)
-// consecutive output features n for one row m of x (block y), loading each block of x once for all 8.
+// consecutive output features n for XROWS (4) rows m0.. of x (block y; the last group may have fewer),
+// loading each block of x once for all 8 and applying each weight block to the rows.
 // The native executors launch the *_warp entries instead (batchgpu/ops/matmul.py): one 32-lane warp
 // per output feature n, lanes striding over the row's words so a warp reads W coalesced, then a warp
 // sum. x is read as float4 (float32 activations, K a multiple of 32). Split-K as in the WGSL twin: split s
@@ -96,30 +97,43 @@ template <unsigned KIND>
 __device__ void matmul_rows(const float4* x, const unsigned* w, O* out, const Params& p, const A* bias) {
     unsigned n0 = (blockIdx.x * blockDim.x + threadIdx.x) * ROWS;
     if (n0 >= p.n) return;
-    unsigned m = blockIdx.y, split = blockIdx.z;
-    float acc[ROWS] = {};
+    unsigned m0 = blockIdx.y * XROWS, split = blockIdx.z;
+    unsigned rows = bg_min(XROWS, p.m - m0);  // the last group may have fewer
+    float acc[XROWS][ROWS] = {};
     for (unsigned b = split_first(p, split), end = split_end(p, split); b < end; b++) {
-        float4 xb[8];
-        float xhalf = 0.0f, xsum = 0.0f;
+        float4 xb[XROWS][8];
+        float xhalf[XROWS] = {}, xsum[XROWS] = {};
 #pragma unroll
-        for (unsigned i = 0; i < 8u; i++) {
-            xb[i] = x[m * (p.k / 4u) + b * 8u + i];
-            xsum += xb[i].x + xb[i].y + xb[i].z + xb[i].w;
-            if (i == 3u) xhalf = xsum;
+        for (unsigned j = 0; j < XROWS; j++) {
+            if (j >= rows) break;
+#pragma unroll
+            for (unsigned i = 0; i < 8u; i++) {
+                xb[j][i] = x[(m0 + j) * (p.k / 4u) + b * 8u + i];
+                xsum[j] += xb[j][i].x + xb[j][i].y + xb[j][i].z + xb[j][i].w;
+                if (i == 3u) xhalf[j] = xsum[j];
+            }
         }
 #pragma unroll
         for (unsigned r = 0; r < ROWS; r++) {
-            if (n0 + r < p.n) acc[r] += block_dot<KIND>(w, p, n0 + r, b, xb, xhalf, xsum);
+            if (n0 + r >= p.n) break;
+#pragma unroll
+            for (unsigned j = 0; j < XROWS; j++) {
+                if (j < rows) acc[j][r] += block_dot<KIND>(w, p, n0 + r, b, xb[j], xhalf[j], xsum[j]);
+            }
         }
     }
-    if (SWIGLU) {
 #pragma unroll
-        for (unsigned r = 0; r < ROWS; r += 2u) store_pair(out, p, n0 + r, m, acc[r], acc[r + 1u]);
-        return;
-    }
+    for (unsigned j = 0; j < XROWS; j++) {
+        if (j >= rows) break;
+        if (SWIGLU) {
 #pragma unroll
-    for (unsigned r = 0; r < ROWS; r++) {
-        if (n0 + r < p.n) store(out, bias, p, split, n0 + r, m, acc[r]);
+            for (unsigned r = 0; r < ROWS; r += 2u) store_pair(out, p, n0 + r, m0 + j, acc[j][r], acc[j][r + 1u]);
+            continue;
+        }
+#pragma unroll
+        for (unsigned r = 0; r < ROWS; r++) {
+            if (n0 + r < p.n) store(out, bias, p, split, n0 + r, m0 + j, acc[j][r]);
+        }
     }
 }
 
