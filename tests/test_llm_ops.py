@@ -907,8 +907,8 @@ def test_quantized_matmul_row_groups_epilogues(gpu, ref, qtype, k):
 
 
 def test_quantized_matmul_dequantizes_once_per_row_group(ref):
-    """The CPU form's grid: a workgroup row per 4 rows of x (each weight block dequantized once for them),
-    not one per row; the GPU form keeps a warp per output of every row."""
+    """The grids: a workgroup row per 4 rows of x (each weight block dequantized once for them), not one
+    per row, in the CPU form; a warp per output of every 4 rows in the GPU form."""
     from batchgpu.ops import matmul
 
     (w,), _ = quantized_pair([ref], "q8_0", 40, 64, seed=63)
@@ -916,7 +916,7 @@ def test_quantized_matmul_dequantizes_once_per_row_group(ref):
     batch.matmul(batch.upload(np.ones((17, 64), np.float32)), w, transpose_b=True)
     (launch,) = batch.nodes[-1].launches
     assert launch.groups[1] == 5  # ceil(17 / 4)
-    assert launch.gpu.groups == math.ceil(40 / matmul.WARPS_PER_BLOCK) * 17
+    assert launch.gpu.groups == math.ceil(40 / matmul.WARPS_PER_BLOCK) * 5
 
 
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])

@@ -355,7 +355,8 @@ def _lower_quantized(node: Node) -> list[Launch]:
         params=dict(m=m, n=rows, k=k, blocks=k // BLOCK, block_chunk=block_chunk, splits=splits),
         buffers=dict(x=x, w=w, out=target, bias=bias),
     )
-    launch.native = launch.gpu = _warp_per_output(launch, f"{entry}_warp", rows, m * splits, 1)
+    row_groups = math.ceil(m / QUANT_X_ROWS)  # each weight word read once for XROWS rows of x
+    launch.native = launch.gpu = _warp_per_output(launch, f"{entry}_warp", rows, row_groups * splits, 1)
     return [launch, *_sum_splits(node, target)]
 
 

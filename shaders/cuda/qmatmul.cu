@@ -57,9 +57,7 @@ enum BlockKind : unsigned { Q4_1 = 0u, Q8_0 = 1u, FORMAT = 2u };  // FORMAT: the
 
 // Block b of row n in the rendered block format dotted with xb (xhalf: the sum of its first 16 values,
 // xsum: of all): d0 * sum(q x) + m0 * sum(x) over each half.
-__device__ __forceinline__ float format_block(const unsigned* w, const Params& p, unsigned n, unsigned b,
-                                              const float4* xb, float xhalf, float xsum) {
-    QBlock qb = load_block(w, p.blocks, n, b);
+__device__ __forceinline__ float format_dot(const QBlock& qb, const float4* xb, float xhalf, float xsum) {
     float first = 0.0f, second = 0.0f;
 #pragma unroll
     for (unsigned i = 0; i < 4u; i++) {
@@ -67,6 +65,23 @@ __device__ __forceinline__ float format_block(const unsigned* w, const Params& p
         second += dot4(qb.q[16u + 4u * i], qb.q[17u + 4u * i], qb.q[18u + 4u * i], qb.q[19u + 4u * i], xb[4u + i]);
     }
     return qb.d0 * first + qb.m0 * xhalf + qb.d1 * second + qb.m1 * (xsum - xhalf);
+}
+
+__device__ __forceinline__ float format_block(const unsigned* w, const Params& p, unsigned n, unsigned b,
+                                              const float4* xb, float xhalf, float xsum) {
+    return format_dot(load_block(w, p.blocks, n, b), xb, xhalf, xsum);
+}
+
+// Block b of x's row m as format_dot takes it: its 8 float4s, the sums of its first 16 and all values.
+__device__ __forceinline__ void load_x_block(const float4* x, const Params& p, unsigned m, unsigned b, float4* xb,
+                                             float& xhalf, float& xsum) {
+    xhalf = xsum = 0.0f;
+#pragma unroll
+    for (unsigned i = 0; i < 8u; i++) {
+        xb[i] = x[m * (p.k / 4u) + b * 8u + i];
+        xsum += xb[i].x + xb[i].y + xb[i].z + xb[i].w;
+        if (i == 3u) xhalf = xsum;
+    }
 }
 
 // Block b of row n of W dotted with the block xb of x (xhalf, xsum: sums of its first 16 and all values):
@@ -102,16 +117,11 @@ __device__ void matmul_rows(const float4* x, const unsigned* w, O* out, const Pa
     float acc[XROWS][ROWS] = {};
     for (unsigned b = split_first(p, split), end = split_end(p, split); b < end; b++) {
         float4 xb[XROWS][8];
-        float xhalf[XROWS] = {}, xsum[XROWS] = {};
+        float xhalf[XROWS], xsum[XROWS];
 #pragma unroll
         for (unsigned j = 0; j < XROWS; j++) {
             if (j >= rows) break;
-#pragma unroll
-            for (unsigned i = 0; i < 8u; i++) {
-                xb[j][i] = x[(m0 + j) * (p.k / 4u) + b * 8u + i];
-                xsum[j] += xb[j][i].x + xb[j][i].y + xb[j][i].z + xb[j][i].w;
-                if (i == 3u) xhalf[j] = xsum[j];
-            }
+            load_x_block(x, p, m0 + j, b, xb[j], xhalf[j], xsum[j]);
         }
 #pragma unroll
         for (unsigned r = 0; r < ROWS; r++) {
@@ -149,55 +159,74 @@ extern "C" __global__ void matmul_blocks(BG_ARGS) {
     matmul_rows<FORMAT>(x, w, out, p, bias);
 }
 
-// One warp per output feature n of row m and split: the linear block index (split over grid x/y by the
-// executor) runs over ceil(p.n / warps per block) blocks per row, row after row, split after split. A unit
-// is one data word of a block with the float4s of x it multiplies: Q4_1 has 4 per block (low nibbles:
-// x[4i..4i+3], high nibbles: x[16+4i..]), Q8_0 has 8, the rendered FORMAT one (a whole block). Every lane
-// runs the warp sum (lanes past p.n read the last row).
+// One warp per output feature n of XROWS (4) rows m0.. of x (the last group may have fewer) and split,
+// each weight word read once for the rows: the linear block index (split over grid x/y by the executor)
+// runs over ceil(p.n / warps per block) blocks per group of rows, group after group, split after split. A
+// unit is one data word of a block with the float4s of x it multiplies: Q4_1 has 4 per block (low
+// nibbles: x[4i..4i+3], high nibbles: x[16+4i..]), Q8_0 has 8, the rendered FORMAT one (a whole block).
+// Every lane runs the warp sums (lanes past p.n read the last row).
 template <unsigned KIND>
 __device__ void matmul_warp_rows(const float4* x, const unsigned* w, O* out, const Params& p, const A* bias) {
     unsigned lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
     unsigned per_row = (p.n + warps - 1u) / warps, block = bg_block_index();
-    unsigned split = block / per_row / p.m;
+    unsigned row_groups = (p.m + XROWS - 1u) / XROWS;
+    unsigned split = block / per_row / row_groups;
     if (split >= p.splits) return;  // spare blocks of a count spread over grid x and y
-    unsigned m = block / per_row % p.m, n = (block % per_row) * warps + (threadIdx.x >> 5);
+    unsigned m0 = block / per_row % row_groups * XROWS, n = (block % per_row) * warps + (threadIdx.x >> 5);
+    unsigned rows = bg_min(XROWS, p.m - m0);
     unsigned row = bg_min(n, p.n - 1u);
-    const float4* xm = x + m * (p.k / 4u);
     const unsigned units = KIND == Q8_0 ? 8u : KIND == Q4_1 ? 4u : 1u;  // per block
     const unsigned end = split_end(p, split) * units;
-    float acc = 0.0f;
+    float acc[XROWS] = {};
     for (unsigned u = split_first(p, split) * units + lane; u < end; u += 32u) {
         if (KIND == FORMAT) {
-            float4 xb[8];
-            float xhalf = 0.0f, xsum = 0.0f;
+            QBlock qb = load_block(w, p.blocks, row, u);
 #pragma unroll
-            for (unsigned i = 0; i < 8u; i++) {
-                xb[i] = xm[u * 8u + i];
-                xsum += xb[i].x + xb[i].y + xb[i].z + xb[i].w;
-                if (i == 3u) xhalf = xsum;
+            for (unsigned j = 0; j < XROWS; j++) {
+                if (j >= rows) break;
+                float4 xb[8];
+                float xhalf, xsum;
+                load_x_block(x, p, m0 + j, u, xb, xhalf, xsum);
+                acc[j] += format_dot(qb, xb, xhalf, xsum);
             }
-            acc += format_block(w, p, row, u, xb, xhalf, xsum);
         } else if (KIND == Q8_0) {
             unsigned b = u >> 3, i = u & 7u, at = (row * p.blocks + b) * 9u;
-            acc += bg_bits2f(w[at] & 0xFFFFu) * dot_i8(w[at + 1u + i], xm[b * 8u + i]);
+            float d = bg_bits2f(w[at] & 0xFFFFu);
+            unsigned word = w[at + 1u + i];
+#pragma unroll
+            for (unsigned j = 0; j < XROWS; j++) {
+                if (j >= rows) break;
+                acc[j] += d * dot_i8(word, x[(m0 + j) * (p.k / 4u) + b * 8u + i]);
+            }
         } else {
             unsigned b = u >> 2, i = u & 3u, at = (row * p.blocks + b) * 5u;
             unsigned scales = w[at], word = w[at + 1u + i];
-            float4 lo = xm[b * 8u + i], hi = xm[b * 8u + 4u + i];
-            float qx = dot_u8(word & 0x0F0F0F0Fu, lo) + dot_u8((word >> 4u) & 0x0F0F0F0Fu, hi);
-            float xs = (lo.x + lo.y) + (lo.z + lo.w) + (hi.x + hi.y) + (hi.z + hi.w);
-            acc += bg_bits2f(scales & 0xFFFFu) * qx + bg_bits2f(scales >> 16u) * xs;
+#pragma unroll
+            for (unsigned j = 0; j < XROWS; j++) {
+                if (j >= rows) break;
+                const float4* xm = x + (m0 + j) * (p.k / 4u);
+                float4 lo = xm[b * 8u + i], hi = xm[b * 8u + 4u + i];
+                float qx = dot_u8(word & 0x0F0F0F0Fu, lo) + dot_u8((word >> 4u) & 0x0F0F0F0Fu, hi);
+                float xs = (lo.x + lo.y) + (lo.z + lo.w) + (hi.x + hi.y) + (hi.z + hi.w);
+                acc[j] += bg_bits2f(scales & 0xFFFFu) * qx + bg_bits2f(scales >> 16u) * xs;
+            }
         }
     }
-    acc = bg_warp_sum(acc);
-    if (SWIGLU) {  // warps 2j and 2j + 1 hold the gate and up rows of a pair
-        __shared__ float totals[32];
-        if (lane == 0u) totals[threadIdx.x >> 5] = acc;
-        __syncthreads();
-        if (lane == 0u && ((threadIdx.x >> 5) & 1u) == 0u) store_pair(out, p, n, m, acc, totals[(threadIdx.x >> 5) + 1u]);
-        return;
+    __shared__ float totals[32];
+#pragma unroll
+    for (unsigned j = 0; j < XROWS; j++) {
+        if (j >= rows) break;
+        float total = bg_warp_sum(acc[j]);
+        if (SWIGLU) {  // warps 2j and 2j + 1 hold the gate and up rows of a pair
+            __syncthreads();  // the previous row's readers are done with totals
+            if (lane == 0u) totals[threadIdx.x >> 5] = total;
+            __syncthreads();
+            if (lane == 0u && ((threadIdx.x >> 5) & 1u) == 0u)
+                store_pair(out, p, n, m0 + j, total, totals[(threadIdx.x >> 5) + 1u]);
+        } else if (lane == 0u && n < p.n) {
+            store(out, bias, p, split, n, m0 + j, total);
+        }
     }
-    if (lane == 0u && n < p.n) store(out, bias, p, split, n, m, acc);
 }
 
 extern "C" __global__ void matmul_q4_1_warp(BG_ARGS) {

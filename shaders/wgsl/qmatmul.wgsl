@@ -118,11 +118,6 @@ fn block_rows(kind: u32, n: u32, b: u32, rows: u32, x0: XBlock, x1: XBlock, x2: 
     return dots;
 }
 
-// Block b of row n in the rendered FORMAT dotted with xb (the warp form).
-fn format_block(n: u32, b: u32, xb: XBlock) -> f32 {
-    return block_dot(FORMAT, load_block(p.blocks, n, b), xb);
-}
-
 // [first, end) of the blocks split `split` takes (empty for a split past the end).
 fn split_blocks(split: u32) -> vec2<u32> {
     let first = split * p.block_chunk;
@@ -234,14 +229,18 @@ fn matmul_blocks(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgro
 
 // GPU-shaped twins (matmul_q4_1_warp, matmul_q8_0_warp; batchgpu/ops/matmul.py attaches them as the
 // launch's GPU form, run on GPU adapters and by the CUDA/HIP executors): GEMV_WG (256) invocations = WARPS
-// (8) groups of WARP (32), a group per output feature n of row m and split. The linear workgroup index
-// (split over x/y) runs over ceil(p.n / WARPS) workgroups per row, row after row, split after split. A unit
+// (8) groups of WARP (32), a group per output feature n of XROWS (4) rows m0.. of x and split, each weight
+// word read once for the rows. The linear workgroup index (split over x/y) runs over ceil(p.n / WARPS)
+// workgroups per group of rows, group after group, split after split. A unit
 // is one data word of a block with the vec4s of x it multiplies (Q4_1: 4 per block, low nibbles
 // x[4i..4i+3], high x[16+4i..]; Q8_0: 8), so a group reads W's words consecutively; the group's sum goes
 // through workgroup memory.
 var<workgroup> lane_sums: array<f32, GEMV_WG>;
 
+// The sum of `value` over the lanes of lid's group, for every lane of it. The first barrier lets the
+// previous call's readers finish before its slots are written again.
 fn group_sum(lid: u32, value: f32) -> f32 {
+    workgroupBarrier();
     lane_sums[lid] = value;
     workgroupBarrier();
     for (var stride = WARP / 2u; stride > 0u; stride >>= 1u) {
@@ -251,53 +250,82 @@ fn group_sum(lid: u32, value: f32) -> f32 {
     return lane_sums[lid - lid % WARP];
 }
 
-fn q4_1_unit(row: u32, m: u32, u: u32) -> f32 {
+// Unit u of row `row` (a Q4_1 word) dotted with the rows m0.. of x: a vec4 lane per row, lanes past
+// `rows` 0. The word is unpacked once for the rows.
+fn q4_1_unit(row: u32, m0: u32, rows: u32, u: u32) -> vec4<f32> {
     let b = u / 4u;
     let i = u % 4u;
     let at = (row * p.blocks + b) * 5u;
     let word = w[at + 1u + i];
-    let lo = x[m * (p.k / 4u) + b * 8u + i];
-    let hi = x[m * (p.k / 4u) + b * 8u + 4u + i];
+    let q_lo = low(word);
+    let q_hi = high(word);
     let scale = unpack2x16float(w[at]);
     let ones = vec4<f32>(1.0);
-    return scale.x * (dot(low(word), lo) + dot(high(word), hi)) + scale.y * (dot(lo, ones) + dot(hi, ones));
+    var dots = vec4<f32>(0.0);
+    for (var j = 0u; j < rows; j++) {
+        let lo = x[(m0 + j) * (p.k / 4u) + b * 8u + i];
+        let hi = x[(m0 + j) * (p.k / 4u) + b * 8u + 4u + i];
+        dots[j] = scale.x * (dot(q_lo, lo) + dot(q_hi, hi)) + scale.y * (dot(lo, ones) + dot(hi, ones));
+    }
+    return dots;
 }
 
-fn q8_0_unit(row: u32, m: u32, u: u32) -> f32 {
+fn q8_0_unit(row: u32, m0: u32, rows: u32, u: u32) -> vec4<f32> {
     let b = u / 8u;
     let at = (row * p.blocks + b) * 9u;
-    return unpack2x16float(w[at]).x * dot(signed(w[at + 1u + u % 8u]), x[m * (p.k / 4u) + b * 8u + u % 8u]);
+    let d = unpack2x16float(w[at]).x;
+    let q = signed(w[at + 1u + u % 8u]);
+    var dots = vec4<f32>(0.0);
+    for (var j = 0u; j < rows; j++) {
+        dots[j] = d * dot(q, x[(m0 + j) * (p.k / 4u) + b * 8u + u % 8u]);
+    }
+    return dots;
 }
 
-// One output of a group (units of Q4_1 or Q8_0 words, or whole blocks of the rendered FORMAT); every
-// invocation of the workgroup calls it.
+fn format_unit(row: u32, m0: u32, rows: u32, b: u32) -> vec4<f32> {
+    let qb = load_block(p.blocks, row, b);
+    var dots = vec4<f32>(0.0);
+    for (var j = 0u; j < rows; j++) {
+        dots[j] = block_dot(FORMAT, qb, load_x(m0 + j, b));
+    }
+    return dots;
+}
+
+// One output of a group for XROWS rows m0.. of x (units of Q4_1 or Q8_0 words, or whole blocks of the
+// rendered FORMAT, each read once for the rows); every invocation of the workgroup calls it. Loop
+// iterations per lane: at most QUANT_BLOCK_CHUNK * 8 / WARP units, each with a loop over <= XROWS rows,
+// 10,240 in all for Q8_0 (bounds.LOOP_BUDGET is 16,384), plus XROWS group sums of log2(WARP) steps.
 fn warp_matmul(lid: u32, wid: vec3<u32>, groups: vec3<u32>, kind: u32) {
     let per_row = (p.n + WARPS - 1u) / WARPS;
+    let row_groups = (p.m + XROWS - 1u) / XROWS;
     let block = wid.x + wid.y * groups.x;
-    let split = block / per_row / p.m;
+    let split = block / per_row / row_groups;
     if split >= p.splits { return; }  // spare workgroups of a count spread over x and y (uniform)
-    let m = block / per_row % p.m;
+    let m0 = block / per_row % row_groups * XROWS;
+    let rows = min(XROWS, p.m - m0);
     let n = (block % per_row) * WARPS + lid / WARP;
     let row = min(n, p.n - 1u);
     let units = select(select(1u, 8u, kind == Q8_0), 4u, kind == Q4_1);  // per block
     let range = split_blocks(split) * units;
-    var acc = 0.0;
+    var acc = vec4<f32>(0.0);
     for (var u = range.x + lid % WARP; u < range.y; u += WARP) {
         if kind == Q8_0 {
-            acc += q8_0_unit(row, m, u);
+            acc += q8_0_unit(row, m0, rows, u);
         } else if kind == Q4_1 {
-            acc += q4_1_unit(row, m, u);
+            acc += q4_1_unit(row, m0, rows, u);
         } else {
-            acc += format_block(row, u, load_x(m, u));
+            acc += format_unit(row, m0, rows, u);
         }
     }
-    let total = group_sum(lid, acc);
-    if SWIGLU {  // warps 2j and 2j + 1 hold the gate and up rows of a pair
-        let partner = lane_sums[(lid - lid % WARP) ^ WARP];
-        if lid % (2u * WARP) == 0u { store_pair(n, m, total, partner); }
-        return;
+    for (var j = 0u; j < rows; j++) {
+        let total = group_sum(lid, acc[j]);
+        if SWIGLU {  // warps 2j and 2j + 1 hold the gate and up rows of a pair
+            let partner = lane_sums[(lid - lid % WARP) ^ WARP];
+            if lid % (2u * WARP) == 0u { store_pair(n, m0 + j, total, partner); }
+        } else if lid % WARP == 0u {
+            store(split, n, m0 + j, total);
+        }
     }
-    if lid % WARP == 0u { store(split, n, m, total); }
 }
 
 @compute @workgroup_size(GEMV_WG)
