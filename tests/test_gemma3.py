@@ -19,7 +19,7 @@ from batchgpu.llm import Engine, SamplingParams
 from batchgpu.models.config import LlamaConfig
 from batchgpu.models.llama import Llama
 
-from .test_llama_variants import stored, tiny_tokenizer
+from .test_llama_variants import tiny_sizes, write_tiny_gguf
 
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the test models")
 
@@ -116,33 +116,10 @@ def greedy(d: dict, weights: dict[str, np.ndarray], prompt: list[int], n: int) -
 
 
 def write_gemma3(path, weights: dict[str, np.ndarray], d: dict = TINY, qtype: str = "F32") -> dict[str, np.ndarray]:
-    """The tiny model as llama.cpp's converter writes a Gemma 3 GGUF; returns the weights the file means."""
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    sizes = {
-        "block_count": d["layers"],
-        "embedding_length": d["hidden"],
-        "attention.head_count": d["heads"],
-        "attention.head_count_kv": d["kv_heads"],
-        "attention.key_length": d["head_dim"],
-        "attention.value_length": d["head_dim"],
-        "feed_forward_length": d["ffn"],
-        "context_length": 64,
-        "attention.sliding_window": d["window"],
-    }
-    for key, value in sizes.items():
-        writer.add_uint32(f"gemma3.{key}", value)
-    writer.add_layer_norm_rms_eps(d["eps"])
-    writer.add_rope_freq_base(d["theta"])
-    tiny_tokenizer(writer, d["vocab"])
-    rng, meant = np.random.default_rng(5), {}
-    for name, array in weights.items():
-        data, meant[name], kind = stored(name, array, qtype, rng)
-        writer.add_tensor(name, data, raw_dtype=kind if kind != gguf.GGMLQuantizationType.F32 else None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return meant
+    """The tiny model as llama.cpp's converter writes a Gemma 3 GGUF (no ``rope.dimension_count``, the window);
+    returns the weights the file means."""
+    sizes = {**tiny_sizes(d), "attention.sliding_window": d["window"]}
+    return write_tiny_gguf(path, "gemma3", d, weights, qtype, sizes, seed=5)
 
 
 @pytest.fixture(scope="module")

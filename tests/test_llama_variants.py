@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -198,45 +199,70 @@ def tiny_tokenizer(writer: object, vocab: int) -> None:
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
-def write_gguf(
-    path, variant: str, weights: dict[str, np.ndarray], qtype: str = "F32", d: dict | None = None, **metadata: int
-):
-    """Write the model; returns the weights the file means (blocks dequantized by the gguf package)."""
-    d, architecture = d or VARIANTS[variant], GGUF_ARCHITECTURE[variant]
-    rng = np.random.default_rng(99)
-    writer = gguf.GGUFWriter(str(path), architecture)
-    sizes = {
+def tiny_sizes(d: dict) -> dict[str, int]:
+    """The ``<architecture>.*`` sizes every tiny file writes (``write_tiny_gguf``' ``sizes`` start from these)."""
+    return {
         "block_count": d["layers"],
         "embedding_length": d["hidden"],
         "attention.head_count": d["heads"],
         "attention.head_count_kv": d["kv_heads"],
         "attention.key_length": d["head_dim"],
         "attention.value_length": d["head_dim"],
-        "rope.dimension_count": d["head_dim"],
         "feed_forward_length": d["ffn"],
         "context_length": 64,
     }
-    sizes.update({key.replace("__", "."): value for key, value in metadata.items()})
+
+
+def write_tiny_gguf(
+    path,
+    architecture: str,
+    d: dict,
+    weights: dict[str, np.ndarray],
+    qtype: str,
+    sizes: dict[str, int],
+    *,
+    seed: int,
+    rows: Callable[[str, np.ndarray], np.ndarray] = lambda name, data: data,
+) -> dict[str, np.ndarray]:
+    """A tiny model's GGUF: ``sizes`` as ``<architecture>.*`` keys, eps, RoPE base, the tiny tokenizer, Llama 3's
+    ``rope_freqs`` where ``d`` scales RoPE, then each weight as ``qtype`` stores it (``rows``: what the file
+    holds of a weight's stored rows). Returns the weights the file means (blocks dequantized by gguf)."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), architecture)
     for key, value in sizes.items():
         writer.add_uint32(f"{architecture}.{key}", value)
     writer.add_layer_norm_rms_eps(d["eps"])
     writer.add_rope_freq_base(d["theta"])
     tiny_tokenizer(writer, d["vocab"])
-    if d["scaling"] is not None:
+    if d.get("scaling") is not None:
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(d))
     meant = {}
     for name, array in weights.items():
         data, meant[name], kind = stored(name, array, qtype, rng)
-        if architecture == "llama" and ".attn_q." in name:
-            data = permute(data, d["heads"])
-        elif architecture == "llama" and ".attn_k." in name:
-            data = permute(data, d["kv_heads"])
-        writer.add_tensor(name, data, raw_dtype=kind if kind != gguf.GGMLQuantizationType.F32 else None)
+        writer.add_tensor(name, rows(name, data), raw_dtype=kind if kind != gguf.GGMLQuantizationType.F32 else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return meant
+
+
+def write_gguf(
+    path, variant: str, weights: dict[str, np.ndarray], qtype: str = "F32", d: dict | None = None, **metadata: int
+):
+    """Write the model; returns the weights the file means (blocks dequantized by the gguf package)."""
+    d, architecture = d or VARIANTS[variant], GGUF_ARCHITECTURE[variant]
+    sizes = {**tiny_sizes(d), "rope.dimension_count": d["head_dim"]}
+    sizes.update({key.replace("__", "."): value for key, value in metadata.items()})
+
+    def llama_rows(name: str, data: np.ndarray) -> np.ndarray:  # llama.cpp's q/k permutation for its rope
+        if architecture == "llama" and ".attn_q." in name:
+            return permute(data, d["heads"])
+        if architecture == "llama" and ".attn_k." in name:
+            return permute(data, d["kv_heads"])
+        return data
+
+    return write_tiny_gguf(path, architecture, d, weights, qtype, sizes, seed=99, rows=llama_rows)
 
 
 def check_model(model: Llama, d: dict, weights: dict[str, np.ndarray]) -> None:
