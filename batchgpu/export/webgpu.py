@@ -25,7 +25,6 @@ are kept 1-D in the manifest and split over x/y by ``batch.js`` with the browser
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 from collections.abc import Mapping, Sequence
@@ -36,18 +35,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import BatchError, ExportError, UnsupportedError
-from ..executors.base import POISON_BYTE, padded
+from ..executors.base import POISON_BYTE
 from ..executors.wgpu_plan import LaunchLayout, WgpuLayout, plan_launches
 from ..kernels import Launch
 from ..runtime import BatchView
 from ..scalars import SCALAR_BYTES
 from ..tensor import Storage, Tensor
+from .plan import PARAMS_ALIGN, ProgramPlan
 
 FORMAT = "batchgpu-webgpu/1"
-PARAMS_ALIGN = 256
-"""Uniform parameter offsets: 256 is the largest minUniformBufferOffsetAlignment WebGPU allows, so the
-layout is valid on every browser device."""
-
 TEMPLATE_FILES = ("index.html", "batch.js")
 
 _ENABLE = re.compile(r"^\s*enable\s+([^;]+);", re.MULTILINE)
@@ -114,7 +110,7 @@ def export_webgpu(
     offered = {str(f) for f in features}
     launches = [launch.for_gpu() if gpu_kernels else launch for node in view.nodes for launch in node.launches]
     layout = plan_launches(launches, PARAMS_ALIGN)  # what the wgpu executor would build, params 256-aligned
-    required = _required_features(layout.launches, offered)
+    required = required_features(layout.launches, offered)
     validated_feeds = view.check_feeds(feeds)
     scalar_values = view.check_scalars(scalars)
     output_tensors = _output_tensors(view, outputs)
@@ -148,8 +144,9 @@ def _check_out_dir(out: Path) -> None:
         raise BatchError(f"export_webgpu: {out} is not empty and holds no earlier export; pick an empty folder")
 
 
-def _required_features(launches: Sequence[LaunchLayout], offered: set[str]) -> set[str]:
-    """WebGPU features the WGSL ``enable`` directives need; refuses those not in ``offered``."""
+def required_features(launches: Sequence[LaunchLayout], offered: set[str], what: str = "export_webgpu") -> set[str]:
+    """WebGPU features the WGSL ``enable`` directives need; refuses those not in ``offered`` (UnsupportedError
+    naming ``what``, the op and the feature)."""
     required: set[str] = set()
     for planned in launches:
         launch, pipeline = planned.launch, planned.pipeline
@@ -161,7 +158,7 @@ def _required_features(launches: Sequence[LaunchLayout], offered: set[str]) -> s
                 if feature not in offered:
                     offered_text = ", ".join(sorted(offered)) or "none: core WebGPU"
                     raise UnsupportedError(
-                        f"export_webgpu: {launch.label} ({pipeline.shader_name}) needs the WebGPU feature "
+                        f"{what}: {launch.label} ({pipeline.shader_name}) needs the WebGPU feature "
                         f"{feature!r} (WGSL 'enable {extension}'), which the export's features do not include "
                         f"({offered_text}); browsers without it (e.g. Chrome's SwiftShader) cannot run it. "
                         f"Use float32 tensors, or pass features=({feature!r},) if the target browsers offer it"
@@ -272,107 +269,17 @@ def _manifest(
     expected: Sequence[np.ndarray],
     tolerance: tuple[float, float] | None,
 ) -> tuple[dict[str, Any], list[str]]:
-    index = {storage: i for i, storage in enumerate(storages)}
-    names = _storage_names(view, input_tensors, outputs)
-
-    shaders: list[dict[str, Any]] = []
-    shader_index: dict[str, int] = {}
-    pipelines: list[dict[str, Any]] = []
-    pipeline_index: dict[tuple, int] = {}
-    dispatches: list[dict[str, Any]] = []
-    needs = {
-        "maxStorageBufferBindingSize": 0,
-        "maxBufferSize": SCALAR_BYTES,
-        "maxStorageBuffersPerShaderStage": 0,
-        "maxUniformBufferBindingSize": SCALAR_BYTES,
-        "maxComputeWorkgroupStorageSize": 0,
-        "maxComputeInvocationsPerWorkgroup": 1,
-        "maxComputeWorkgroupSizeX": 1,
-        "maxComputeWorkgroupSizeY": 1,
-        "maxComputeWorkgroupSizeZ": 1,
-        "maxComputeWorkgroupsPerDimension": 1,
-    }
-
-    for planned in layout.launches:
-        launch, pipeline = planned.launch, planned.pipeline
-        if pipeline.source not in shader_index:
-            shader_index[pipeline.source] = len(shaders)
-            shaders.append({"file": f"shaders/{len(shaders)}.wgsl", "label": pipeline.shader_name})
-        manifest_layout: Any = "auto"
-        if pipeline.layout is not None:
-            manifest_layout = {"storage": pipeline.layout[0], "uniform": pipeline.layout[1]}
-        key = (
-            shader_index[pipeline.source],
-            pipeline.entry,
-            tuple(sorted(pipeline.constants.items())),
-            pipeline.layout,
-        )
-        if key not in pipeline_index:
-            pipeline_index[key] = len(pipelines)
-            pipelines.append(
-                {
-                    "shader": shader_index[pipeline.source],
-                    "entry": pipeline.entry,
-                    "constants": pipeline.constants,
-                    "layout": manifest_layout,
-                    "label": pipeline.label,
-                }
-            )
-        bindings = []
-        storage_count = 0
-        for entry in planned.entries:
-            if entry.kind == "params":
-                bindings.append({"binding": entry.slot, "kind": "uniform", "offset": entry.offset, "size": entry.size})
-                needs["maxUniformBufferBindingSize"] = max(needs["maxUniformBufferBindingSize"], entry.size)
-            elif entry.kind == "scalars":
-                bindings.append({"binding": entry.slot, "kind": "scalars"})
-            else:
-                assert entry.storage is not None
-                storage_count += 1
-                bindings.append({"binding": entry.slot, "kind": "storage", "buffer": index[entry.storage]})
-                needs["maxStorageBufferBindingSize"] = max(needs["maxStorageBufferBindingSize"], entry.size)
-        dispatch: dict[str, Any] = {
-            "label": launch.label,
-            "pipeline": pipeline_index[key],
-            "groups": launch.groups if isinstance(launch.groups, int) else list(launch.groups),
-            "bindings": bindings,
-        }
-        dispatches.append(dispatch)
-        x, y, z = launch.workgroup_size
-        needs["maxStorageBuffersPerShaderStage"] = max(needs["maxStorageBuffersPerShaderStage"], storage_count)
-        needs["maxComputeWorkgroupStorageSize"] = max(needs["maxComputeWorkgroupStorageSize"], launch.workgroup_bytes)
-        needs["maxComputeInvocationsPerWorkgroup"] = max(needs["maxComputeInvocationsPerWorkgroup"], x * y * z)
-        for axis, size in zip("XYZ", (x, y, z)):
-            needs[f"maxComputeWorkgroupSize{axis}"] = max(needs[f"maxComputeWorkgroupSize{axis}"], size)
-        # a 1-D count g is split over x/y by batch.js: it fits when the per-dimension limit is >= ceil(sqrt(g))
-        grid = (math.isqrt(launch.groups - 1) + 1,) if isinstance(launch.groups, int) else launch.groups
-        needs["maxComputeWorkgroupsPerDimension"] = max(needs["maxComputeWorkgroupsPerDimension"], *grid)
-
-    buffers = []
+    plan = ProgramPlan(storages)
+    dispatches = plan.add(layout)
+    buffers = plan.buffer_entries(_storage_names(view, input_tensors, outputs))
     for i, storage in enumerate(storages):
-        entry: dict[str, Any] = {
-            "name": names.get(storage, f"{storage.kind}{storage.id}"),
-            "kind": storage.kind,
-            "dtype": storage.dtype.name,
-            "size": padded(storage.nbytes),
-            "bytes": storage.nbytes,
-        }
         if storage in initial:
-            entry["file"] = f"data/{i}.bin"
-        buffers.append(entry)
-        needs["maxBufferSize"] = max(needs["maxBufferSize"], entry["size"])
-    needs["maxBufferSize"] = max(needs["maxBufferSize"], len(layout.params))
-
-    inputs = []
-    for tensor in input_tensors:
-        inputs.append(
-            {
-                "name": tensor.name,
-                "buffer": index[tensor.storage],
-                "dtype": tensor.dtype.name,
-                "shape": list(tensor.shape),
-            }
-        )
+            buffers[i]["file"] = f"data/{i}.bin"
+    index = plan.index
+    inputs = [
+        {"name": t.name, "buffer": index[t.storage], "dtype": t.dtype.name, "shape": list(t.shape)}
+        for t in input_tensors
+    ]
     manifest_outputs = []
     for i, (tensor, value) in enumerate(zip(outputs, expected)):
         manifest_outputs.append(
@@ -393,18 +300,18 @@ def _manifest(
         "exported_from": view.device.name,
         "ops": len(view.nodes),
         "features": [],
-        "limits": needs,
+        "limits": plan.limits(),
         "buffers": buffers,
-        "shaders": shaders,
-        "pipelines": pipelines,
-        "params": {"file": "params.bin", "size": len(layout.params)},
+        "shaders": plan.shaders,
+        "pipelines": plan.pipelines,
+        "params": {"file": "params.bin", "size": len(plan.params)},
         "dispatches": dispatches,
         "inputs": inputs,
         "scalars": [],
         "scalar_bytes": SCALAR_BYTES,
         "outputs": manifest_outputs,
     }
-    return manifest, list(shader_index)
+    return manifest, plan.sources
 
 
 def _storage_names(view: BatchView, inputs: Sequence[Tensor], outputs: Sequence[Tensor]) -> dict[Storage, str]:

@@ -62,3 +62,29 @@ export async function fetchText(url) {
 export async function fetchJson(url) {
   return JSON.parse(await fetchText(url));
 }
+
+/** The bytes at ``url`` as they arrive: an async iterator of Uint8Array chunks, ``onProgress(doneBytes,
+ * totalBytes)`` after each. */
+export async function* fetchChunks(url, onProgress = null) {
+  let done = 0;
+  if (underNodeFromDisk(url)) {
+    const { createReadStream, statSync } = await import("node:fs");
+    const total = statSync(new URL(url)).size;
+    for await (const chunk of createReadStream(new URL(url), { highWaterMark: 1 << 22 })) {
+      done += chunk.byteLength;
+      onProgress?.(done, total);
+      yield new Uint8Array(chunk.buffer, chunk.byteOffset, chunk.byteLength);
+    }
+    return;
+  }
+  const response = await fetched(url);
+  const total = Number(response.headers.get("content-length") ?? 0);
+  const reader = response.body.getReader();
+  for (;;) {
+    const { value, done: finished } = await reader.read();
+    if (finished) return;
+    done += value.byteLength;
+    onProgress?.(done, total);
+    yield value;
+  }
+}

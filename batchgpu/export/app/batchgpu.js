@@ -1,0 +1,218 @@
+// A batchgpu chat model exported for WebGPU (python -m batchgpu export-chat): the decoder's recorded steps run on
+// the page's GPU, the weights built from the model's GGUF file, fetched once.
+//
+//   import { loadModel } from "./batchgpu.js";
+//   const model = await loadModel(new URL(".", import.meta.url), { onProgress: (p) => console.log(p.phase, p.done / p.total) });
+//   const ids = model.codec.encodeChat([{ role: "user", content: "Hi!" }]);
+//   for await (const id of model.generate(ids, { maxTokens: 64, temperature: 0.7, seed: 1 })) ...
+//
+// Under Node, pass the WebGPU entry point: loadModel(base, { gpu }) (e.g. the `webgpu` npm package's create()).
+
+import { fetchBytes, fetchChunks, fetchJson, fetchText } from "./io.js";
+import { Program, requestDevice, withErrors } from "./plan.js";
+
+const FORMAT = "batchgpu-chat/1";
+
+/** Load the exported model at ``base`` (the folder's URL): plan, shaders, weights (with ``onProgress({phase,
+ * done, total})`` as the GGUF file arrives), and its tokenizer unless ``tokenizer`` is false. */
+export async function loadModel(base = new URL(".", import.meta.url), { onProgress = null, gpu = null, tokenizer = true } = {}) {
+  const at = (name) => new URL(name, base);
+  const manifest = await fetchJson(at("model.json"));
+  if (manifest.format !== FORMAT) throw new Error(`batchgpu: ${at("model.json")} is not a chat export (format ${manifest.format})`);
+  const [shaders, params, data] = await Promise.all([
+    Promise.all(manifest.shaders.map((s) => fetchText(at(s.file)))),
+    fetchBytes(at(manifest.params.file)),
+    fetchBytes(at(manifest.data.file)),
+  ]);
+  const { device, adapter } = await requestDevice(manifest, gpu ?? globalThis.navigator?.gpu);
+  const program = await Program.create(device, manifest, { shaders, params, data });
+  await withErrors(device, "writing the weights", () => loadWeights(program, at(manifest.weights.file), onProgress));
+  let codec = null;
+  if (tokenizer) {
+    const { loadCodec } = await import("./tokenizer.js");
+    codec = await loadCodec(base);
+  }
+  return new ChatModel(manifest, program, codec, adapter);
+}
+
+// weights --------------------------------------------------------------------------------------------------
+
+/** The file's bytes from ``start`` on, as they arrive, with the chunks no pending buffer needs let go. */
+class ByteWindow {
+  constructor() {
+    this.chunks = [];
+    this.start = 0; // file offset of chunks[0]
+    this.end = 0;
+  }
+
+  push(chunk) {
+    this.chunks.push(chunk);
+    this.end += chunk.byteLength;
+  }
+
+  /** Bytes [from, to) of the file (a view when one chunk holds them, else a copy). */
+  slice(from, to) {
+    let offset = this.start;
+    let k = 0;
+    while (offset + this.chunks[k].byteLength <= from) offset += this.chunks[k++].byteLength;
+    if (to <= offset + this.chunks[k].byteLength) return this.chunks[k].subarray(from - offset, to - offset);
+    const out = new Uint8Array(to - from);
+    let at = 0;
+    for (let position = from; position < to; k++) {
+      const chunk = this.chunks[k];
+      const piece = chunk.subarray(position - offset, Math.min(chunk.byteLength, to - offset));
+      out.set(piece, at);
+      at += piece.byteLength;
+      position += piece.byteLength;
+      offset += chunk.byteLength;
+    }
+    return out;
+  }
+
+  dropBefore(offset) {
+    while (this.chunks.length && this.start + this.chunks[0].byteLength <= offset) this.start += this.chunks.shift().byteLength;
+  }
+}
+
+/** File offset and size of row ``row`` of a weight's joined matrix (batchgpu/export/weight_sources.py). */
+function sourceRow(parts, interleave, row) {
+  let part;
+  let index = row;
+  if (interleave) {
+    part = parts[row % parts.length];
+    index = Math.floor(row / parts.length);
+  } else {
+    for (part of parts) {
+      if (index < part.rows) break;
+      index -= part.rows;
+    }
+  }
+  if (part.heads) { // llama.cpp's q/k permutation: file row h*n + 2b + a holds the model's row h*n + a*n/2 + b
+    const perHead = part.rows / part.heads;
+    const head = Math.floor(index / perHead);
+    const within = index - head * perHead;
+    const a = Math.floor(within / (perHead / 2));
+    const b = within - a * (perHead / 2);
+    index = head * perHead + 2 * b + a;
+  }
+  return [part.offset + index * part.row_bytes, part.row_bytes];
+}
+
+/** A weight buffer's bytes from the file bytes of its span. */
+function assemble(source, span) {
+  const { parts, interleave, first_row: first, rows, format } = source;
+  let joined = span;
+  if (parts.length > 1 || parts[0].heads) {
+    const size = parts[0].row_bytes;
+    joined = new Uint8Array(rows * size);
+    for (let r = 0; r < rows; r++) {
+      const [offset] = sourceRow(parts, interleave, first + r);
+      const from = offset - source.span[0];
+      joined.set(span.subarray(from, from + size), r * size);
+    }
+  }
+  if (!format) return joined;
+  const blocks = joined.byteLength / format.block_bytes;
+  const out = new Uint8Array(blocks * format.device_bytes);
+  for (let b = 0; b < blocks; b++) {
+    const from = b * format.block_bytes;
+    const to = b * format.device_bytes;
+    for (const [start, length, target] of format.segments) out.set(joined.subarray(from + start, from + start + length), to + target);
+  }
+  return out;
+}
+
+/** Stream the GGUF file once; each weight buffer is built and written as soon as its bytes have arrived. */
+async function loadWeights(program, url, onProgress) {
+  const pending = program.manifest.buffers
+    .map((entry, index) => ({ index, source: entry.source }))
+    .filter((b) => b.source)
+    .sort((a, b) => a.source.span[1] - b.source.span[1]);
+  const window = new ByteWindow();
+  const progress = onProgress ? (done, total) => onProgress({ phase: "weights", done, total: total || program.manifest.weights.bytes }) : null;
+  let next = 0;
+  for await (const chunk of fetchChunks(url, progress)) {
+    window.push(chunk);
+    while (next < pending.length && pending[next].source.span[1] <= window.end) {
+      const { index, source } = pending[next++];
+      program.write(index, assemble(source, window.slice(source.span[0], source.span[1])));
+    }
+    let needed = window.end;
+    for (let k = next; k < pending.length; k++) needed = Math.min(needed, pending[k].source.span[0]);
+    window.dropBefore(needed);
+  }
+  if (next < pending.length) throw new Error(`batchgpu: ${url} ended before the weights it should hold (${pending.length - next} buffers missing)`);
+}
+
+// generating -----------------------------------------------------------------------------------------------
+
+/** The prefill steps of a prompt of ``length`` tokens: ``chunk``-token steps, then the powers of two of the rest. */
+export function promptChunks(length, chunk) {
+  const sizes = new Array(Math.floor(length / chunk)).fill(chunk);
+  const rest = length % chunk;
+  for (let size = chunk >> 1; size >= 1; size >>= 1) if (rest & size) sizes.push(size);
+  return sizes;
+}
+
+function checkOption(name, value, ok) {
+  if (!ok) throw new Error(`batchgpu: ${name} out of range, got ${value}`);
+}
+
+export class ChatModel {
+  constructor(manifest, program, codec, adapter) {
+    this.manifest = manifest;
+    this.program = program;
+    this.codec = codec;
+    this.adapter = adapter;
+    this.maxContext = manifest.model.max_context;
+    this.stats = null;
+  }
+
+  /** The ids generated for ``prompt`` (token ids), one at a time: greedy at temperature 0, else drawn (top_k,
+   * top_p, min_p) by a hash of (seed, the token's index), as batchgpu's ChatSteps.generate draws them. Ends
+   * after ``maxTokens``, a stop id (default: the tokenizer's), at the model's context, or when ``signal``
+   * aborts. ``this.stats`` then holds the timings. */
+  async *generate(prompt, { maxTokens = 128, temperature = 0, topK = 0, topP = 1, minP = 0, seed = 0, stop = null, signal = null } = {}) {
+    const { vocab, chunk } = this.manifest.model;
+    const ids = Array.from(prompt, Number);
+    if (ids.length < 1 || ids.length >= this.maxContext) throw new Error(`batchgpu: the prompt needs 1 to ${this.maxContext - 1} tokens, got ${ids.length}`);
+    const bad = ids.find((id) => !Number.isInteger(id) || id < 0 || id >= vocab);
+    if (bad !== undefined) throw new Error(`batchgpu: token id ${bad} is not in [0, ${vocab})`);
+    checkOption("maxTokens", maxTokens, Number.isInteger(maxTokens) && maxTokens >= 1);
+    checkOption("temperature", temperature, temperature >= 0);
+    checkOption("topK", topK, Number.isInteger(topK) && topK >= 0);
+    checkOption("topP", topP, topP > 0 && topP <= 1);
+    checkOption("minP", minP, minP >= 0 && minP <= 1);
+    checkOption("seed", seed, Number.isInteger(seed) && seed >= 0 && seed < 2 ** 32);
+    const stopIds = stop ?? this.codec?.stopIds ?? new Set();
+    const sampling = Float32Array.of(temperature, topP, minP, 0);
+    const top_k = Int32Array.of(topK);
+    const keys = (index) => Uint32Array.of(seed, index);
+
+    const started = performance.now();
+    let pos = 0;
+    let out;
+    for (const size of promptChunks(ids.length, chunk)) {
+      const inputs = { ids: Int32Array.from(ids.slice(pos, pos + size)), sampling, top_k, keys: keys(0) };
+      out = await this.program.run(`prefill_${size}`, inputs, { pos });
+      pos += size;
+    }
+    const first = performance.now();
+    this.stats = { prompt_tokens: ids.length, generated: 0, prefill_ms: first - started, decode_ms: 0, tokens_per_s: 0 };
+    for (let index = 0; ; index++) {
+      const token = out.next_id[0];
+      this.stats.generated = index + 1;
+      this.stats.decode_ms = performance.now() - first;
+      this.stats.tokens_per_s = index ? (1000 * index) / this.stats.decode_ms : 0;
+      yield token;
+      if (stopIds.has(token) || pos >= this.maxContext || index + 1 >= maxTokens || signal?.aborted) return;
+      out = await this.program.run("decode", { sampling, top_k, keys: keys(index + 1) }, { pos });
+      pos += 1;
+    }
+  }
+
+  /** Free the model's GPU buffers. */
+  destroy() {
+    this.program.destroy();
+  }
+}

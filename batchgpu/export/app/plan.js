@@ -1,0 +1,231 @@
+// A batchgpu program on a WebGPU device: the buffers, pipelines and bind groups model.json describes, and its
+// steps (each a recorded batch: one compute pass, one submit), run as the Python wgpu executor runs them.
+//
+//   const device = await requestDevice(manifest, navigator.gpu);
+//   const program = await Program.create(device, manifest, { shaders, params, data });
+//   program.write(buffer, bytes);                         // weights, as they arrive
+//   const { next_id } = await program.run("decode", { sampling, top_k, keys }, { pos: 7 });
+
+// WebGPU's default limits: higher needs are requested from the adapter.
+export const DEFAULT_LIMITS = {
+  maxStorageBufferBindingSize: 134217728,
+  maxBufferSize: 268435456,
+  maxStorageBuffersPerShaderStage: 8,
+  maxUniformBufferBindingSize: 65536,
+  maxComputeWorkgroupStorageSize: 16384,
+  maxComputeInvocationsPerWorkgroup: 256,
+  maxComputeWorkgroupSizeX: 256,
+  maxComputeWorkgroupSizeY: 256,
+  maxComputeWorkgroupSizeZ: 64,
+  maxComputeWorkgroupsPerDimension: 65535,
+};
+
+const ARRAY_TYPES = { float32: Float32Array, int32: Int32Array, uint32: Uint32Array };
+
+function checkOffers(what, thing, manifest) {
+  const missing = manifest.features.filter((f) => !thing.features.has(f));
+  if (missing.length) throw new Error(`batchgpu: the model needs the WebGPU feature(s) ${missing.join(", ")}, which the ${what} lacks`);
+  for (const [name, need] of Object.entries(manifest.limits)) {
+    const have = thing.limits[name];
+    if (have !== undefined && have < need) throw new Error(`batchgpu: the model needs ${name} >= ${need}; the ${what} offers ${have}`);
+  }
+}
+
+/** A device with the features and limits ``manifest`` needs, and its adapter's description. */
+export async function requestDevice(manifest, gpu) {
+  if (!gpu) throw new Error("batchgpu: WebGPU is not available here (navigator.gpu is missing)");
+  const adapter = await gpu.requestAdapter({ powerPreference: "high-performance" });
+  if (!adapter) throw new Error("batchgpu: WebGPU found no adapter (requestAdapter() gave null)");
+  checkOffers("adapter", adapter, manifest);
+  const requiredLimits = {};
+  for (const [name, need] of Object.entries(manifest.limits)) {
+    if (need > (DEFAULT_LIMITS[name] ?? Infinity)) requiredLimits[name] = need;
+  }
+  const device = await adapter.requestDevice({ requiredFeatures: manifest.features, requiredLimits, label: "batchgpu chat" });
+  const info = adapter.info ?? {};
+  const adapterText = [info.vendor, info.architecture, info.device, info.description].filter(Boolean).join(" ") || "unknown";
+  return { device, adapter: adapterText };
+}
+
+/** A 1-D workgroup count over x and y, like batchgpu.limits.split_groups. */
+function splitGroups(groups, perDim) {
+  if (groups <= perDim) return [Math.max(groups, 1), 1, 1];
+  const y = Math.ceil(groups / perDim);
+  const x = Math.ceil(groups / y);
+  if (y > perDim) throw new Error(`batchgpu: ${groups} workgroups do not fit maxComputeWorkgroupsPerDimension ${perDim}`);
+  return [x, y, 1];
+}
+
+/** Run ``body`` and throw the first validation or out-of-memory error WebGPU reports for it. */
+export async function withErrors(device, what, body) {
+  device.pushErrorScope("out-of-memory");
+  device.pushErrorScope("validation");
+  let result;
+  try {
+    result = await body();
+  } finally {
+    const validation = await device.popErrorScope();
+    const memory = await device.popErrorScope();
+    const error = validation ?? memory;
+    if (error) throw new Error(`batchgpu: ${what} failed: ${error.message}`);
+  }
+  return result;
+}
+
+function padded(bytes) {
+  if (bytes.byteLength % 4 === 0) return bytes;
+  const out = new Uint8Array(bytes.byteLength + 4 - (bytes.byteLength % 4));
+  out.set(bytes);
+  return out;
+}
+
+export class Program {
+  /** Buffers (zeros, or their bytes from ``data``), pipelines and every step's bind groups on ``device``. */
+  static async create(device, manifest, { shaders, params, data }) {
+    checkOffers("device", device, manifest);
+    return withErrors(device, "building the model's buffers, pipelines and bind groups", async () => {
+      const program = new Program(device, manifest);
+      program.buffers = manifest.buffers.map((b) => program.buffer(b, b.data ? data.subarray(b.data.offset, b.data.offset + b.data.bytes) : null));
+      program.params = manifest.params.size ? program.uniform("params", params) : null;
+      const pipelines = await program.pipelines(shaders);
+      for (const [name, step] of Object.entries(manifest.steps)) program.steps.set(name, program.step(name, step, pipelines));
+      return program;
+    });
+  }
+
+  constructor(device, manifest) {
+    this.device = device;
+    this.manifest = manifest;
+    this.steps = new Map();
+    this.queue = Promise.resolve(); // runs are serialized: each step's staging buffer is its own
+  }
+
+  buffer(entry, bytes) {
+    const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
+    const buffer = this.device.createBuffer({ size: entry.size, usage, mappedAtCreation: bytes !== null, label: entry.name });
+    if (bytes !== null) {
+      new Uint8Array(buffer.getMappedRange()).set(bytes);
+      buffer.unmap();
+    }
+    return buffer;
+  }
+
+  uniform(label, bytes) {
+    const usage = GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST;
+    const buffer = this.device.createBuffer({ size: Math.max(bytes.byteLength, 16), usage, mappedAtCreation: true, label });
+    new Uint8Array(buffer.getMappedRange()).set(bytes);
+    buffer.unmap();
+    return buffer;
+  }
+
+  async pipelines(shaders) {
+    const { device, manifest } = this;
+    const modules = manifest.shaders.map((s, i) => device.createShaderModule({ code: shaders[i], label: s.label }));
+    return Promise.all(
+      manifest.pipelines.map(async (p) => {
+        if (p.layout !== "auto") throw new Error(`batchgpu: pipeline ${p.label} has an explicit layout, which chat models do not use`);
+        try {
+          return await device.createComputePipelineAsync({ label: p.label, layout: "auto", compute: { module: modules[p.shader], entryPoint: p.entry, constants: p.constants } });
+        } catch (error) {
+          const info = await modules[p.shader].getCompilationInfo();
+          const messages = info.messages.map((m) => `${m.type} ${m.lineNum}:${m.linePos} ${m.message}`).join("; ");
+          throw new Error(`batchgpu: ${manifest.shaders[p.shader].label} (${p.label}) failed to compile: ${error.message} ${messages}`);
+        }
+      }),
+    );
+  }
+
+  step(name, step, pipelines) {
+    const { device, manifest } = this;
+    const scalarBytes = new ArrayBuffer(manifest.scalar_bytes);
+    const scalars = this.uniform(`${name} scalars`, new Uint8Array(scalarBytes));
+    const perDim = device.limits.maxComputeWorkgroupsPerDimension;
+    const dispatches = step.dispatches.map((d) => {
+      const pipeline = pipelines[d.pipeline];
+      const entries = d.bindings.map((b) => {
+        if (b.kind === "uniform") return { binding: b.binding, resource: { buffer: this.params, offset: b.offset, size: b.size } };
+        if (b.kind === "scalars") return { binding: b.binding, resource: { buffer: scalars, offset: 0, size: manifest.scalar_bytes } };
+        return { binding: b.binding, resource: { buffer: this.buffers[b.buffer], offset: 0, size: b.size } };
+      });
+      const bindGroup = device.createBindGroup({ label: d.label, layout: pipeline.getBindGroupLayout(0), entries });
+      const grid = typeof d.groups === "number" ? splitGroups(d.groups, perDim) : d.groups;
+      return { pipeline, bindGroup, grid };
+    });
+    const outputs = Object.entries(step.outputs).map(([output, o]) => ({ name: output, ...o, size: manifest.buffers[o.buffer].size }));
+    const total = outputs.reduce((sum, o) => sum + o.size, 0);
+    const staging = device.createBuffer({ size: total, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST, label: `${name} staging` });
+    return { name, step, dispatches, scalars, scalarView: new DataView(scalarBytes), scalarBytes, outputs, staging, total };
+  }
+
+  /** Write ``bytes`` (a Uint8Array) into buffer ``index`` from its start. */
+  write(index, bytes) {
+    this.device.queue.writeBuffer(this.buffers[index], 0, padded(bytes));
+  }
+
+  /** Run step ``name`` once: write ``inputs`` (typed arrays by name) and ``scalars`` (numbers by name), one
+   * submit; resolves to its outputs by name (typed arrays). Runs are serialized in call order. */
+  run(name, inputs = {}, scalars = {}) {
+    const state = this.steps.get(name);
+    if (!state) throw new Error(`batchgpu: the model has no step ${name}`);
+    const result = this.queue.then(() => this.runOnce(state, inputs, scalars));
+    this.queue = result.catch(() => {});
+    return result;
+  }
+
+  async runOnce(state, inputs, scalars) {
+    const { device } = this;
+    const { step } = state;
+    for (const [input, value] of Object.entries(inputs)) {
+      const entry = step.inputs[input];
+      if (!entry) throw new Error(`batchgpu: step ${state.name} has no input ${input}`);
+      const Type = ARRAY_TYPES[entry.dtype];
+      const count = entry.shape.reduce((a, b) => a * b, 1);
+      if (!(value instanceof Type) || value.length !== count) {
+        throw new Error(`batchgpu: input ${input} of step ${state.name} needs a ${Type.name} of ${count}, got ${value?.constructor?.name} of ${value?.length}`);
+      }
+      device.queue.writeBuffer(this.buffers[entry.buffer], 0, padded(new Uint8Array(value.buffer, value.byteOffset, value.byteLength)));
+    }
+    for (const s of step.scalars) {
+      if (!(s.name in scalars)) continue;
+      const value = scalars[s.name];
+      if (s.dtype === "f32") state.scalarView.setFloat32(4 * s.slot, value, true);
+      else if (s.dtype === "i32") state.scalarView.setInt32(4 * s.slot, value, true);
+      else state.scalarView.setUint32(4 * s.slot, value, true);
+    }
+    if (step.scalars.length) device.queue.writeBuffer(state.scalars, 0, state.scalarBytes);
+    const encoder = device.createCommandEncoder({ label: state.name });
+    const pass = encoder.beginComputePass({ label: state.name });
+    for (const { pipeline, bindGroup, grid } of state.dispatches) {
+      pass.setPipeline(pipeline);
+      pass.setBindGroup(0, bindGroup);
+      pass.dispatchWorkgroups(grid[0], grid[1], grid[2]);
+    }
+    pass.end();
+    let offset = 0;
+    for (const o of state.outputs) {
+      encoder.copyBufferToBuffer(this.buffers[o.buffer], 0, state.staging, offset, o.size);
+      offset += o.size;
+    }
+    device.queue.submit([encoder.finish()]);
+    await state.staging.mapAsync(GPUMapMode.READ, 0, state.total);
+    const mapped = state.staging.getMappedRange(0, state.total);
+    const outputs = {};
+    offset = 0;
+    for (const o of state.outputs) {
+      outputs[o.name] = new ARRAY_TYPES[o.dtype](mapped.slice(offset, offset + o.bytes));
+      offset += o.size;
+    }
+    state.staging.unmap();
+    return outputs;
+  }
+
+  /** Free every buffer (the device stays). */
+  destroy() {
+    for (const b of this.buffers) b.destroy();
+    this.params?.destroy();
+    for (const s of this.steps.values()) {
+      s.scalars.destroy();
+      s.staging.destroy();
+    }
+  }
+}
