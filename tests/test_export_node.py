@@ -127,9 +127,18 @@ def test_run_node_reports_failures(adapter: dict[str, Any], tmp_path: Path) -> N
         node.run_node("missing.mjs", tmp_path)
 
 
-def test_webgpu_package_missing_without_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An empty cache folder and no install: NodeUnavailableError naming the package, version and folder."""
+def test_missing_node_or_package_is_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No package and no install, no npm, no Node: NodeUnavailableError (which the tests turn into skips)
+    saying what is missing, before anything runs."""
     monkeypatch.setenv(node.ENV_NODE_MODULES, str(tmp_path / "empty"))
     assert node.node_modules_dir() == tmp_path / "empty"
     with pytest.raises(node.NodeUnavailableError, match=rf"webgpu@{node.WEBGPU_VERSION} is not installed in"):
         node.webgpu_package(install=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
+    with pytest.raises(node.NodeUnavailableError, match="npm is not installed"):
+        node.webgpu_package()
+    assert not (tmp_path / "empty").exists()
+    monkeypatch.setenv(node.ENV_NODE, str(tmp_path / "no-node"))
+    (tmp_path / "m.mjs").write_text("export default () => 1;\n")
+    with pytest.raises(node.NodeUnavailableError, match=r"Node\.js is not installed"):
+        node.run_node("m.mjs", tmp_path)
