@@ -110,7 +110,7 @@ def test_run_node_reports_failures(adapter: dict[str, Any], tmp_path: Path) -> N
     NodeError saying which; what the module prints before its result is not taken for the result."""
     (tmp_path / "m.mjs").write_text(
         "export async function fails(base, args) { throw new Error(`broken ${args.n} at ${base}`); }\n"
-        "export async function echo(base, args) { console.log('chatter'); return { base, args }; }\n"
+        "export async function echo(base, args) { process.stdout.write('chatter, no newline'); return { base, args }; }\n"
         "export async function hangs() { await new Promise(() => setInterval(() => {}, 1000)); }\n"
     )
     assert node.run_node("m.mjs", tmp_path, function="echo", args={"n": 3}) == {

@@ -2,15 +2,15 @@
 //
 //   node node_main.mjs MODULE_URL FUNCTION BASE_URL ARGS_JSON
 //
-// imports MODULE_URL, awaits module[FUNCTION](BASE_URL, ARGS) and prints its result as one JSON line on
-// stdout, after anything the module printed; errors go to stderr with exit status 1. Exits as soon as the
+// imports MODULE_URL, awaits module[FUNCTION](BASE_URL, ARGS) and prints its result as one JSON line, the last
+// of stdout, after anything the module printed; errors go to stderr with exit status 1. Exits as soon as the
 // result is out: Dawn's GPU object keeps Node running otherwise.
 
 const [moduleUrl, name, baseUrl, argsJson] = process.argv.slice(2);
 
 function finish(code, line = null) {
   if (line === null) process.exit(code);
-  process.stdout.write(`${line}\n`, () => process.exit(code));
+  process.stdout.write(`\n${line}\n`, () => process.exit(code)); // on a line of its own after the module's output
 }
 
 try {
