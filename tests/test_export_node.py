@@ -107,19 +107,22 @@ def test_node_check_reports_a_wrong_output(ref: bg.Device, adapter: dict[str, An
 
 def test_run_node_reports_failures(adapter: dict[str, Any], tmp_path: Path) -> None:
     """A module that throws, a missing function, one that never returns and a missing module raise
-    NodeError saying which; what the module prints before its result is not taken for the result."""
+    NodeError saying which; what the module prints before its result is not taken for the result; code
+    written for browsers finds navigator.gpu."""
     (tmp_path / "m.mjs").write_text(
         "export async function fails(base, args) { throw new Error(`broken ${args.n} at ${base}`); }\n"
         "export async function echo(base, args) { process.stdout.write('chatter, no newline'); return { base, args }; }\n"
         "export async function hangs() { await new Promise(() => setInterval(() => {}, 1000)); }\n"
+        "export async function plain() { return (await navigator.gpu.requestAdapter()).info.description; }\n"
     )
+    assert node.run_node("m.mjs", tmp_path, function="plain") == adapter["description"]  # browser code as is
     assert node.run_node("m.mjs", tmp_path, function="echo", args={"n": 3}) == {
         "base": tmp_path.resolve().as_uri() + "/",
         "args": {"n": 3},
     }
     with pytest.raises(node.NodeError, match="broken 3 at file:"):
         node.run_node("m.mjs", tmp_path, function="fails", args={"n": 3})
-    with pytest.raises(node.NodeError, match=r"exports no function nope \(its functions: echo, fails, hangs\)"):
+    with pytest.raises(node.NodeError, match=r"exports no function nope \(its functions: echo, fails, hangs, plain\)"):
         node.run_node("m.mjs", tmp_path, function="nope")
     with pytest.raises(node.NodeError, match=r"hangs\(\) ran past 1 s"):
         node.run_node("m.mjs", tmp_path, function="hangs", timeout=1)

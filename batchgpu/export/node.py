@@ -5,8 +5,9 @@
 ``webgpu_package()`` finds the package (pinned to ``WEBGPU_VERSION``) in ``$BATCHGPU_NODE_MODULES`` or
 ``~/.cache/batchgpu/node/``, installing it there with ``npm install`` the first time (a ~51 MB download,
 not into the project). ``run_node`` imports an ES module of the exported folder in a fresh Node process
-and awaits one of its functions, ``fn(baseUrl, args)``; the module gets WebGPU through ``node_gpu.js``
-(``getGpu()``), which this points at the package.
+and awaits one of its functions, ``fn(baseUrl, args)``; there ``navigator.gpu`` is the package's GPU, as
+``getGpu()`` of the export's ``node_gpu.js`` also gives it (which, run by plain ``node``, imports the
+package itself: see that file).
 
 Dawn's Vulkan backend refuses Mesa 22's lavapipe (it lacks ``shaderSampledImageArrayDynamicIndexing``),
 so where Chromium is installed its SwiftShader Vulkan driver is offered to the Vulkan loader as well
@@ -163,7 +164,8 @@ def run_node(
 ) -> Any:
     """Import the ES module ``module`` (a path, relative to ``base_dir`` unless absolute) in a new Node
     process, await ``module[function](baseUrl, args)`` there and return its result, which Node prints as
-    the last line of its stdout, decoded from JSON. ``baseUrl`` is the ``file:`` URL of ``base_dir``
+    the last line of its stdout, decoded from JSON; ``navigator.gpu`` is the ``webgpu`` package's GPU there.
+    ``baseUrl`` is the ``file:`` URL of ``base_dir``
     (ending in ``/``), which the export's modules read their files from; ``flags`` are Dawn's options
     (``"backend=vulkan"``, ``"adapter=NAME"``, ...).
 

@@ -6,7 +6,19 @@
 // of stdout, after anything the module printed; errors go to stderr with exit status 1. Exits as soon as the
 // result is out: Dawn's GPU object keeps Node running otherwise.
 
+// navigator.gpu, as browsers have it, is the GPU node_gpu.js gives (the npm package webgpu, as
+// $BATCHGPU_WEBGPU names it), so code written for browsers runs as it is, and the export's own copy of
+// node_gpu.js finds it there rather than creating a second one.
+
+import { getGpu } from "./app/node_gpu.js";
+
 const [moduleUrl, name, baseUrl, argsJson] = process.argv.slice(2);
+
+async function provideNavigatorGpu() {
+  const gpu = await getGpu();
+  if (globalThis.navigator) Object.defineProperty(globalThis.navigator, "gpu", { value: gpu, configurable: true });
+  else globalThis.navigator = { gpu };
+}
 
 function finish(code, line = null) {
   if (line === null) process.exit(code);
@@ -14,6 +26,7 @@ function finish(code, line = null) {
 }
 
 try {
+  await provideNavigatorGpu();
   const module = await import(moduleUrl);
   if (typeof module[name] !== "function") {
     const functions = Object.keys(module).filter((key) => typeof module[key] === "function");
