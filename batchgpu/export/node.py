@@ -11,7 +11,9 @@ package itself: see that file).
 
 Dawn's Vulkan backend refuses Mesa 22's lavapipe (it lacks ``shaderSampledImageArrayDynamicIndexing``),
 so where Chromium is installed its SwiftShader Vulkan driver is offered to the Vulkan loader as well
-(``VK_ADD_DRIVER_FILES``): the software adapter the browser tests run on. Dawn ranks a GPU before it.
+(``VK_ADD_DRIVER_FILES``, unless a ``VK_*`` variable already chooses the drivers): the software adapter
+the browser tests run on. Dawn's default adapter order puts GPUs before such fallback (CPU) adapters;
+``flags=["adapter=NAME"]`` picks one by name.
 """
 
 from __future__ import annotations
@@ -165,9 +167,9 @@ def run_node(
     """Import the ES module ``module`` (a path, relative to ``base_dir`` unless absolute) in a new Node
     process, await ``module[function](baseUrl, args)`` there and return its result, which Node prints as
     the last line of its stdout, decoded from JSON; ``navigator.gpu`` is the ``webgpu`` package's GPU there.
-    ``baseUrl`` is the ``file:`` URL of ``base_dir``
-    (ending in ``/``), which the export's modules read their files from; ``flags`` are Dawn's options
-    (``"backend=vulkan"``, ``"adapter=NAME"``, ...).
+    ``baseUrl`` is the ``file:`` URL of ``base_dir`` (ending in ``/``), which the export's modules read
+    their files from; ``args`` must be JSON; ``flags`` are Dawn's options (``"backend=vulkan"``,
+    ``"adapter=NAME"``, ``"enable-dawn-features=..."``).
 
     Raises :class:`NodeUnavailableError` without Node or the ``webgpu`` package, and :class:`NodeError`
     (with Node's stderr) when the function throws or Node runs past ``timeout`` seconds."""
