@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,17 @@ def adapter() -> dict[str, Any]:
         return node.node_adapter()
     except node.NodeUnavailableError as error:
         pytest.skip(f"WebGPU under Node is unavailable: {error}")
+
+
+@pytest.fixture
+def node18_module_typing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node as before 20.19/22.7, which read a .js file as an ES module only under a package.json saying
+    "type": "module" (later ones also detect module syntax), where this Node can be told so."""
+    node_path = node.find_node()
+    flag = "--no-experimental-detect-module"
+    if node_path is None or subprocess.run([node_path, flag, "-e", "0"], capture_output=True).returncode:
+        pytest.skip(f"this Node has no {flag}")
+    monkeypatch.setenv("NODE_OPTIONS", flag)
 
 
 def quantized(device: bg.Device, rng: np.random.Generator, qtype: str, shape: tuple[int, int]) -> bg.QuantTensor:
@@ -68,7 +80,7 @@ def test_node_runs_the_exported_batch_and_its_check(gpu: bg.Device, adapter: dic
     rng = np.random.default_rng(31)
     batch, outputs, host = record_mixed(gpu, rng)
     out = batch.export_webgpu(tmp_path / "mixed", outputs=outputs)
-    for name in ("io.js", "node_gpu.js"):
+    for name in ("io.js", "node_gpu.js", "package.json"):
         assert (out / name).is_file(), name
     expected_y = np.frombuffer((out / "expected" / "0.bin").read_bytes(), np.float32).reshape(5, 13)
     numpy_y = np.maximum(host["x"] @ host["w"] + host["b"], 0)
@@ -81,9 +93,11 @@ def test_node_runs_the_exported_batch_and_its_check(gpu: bg.Device, adapter: dic
     assert result["adapter"]["description"] == adapter["description"]
 
 
-def test_node_check_reports_a_wrong_output(ref: bg.Device, adapter: dict[str, Any], tmp_path: Path) -> None:
+def test_node_check_reports_a_wrong_output(
+    ref: bg.Device, adapter: dict[str, Any], node18_module_typing: None, tmp_path: Path
+) -> None:
     """The check is not vacuous: an expected value moved past its tolerance fails, naming the output and
-    the element."""
+    the element. Run as Node 18 reads .js files: the export says its modules are ES modules."""
     rng = np.random.default_rng(7)
     batch = bg.GpuCommandBatch(ref, name="wrong")
     y = batch.relu(
@@ -111,7 +125,10 @@ def test_run_node_reports_failures(adapter: dict[str, Any], tmp_path: Path) -> N
     written for browsers finds navigator.gpu."""
     (tmp_path / "m.mjs").write_text(
         "export async function fails(base, args) { throw new Error(`broken ${args.n} at ${base}`); }\n"
-        "export async function echo(base, args) { process.stdout.write('chatter, no newline'); return { base, args }; }\n"
+        "export async function echo(base, args) {\n"
+        "  process.stdout.write('chatter, no newline');\n"
+        "  return { base, args };\n"
+        "}\n"
         "export async function hangs() { await new Promise(() => setInterval(() => {}, 1000)); }\n"
         "export async function plain() { return (await navigator.gpu.requestAdapter()).info.description; }\n"
     )

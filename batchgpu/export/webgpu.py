@@ -7,7 +7,8 @@
       batch.js            ES module: load(), requestDevice(adapter), prepare(device), run(device, inputs, scalars),
                           names(), check(); inputs, scalars and outputs go by name (the tensors' names)
       io.js, node_gpu.js  what batch.js reads files and gets the GPU with, in browsers and under Node
-                          (``batchgpu.export.node.run_node(batch.js, out_dir, function="check")``)
+                          (``batchgpu.export.node.run_node("batch.js", out_dir, function="check")``)
+      package.json        ``"type": "module"``: Node reads the .js files as ES modules
       manifest.json       buffers, shaders, pipelines (entry point, override constants, layout),
                           dispatches (pipeline, bindings, workgroup counts), inputs, scalars, outputs,
                           required features and limits
@@ -51,9 +52,9 @@ PARAMS_ALIGN = 256
 layout is valid on every browser device."""
 
 TEMPLATE_FILES = ("index.html", "batch.js")
-APP_FILES = ("io.js", "node_gpu.js")
-"""Modules batch.js imports from the app sources (batchgpu/export/app/): reading files, and the GPU, in browsers
-and under Node."""
+APP_FILES = ("io.js", "node_gpu.js", "package.json")
+"""From the app sources (batchgpu/export/app/): the modules batch.js imports (reading files, and the GPU, in
+browsers and under Node), and the package.json that tells Node its .js files are ES modules."""
 
 _ENABLE = re.compile(r"^\s*enable\s+([^;]+);", re.MULTILINE)
 _EXTENSION_FEATURES = {"f16": "shader-f16", "subgroups": "subgroups", "clip_distances": "clip-distances"}
