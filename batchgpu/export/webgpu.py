@@ -5,7 +5,10 @@
     out_dir/
       index.html          opens the batch on navigator.gpu, checks it against expected/, shows timings
       batch.js            ES module: load(), requestDevice(adapter), prepare(device), run(device, inputs, scalars),
-                          names(); inputs, scalars and outputs go by name (the tensors' names)
+                          names(), check(); inputs, scalars and outputs go by name (the tensors' names)
+      io.js, node_gpu.js  what batch.js reads files and gets the GPU with, in browsers and under Node
+                          (``batchgpu.export.node.run_node("batch.js", out_dir, function="check")``)
+      package.json        ``"type": "module"``: Node reads the .js files as ES modules
       manifest.json       buffers, shaders, pipelines (entry point, override constants, layout),
                           dispatches (pipeline, bindings, workgroup counts), inputs, scalars, outputs,
                           required features and limits
@@ -45,6 +48,9 @@ from .plan import PARAMS_ALIGN, ProgramPlan
 
 FORMAT = "batchgpu-webgpu/1"
 TEMPLATE_FILES = ("index.html", "batch.js")
+APP_FILES = ("io.js", "node_gpu.js", "package.json")
+"""From the app sources (batchgpu/export/app/): the modules batch.js imports (reading files, and the GPU, in
+browsers and under Node), and the package.json that tells Node its .js files are ES modules."""
 
 _ENABLE = re.compile(r"^\s*enable\s+([^;]+);", re.MULTILINE)
 _EXTENSION_FEATURES = {"f16": "shader-f16", "subgroups": "subgroups", "clip_distances": "clip-distances"}
@@ -354,6 +360,7 @@ def _write(
     for entry, value in zip(manifest["outputs"], expected):
         (out / entry["expected"]).write_bytes(np.ascontiguousarray(value).tobytes())
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    template = resources.files("batchgpu.export") / "template"
-    for name in TEMPLATE_FILES:
-        (out / name).write_text((template / name).read_text(encoding="utf-8"), encoding="utf-8")
+    sources = resources.files("batchgpu.export")
+    for folder, names in (("template", TEMPLATE_FILES), ("app", APP_FILES)):
+        for name in names:
+            (out / name).write_text((sources / folder / name).read_text(encoding="utf-8"), encoding="utf-8")

@@ -14,6 +14,15 @@
 // readback copies, submits once and resolves to the outputs. Inputs and scalars not given keep their
 // current values (at first: the exported ones), like GpuCommandBatch.execute. float16 outputs come back
 // as Float16Array where the browser has it, else as Uint16Array holding the raw half-precision bits.
+//
+// Under Node (>= 18) with the npm package `webgpu`, the same module runs from the folder on disk
+// (file: URLs): io.js reads the files, node_gpu.js gives the GPU. check() runs the export's own check:
+//
+//   import { check } from "./batch.js";
+//   const result = await check();                          // { status: "pass" | "fail", adapter, outputs }
+
+import { fetchBytes, fetchJson, fetchText } from "./io.js";
+import { getGpu, releaseGpu } from "./node_gpu.js";
 
 const HERE = new URL(".", import.meta.url);
 
@@ -41,9 +50,10 @@ export const ARRAY_TYPES = {
 const loaded = new Map(); // base URL -> Promise of the loaded program
 
 async function fetchOk(url, as) {
-  const response = await fetch(url);
-  if (!response.ok) throw new Error(`batchgpu: fetching ${url} failed: HTTP ${response.status}`);
-  return as === "json" ? response.json() : as === "text" ? response.text() : response.arrayBuffer();
+  if (as === "json") return fetchJson(url);
+  if (as === "text") return fetchText(url);
+  const bytes = await fetchBytes(url); // an ArrayBuffer of exactly these bytes: typed arrays view it whole
+  return bytes.byteOffset === 0 && bytes.byteLength === bytes.buffer.byteLength ? bytes.buffer : bytes.slice().buffer;
 }
 
 /** Fetch manifest.json, the WGSL, the parameters and the initial buffer contents (once per base URL). */
@@ -88,14 +98,17 @@ function checkAdapterOrDevice(what, thing, manifest) {
   }
 }
 
+/** An adapter from navigator.gpu (under Node: the `webgpu` package's, see node_gpu.js). */
+export async function requestAdapter() {
+  const adapter = await (await getGpu()).requestAdapter();
+  if (!adapter) throw new Error("batchgpu: navigator.gpu.requestAdapter() found no adapter");
+  return adapter;
+}
+
 /** A device with the features and limits the batch needs, from `adapter` (default: navigator.gpu's). */
 export async function requestDevice(adapter = null, base = HERE) {
   const { manifest } = await load(base);
-  if (!adapter) {
-    if (!globalThis.navigator?.gpu) throw new Error("batchgpu: WebGPU is not available (navigator.gpu is missing)");
-    adapter = await navigator.gpu.requestAdapter();
-    if (!adapter) throw new Error("batchgpu: navigator.gpu.requestAdapter() found no adapter");
-  }
+  if (!adapter) adapter = await requestAdapter();
   checkAdapterOrDevice("adapter", adapter, manifest);
   const requiredLimits = {};
   for (const [name, need] of Object.entries(manifest.limits)) {
@@ -357,4 +370,54 @@ export async function release(device, base = HERE) {
   for (const b of state.buffers) b.destroy();
   state.scalarsBuffer.destroy();
   state.staging?.destroy();
+}
+
+function halfToFloat(bits) {
+  const sign = bits & 0x8000 ? -1 : 1, exponent = (bits >> 10) & 0x1f, fraction = bits & 0x3ff;
+  if (exponent === 0) return sign * 2 ** -14 * (fraction / 1024);
+  if (exponent === 31) return fraction ? NaN : sign * Infinity;
+  return sign * 2 ** (exponent - 15) * (1 + fraction / 1024);
+}
+const numbers = (array, dtype) => (dtype === "float16" && array instanceof Uint16Array ? Array.from(array, halfToFloat) : array);
+
+/** Compare one output (a manifest.outputs entry) with its expected values: every element within
+ * atol + rtol * |expected| (NaN matches NaN; integers have zero tolerances, so they must be equal). */
+export function compareOutput(output, actual, expected) {
+  const a = numbers(actual, output.dtype), e = numbers(expected, output.dtype);
+  let maxAbs = 0, maxExpected = 0, bad = 0, firstBad = -1;
+  for (let i = 0; i < e.length; i++) {
+    const x = Number(a[i]), y = Number(e[i]);
+    if (Number.isNaN(x) && Number.isNaN(y)) continue;
+    const diff = x === y ? 0 : Math.abs(x - y);
+    if (!(diff <= output.atol + output.rtol * Math.abs(y))) { bad++; if (firstBad < 0) firstBad = i; }
+    if (diff > maxAbs || Number.isNaN(diff)) maxAbs = Number.isNaN(diff) ? Infinity : diff;
+    if (Number.isFinite(y)) maxExpected = Math.max(maxExpected, Math.abs(y));
+  }
+  const ok = a.length === e.length && bad === 0;
+  return { name: output.name, shape: output.shape, dtype: output.dtype, ok, max_abs_error: maxAbs, max_expected: maxExpected, mismatches: bad, first_mismatch: firstBad };
+}
+
+/** The adapter's vendor, architecture, device and description (empty strings where it does not say). */
+export function adapterInfo(adapter) {
+  const info = adapter.info ?? {};
+  return { vendor: info.vendor ?? "", architecture: info.architecture ?? "", device: info.device ?? "", description: info.description ?? "" };
+}
+
+/** The export's own check, as index.html runs it: one run on a new device with the exported inputs and
+ * scalars, every output compared with expected/ (compareOutput). Resolves to { status: "pass" | "fail",
+ * adapter, outputs: [per-output comparison] }; the device is destroyed and, under Node, the GPU released. */
+export async function check(base = HERE) {
+  const adapter = await requestAdapter();
+  const device = await requestDevice(adapter, base);
+  try {
+    const { manifest } = await load(base);
+    const outputs = await run(device, await exportedInputs(base), await exportedScalars(base), base);
+    const expected = await expectedOutputs(base);
+    const results = manifest.outputs.map((o) => compareOutput(o, outputs[o.name], expected[o.name]));
+    return { status: results.every((r) => r.ok) ? "pass" : "fail", adapter: adapterInfo(adapter), outputs: results };
+  } finally {
+    await release(device, base);
+    device.destroy();
+    releaseGpu();
+  }
 }
