@@ -6,9 +6,11 @@
 //   const ids = model.codec.encodeChat([{ role: "user", content: "Hi!" }]);
 //   for await (const id of model.generate(ids, { maxTokens: 64, temperature: 0.7, seed: 1 })) ...
 //
-// Under Node, pass the WebGPU entry point: loadModel(base, { gpu }) (e.g. the `webgpu` npm package's create()).
+// Under Node the GPU comes from the `webgpu` npm package (./node_gpu.js), or pass one: loadModel(base, { gpu }).
+// Call model.destroy() and node_gpu.js's releaseGpu() when done, so the process can exit.
 
 import { fetchBytes, fetchChunks, fetchJson, fetchText } from "./io.js";
+import { getGpu } from "./node_gpu.js";
 import { Program, requestDevice, withErrors } from "./plan.js";
 
 const FORMAT = "batchgpu-chat/1";
@@ -24,7 +26,7 @@ export async function loadModel(base = new URL(".", import.meta.url), { onProgre
     fetchBytes(at(manifest.params.file)),
     fetchBytes(at(manifest.data.file)),
   ]);
-  const { device, adapter } = await requestDevice(manifest, gpu ?? globalThis.navigator?.gpu);
+  const { device, adapter } = await requestDevice(manifest, gpu ?? (await getGpu()));
   const program = await Program.create(device, manifest, { shaders, params, data });
   await withErrors(device, "writing the weights", () => loadWeights(program, at(manifest.weights.file), onProgress));
   let codec = null;
@@ -211,8 +213,9 @@ export class ChatModel {
     }
   }
 
-  /** Free the model's GPU buffers. */
+  /** Free the model's GPU buffers and its device. */
   destroy() {
     this.program.destroy();
+    this.program.device.destroy();
   }
 }
