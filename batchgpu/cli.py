@@ -1,5 +1,5 @@
 """The command line, ``python -m batchgpu`` or the ``batchgpu`` console script: ``info``, ``bench``,
-``profile``, ``serve``, ``synth`` and ``check``.
+``profile``, ``serve``, ``synth``, ``export-chat`` and ``check``.
 
 - ``info``: wgpu adapters (backend, type, limits, features) and the one ``Device()`` picks, the cache
   dir, and whether the CUDA/HIP drivers behind ``bg.Device("cuda")``/``("hip")`` load, and why not.
@@ -12,6 +12,7 @@
   summary; ``--trace`` writes a Chrome trace of them all).
 - ``serve``: an OpenAI-compatible HTTP server of a GGUF or Hugging Face model (:mod:`batchgpu.llm.server`).
 - ``synth``: a GGUF file of random weights in the shape of a real model (:mod:`batchgpu.models.synth`).
+- ``export-chat``: a GGUF model as a static WebGPU chat app (:mod:`batchgpu.export.chat`).
 - ``check``: on a machine with a GPU, the test suite with one pytest-xdist worker per CPU and the GPU
   benchmarks on every GPU executor present, into one Markdown report and one JSON file
   (:mod:`batchgpu.check`; needs the source checkout).
@@ -57,7 +58,8 @@ QUICK_OPS = (10, 50)
 DESCRIPTION = (
     "batchgpu command line: list adapters and devices (info), run the benchmark suite (bench), profile "
     "every batch of a script (profile), serve a model over an OpenAI-compatible HTTP API (serve), write a "
-    "synthetic model file (synth), or run the test suite and the GPU benchmarks into one report (check)."
+    "synthetic model file (synth), export a model as a WebGPU chat app (export-chat), or run the test suite "
+    "and the GPU benchmarks into one report (check)."
 )
 VERBOSE_HELP = "log compiles (-v) and cache hits (-vv); accepted before and after the command, counts add up"
 
@@ -168,6 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--out", required=True, help="the GGUF file to write (its directory must exist)")
     synth.add_argument("--seed", type=int, default=0, help="random seed; the same arguments write the same file")
     synth.add_argument("--vocab", default="bytes", help="bytes (a byte-level tokenizer, default) or smollm2")
+    chat = command("export-chat", "a GGUF model as a static WebGPU chat app (a folder to serve over HTTP)")
+    chat.add_argument("out", help="the folder to write (empty, or an earlier export)")
+    chat.add_argument("--model", required=True, help="the GGUF model file")
+    chat.add_argument("--max-context", type=int, default=1024, help="KV cache positions: prompt + reply (default 1024)")
+    chat.add_argument("--chunk", type=int, default=64, help="the largest prefill step, a power of two (default 64)")
+    chat.add_argument(
+        "--cpu-kernels", action="store_true", help="the CPU-driver kernel forms (for a CPU WebGPU such as SwiftShader)"
+    )
+    chat.add_argument("--link", action="store_true", help="hard-link the model file instead of copying it")
     add_check_command(command("check", "the test suite and the GPU benchmarks on every GPU executor: one report"))
     return parser
 
@@ -209,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile": cmd_profile,
         "serve": cmd_serve,
         "synth": cmd_synth,
+        "export-chat": cmd_export_chat,
         "check": cmd_check,
     }
     return commands[args.command](args)
@@ -664,6 +676,30 @@ def cmd_synth(args: argparse.Namespace) -> int:
         print(f"synth: writing {args.out} failed: {exc}", file=sys.stderr)
         return 1
     print(f"{written.path}: {written.bytes / 2**20:.1f} MiB, {written.tensors} tensors, {written.seconds:.1f} s")
+    return 0
+
+
+# export-chat ------------------------------------------------------------------------------------
+
+
+def cmd_export_chat(args: argparse.Namespace) -> int:
+    from .export.chat import export_chat
+
+    try:
+        out = export_chat(
+            args.model,
+            args.out,
+            max_context=args.max_context,
+            chunk=args.chunk,
+            gpu_kernels=not args.cpu_kernels,
+            copy_model=not args.link,
+        )
+    except BatchError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"{out}: {total / 2**20:.1f} MiB. Serve it with: python -m http.server 8000 --directory {out}")
+    print("then open http://localhost:8000/ in a browser with WebGPU")
     return 0
 
 

@@ -65,25 +65,38 @@ def export_chat(
     features: Sequence[str] = (),
     gpu_kernels: bool = True,
     copy_model: bool = True,
+    limits: Mapping[str, int] | None = None,
 ) -> Path:
     """Write the chat app of the GGUF file ``model`` into ``out_dir`` (empty, or an earlier export) and return
     its path. ``max_context``: the KV cache's positions (prompt and reply); ``chunk``: the largest prefill
     step (a power of two); ``features``: the optional WebGPU features the target browsers offer (default: core
     WebGPU); ``gpu_kernels``: the GPU forms of kernels that have one (``False``: the CPU-driver forms, faster on
     a CPU WebGPU such as SwiftShader); ``copy_model``: copy the GGUF file in (``False``: a hard link where the
-    file system allows, else a copy)."""
+    file system allows, else a copy); ``limits``: WebGPU limits (``max_*``, underscored) lower than its defaults
+    that the target devices have (a matrix over ``max_storage_buffer_binding_size`` is held as row pieces).
+
+    Bad arguments raise ArgumentError, a non-GGUF model UnsupportedError, before anything is written."""
     out = Path(out_dir)
     path = Path(model)
     _check_out_dir(out)
     if not path.is_file():
         raise ArgumentError(f"export_chat: {path} is not a file; pass a GGUF model file")
-    if not 1 <= chunk <= max_context:
-        raise ArgumentError(f"export_chat: chunk must be in [1, max_context={max_context}], got {chunk!r}")
-    device = Device("reference", limits=WEBGPU_DEFAULT_LIMITS)
+    for name, value in (("max_context", max_context), ("chunk", chunk)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ArgumentError(f"export_chat: {name} must be an int >= 1, got {value!r}")
+    if chunk > max_context or chunk & (chunk - 1):
+        raise ArgumentError(f"export_chat: chunk must be a power of two <= max_context={max_context}, got {chunk}")
+    lowered = {**WEBGPU_DEFAULT_LIMITS, **(limits or {})}
+    if any(lowered[name] > WEBGPU_DEFAULT_LIMITS.get(name, lowered[name]) for name in lowered):
+        raise ArgumentError(f"export_chat: limits may only lower WebGPU's defaults {WEBGPU_DEFAULT_LIMITS}")
+    device = Device("reference", limits=lowered)
     with loading(path) as stages:
         weights = open_weights(path)
         if not isinstance(weights, GGUFWeights):
             raise UnsupportedError(f"export_chat: {path} is not a GGUF file; the app reads its weights from one")
+        trained = weights.config.context or max_context
+        if max_context > trained:
+            raise ArgumentError(f"export_chat: max_context must be <= {trained} (the model's trained length)")
         uploaded = upload_weights(device, weights, fuse=True, stages=stages)
         steps = ChatSteps(device, weights.config, uploaded, max_context=max_context, chunk=chunk)
         stages.phase("planning the steps", name="planning")

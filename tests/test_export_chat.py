@@ -1,0 +1,225 @@
+"""``export_chat``: a GGUF model as a static WebGPU chat app, run in headless Chromium (SwiftShader's WebGPU on
+machines without a GPU) and under Node (the ``webgpu`` npm package), against the same steps run in Python.
+
+Contract: the page's greedy ids equal Python's (the recorded steps on the numpy reference device, and
+``Llama.generate``); seeded draws equal Python's too unless two candidates' noisy logits lie within float error
+of each other (WGSL's exp/log latitude), which random data makes vanishingly rare."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import batchgpu as bg
+from batchgpu.errors import ArgumentError, BatchError
+from batchgpu.export.browser import Chromium, find_chromium, serve
+from batchgpu.export.chat import export_chat
+from batchgpu.export.chat_steps import ChatSteps, Sampling, chunks
+from batchgpu.export.node import NodeUnavailableError, run_node, webgpu_package
+from batchgpu.export.weight_sources import assemble
+from batchgpu.models.gguf_reader import GGUFFile
+from batchgpu.models.llama import Llama, open_weights, upload_weights
+
+from .test_llama_variants import K_DIMS, VARIANTS, random_weights, write_gguf
+
+DRIVER = Path(__file__).with_name("chat_driver.mjs")
+PROMPTS = [[3, 17, 42, 8, 29, 11, 5, 40, 23, 7, 1], [9], [30, 2, 44, 12, 6]]
+"""Prompt ids: 11 tokens run as prefill chunks 4 + 4 + 2 + 1 (chunk 4), 1 token, 5 tokens (4 + 1)."""
+TINY = {
+    "llama-q8_0": ("llama", "Q8_0", {}),
+    "qwen2-q4_0": ("qwen2", "Q4_0", {}),
+    "qwen3-q6_k": ("qwen3", "Q6_K", K_DIMS),
+}
+"""Tiny models: llama.cpp's permuted q/k rows in q8_0 (blocks repacked for the device), q/k/v biases in q4_0 (also
+repacked), q/k norms in q6_k (no joined q/k/v)."""
+
+
+def tiny_model(folder: Path, name: str) -> Path:
+    variant, qtype, dims = TINY[name]
+    d = {**VARIANTS[variant], **dims}
+    path = folder / f"{name}.gguf"
+    write_gguf(path, variant, random_weights(d, 7), qtype, d=d)
+    return path
+
+
+def python_ids(path: Path, prompt: list[int], n: int, sampling: Sampling | None = None, **steps: int) -> list[int]:
+    """The ids the exported steps give in Python (the numpy reference device)."""
+    device = bg.Device("reference")
+    weights = open_weights(path)
+    uploaded = upload_weights(device, weights, fuse=True)
+    return list(ChatSteps(device, weights.config, uploaded, **steps).generate(prompt, n, sampling))
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if find_chromium() is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium): the browser tests need it")
+    with Chromium() as chromium:
+        yield chromium
+
+
+def open_app(browser: Chromium, folder: Path, query: str, timeout: float = 300) -> dict[str, Any]:
+    with serve(folder) as base:
+        result = browser.evaluate(f"{base}index.html?{query}", "window.batchgpuChat", timeout)
+    assert "error" not in result, result["error"]
+    return result
+
+
+def ids_query(prompts: list[list[int]], **settings: Any) -> str:
+    return "&".join([*(f"ids={','.join(map(str, p))}" for p in prompts), *(f"{k}={v}" for k, v in settings.items())])
+
+
+def test_chunks_cover_the_prompt_without_padding() -> None:
+    assert chunks(11, 4) == [4, 4, 2, 1]
+    assert chunks(64, 64) == [64] and chunks(1, 64) == [1] and chunks(37, 64) == [32, 4, 1]
+    assert all(sum(chunks(n, 16)) == n for n in range(1, 100))
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_every_weight_buffer_is_built_from_the_gguf_file(tmp_path: Path, name: str) -> None:
+    """Weights (joined q/k/v and gate/up, unpermuted q/k, repacked blocks, row pieces under a lowered binding
+    limit) all come from model.gguf, and the page's assembly of each equals the device's bytes."""
+    path = tiny_model(tmp_path, name)
+    kv_bytes = 16 * VARIANTS[TINY[name][0]]["kv_heads"] * {**VARIANTS[TINY[name][0]], **TINY[name][2]}["head_dim"] * 4
+    limit = {"max_storage_buffer_binding_size": max(kv_bytes, 2048)}  # the embedding (at least) in row pieces
+    out = export_chat(path, tmp_path / "app", max_context=16, chunk=1, limits=limit)
+    manifest = json.loads((out / "model.json").read_text())
+    weights = [b for b in manifest["buffers"] if b["kind"] == "resident" and not b["name"].startswith(("k", "v"))]
+    weights = [b for b in weights if b["name"] != "token"]
+    assert weights and all("source" in b for b in weights), [b["name"] for b in weights if "source" not in b]
+    assert any("[" in b["name"] for b in weights)  # row pieces were made and sourced
+    file = GGUFFile(out / "model.gguf")
+    device = bg.Device("reference", limits=limit)
+    uploaded = upload_weights(device, open_weights(path), fuse=True)
+    by_name = {piece.name: piece for weight in uploaded.values() for piece in getattr(weight, "pieces", (weight,))}
+    for entry in weights:
+        stored = device.executor.read_resident(by_name[entry["name"]].storage).tobytes()[: entry["bytes"]]
+        assert assemble(file.bytes, entry["source"]) == stored, entry["name"]
+
+
+def test_steps_give_llamas_greedy_ids(tmp_path: Path) -> None:
+    path = tiny_model(tmp_path, "llama-q8_0")
+    llama = Llama(bg.Device("reference"), path, max_context=32)
+    for prompt in PROMPTS:
+        assert python_ids(path, prompt, 8, max_context=32, chunk=4) == list(llama.generate(prompt, 8))
+
+
+def test_browser_generates_pythons_ids(tmp_path: Path, browser: Chromium) -> None:
+    """Greedy runs of three prompts (prefill chunks 4 + 4 + 2 + 1, 1, 4 + 1) from the URL, then in the same page a
+    seed drawing the same ids twice, Python's."""
+    path = tiny_model(tmp_path, "qwen2-q4_0")
+    out = export_chat(path, tmp_path / "app", max_context=32, chunk=4, gpu_kernels=False)
+    options = {"maxTokens": 10, "temperature": 0.9, "topK": 20, "seed": 5}
+    script = (
+        "window.batchgpuChat.then(async (greedy) => { const drawn = [];"
+        " for (let k = 0; k < 2; k++) { const ids = [];"
+        f"   for await (const id of window.batchgpuModel.generate({PROMPTS[0]}, {json.dumps(options)})) ids.push(id);"
+        "   drawn.push(ids); }"
+        " return { greedy, drawn }; })"
+    )
+    with serve(out) as base:
+        result = browser.evaluate(f"{base}index.html?{ids_query(PROMPTS, max_tokens=10)}", script, 300)
+    greedy = result["greedy"]
+    assert "error" not in greedy, greedy["error"]
+    assert greedy["adapter"] and greedy["tokens_per_s"] > 0
+    for run, prompt in zip(greedy["runs"], PROMPTS):
+        assert run["prompt_ids"] == prompt
+        assert run["token_ids"] == python_ids(path, prompt, 10, max_context=32, chunk=4)
+    sampling = Sampling(temperature=0.9, top_k=20, seed=5)
+    expected = python_ids(path, PROMPTS[0], 10, sampling, max_context=32, chunk=4)
+    assert result["drawn"] == [expected, expected]
+    assert expected != greedy["runs"][0]["token_ids"]
+
+
+def test_browser_stops_at_the_context(tmp_path: Path, browser: Chromium) -> None:
+    path = tiny_model(tmp_path, "llama-q8_0")
+    out = export_chat(path, tmp_path / "app", max_context=16, chunk=8, gpu_kernels=False)
+    result = open_app(browser, out, ids_query([PROMPTS[0]], max_tokens=50))
+    assert len(result["token_ids"]) == 16 - len(PROMPTS[0]) + 1  # the last token needs no position of its own
+    assert result["token_ids"] == python_ids(path, PROMPTS[0], 50, max_context=16, chunk=8)
+
+
+BAD_REQUESTS = [
+    ([3, 50, 7], {}, "token id 50 is not in [0, 50)"),
+    ([3, -1], {}, "token id -1"),
+    ([3] * 16, {}, "the prompt needs 1 to 15 tokens, got 16"),
+    ([], {}, "the prompt needs 1 to 15 tokens, got 0"),
+    ([3], {"maxTokens": 0}, "maxTokens out of range"),
+    ([3], {"temperature": -1}, "temperature out of range"),
+    ([3], {"topP": 0}, "topP out of range"),
+    ([3], {"topK": 1.5}, "topK out of range"),
+    ([3], {"seed": 2**32}, "seed out of range"),
+]
+
+
+def test_model_refuses_bad_requests_and_still_works(tmp_path: Path, browser: Chromium) -> None:
+    """``model.generate`` in the page: each bad request throws naming what is wrong, before any step runs; the
+    model then generates Python's ids."""
+    path = tiny_model(tmp_path, "llama-q8_0")
+    out = export_chat(path, tmp_path / "app", max_context=16, chunk=4, gpu_kernels=False)
+    script = (
+        "window.batchgpuChat.then(async () => { const model = window.batchgpuModel; const errors = [];"
+        f" for (const [ids, options] of {json.dumps([[ids, options] for ids, options, _ in BAD_REQUESTS])}) {{"
+        "   try { for await (const id of model.generate(ids, options)) {} errors.push(null); }"
+        "   catch (error) { errors.push(String(error.message)); } }"
+        " const ids = []; for await (const id of model.generate([3, 4], { maxTokens: 3 })) ids.push(id);"
+        " return { errors, ids }; })"
+    )
+    with serve(out) as base:
+        result = browser.evaluate(f"{base}index.html", script, 300)
+    for (ids, options, message), error in zip(BAD_REQUESTS, result["errors"]):
+        assert error is not None and message in error, (ids, options, error)
+    assert result["ids"] == python_ids(path, [3, 4], 3, max_context=16, chunk=4)
+
+
+def test_page_opened_from_a_file_url_says_to_serve_it(tmp_path: Path, browser: Chromium) -> None:
+    path = tiny_model(tmp_path, "llama-q8_0")
+    out = export_chat(path, tmp_path / "app", max_context=16, chunk=4)
+    result = browser.evaluate((out / "index.html").as_uri() + "?ids=3", "window.batchgpuChat", 60)
+    assert "python -m http.server" in result["error"]
+
+
+def test_node_generates_pythons_ids(tmp_path: Path) -> None:
+    try:
+        webgpu_package()
+    except NodeUnavailableError as exc:
+        pytest.skip(f"WebGPU under Node is unavailable: {exc}")
+    path = tiny_model(tmp_path, "qwen3-q6_k")
+    out = export_chat(path, tmp_path / "app", max_context=32, chunk=4, gpu_kernels=False)
+    result = run_node(DRIVER, out, function="generate", args={"prompts": PROMPTS, "maxTokens": 6}, timeout=300)
+    for run, prompt in zip(result["runs"], PROMPTS):
+        assert run["token_ids"] == python_ids(path, prompt, 6, max_context=32, chunk=4)
+
+
+def test_export_refuses_bad_arguments_before_writing(tmp_path: Path) -> None:
+    path = tiny_model(tmp_path, "llama-q8_0")
+    out = tmp_path / "app"
+    for kwargs, error, message in [
+        ({"chunk": 3}, ArgumentError, "chunk must be a power of two"),
+        ({"chunk": 64, "max_context": 32}, ArgumentError, "chunk must be a power of two <= max_context=32"),
+        ({"max_context": 0}, ArgumentError, "max_context must be an int >= 1"),
+        ({"max_context": 65}, ArgumentError, "max_context must be <= 64"),
+        ({"limits": {"max_buffer_size": 2**40}}, ArgumentError, "may only lower"),
+    ]:
+        with pytest.raises(error, match=message):
+            export_chat(path, out, **kwargs)
+        assert not out.exists()
+    with pytest.raises(ArgumentError, match="is not a file"):
+        export_chat(tmp_path / "missing.gguf", out)
+    with pytest.raises(BatchError):
+        export_chat(write_safetensors_dir(tmp_path), out)
+    assert not out.exists()
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(BatchError, match="not empty"):
+        export_chat(path, out)
+
+
+def write_safetensors_dir(tmp_path: Path) -> Path:
+    """A path that is a file but not GGUF."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    return path
