@@ -31,6 +31,7 @@ PROMPTS = [[3, 17, 42, 8, 29, 11, 5, 40, 23, 7, 1], [9], [30, 2, 44, 12, 6]]
 TINY = {
     "llama-q8_0": ("llama", "Q8_0", {}),
     "qwen2-q4_0": ("qwen2", "Q4_0", {}),
+    "qwen2-q4_1": ("qwen2", "Q4_1", {}),
     "qwen3-q6_k": ("qwen3", "Q6_K", K_DIMS),
 }
 """Tiny models: llama.cpp's permuted q/k rows in q8_0 (blocks repacked for the device), q/k/v biases in q4_0 (also
@@ -107,72 +108,63 @@ def test_steps_give_llamas_greedy_ids(tmp_path: Path) -> None:
         assert python_ids(path, prompt, 8, max_context=32, chunk=4) == list(llama.generate(prompt, 8))
 
 
-def test_browser_generates_pythons_ids(tmp_path: Path, browser: Chromium) -> None:
-    """Greedy runs of three prompts (prefill chunks 4 + 4 + 2 + 1, 1, 4 + 1) from the URL, then in the same page a
-    seed drawing the same ids twice, Python's."""
-    path = tiny_model(tmp_path, "qwen2-q4_0")
-    out = export_chat(path, tmp_path / "app", max_context=32, chunk=4, gpu_kernels=False)
-    options = {"maxTokens": 10, "temperature": 0.9, "topK": 20, "seed": 5}
-    script = (
-        "window.batchgpuChat.then(async (greedy) => { const drawn = [];"
-        " for (let k = 0; k < 2; k++) { const ids = [];"
-        f"   for await (const id of window.batchgpuModel.generate({PROMPTS[0]}, {json.dumps(options)})) ids.push(id);"
-        "   drawn.push(ids); }"
-        " return { greedy, drawn }; })"
-    )
-    with serve(out) as base:
-        result = browser.evaluate(f"{base}index.html?{ids_query(PROMPTS, max_tokens=10)}", script, 300)
-    greedy = result["greedy"]
-    assert "error" not in greedy, greedy["error"]
-    assert greedy["adapter"] and greedy["tokens_per_s"] > 0
-    for run, prompt in zip(greedy["runs"], PROMPTS):
-        assert run["prompt_ids"] == prompt
-        assert run["token_ids"] == python_ids(path, prompt, 10, max_context=32, chunk=4)
-    sampling = Sampling(temperature=0.9, top_k=20, seed=5)
-    expected = python_ids(path, PROMPTS[0], 10, sampling, max_context=32, chunk=4)
-    assert result["drawn"] == [expected, expected]
-    assert expected != greedy["runs"][0]["token_ids"]
-
-
-def test_browser_stops_at_the_context(tmp_path: Path, browser: Chromium) -> None:
-    path = tiny_model(tmp_path, "llama-q8_0")
-    out = export_chat(path, tmp_path / "app", max_context=16, chunk=8, gpu_kernels=False)
-    result = open_app(browser, out, ids_query([PROMPTS[0]], max_tokens=50))
-    assert len(result["token_ids"]) == 16 - len(PROMPTS[0]) + 1  # the last token needs no position of its own
-    assert result["token_ids"] == python_ids(path, PROMPTS[0], 50, max_context=16, chunk=8)
-
-
 BAD_REQUESTS = [
     ([3, 50, 7], {}, "token id 50 is not in [0, 50)"),
     ([3, -1], {}, "token id -1"),
-    ([3] * 16, {}, "the prompt needs 1 to 15 tokens, got 16"),
-    ([], {}, "the prompt needs 1 to 15 tokens, got 0"),
+    ([3] * 24, {}, "the prompt needs 1 to 23 tokens, got 24"),
+    ([], {}, "the prompt needs 1 to 23 tokens, got 0"),
     ([3], {"maxTokens": 0}, "maxTokens out of range"),
     ([3], {"temperature": -1}, "temperature out of range"),
     ([3], {"topP": 0}, "topP out of range"),
     ([3], {"topK": 1.5}, "topK out of range"),
     ([3], {"seed": 2**32}, "seed out of range"),
 ]
+SEEDED = {"maxTokens": 10, "temperature": 0.9, "topK": 20, "seed": 5}
+
+PAGE_SCRIPT = """window.batchgpuChat.then(async (greedy) => {
+  const model = window.batchgpuModel;
+  const run = async (ids, options) => {
+    const out = [];
+    for await (const id of model.generate(ids, options)) out.push(id);
+    return out;
+  };
+  const errors = [];
+  for (const [ids, options] of BAD) {
+    try { await run(ids, options); errors.push(null); } catch (error) { errors.push(String(error.message)); }
+  }
+  const drawn = [await run(PROMPT, SEEDED), await run(PROMPT, SEEDED)];
+  const long = await run(PROMPT, { maxTokens: 50 });
+  return { greedy, errors, drawn, long };
+})"""
+"""What the browser test runs in the page after the URL's runs: bad requests, a seed twice, a run to the context."""
 
 
-def test_model_refuses_bad_requests_and_still_works(tmp_path: Path, browser: Chromium) -> None:
-    """``model.generate`` in the page: each bad request throws naming what is wrong, before any step runs; the
-    model then generates Python's ids."""
+def test_browser_generates_pythons_ids(tmp_path: Path, browser: Chromium) -> None:
+    """One page load (each compiles the pipelines again: seconds on SwiftShader): greedy runs of three prompts
+    from the URL (prefill chunks 4 + 4 + 2 + 1, 1, 4 + 1); then through ``window.batchgpuModel``: bad requests,
+    each refused naming what is wrong before any step runs; a seed drawing the same ids twice; a run that stops
+    at the context. Every id equals Python's."""
     path = tiny_model(tmp_path, "llama-q8_0")
-    out = export_chat(path, tmp_path / "app", max_context=16, chunk=4, gpu_kernels=False)
-    script = (
-        "window.batchgpuChat.then(async () => { const model = window.batchgpuModel; const errors = [];"
-        f" for (const [ids, options] of {json.dumps([[ids, options] for ids, options, _ in BAD_REQUESTS])}) {{"
-        "   try { for await (const id of model.generate(ids, options)) {} errors.push(null); }"
-        "   catch (error) { errors.push(String(error.message)); } }"
-        " const ids = []; for await (const id of model.generate([3, 4], { maxTokens: 3 })) ids.push(id);"
-        " return { errors, ids }; })"
-    )
+    out = export_chat(path, tmp_path / "app", max_context=24, chunk=4, gpu_kernels=False)
+    bad = json.dumps([[ids, options] for ids, options, _ in BAD_REQUESTS])
+    script = PAGE_SCRIPT.replace("BAD", bad).replace("PROMPT", str(PROMPTS[0])).replace("SEEDED", json.dumps(SEEDED))
     with serve(out) as base:
-        result = browser.evaluate(f"{base}index.html", script, 300)
+        result = browser.evaluate(f"{base}index.html?{ids_query(PROMPTS, max_tokens=10)}", script, 300)
+    greedy = result["greedy"]
+    assert "error" not in greedy, greedy["error"]
+    assert greedy["adapter"] and greedy["tokens_per_s"] > 0
+    steps = {"max_context": 24, "chunk": 4}
+    for run, prompt in zip(greedy["runs"], PROMPTS):
+        assert run["prompt_ids"] == prompt
+        assert run["token_ids"] == python_ids(path, prompt, 10, **steps)
     for (ids, options, message), error in zip(BAD_REQUESTS, result["errors"]):
         assert error is not None and message in error, (ids, options, error)
-    assert result["ids"] == python_ids(path, [3, 4], 3, max_context=16, chunk=4)
+    sampling = Sampling(temperature=0.9, top_k=20, seed=5)
+    expected = python_ids(path, PROMPTS[0], 10, sampling, **steps)
+    assert result["drawn"] == [expected, expected]
+    assert expected != greedy["runs"][0]["token_ids"]
+    assert len(result["long"]) == 24 - len(PROMPTS[0]) + 1  # the last token needs no position of its own
+    assert result["long"] == python_ids(path, PROMPTS[0], 50, **steps)
 
 
 def test_page_opened_from_a_file_url_says_to_serve_it(tmp_path: Path, browser: Chromium) -> None:
@@ -183,15 +175,19 @@ def test_page_opened_from_a_file_url_says_to_serve_it(tmp_path: Path, browser: C
 
 
 def test_node_generates_pythons_ids(tmp_path: Path) -> None:
+    """The same module under Node: q/k/v biases joined, and the embedding and the head as row pieces (a lowered
+    binding limit), built from the file by the page's code."""
     try:
         webgpu_package()
     except NodeUnavailableError as exc:
         pytest.skip(f"WebGPU under Node is unavailable: {exc}")
-    path = tiny_model(tmp_path, "qwen3-q6_k")
-    out = export_chat(path, tmp_path / "app", max_context=32, chunk=4, gpu_kernels=False)
-    result = run_node(DRIVER, out, function="generate", args={"prompts": PROMPTS, "maxTokens": 6}, timeout=300)
+    path = tiny_model(tmp_path, "qwen2-q4_1")
+    limits = {"max_storage_buffer_binding_size": 2048}
+    out = export_chat(path, tmp_path / "app", max_context=16, chunk=1, gpu_kernels=False, limits=limits)
+    assert any("[" in b["name"] for b in json.loads((out / "model.json").read_text())["buffers"])  # pieces
+    result = run_node(DRIVER, out, function="generate", args={"prompts": PROMPTS, "maxTokens": 4}, timeout=300)
     for run, prompt in zip(result["runs"], PROMPTS):
-        assert run["token_ids"] == python_ids(path, prompt, 6, max_context=32, chunk=4)
+        assert run["token_ids"] == python_ids(path, prompt, 4, max_context=16, chunk=1)
 
 
 def test_export_refuses_bad_arguments_before_writing(tmp_path: Path) -> None:
