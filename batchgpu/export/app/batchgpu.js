@@ -173,8 +173,10 @@ export class ChatModel {
   /** The ids generated for ``prompt`` (token ids), one at a time: greedy at temperature 0, else drawn (top_k,
    * top_p, min_p) by a hash of (seed, the token's index), as batchgpu's ChatSteps.generate draws them. Ends
    * after ``maxTokens``, a stop id (default: the tokenizer's), at the model's context, or when ``signal``
-   * aborts. ``this.stats`` then holds the timings. */
-  async *generate(prompt, { maxTokens = 128, temperature = 0, topK = 0, topP = 1, minP = 0, seed = 0, stop = null, signal = null } = {}) {
+   * aborts. Decode steps are submitted up to ``ahead`` steps before their token is read (each reads its input
+   * token on the device), so the GPU does not wait for the page between steps. ``this.stats`` then holds the
+   * timings. */
+  async *generate(prompt, { maxTokens = 128, temperature = 0, topK = 0, topP = 1, minP = 0, seed = 0, stop = null, signal = null, ahead = 1 } = {}) {
     const { vocab, chunk } = this.manifest.model;
     const ids = Array.from(prompt, Number);
     if (ids.length < 1 || ids.length >= this.maxContext) throw new Error(`batchgpu: the prompt needs 1 to ${this.maxContext - 1} tokens, got ${ids.length}`);
@@ -186,6 +188,7 @@ export class ChatModel {
     checkOption("topP", topP, topP > 0 && topP <= 1);
     checkOption("minP", minP, minP >= 0 && minP <= 1);
     checkOption("seed", seed, Number.isInteger(seed) && seed >= 0 && seed < 2 ** 32);
+    checkOption("ahead", ahead, Number.isInteger(ahead) && ahead >= 0);
     const stopIds = stop ?? this.codec?.stopIds ?? new Set();
     const sampling = Float32Array.of(temperature, topP, minP, 0);
     const top_k = Int32Array.of(topK);
@@ -193,23 +196,34 @@ export class ChatModel {
 
     const started = performance.now();
     let pos = 0;
-    let out;
+    const inFlight = []; // promises of each submitted step's outputs, in order
     for (const size of promptChunks(ids.length, chunk)) {
       const inputs = { ids: Int32Array.from(ids.slice(pos, pos + size)), sampling, top_k, keys: keys(0) };
-      out = await this.program.run(`prefill_${size}`, inputs, { pos });
+      inFlight.length = 0; // only the last chunk's token is read
+      inFlight.push(this.program.run(`prefill_${size}`, inputs, { pos }));
       pos += size;
     }
-    const first = performance.now();
-    this.stats = { prompt_tokens: ids.length, generated: 0, prefill_ms: first - started, decode_ms: 0, tokens_per_s: 0 };
-    for (let index = 0; ; index++) {
-      const token = out.next_id[0];
-      this.stats.generated = index + 1;
-      this.stats.decode_ms = performance.now() - first;
-      this.stats.tokens_per_s = index ? (1000 * index) / this.stats.decode_ms : 0;
-      yield token;
-      if (stopIds.has(token) || pos >= this.maxContext || index + 1 >= maxTokens || signal?.aborted) return;
-      out = await this.program.run("decode", { sampling, top_k, keys: keys(index + 1) }, { pos });
-      pos += 1;
+    let submitted = 1; // tokens whose step is submitted
+    let first = null;
+    this.stats = { prompt_tokens: ids.length, generated: 0, prefill_ms: 0, decode_ms: 0, tokens_per_s: 0 };
+    try {
+      for (let index = 0; index < maxTokens; index++) {
+        while (inFlight.length <= ahead && submitted < maxTokens && pos < this.maxContext) {
+          inFlight.push(this.program.run("decode", { sampling, top_k, keys: keys(submitted) }, { pos }));
+          submitted += 1;
+          pos += 1;
+        }
+        if (!inFlight.length) return; // the context is full
+        const token = (await inFlight.shift()).next_id[0];
+        const now = performance.now();
+        first ??= now;
+        Object.assign(this.stats, { generated: index + 1, prefill_ms: first - started, decode_ms: now - first });
+        this.stats.tokens_per_s = index ? (1000 * index) / this.stats.decode_ms : 0;
+        yield token;
+        if (stopIds.has(token) || signal?.aborted) return;
+      }
+    } finally {
+      for (const pending of inFlight) pending.catch(() => {}); // steps past the end: their tokens are dropped
     }
   }
 

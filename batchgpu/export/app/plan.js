@@ -4,7 +4,7 @@
 //   const device = await requestDevice(manifest, navigator.gpu);
 //   const program = await Program.create(device, manifest, { shaders, params, data });
 //   program.write(buffer, bytes);                         // weights, as they arrive
-//   const { next_id } = await program.run("decode", { sampling, top_k, keys }, { pos: 7 });
+//   const { next_id } = await program.run("decode", { sampling, top_k, keys }, { pos: 7 });  // submitted at once
 
 // WebGPU's default limits: higher needs are requested from the adapter.
 export const DEFAULT_LIMITS = {
@@ -97,7 +97,6 @@ export class Program {
     this.device = device;
     this.manifest = manifest;
     this.steps = new Map();
-    this.queue = Promise.resolve(); // runs are serialized: each step's staging buffer is its own
   }
 
   buffer(entry, bytes) {
@@ -153,8 +152,8 @@ export class Program {
     });
     const outputs = Object.entries(step.outputs).map(([output, o]) => ({ name: output, ...o, size: manifest.buffers[o.buffer].size }));
     const total = outputs.reduce((sum, o) => sum + o.size, 0);
-    const staging = device.createBuffer({ size: total, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST, label: `${name} staging` });
-    return { name, step, dispatches, scalars, scalarView: new DataView(scalarBytes), scalarBytes, outputs, staging, total };
+    // staging buffers: one per run in flight, kept for the next runs
+    return { name, step, dispatches, scalars, scalarView: new DataView(scalarBytes), scalarBytes, outputs, total, staging: new Set(), free: [] };
   }
 
   /** Write ``bytes`` (a Uint8Array) into buffer ``index`` from its start. */
@@ -162,18 +161,38 @@ export class Program {
     this.device.queue.writeBuffer(this.buffers[index], 0, padded(bytes));
   }
 
-  /** Run step ``name`` once: write ``inputs`` (typed arrays by name) and ``scalars`` (numbers by name), one
-   * submit; resolves to its outputs by name (typed arrays). Runs are serialized in call order. */
+  /** Run step ``name`` once: write ``inputs`` (typed arrays by name) and ``scalars`` (numbers by name) and submit
+   * now, in call order; resolves to its outputs by name (typed arrays) once the device is done. A caller may
+   * submit further steps before awaiting one (a decode step reads its token on the device): each run copies its
+   * outputs into a staging buffer of its own. */
   run(name, inputs = {}, scalars = {}) {
     const state = this.steps.get(name);
-    if (!state) throw new Error(`batchgpu: the model has no step ${name}`);
-    const result = this.queue.then(() => this.runOnce(state, inputs, scalars));
-    this.queue = result.catch(() => {});
-    return result;
+    if (!state) return Promise.reject(new Error(`batchgpu: the model has no step ${name}`));
+    try {
+      this.writeInputs(state, inputs, scalars);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    const staging = state.free.pop() ?? this.device.createBuffer({ size: state.total, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST, label: `${name} staging` });
+    state.staging.add(staging);
+    const encoder = this.device.createCommandEncoder({ label: name });
+    const pass = encoder.beginComputePass({ label: name });
+    for (const { pipeline, bindGroup, grid } of state.dispatches) {
+      pass.setPipeline(pipeline);
+      pass.setBindGroup(0, bindGroup);
+      pass.dispatchWorkgroups(grid[0], grid[1], grid[2]);
+    }
+    pass.end();
+    let offset = 0;
+    for (const o of state.outputs) {
+      encoder.copyBufferToBuffer(this.buffers[o.buffer], 0, staging, offset, o.size);
+      offset += o.size;
+    }
+    this.device.queue.submit([encoder.finish()]);
+    return this.read(state, staging);
   }
 
-  async runOnce(state, inputs, scalars) {
-    const { device } = this;
+  writeInputs(state, inputs, scalars) {
     const { step } = state;
     for (const [input, value] of Object.entries(inputs)) {
       const entry = step.inputs[input];
@@ -183,7 +202,10 @@ export class Program {
       if (!(value instanceof Type) || value.length !== count) {
         throw new Error(`batchgpu: input ${input} of step ${state.name} needs a ${Type.name} of ${count}, got ${value?.constructor?.name} of ${value?.length}`);
       }
-      device.queue.writeBuffer(this.buffers[entry.buffer], 0, padded(new Uint8Array(value.buffer, value.byteOffset, value.byteLength)));
+    }
+    for (const [input, value] of Object.entries(inputs)) {
+      const bytes = new Uint8Array(value.buffer, value.byteOffset, value.byteLength);
+      this.device.queue.writeBuffer(this.buffers[step.inputs[input].buffer], 0, padded(bytes));
     }
     for (const s of step.scalars) {
       if (!(s.name in scalars)) continue;
@@ -192,31 +214,27 @@ export class Program {
       else if (s.dtype === "i32") state.scalarView.setInt32(4 * s.slot, value, true);
       else state.scalarView.setUint32(4 * s.slot, value, true);
     }
-    if (step.scalars.length) device.queue.writeBuffer(state.scalars, 0, state.scalarBytes);
-    const encoder = device.createCommandEncoder({ label: state.name });
-    const pass = encoder.beginComputePass({ label: state.name });
-    for (const { pipeline, bindGroup, grid } of state.dispatches) {
-      pass.setPipeline(pipeline);
-      pass.setBindGroup(0, bindGroup);
-      pass.dispatchWorkgroups(grid[0], grid[1], grid[2]);
+    if (step.scalars.length) this.device.queue.writeBuffer(state.scalars, 0, state.scalarBytes);
+  }
+
+  async read(state, staging) {
+    try {
+      await staging.mapAsync(GPUMapMode.READ, 0, state.total);
+      const mapped = staging.getMappedRange(0, state.total);
+      const outputs = {};
+      let offset = 0;
+      for (const o of state.outputs) {
+        outputs[o.name] = new ARRAY_TYPES[o.dtype](mapped.slice(offset, offset + o.bytes));
+        offset += o.size;
+      }
+      staging.unmap();
+      state.free.push(staging);
+      return outputs;
+    } catch (error) {
+      state.staging.delete(staging);
+      staging.destroy();
+      throw error;
     }
-    pass.end();
-    let offset = 0;
-    for (const o of state.outputs) {
-      encoder.copyBufferToBuffer(this.buffers[o.buffer], 0, state.staging, offset, o.size);
-      offset += o.size;
-    }
-    device.queue.submit([encoder.finish()]);
-    await state.staging.mapAsync(GPUMapMode.READ, 0, state.total);
-    const mapped = state.staging.getMappedRange(0, state.total);
-    const outputs = {};
-    offset = 0;
-    for (const o of state.outputs) {
-      outputs[o.name] = new ARRAY_TYPES[o.dtype](mapped.slice(offset, offset + o.bytes));
-      offset += o.size;
-    }
-    state.staging.unmap();
-    return outputs;
   }
 
   /** Free every buffer (the device stays). */
@@ -225,7 +243,7 @@ export class Program {
     this.params?.destroy();
     for (const s of this.steps.values()) {
       s.scalars.destroy();
-      s.staging.destroy();
+      for (const staging of s.staging) staging.destroy();
     }
   }
 }
