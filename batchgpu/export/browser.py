@@ -11,6 +11,7 @@ in real time, which also makes the page's timings real.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import fcntl
 import functools
@@ -190,13 +191,31 @@ class Chromium:
         its JSON value. Waits for the page to define the expression's root object."""
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         try:
-            return self._await_in(target, url, expression, timeout)
+            return self._await_in(self._attach(target), url, expression, timeout)
         finally:
             with contextlib.suppress(BrowserError):
                 self.send("Target.closeTarget", {"targetId": target}, timeout=10)
 
-    def _await_in(self, target: str, url: str, expression: str, timeout: float) -> Any:
-        session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+    def screenshot(
+        self, url: str, path: str | Path, expression: str = RESULT_EXPRESSION, timeout: float = 60.0, width: int = 900
+    ) -> Any:
+        """:meth:`evaluate`, then a PNG of the page (``width`` CSS pixels wide, as tall as its content) written to
+        ``path``; returns the expression's value."""
+        target = self.send("Target.createTarget", {"url": "about:blank", "width": width, "height": 700})["targetId"]
+        try:
+            session = self._attach(target)
+            value = self._await_in(session, url, expression, timeout)
+            shot = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session)
+            Path(path).write_bytes(base64.b64decode(shot["data"]))
+            return value
+        finally:
+            with contextlib.suppress(BrowserError):
+                self.send("Target.closeTarget", {"targetId": target}, timeout=10)
+
+    def _attach(self, target: str) -> str:
+        return self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+
+    def _await_in(self, session: str, url: str, expression: str, timeout: float) -> Any:
         self.send("Page.navigate", {"url": url}, session)
         waiting = (
             "new Promise((resolve) => { const poll = () => { let v; try { v = (" + expression + "); } catch (e) {} "
