@@ -475,10 +475,10 @@ def test_split_steps_ahead_give_what_steps_one_by_one_give() -> None:
     prompts = ["A person:", "Once upon a time", "Someone else:", "Water is"]
     person = StructuredOutput(json_schema=PERSON)
     params = [
-        structured(person, temperature=0.0, max_tokens=30),
-        SamplingParams(max_tokens=40, temperature=0.9, seed=5, ignore_eos=True),
-        structured(person, seed=11, max_tokens=30),
-        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        structured(person, temperature=0.0, max_tokens=20),
+        SamplingParams(max_tokens=26, temperature=0.9, seed=5, ignore_eos=True),
+        structured(person, seed=11, max_tokens=20),
+        SamplingParams(max_tokens=26, temperature=0.0, ignore_eos=True),
     ]
 
     def run(eng: Engine) -> list[list[int]]:
