@@ -1,0 +1,228 @@
+// The model's text codec in JavaScript: the same token ids and text as Python's batchgpu TextCodec
+// (batchgpu/models/codec.py), from the two files batchgpu/export/text_assets.py writes:
+//   tokenizer.json  the tokenizer as Hugging Face's JSON, run by the vendored @huggingface/tokenizers;
+//   chat.json       chat template (rendered by the vendored @huggingface/jinja), BOS/EOS, stop ids.
+//
+//   import { loadCodec } from "./tokenizer.js";
+//   const codec = await loadCodec(new URL("./", import.meta.url));
+//   const ids = codec.encodeChat([{ role: "user", content: "Hi" }]);
+//   const stream = codec.stream();  // then stream.push(id) -> new text, stream.finish() -> the rest
+
+import { fetchJson } from "./io.js";
+import { Template } from "./vendor/jinja.js";
+import { Tokenizer } from "./vendor/tokenizers.js";
+
+const CHAT_FORMAT = 1; // chat.json's layout (text_assets.CHAT_FORMAT)
+const REPLACEMENT = "\ufffd"; // what decoding makes of an incomplete UTF-8 sequence
+// Unicode noncharacters around markers and placeholders, as batchgpu/models/control.py
+const MARKER_START = "\ufdd0", MARKER_END = "\ufdd1", PLACEHOLDER_START = "\ufdd2", PLACEHOLDER_END = "\ufdd3";
+// Python's tokenizers decodes without transformers' clean-up of spaces before punctuation
+const OPTIONS = { clean_up_tokenization_spaces: false };
+
+/** The codec of the app at ``base`` (a URL of the folder holding tokenizer.json and chat.json). */
+export async function loadCodec(base) {
+  const [json, chat] = await Promise.all([
+    fetchJson(new URL("tokenizer.json", base)),
+    fetchJson(new URL("chat.json", base)),
+  ]);
+  return new TextCodec(json, chat);
+}
+
+export class TextCodec {
+  /** ``json``: tokenizer.json's object; ``chat``: chat.json's. */
+  constructor(json, chat) {
+    if (chat.format !== CHAT_FORMAT) {
+      throw new Error(`batchgpu: chat.json has format ${chat.format}, this tokenizer.js reads ${CHAT_FORMAT}`);
+    }
+    this.json = json;
+    this.tokenizer = new Tokenizer(json, OPTIONS);
+    this.specialIds = new Set(json.added_tokens.filter((t) => t.special).map((t) => t.id));
+    this.template = chat.chat_template ? new Template(chat.chat_template) : null;
+    this.hasChatTemplate = this.template !== null;
+    this.bosToken = chat.bos_token;
+    this.eosToken = chat.eos_token;
+    this.bosId = chat.bos_id;
+    this.eosId = chat.eos_id;
+    this.addsBos = chat.add_bos;
+    this.stopIds = new Set(chat.stop_ids);
+    this.control = null; // ControlTokens, made at the first encodeChat
+  }
+
+  /** Token ids of ``text``, a control token wherever its text appears; ``special``: with the tokens the
+   * tokenizer adds around a text (a SentencePiece model's BOS), as Python ``TextCodec.encode``. */
+  encode(text, { special = true } = {}) {
+    checkText(text, "prompt");
+    return this.tokenizer.encode(text, { add_special_tokens: special }).ids;
+  }
+
+  /** Text of ``ids``, control tokens (and ids outside the vocabulary) left out, as Python ``decode``. */
+  decode(ids) {
+    const vocab = this.tokenizer.model.vocab;
+    const kept = Array.from(ids, Number).filter((id) => !this.specialIds.has(id) && vocab[id] !== undefined);
+    return kept.length ? this.tokenizer.decode(kept, { skip_special_tokens: false }) : "";
+  }
+
+  /** The prompt for ``messages`` through the model's chat template, the assistant's turn opened (Python
+   * ``render_chat``; ``tools``: the template's ``tools`` variable). */
+  renderChat(messages, { tools = null } = {}) {
+    if (!this.template) throw new Error("chat: this model's files have no chat template; send a prompt instead");
+    checkMessages(messages);
+    try {
+      return this.template.render({
+        messages,
+        tools,
+        add_generation_prompt: true,
+        bos_token: this.bosToken,
+        eos_token: this.eosToken,
+      });
+    } catch (error) {
+      throw new Error(`chat: the chat template refused the messages: ${error.message}`);
+    }
+  }
+
+  /** Token ids of ``renderChat``'s prompt, control tokens only where the template wrote them (special-token
+   * text inside a message is plain text), as Python ``encode_chat``; ``trusted``: the rendered prompt
+   * encoded as one string (special-token text in messages is control too). */
+  encodeChat(messages, { trusted = false, tools = null } = {}) {
+    if (trusted) return this.encode(this.renderChat(messages, { tools }), { special: false });
+    checkMessages(messages);
+    this.control ??= new ControlTokens(this.json);
+    return this.control.encode(messages, tools, (escaped, escapedTools) =>
+      this.renderChat(escaped, { tools: escapedTools }),
+    );
+  }
+
+  /** A TextStream of this codec. */
+  stream() {
+    return new TextStream(this);
+  }
+}
+
+/** Incremental text of one generation, as Python batchgpu/llm/text.py's TextStream without stop strings:
+ * ``push(id)`` returns the text that is now final (maybe ""), ``finish()`` the rest. Each token is decoded
+ * with the ones since the last point where the text was whole; text is held back while it ends in an
+ * unfinished UTF-8 character. The pieces together are ``decode`` of all the ids. */
+export class TextStream {
+  constructor(codec) {
+    this.codec = codec;
+    this.ids = [];
+    this.prefix = 0; // the decoding window starts here ...
+    this.read = 0; // ... and its text up to here was already returned
+  }
+
+  push(id) {
+    this.ids.push(id);
+    return this.advance(false);
+  }
+
+  finish() {
+    return this.advance(true);
+  }
+
+  advance(final) {
+    const known = this.codec.decode(this.ids.slice(this.prefix, this.read));
+    const window = this.codec.decode(this.ids.slice(this.prefix));
+    if (!final && (window.endsWith(REPLACEMENT) || window.length <= known.length)) return "";
+    this.prefix = this.read;
+    this.read = this.ids.length;
+    return window.slice(known.length);
+  }
+}
+
+/** The tokenizer's special added tokens and a copy of it that keeps them apart from message text, as
+ * batchgpu/models/control.py: messages get each special token's text swapped for a placeholder before
+ * rendering; in the rendered prompt each special text left (the template's) becomes a marker that the copy
+ * knows as a non-special added token (with the special token's matching rules), the placeholders get their
+ * text back, and the copy, which has no special tokens, encodes the string once; markers map back to the
+ * special ids. */
+class ControlTokens {
+  constructor(json) {
+    this.nonce = randomNonce();
+    const special = json.added_tokens.filter((t) => t.special);
+    this.texts = special.map((t) => t.content).sort((a, b) => b.length - a.length); // longest first
+    this.pattern = this.texts.length ? new RegExp(this.texts.map(escapeRegExp).join("|"), "gu") : null;
+    const byText = new Map(special.map((t) => [t.content, t]));
+    let next = 1 + [...json.added_tokens.map((t) => t.id), ...vocabIds(json.model)].reduce((a, b) => Math.max(a, b), -1);
+    const markerTokens = [];
+    this.markers = new Map();
+    this.placeholders = new Map();
+    this.ids = new Map(); // a marker's id in ``guarded`` -> the special token's id
+    this.texts.forEach((text, k) => {
+      const marker = `${MARKER_START}${this.nonce}:${k}${MARKER_END}`;
+      markerTokens.push({ ...byText.get(text), id: next, content: marker, special: false });
+      this.markers.set(text, marker);
+      this.placeholders.set(text, `${PLACEHOLDER_START}${this.nonce}:${k}${PLACEHOLDER_END}`);
+      this.ids.set(next++, byText.get(text).id);
+    });
+    const plain = json.added_tokens.filter((t) => !t.special);
+    this.guarded = new Tokenizer({ ...json, added_tokens: [...plain, ...markerTokens] }, OPTIONS);
+  }
+
+  /** Ids of ``render(escapedMessages, escapedTools)``'s prompt, control tokens from the template alone. */
+  encode(messages, tools, render) {
+    let rendered = render(this.escaped(messages), tools === null ? null : this.escaped(tools));
+    if (this.pattern) rendered = rendered.replace(this.pattern, (text) => this.markers.get(text));
+    for (const [text, placeholder] of this.placeholders) rendered = rendered.replaceAll(placeholder, text);
+    if (rendered.includes(PLACEHOLDER_START + this.nonce)) {
+      throw new Error("chat: the chat template cut a message's control-token text apart");
+    }
+    const ids = this.guarded.encode(rendered, { add_special_tokens: false }).ids;
+    return ids.map((id) => this.ids.get(id) ?? id);
+  }
+
+  /** ``value`` with each special token's text in its strings swapped for a placeholder. */
+  escaped(value) {
+    if (typeof value === "string") {
+      if (value.includes(this.nonce)) throw new Error("chat: a message holds a reserved sequence");
+      return this.pattern ? value.replace(this.pattern, (text) => this.placeholders.get(text)) : value;
+    }
+    if (Array.isArray(value)) return value.map((item) => this.escaped(item));
+    if (value !== null && typeof value === "object") {
+      return Object.fromEntries(Object.entries(value).map(([key, item]) => [key, this.escaped(item)]));
+    }
+    return value;
+  }
+}
+
+/** A random number as text (Web Crypto where there is one: Node 18 has it only under a flag). */
+function randomNonce() {
+  const random = new Uint32Array(3);
+  if (globalThis.crypto?.getRandomValues) globalThis.crypto.getRandomValues(random);
+  else random.forEach((_, i) => (random[i] = Math.floor(Math.random() * 2 ** 32)));
+  return random.join("");
+}
+
+function vocabIds(model) {
+  const vocab = model.vocab ?? {};
+  return Array.isArray(vocab) ? [vocab.length - 1] : Object.values(vocab);
+}
+
+function escapeRegExp(text) {
+  return text.replace(/[.*+?^${}()|[\]\\]/g, "\\$&");
+}
+
+/** Text the tokenizer takes, as Python's check: a string of Unicode scalar values (no lone surrogate). */
+function checkText(text, what) {
+  if (typeof text !== "string") throw new TypeError(`${what} must be a string, got ${typeof text}`);
+  const at = text.search(/\p{Surrogate}/u);
+  if (at >= 0) throw new TypeError(`${what} is not valid Unicode: a lone surrogate at code unit ${at}`);
+}
+
+function checkMessages(messages) {
+  if (!Array.isArray(messages)) throw new TypeError("chat: messages must be an array");
+  messages.forEach((message, i) => {
+    if (message === null || typeof message !== "object" || typeof message.role !== "string") {
+      throw new TypeError(`chat: messages[${i}] must be an object with a string 'role'`);
+    }
+    if (typeof message.content !== "string") throw new TypeError(`chat: messages[${i}].content must be a string`);
+    checkTexts(message, `messages[${i}]`);
+  });
+}
+
+function checkTexts(value, what) {
+  if (typeof value === "string") checkText(value, what);
+  else if (Array.isArray(value)) value.forEach((item, i) => checkTexts(item, `${what}[${i}]`));
+  else if (value !== null && typeof value === "object") {
+    for (const [key, item] of Object.entries(value)) checkTexts(item, `${what}.${key}`);
+  }
+}
