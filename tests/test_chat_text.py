@@ -14,14 +14,16 @@ from pathlib import Path
 
 import pytest
 
+import batchgpu as bg
 from batchgpu.export.text_assets import write_text_assets
+from batchgpu.llm.text import TextStream
 from batchgpu.models.codec import TextCodec
 
 from .test_gemma3 import gemma3_270m  # noqa: F401 - a fixture
 from .test_gguf_tokenizers import (
+    LLAMA2_TEMPLATE,
     LLAMA3_SPECIALS,
     LLAMA3_TEMPLATE,
-    LLAMA2_TEMPLATE,
     QWEN_SPECIALS,
     QWEN_TEMPLATE,
     byte_level_vocabulary,
@@ -70,6 +72,7 @@ TEXTS = [
     "caf\u00e9 na\u00efve \u00e9t\u00e9 Z\u00fcrich",
     "\u65e5\u672c\u8a9e\u306e\u6587\u7ae0\u3002\u4e2d\u6587",
     "emoji \U0001f600\U0001f680 and \U0001f1eb\U0001f1f7",
+    "\ufeffa byte order mark, \u00a0no-break\u3000spaces",
     "  two leading, trailing two  ",
     "tabs\t\tand\n\nnew\r\nlines \n \t ",
     "digits 1234567 and 3.14159",
@@ -107,16 +110,29 @@ def text_cases(codec: TextCodec, texts: list[str]) -> tuple[list[dict], list]:
             expected.append(codec.encode(text, special=special))
         ids = codec.encode(text)
         cases += [{"op": "decode", "ids": ids}, {"op": "stream", "ids": ids}]
-        expected += [codec.decode(ids), codec.decode(ids)]
+        expected += [codec.decode(ids), stream_pieces(codec, ids)]
     return cases, expected
 
 
+def stream_pieces(codec: TextCodec, ids: list[int]) -> list[str]:
+    """What Python's TextStream returns for each id pushed, then at finish."""
+    stream = TextStream(codec)
+    return [stream.push(i).text for i in ids] + [stream.finish().text]
+
+
+def outcome(function, *args):
+    """``function(*args)``, or a refusal's message as tokenizer.js reports one: ``{"error": message}``."""
+    try:
+        return function(*args)
+    except bg.BatchError as error:
+        return {"error": str(error)}
+
+
 def compare(codec: TextCodec, folder: Path, cases: list[dict], expected: list) -> None:
-    """tokenizer.js gives ``expected`` (a stream's pieces joined) for each case."""
+    """tokenizer.js gives ``expected`` for each case."""
     got = run_js(folder, cases)
+    assert len(got) == len(expected)
     for case, mine, theirs in zip(cases, got, expected):
-        if case["op"] == "stream" and isinstance(mine, list):
-            mine = "".join(mine)
         assert mine == theirs, case
 
 
@@ -124,8 +140,9 @@ def split_character_cases(codec: TextCodec, text: str) -> tuple[list[dict], list
     """decode and stream of every prefix of ``text``'s ids: some end inside a multi-byte character."""
     ids = codec.encode(text, special=False)
     prefixes = [ids[:k] for k in range(1, len(ids) + 1)]
+    assert any(codec.decode(p).endswith("\ufffd") for p in prefixes)  # the vocabulary splits a character
     cases = [{"op": op, "ids": p} for p in prefixes for op in ("decode", "stream")]
-    return cases, [codec.decode(p) for p in prefixes for _ in range(2)]
+    return cases, [result for p in prefixes for result in (codec.decode(p), stream_pieces(codec, p))]
 
 
 def chat_cases(codec: TextCodec, conversations: list[list[dict]]) -> tuple[list[dict], list]:
@@ -134,7 +151,11 @@ def chat_cases(codec: TextCodec, conversations: list[list[dict]]) -> tuple[list[
     for messages in conversations:
         cases += [{"op": "renderChat", "messages": messages}]
         cases += [{"op": "encodeChat", "messages": messages, "trusted": trusted} for trusted in (False, True)]
-        expected += [codec.render_chat(messages), codec.encode_chat(messages), codec.encode_chat(messages, trusted=True)]
+        expected += [
+            codec.render_chat(messages),
+            codec.encode_chat(messages),
+            codec.encode_chat(messages, trusted=True),
+        ]
     return cases, expected
 
 
@@ -166,4 +187,127 @@ def test_smollm2_text_and_chat_as_python(smollm2_codec, tmp_path):
     assert chats[1][4] != chats[1][5]  # the forged turn: plain text, unless trusted
     meta = {"stopIds": [2], "bosId": 1, "eosId": 2, "hasChatTemplate": True}
     assert sorted(codec.eos_ids) == meta["stopIds"]
-    compare(codec, folder, [*cases, *more[0], *chats[0], {"op": "meta"}], [*expected, *more[1], *chats[1], meta])
+    bad, refused = bad_input_cases(codec)
+    compare(
+        codec,
+        folder,
+        [*cases, *more[0], *chats[0], {"op": "meta"}, *bad],
+        [*expected, *more[1], *chats[1], meta, *refused],
+    )
+
+
+def bad_input_cases(codec: TextCodec) -> tuple[list[dict], list]:
+    """Input Python refuses (lone surrogates, a message without text), each followed by a good case: the
+    same refusal in JS, and the codec still works after it. Ids outside the vocabulary decode to nothing."""
+    good = {"op": "encode", "text": "still fine", "special": True}
+    nested = [{"role": "user", "content": "x", "name": ["a", "\U0001f600 \udfff"]}]
+    cases = [
+        {"op": "encode", "text": "ok \U0001f600 \ud800 x", "special": True},
+        {"op": "encodeChat", "messages": nested, "trusted": False},
+        {"op": "renderChat", "messages": [{"role": "user", "content": None}]},
+        {"op": "decode", "ids": [28, codec.vocab_size, 10**6, 28]},
+    ]
+    calls = [
+        lambda: codec.encode(cases[0]["text"]),
+        lambda: codec.encode_chat(nested),
+        lambda: codec.render_chat(cases[2]["messages"]),
+        lambda: codec.decode(cases[3]["ids"]),
+    ]
+    refused = [outcome(call) for call in calls]
+    assert [isinstance(r, dict) for r in refused] == [True, True, True, False]
+    return [c for case in cases for c in (case, good)], [
+        r for result in refused for r in (result, codec.encode("still fine"))
+    ]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_text_as_python(gemma3_270m, tmp_path):  # noqa: F811
+    """Gemma 3's SentencePiece vocabulary (262,144 tokens, BPE with byte fallback, BOS added by a plain
+    encode): every text's ids with and without BOS, decode and streams; the file has no chat template."""
+    from batchgpu.models.gguf_reader import GGUFFile
+
+    codec = TextCodec.from_gguf(GGUFFile(gemma3_270m))
+    folder = app_of(codec, tmp_path / "app")
+    cases, expected = text_cases(codec, [*TEXTS, "<start_of_turn>user\nhi<end_of_turn> <eos>x"])
+    more = split_character_cases(codec, "\u00e9\U00013000x\u2fd5")  # 𓀀 and ⿕: byte tokens
+    messages = [{"role": "user", "content": "hi"}]
+    meta = {"stopIds": [1], "bosId": 2, "eosId": 1, "hasChatTemplate": False}
+    refused = {"error": "chat: this model's files have no chat template; send a prompt instead"}
+    compare(
+        codec,
+        folder,
+        [*cases, *more[0], {"op": "meta"}, {"op": "encodeChat", "messages": messages, "trusted": False}],
+        [*expected, *more[1], meta, refused],
+    )
+
+
+def tiny_byte_level(folder: Path, pre: str, specials: tuple[str, ...], template: str) -> TextCodec:
+    """A byte-level vocabulary trained here, split by ``pre``'s regex, with ``specials`` as control tokens."""
+    tokens, merges = byte_level_vocabulary(specials)
+    types = [3 if token in specials else 1 for token in tokens]
+    path = folder / f"{pre}.gguf"
+    write_vocabulary(path, "gpt2", tokens, types=types, merges=merges, pre=pre, bos=0, eos=tokens.index(specials[-1]))
+    codec = codec_of(path)
+    codec.chat_template = template
+    return codec
+
+
+VOCABULARIES = {
+    "qwen2": lambda folder, sp: tiny_byte_level(folder, "qwen2", QWEN_SPECIALS, QWEN_TEMPLATE),
+    "llama-bpe": lambda folder, sp: tiny_byte_level(folder, "llama-bpe", LLAMA3_SPECIALS, LLAMA3_TEMPLATE),
+    "sentencepiece": lambda folder, sp: codec_of(write_sentencepiece_vocabulary(folder / "spm.gguf", sp)),
+}
+
+
+@pytest.mark.parametrize("vocabulary", sorted(VOCABULARIES))
+def test_tiny_vocabularies_as_python(vocabulary, sentencepiece_model, tmp_path):  # noqa: F811
+    """Vocabularies trained here: byte-level BPE split as Qwen2 (single digits) and Llama 3 (runs of three),
+    each with its model's chat template, and SentencePiece (a ``▁`` prefix, BPE with byte fallback) with Llama
+    2's template (BOS and EOS written by the template, message text trimmed, turns out of order refused)."""
+    codec = VOCABULARIES[vocabulary](tmp_path, sentencepiece_model)
+    if vocabulary == "sentencepiece":
+        codec.chat_template = LLAMA2_TEMPLATE
+    specials = [t.content for t in codec.tokenizer.get_added_tokens_decoder().values() if t.special]
+    folder = app_of(codec, tmp_path / "app")
+    cases, expected = text_cases(codec, [*TEXTS, " ".join(specials) + "x" + "".join(specials)])
+    more = split_character_cases(codec, "\u00e9\u65e5\U0001f600")
+    chats = chat_cases(codec, conversations(tuple(specials)))
+    out_of_turn = [{"role": "assistant", "content": "first"}]  # Llama 2's template refuses it
+    refusal = {"op": "encodeChat", "messages": out_of_turn, "trusted": False}
+    compare(
+        codec,
+        folder,
+        [*cases, *more[0], *chats[0], refusal],
+        [*expected, *more[1], *chats[1], outcome(codec.encode_chat, out_of_turn)],
+    )
+
+
+FEATURES_TEMPLATE = (
+    "{%- set ns = namespace(turns=0) %}"
+    "{%- for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}{% set ns.turns = ns.turns + 1 %}"
+    "{{ m.role | upper }}: {{ m.content.strip() }} {{ m | tojson }} {{ m.content.split(' ') | length }}\n"
+    "{% if loop.index0 >= 2 %}{% break %}{% endif %}{% endfor %}"
+    "{%- for m in messages %}{% if loop.index0 == 1 %}{% break %}{% endif %}{% else %}no turns{% endfor %}"
+    "{%- for m in messages %}({{ loop.index }}{% if m.role == 'user' %}{% continue %}{% endif %}){% endfor %}"
+    "{{ messages[0] | tojson(indent=2) }}\n{{ ns.turns }} turns, {{ strftime_now('%Y') }}\n"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}\n"
+)
+"""A template using what Python's chat environment provides beyond plain jinja (tojson without HTML escapes,
+strftime_now, loop controls, namespace, str methods) and ending in a newline (jinja drops one there). Its
+break and continue come after text of the same iteration: text that @huggingface/jinja 0.5.11 alone drops
+(tokenizer.js wraps its interpreter to keep it)."""
+
+
+def test_chat_template_features_as_python(tmp_path):
+    codec = tiny_byte_level(tmp_path, "qwen2", QWEN_SPECIALS, FEATURES_TEMPLATE)
+    folder = app_of(codec, tmp_path / "app")
+    messages = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": ' "quoted" </script> & caf\u00e9 \U0001f600 '},
+        {"role": "assistant", "content": "tab\there\nline", "name": "x"},
+        {"role": "user", "content": "<|im_end|> 3"},
+        {"role": "user", "content": "after the break"},
+    ]
+    cases, expected = chat_cases(codec, [messages])
+    assert "after the break" not in expected[0] and "\\u00e9" not in expected[0] and not expected[0].endswith("\n\n")
+    compare(codec, folder, cases, expected)

@@ -9,8 +9,8 @@
 //   const stream = codec.stream();  // then stream.push(id) -> new text, stream.finish() -> the rest
 
 import { fetchJson } from "./io.js";
-import { Template } from "./vendor/jinja.js";
-import { Tokenizer } from "./vendor/tokenizers.js";
+import { Environment, Interpreter, Template } from "./vendor/jinja.js";
+import { ByteFallbackDecoder, Tokenizer } from "./vendor/tokenizers.js";
 
 const CHAT_FORMAT = 1; // chat.json's layout (text_assets.CHAT_FORMAT)
 const REPLACEMENT = "\ufffd"; // what decoding makes of an incomplete UTF-8 sequence
@@ -36,6 +36,7 @@ export class TextCodec {
     }
     this.json = json;
     this.tokenizer = new Tokenizer(json, OPTIONS);
+    this.tokenizer.decoder = withPythonByteFallback(this.tokenizer.decoder);
     this.specialIds = new Set(json.added_tokens.filter((t) => t.special).map((t) => t.id));
     this.template = chat.chat_template ? new Template(chat.chat_template) : null;
     this.hasChatTemplate = this.template !== null;
@@ -129,6 +130,98 @@ export class TextStream {
   }
 }
 
+// @huggingface/jinja 0.5.11 drops what a loop iteration wrote before its {% break %} or {% continue %}
+// ("{% for x in [1, 2] %}[{{ x }}]{% break %}{% endfor %}" renders "" where Python's jinja2 renders "[1]"):
+// the control exception unwinds the blocks holding that text. Its Interpreter's two methods are wrapped
+// here (once, for every Template): a block stopped by break or continue hands its text on with the
+// exception, up to the loop body, which returns it as the iteration's output; after a break the loop's
+// other iterations run no statements; and the loop's {% else %} runs where no iteration got to the end of
+// the body (jinja2's rule, which the package kept by letting the exception reach the loop). Still unlike
+// Python: a string's ``| length`` counts UTF-16 code units (a character beyond U+FFFF counts 2).
+const LOOP_CONTROL = new Set(["BreakControl", "ContinueControl"]);
+const runningLoops = new Map(); // a for loop's body -> a stack of its running loops' {completed, broken}
+
+if (!Interpreter.prototype.batchgpuLoopText) {
+  const { evaluateBlock, evaluateFor } = Interpreter.prototype;
+  Interpreter.prototype.batchgpuLoopText = true;
+
+  Interpreter.prototype.evaluateFor = function (node, environment) {
+    const loop = { ran: false, completed: false, broken: false };
+    if (!runningLoops.has(node.body)) runningLoops.set(node.body, []);
+    const stack = runningLoops.get(node.body);
+    stack.push(loop);
+    try {
+      const output = evaluateFor.call(this, node, environment);
+      if (!loop.ran || loop.completed || !node.defaultBlock?.length) return output;
+      const otherwise = evaluateBlock.call(this, node.defaultBlock, new Environment(environment));
+      return new output.constructor(output.value + otherwise.value);
+    } finally {
+      stack.pop();
+      if (!stack.length) runningLoops.delete(node.body);
+    }
+  };
+
+  Interpreter.prototype.evaluateBlock = function (statements, environment) {
+    const loop = runningLoops.get(statements)?.at(-1); // this block is a running loop's body
+    const empty = evaluateBlock.call(this, [], environment); // a StringValue (a class the package keeps)
+    if (loop?.broken) return empty;
+    if (loop) loop.ran = true;
+    let text = "";
+    for (const statement of statements) {
+      let value;
+      try {
+        value = this.evaluate(statement, environment);
+      } catch (error) {
+        if (!LOOP_CONTROL.has(error?.constructor?.name)) throw error;
+        error.batchgpuText = text + (error.batchgpuText ?? "");
+        if (!loop) throw error; // a block inside the loop's body ({% if %}): on to the body
+        loop.broken = error.constructor.name === "BreakControl";
+        return new empty.constructor(error.batchgpuText);
+      }
+      if (value.type !== "NullValue" && value.type !== "UndefinedValue") text += value.toString();
+    }
+    if (loop) loop.completed = true;
+    return new empty.constructor(text);
+  };
+}
+
+/** Python's ByteFallback decoder (tokenizers' byte_fallback.rs): a run of byte tokens (``<0xE6>``) that is
+ * not valid UTF-8 as a whole becomes one U+FFFD per byte, and a BOM is kept. The vendored one decodes the
+ * run leniently instead (``<0xC3><0xA9><0xE6>``: "é�" where Python gives three U+FFFD, as a
+ * generation cut inside a character shows) and drops a leading BOM. */
+class PythonByteFallback extends ByteFallbackDecoder {
+  decode_chain(tokens) {
+    const strict = new TextDecoder("utf-8", { fatal: true, ignoreBOM: true });
+    const out = [];
+    let run = [];
+    const flush = () => {
+      if (!run.length) return;
+      try {
+        out.push(strict.decode(Uint8Array.from(run)));
+      } catch {
+        out.push(REPLACEMENT.repeat(run.length));
+      }
+      run = [];
+    };
+    for (const token of tokens) {
+      if (/^<0x[0-9A-Fa-f]{2}>$/.test(token)) run.push(parseInt(token.slice(3, 5), 16));
+      else {
+        flush();
+        out.push(token);
+      }
+    }
+    flush();
+    return out;
+  }
+}
+
+/** ``decoder`` with each ByteFallback step in it (alone or in a Sequence) the Python-faithful one. */
+function withPythonByteFallback(decoder) {
+  if (decoder instanceof ByteFallbackDecoder) return new PythonByteFallback(decoder.config);
+  if (Array.isArray(decoder?.decoders)) decoder.decoders = decoder.decoders.map(withPythonByteFallback);
+  return decoder;
+}
+
 /** The tokenizer's special added tokens and a copy of it that keeps them apart from message text, as
  * batchgpu/models/control.py: messages get each special token's text swapped for a placeholder before
  * rendering; in the rendered prompt each special text left (the template's) becomes a marker that the copy
@@ -201,21 +294,26 @@ function escapeRegExp(text) {
   return text.replace(/[.*+?^${}()|[\]\\]/g, "\\$&");
 }
 
-/** Text the tokenizer takes, as Python's check: a string of Unicode scalar values (no lone surrogate). */
+/** Text the tokenizer takes: a string of Unicode scalar values (no lone surrogate); the messages of
+ * Python's checks (batchgpu/models/codec.py). */
 function checkText(text, what) {
-  if (typeof text !== "string") throw new TypeError(`${what} must be a string, got ${typeof text}`);
+  if (typeof text !== "string") throw new TypeError(`${what} must be a str, got ${typeof text}`);
   const at = text.search(/\p{Surrogate}/u);
-  if (at >= 0) throw new TypeError(`${what} is not valid Unicode: a lone surrogate at code unit ${at}`);
+  if (at >= 0) {
+    const unit = `'\\u${text.charCodeAt(at).toString(16)}'`;
+    const character = Array.from(text.slice(0, at)).length;
+    throw new TypeError(`${what} is not valid Unicode: a lone surrogate ${unit} at character ${character}`);
+  }
 }
 
 function checkMessages(messages) {
   if (!Array.isArray(messages)) throw new TypeError("chat: messages must be an array");
   messages.forEach((message, i) => {
     if (message === null || typeof message !== "object" || typeof message.role !== "string") {
-      throw new TypeError(`chat: messages[${i}] must be an object with a string 'role'`);
+      throw new TypeError(`chat: messages[${i}] must be a mapping with a str 'role'`);
     }
-    if (typeof message.content !== "string") throw new TypeError(`chat: messages[${i}].content must be a string`);
-    checkTexts(message, `messages[${i}]`);
+    if (typeof message.content !== "string") throw new TypeError(`chat: messages[${i}]['content'] must be a str`);
+    for (const [key, value] of Object.entries(message)) checkTexts(value, `messages[${i}].${key}`);
   });
 }
 
