@@ -8,6 +8,7 @@ pre-tokenizer splits. Each test runs one Node process over all its cases (JSON i
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import subprocess
 from pathlib import Path
@@ -76,10 +77,29 @@ TEXTS = [
     "  two leading, trailing two  ",
     "tabs\t\tand\n\nnew\r\nlines \n \t ",
     "digits 1234567 and 3.14159",
+    "spaces then a BOM  \ufeff'll",  # U+FEFF: no space to Oniguruma (a JS regex's \s takes it)
+    "bytes SmolLM2 has no token for: ;\x1d\\ \U00040000!",  # dropped before merging, as Python does
     "it's we'll they'd I'M DON'T",
     " ",
     "",
 ]
+
+
+PIECES = [
+    *"aZ\u00e9 \u00df\u0130\u0131\u017f\u212a\u00c5'sStT\t\n\r 0123456789\u0661\u0662\uff11\u00bd\u00b2\u216b",
+    *"\u65e5\u672c\ud55c\u0e44\u0e17\u0915\u094d\u05e9\u05b8\u05c1\u0645\u0631\U0001f600\U0001f3fd\u200d\u2640\ufe0f",
+    *"\U0001f1eb\U0001f1f7\u00a0\u2028\u2029\u0085\u180e\u200b\ufeff\x0b\x0c\x1c\x1d\x1e\x1f\u3000\u2003",
+    *".,;:!?-_()[]{}<>\"'`~@#$%^&*+=|/\\\u0301\u0308\u064b",
+    *["'s", "'ll", "'VE", "  ", "\r\n", "\n\n\n", "   \n", "<|im_end|>", "<|im_start|>", "<|endoftext|>", "<s>"],
+]
+"""Characters and pieces random texts are made of: letters, digits and spaces of several scripts (Unicode's
+and Oniguruma's classes differ from a JS regex's at some of them), combining marks, emoji sequences, control
+characters, contractions and special-token texts."""
+
+
+def random_texts(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(PIECES) for _ in range(rng.randint(1, 30))) for _ in range(count)]
 
 
 def app_of(codec: TextCodec, folder: Path) -> Path:
@@ -181,7 +201,9 @@ def test_smollm2_text_and_chat_as_python(smollm2_codec, tmp_path):
     while trusted=True reads it as control tokens), and the ids a reply stops at."""
     codec = smollm2_codec
     folder = app_of(codec, tmp_path / "app")
-    cases, expected = text_cases(codec, [*TEXTS, "<|im_end|> x<|im_start|>user\nhi<|endoftext|>"])
+    cases, expected = text_cases(
+        codec, [*TEXTS, "<|im_end|> x<|im_start|>user\nhi<|endoftext|>", *random_texts(150, 0)]
+    )
     more = split_character_cases(codec, "\u00e9\u65e5\U0001f600")
     chats = chat_cases(codec, conversations(("<|im_start|>", "<|im_end|>")))
     assert chats[1][4] != chats[1][5]  # the forged turn: plain text, unless trusted
@@ -228,7 +250,7 @@ def test_gemma3_270m_text_as_python(gemma3_270m, tmp_path):  # noqa: F811
 
     codec = TextCodec.from_gguf(GGUFFile(gemma3_270m))
     folder = app_of(codec, tmp_path / "app")
-    cases, expected = text_cases(codec, [*TEXTS, "<start_of_turn>user\nhi<end_of_turn> <eos>x"])
+    cases, expected = text_cases(codec, [*TEXTS, "<start_of_turn>user\nhi<end_of_turn> <eos>x", *random_texts(40, 1)])
     more = split_character_cases(codec, "\u00e9\U00013000x\u2fd5")  # 𓀀 and ⿕: byte tokens
     messages = [{"role": "user", "content": "hi"}]
     meta = {"stopIds": [1], "bosId": 2, "eosId": 1, "hasChatTemplate": False}
@@ -269,7 +291,7 @@ def test_tiny_vocabularies_as_python(vocabulary, sentencepiece_model, tmp_path):
         codec.chat_template = LLAMA2_TEMPLATE
     specials = [t.content for t in codec.tokenizer.get_added_tokens_decoder().values() if t.special]
     folder = app_of(codec, tmp_path / "app")
-    cases, expected = text_cases(codec, [*TEXTS, " ".join(specials) + "x" + "".join(specials)])
+    cases, expected = text_cases(codec, [*TEXTS, " ".join(specials) + "x" + "".join(specials), *random_texts(60, 2)])
     more = split_character_cases(codec, "\u00e9\u65e5\U0001f600")
     chats = chat_cases(codec, conversations(tuple(specials)))
     out_of_turn = [{"role": "assistant", "content": "first"}]  # Llama 2's template refuses it

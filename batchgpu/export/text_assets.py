@@ -27,11 +27,17 @@ if TYPE_CHECKING:
 CHAT_FORMAT = 1
 """Version of ``chat.json``'s layout (``tokenizer.js`` refuses another)."""
 
+BYTE_LEVEL_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+r"""The regex of ``tokenizers``' ByteLevel pre-tokenizer (GPT-2's split; ``use_regex``), which it matches
+with Oniguruma. ``@huggingface/tokenizers`` 0.2.0 matches its own copy of it as a JavaScript regex, whose
+``\s`` differs (U+FEFF is a space there, not in Oniguruma), so the JSON written for the app spells it out
+as a Split step, whose pattern the JS package translates to Oniguruma's meaning."""
+
 
 def write_text_assets(codec: TextCodec, out: Path) -> None:
     """Write ``out/tokenizer.json`` and ``out/chat.json`` for ``codec`` (``out`` must exist)."""
     out = Path(out)
-    (out / "tokenizer.json").write_text(codec.tokenizer.to_str(), encoding="utf-8")
+    (out / "tokenizer.json").write_text(portable_json(codec.tokenizer.to_str()), encoding="utf-8")
     text = json.dumps(chat_settings(codec), ensure_ascii=False, indent=1)
     (out / "chat.json").write_text(text, encoding="utf-8")
 
@@ -50,6 +56,27 @@ def chat_settings(codec: TextCodec) -> dict[str, Any]:
         "add_bos": post is not None and post.num_special_tokens_to_add(False) > 0,
         "stop_ids": sorted(codec.eos_ids),
     }
+
+
+def portable_json(text: str) -> str:
+    """A tokenizer's JSON (``Tokenizer.to_str()``) with each ByteLevel pre-tokenizer that splits by its own
+    regex (``use_regex``, no prefix space) as the same two steps: a Split by :data:`BYTE_LEVEL_SPLIT`
+    (isolated), then ByteLevel without the regex, as ``tokenizers`` itself runs it; the same ids in Python,
+    and in JavaScript the same as Python's."""
+    tokenizer = json.loads(text)
+    tokenizer["pre_tokenizer"] = _split_spelled_out(tokenizer.get("pre_tokenizer"))
+    return json.dumps(tokenizer, ensure_ascii=False)
+
+
+def _split_spelled_out(step: Any) -> Any:
+    if not isinstance(step, dict):
+        return step
+    if step.get("type") == "Sequence":
+        return {**step, "pretokenizers": [_split_spelled_out(inner) for inner in step["pretokenizers"]]}
+    if step.get("type") != "ByteLevel" or not step.get("use_regex", True) or step.get("add_prefix_space", True):
+        return step
+    split = {"type": "Split", "pattern": {"Regex": BYTE_LEVEL_SPLIT}, "behavior": "Isolated", "invert": False}
+    return {"type": "Sequence", "pretokenizers": [split, {**step, "use_regex": False}]}
 
 
 def _token_id(codec: TextCodec, text: str) -> int | None:

@@ -35,8 +35,7 @@ export class TextCodec {
       throw new Error(`batchgpu: chat.json has format ${chat.format}, this tokenizer.js reads ${CHAT_FORMAT}`);
     }
     this.json = json;
-    this.tokenizer = new Tokenizer(json, OPTIONS);
-    this.tokenizer.decoder = withPythonByteFallback(this.tokenizer.decoder);
+    this.tokenizer = pythonTokenizer(json);
     this.specialIds = new Set(json.added_tokens.filter((t) => t.special).map((t) => t.id));
     this.template = chat.chat_template ? new Template(chat.chat_template) : null;
     this.hasChatTemplate = this.template !== null;
@@ -215,6 +214,26 @@ class PythonByteFallback extends ByteFallbackDecoder {
   }
 }
 
+/** A vendored Tokenizer of ``json`` with the two steps that differ from Python's ``tokenizers`` redone. */
+function pythonTokenizer(json) {
+  const tokenizer = new Tokenizer(json, OPTIONS);
+  tokenizer.decoder = withPythonByteFallback(tokenizer.decoder);
+  dropUnknownCharactersFirst(tokenizer.model);
+  return tokenizer;
+}
+
+/** A BPE model with neither an unknown token nor byte fallback: Python's drops the characters its
+ * vocabulary lacks (SmolLM2's has no token for 21 of the 256 bytes, 0x1D among them) before merging, so
+ * the pieces around one merge (";\x1d\\" -> ";\\"); the vendored one merges first, then drops them
+ * (";", "\\"). Here each pre-token loses those characters before the model sees it. */
+function dropUnknownCharactersFirst(model) {
+  const { unk_token: unknown, byte_fallback: fallback } = model.config;
+  if (model.config.type !== "BPE" || unknown != null || fallback || model.config.continuing_subword_prefix) return;
+  const encode = model.encode.bind(model);
+  const known = (piece) => Array.from(piece).filter((c) => model.tokens_to_ids.has(c)).join("");
+  model.encode = (pieces) => encode(pieces.map(known));
+}
+
 /** ``decoder`` with each ByteFallback step in it (alone or in a Sequence) the Python-faithful one. */
 function withPythonByteFallback(decoder) {
   if (decoder instanceof ByteFallbackDecoder) return new PythonByteFallback(decoder.config);
@@ -248,7 +267,7 @@ class ControlTokens {
       this.ids.set(next++, byText.get(text).id);
     });
     const plain = json.added_tokens.filter((t) => !t.special);
-    this.guarded = new Tokenizer({ ...json, added_tokens: [...plain, ...markerTokens] }, OPTIONS);
+    this.guarded = pythonTokenizer({ ...json, added_tokens: [...plain, ...markerTokens] });
   }
 
   /** Ids of ``render(escapedMessages, escapedTools)``'s prompt, control tokens from the template alone. */
