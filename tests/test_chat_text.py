@@ -333,3 +333,16 @@ def test_chat_template_features_as_python(tmp_path):
     cases, expected = chat_cases(codec, [messages])
     assert "after the break" not in expected[0] and "\\u00e9" not in expected[0] and not expected[0].endswith("\n\n")
     compare(codec, folder, cases, expected)
+
+
+def test_a_template_that_does_not_compile_leaves_plain_prompts(tmp_path):
+    """A chat template that does not compile refuses chats (in Python too) and nothing else: the codec loads,
+    plain prompts encode."""
+    codec = tiny_byte_level(tmp_path, "qwen2", QWEN_SPECIALS, "{% for message in %}")
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(bg.BatchError, match="the model's chat template does not compile"):
+        codec.render_chat(messages)
+    cases = [{"op": "renderChat", "messages": messages}, {"op": "encode", "text": "still fine", "special": True}]
+    refusal, ids = run_js(app_of(codec, tmp_path / "app"), cases)
+    assert refusal["error"].startswith("chat: the model's chat template does not compile: ")
+    assert ids == codec.encode("still fine")

@@ -37,8 +37,13 @@ export class TextCodec {
     this.json = json;
     this.tokenizer = pythonTokenizer(json);
     this.specialIds = new Set(json.added_tokens.filter((t) => t.special).map((t) => t.id));
-    this.template = chat.chat_template ? new Template(chat.chat_template) : null;
-    this.hasChatTemplate = this.template !== null;
+    this.hasChatTemplate = Boolean(chat.chat_template);
+    this.template = null; // the compiled template, or the error compiling it gave (raised by renderChat)
+    try {
+      this.template = this.hasChatTemplate ? new Template(chat.chat_template) : null;
+    } catch (error) {
+      this.template = new Error(`chat: the model's chat template does not compile: ${error.message}`);
+    }
     this.bosToken = chat.bos_token;
     this.eosToken = chat.eos_token;
     this.bosId = chat.bos_id;
@@ -66,6 +71,7 @@ export class TextCodec {
    * ``render_chat``; ``tools``: the template's ``tools`` variable). */
   renderChat(messages, { tools = null } = {}) {
     if (!this.template) throw new Error("chat: this model's files have no chat template; send a prompt instead");
+    if (this.template instanceof Error) throw this.template;
     checkMessages(messages);
     try {
       return this.template.render({
@@ -254,7 +260,7 @@ class ControlTokens {
     this.texts = special.map((t) => t.content).sort((a, b) => b.length - a.length); // longest first
     this.pattern = this.texts.length ? new RegExp(this.texts.map(escapeRegExp).join("|"), "gu") : null;
     const byText = new Map(special.map((t) => [t.content, t]));
-    let next = 1 + [...json.added_tokens.map((t) => t.id), ...vocabIds(json.model)].reduce((a, b) => Math.max(a, b), -1);
+    let next = largestId(json) + 1;
     const markerTokens = [];
     this.markers = new Map();
     this.placeholders = new Map();
@@ -304,9 +310,13 @@ function randomNonce() {
   return random.join("");
 }
 
-function vocabIds(model) {
-  const vocab = model.vocab ?? {};
-  return Array.isArray(vocab) ? [vocab.length - 1] : Object.values(vocab);
+/** The largest token id of tokenizer.json (its model's vocabulary and its added tokens). */
+function largestId(json) {
+  const vocab = json.model.vocab ?? {};
+  let largest = Array.isArray(vocab) ? vocab.length - 1 : -1; // a Unigram vocabulary: [piece, score] rows
+  if (!Array.isArray(vocab)) for (const id of Object.values(vocab)) largest = Math.max(largest, id);
+  for (const token of json.added_tokens) largest = Math.max(largest, token.id);
+  return largest;
 }
 
 function escapeRegExp(text) {
