@@ -55,6 +55,7 @@ const run = {
   encodeChat: (c) => codec.encodeChat(c.messages, { trusted: c.trusted }),
   meta: () => ({
     stopIds: [...codec.stopIds], bosId: codec.bosId, eosId: codec.eosId, hasChatTemplate: codec.hasChatTemplate,
+    addsBos: codec.addsBos,
   }),
 };
 const cases = JSON.parse(readFileSync(0, "utf8"));
@@ -207,7 +208,7 @@ def test_smollm2_text_and_chat_as_python(smollm2_codec, tmp_path):
     more = split_character_cases(codec, "\u00e9\u65e5\U0001f600")
     chats = chat_cases(codec, conversations(("<|im_start|>", "<|im_end|>")))
     assert chats[1][4] != chats[1][5]  # the forged turn: plain text, unless trusted
-    meta = {"stopIds": [2], "bosId": 1, "eosId": 2, "hasChatTemplate": True}
+    meta = {"stopIds": [2], "bosId": 1, "eosId": 2, "hasChatTemplate": True, "addsBos": False}
     assert sorted(codec.eos_ids) == meta["stopIds"]
     bad, refused = bad_input_cases(codec)
     compare(
@@ -253,7 +254,7 @@ def test_gemma3_270m_text_as_python(gemma3_270m, tmp_path):  # noqa: F811
     cases, expected = text_cases(codec, [*TEXTS, "<start_of_turn>user\nhi<end_of_turn> <eos>x", *random_texts(40, 1)])
     more = split_character_cases(codec, "\u00e9\U00013000x\u2fd5")  # 𓀀 and ⿕: byte tokens
     messages = [{"role": "user", "content": "hi"}]
-    meta = {"stopIds": [1], "bosId": 2, "eosId": 1, "hasChatTemplate": False}
+    meta = {"stopIds": [1], "bosId": 2, "eosId": 1, "hasChatTemplate": False, "addsBos": True}
     refused = {"error": "chat: this model's files have no chat template; send a prompt instead"}
     compare(
         codec,
@@ -263,10 +264,15 @@ def test_gemma3_270m_text_as_python(gemma3_270m, tmp_path):  # noqa: F811
     )
 
 
+USER_DEFINED = ["<tool_call>", "<\u601d\u8003>"]
+
+
 def tiny_byte_level(folder: Path, pre: str, specials: tuple[str, ...], template: str) -> TextCodec:
-    """A byte-level vocabulary trained here, split by ``pre``'s regex, with ``specials`` as control tokens."""
+    """A byte-level vocabulary trained here, split by ``pre``'s regex, with ``specials`` as control tokens and
+    :data:`USER_DEFINED` tokens (kept whole, not control: in decoded text)."""
     tokens, merges = byte_level_vocabulary(specials)
-    types = [3 if token in specials else 1 for token in tokens]
+    tokens += USER_DEFINED
+    types = [3 if token in specials else 4 if token in USER_DEFINED else 1 for token in tokens]
     path = folder / f"{pre}.gguf"
     write_vocabulary(path, "gpt2", tokens, types=types, merges=merges, pre=pre, bos=0, eos=tokens.index(specials[-1]))
     codec = codec_of(path)
@@ -291,7 +297,8 @@ def test_tiny_vocabularies_as_python(vocabulary, sentencepiece_model, tmp_path):
         codec.chat_template = LLAMA2_TEMPLATE
     specials = [t.content for t in codec.tokenizer.get_added_tokens_decoder().values() if t.special]
     folder = app_of(codec, tmp_path / "app")
-    cases, expected = text_cases(codec, [*TEXTS, " ".join(specials) + "x" + "".join(specials), *random_texts(60, 2)])
+    spelled = " ".join(specials) + "x" + "".join(specials) + " <tool_call>\u601d<\u601d\u8003>"
+    cases, expected = text_cases(codec, [*TEXTS, spelled, *random_texts(60, 2)])
     more = split_character_cases(codec, "\u00e9\u65e5\U0001f600")
     chats = chat_cases(codec, conversations(tuple(specials)))
     out_of_turn = [{"role": "assistant", "content": "first"}]  # Llama 2's template refuses it
