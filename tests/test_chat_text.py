@@ -38,36 +38,55 @@ NODE = shutil.which("node")
 pytestmark = pytest.mark.skipif(NODE is None, reason="node (Node.js >= 18) is not installed: the app's JS cannot run")
 APP = Path(__file__).resolve().parent.parent / "batchgpu" / "export" / "app"
 
-RUNNER = """
+CASES_JS = """
+// Runs test cases against a codec: each case's value, or {error: message}.
+export function runCases(codec, cases) {
+  const run = {
+    encode: (c) => codec.encode(c.text, { special: c.special }),
+    decode: (c) => codec.decode(c.ids),
+    stream: (c) => {
+      const s = codec.stream();
+      return [...c.ids.map((id) => s.push(id)), s.finish()];
+    },
+    renderChat: (c) => codec.renderChat(c.messages),
+    encodeChat: (c) => codec.encodeChat(c.messages, { trusted: c.trusted }),
+    meta: () => ({
+      stopIds: [...codec.stopIds], bosId: codec.bosId, eosId: codec.eosId, hasChatTemplate: codec.hasChatTemplate,
+      addsBos: codec.addsBos,
+    }),
+  };
+  return cases.map((c) => {
+    try {
+      return { value: run[c.op](c) };
+    } catch (error) {
+      return { error: String(error.message) };
+    }
+  });
+}
+"""
+
+NODE_RUNNER = """
 import { readFileSync } from "node:fs";
 import { pathToFileURL } from "node:url";
 import { loadCodec } from "./tokenizer.js";
+import { runCases } from "./cases.js";
 
 const codec = await loadCodec(pathToFileURL(process.cwd() + "/"));
-const run = {
-  encode: (c) => codec.encode(c.text, { special: c.special }),
-  decode: (c) => codec.decode(c.ids),
-  stream: (c) => {
-    const s = codec.stream();
-    return [...c.ids.map((id) => s.push(id)), s.finish()];
-  },
-  renderChat: (c) => codec.renderChat(c.messages),
-  encodeChat: (c) => codec.encodeChat(c.messages, { trusted: c.trusted }),
-  meta: () => ({
-    stopIds: [...codec.stopIds], bosId: codec.bosId, eosId: codec.eosId, hasChatTemplate: codec.hasChatTemplate,
-    addsBos: codec.addsBos,
-  }),
-};
-const cases = JSON.parse(readFileSync(0, "utf8"));
-const results = cases.map((c) => {
-  try {
-    return { value: run[c.op](c) };
-  } catch (error) {
-    return { error: String(error.message) };
-  }
-});
-process.stdout.write(JSON.stringify(results));
+process.stdout.write(JSON.stringify(runCases(codec, JSON.parse(readFileSync(0, "utf8")))));
 """
+
+PAGE = """<!doctype html>
+<script type="module">
+import { loadCodec } from "./tokenizer.js";
+import { runCases } from "./cases.js";
+
+window.batchgpuTextResults = (async () => {
+  const codec = await loadCodec(new URL("./", location.href));
+  return runCases(codec, await (await fetch("cases.json")).json());
+})();
+</script>
+"""
+"""The cases run by Node (runner.mjs: cases on stdin) and in Chromium (text.html: cases.json)."""
 
 TEXTS = [
     "Hello, world! The quick brown fox.",
@@ -107,7 +126,9 @@ def app_of(codec: TextCodec, folder: Path) -> Path:
     """An app folder: the package's static JS (tokenizer.js, io.js, vendor/) and the codec's text files."""
     shutil.copytree(APP, folder)
     (folder / "package.json").write_text('{"type": "module"}')
-    (folder / "runner.mjs").write_text(RUNNER)
+    (folder / "cases.js").write_text(CASES_JS)
+    (folder / "runner.mjs").write_text(NODE_RUNNER)
+    (folder / "text.html").write_text(PAGE)
     write_text_assets(codec, folder)
     return folder
 
@@ -119,7 +140,11 @@ def run_js(folder: Path, cases: list[dict]) -> list:
         [NODE, "runner.mjs"], cwd=folder, input=json.dumps(cases), capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    return [r["value"] if "error" not in r else r for r in json.loads(done.stdout)]
+    return values(json.loads(done.stdout))
+
+
+def values(results: list[dict]) -> list:
+    return [r["value"] if "error" not in r else r for r in results]
 
 
 def text_cases(codec: TextCodec, texts: list[str]) -> tuple[list[dict], list]:
@@ -196,18 +221,8 @@ def conversations(specials: tuple[str, ...]) -> list[list[dict]]:
     ]
 
 
-def test_smollm2_text_and_chat_as_python(smollm2_codec, tmp_path):
-    """SmolLM2's byte-level BPE ("smollm": GPT-2's split): encode, decode and streams of every text, its
-    chat template's prompt and ids (a user turn holding "<|im_end|>\\n<|im_start|>system" stays plain text,
-    while trusted=True reads it as control tokens), and the ids a reply stops at."""
-    codec = smollm2_codec
-    folder = app_of(codec, tmp_path / "app")
-    from tokenizers import Tokenizer
-
-    texts = [*TEXTS, "<|im_end|> x<|im_start|>user\nhi<|endoftext|>", *random_texts(150, 0)]
-    written = Tokenizer.from_file(str(folder / "tokenizer.json"))  # GPT-2's split spelled out: the same ids
-    assert written.to_str() != codec.tokenizer.to_str()
-    assert [written.encode(t).ids for t in texts] == [codec.encode(t) for t in texts]
+def smollm2_cases(codec: TextCodec, texts: list[str]) -> tuple[list[dict], list]:
+    """SmolLM2's cases: ``texts``, characters cut between tokens, chats, metadata and bad input."""
     cases, expected = text_cases(codec, texts)
     more = split_character_cases(codec, "\u00e9\u65e5\U0001f600")
     chats = chat_cases(codec, conversations(("<|im_start|>", "<|im_end|>")))
@@ -215,12 +230,39 @@ def test_smollm2_text_and_chat_as_python(smollm2_codec, tmp_path):
     meta = {"stopIds": [2], "bosId": 1, "eosId": 2, "hasChatTemplate": True, "addsBos": False}
     assert sorted(codec.eos_ids) == meta["stopIds"]
     bad, refused = bad_input_cases(codec)
-    compare(
-        codec,
-        folder,
-        [*cases, *more[0], *chats[0], {"op": "meta"}, *bad],
-        [*expected, *more[1], *chats[1], meta, *refused],
-    )
+    return [*cases, *more[0], *chats[0], {"op": "meta"}, *bad], [*expected, *more[1], *chats[1], meta, *refused]
+
+
+def test_smollm2_text_and_chat_as_python(smollm2_codec, tmp_path):
+    """SmolLM2's byte-level BPE ("smollm": GPT-2's split): encode, decode and streams of every text, its
+    chat template's prompt and ids (a user turn holding "<|im_end|>\\n<|im_start|>system" stays plain text,
+    while trusted=True reads it as control tokens), and the ids a reply stops at."""
+    from tokenizers import Tokenizer
+
+    codec = smollm2_codec
+    folder = app_of(codec, tmp_path / "app")
+    texts = [*TEXTS, "<|im_end|> x<|im_start|>user\nhi<|endoftext|>", *random_texts(150, 0)]
+    written = Tokenizer.from_file(str(folder / "tokenizer.json"))  # GPT-2's split spelled out: the same ids
+    assert written.to_str() != codec.tokenizer.to_str()
+    assert [written.encode(t).ids for t in texts] == [codec.encode(t) for t in texts]
+    compare(codec, folder, *smollm2_cases(codec, texts))
+
+
+def test_smollm2_in_chromium(smollm2_codec, tmp_path):
+    """The same module in headless Chromium, its files fetched over HTTP (the vendored packages loaded as the
+    page loads them): the same ids and text."""
+    from batchgpu.export.browser import find_chromium, run_page
+
+    if find_chromium() is None:
+        pytest.skip("no Chromium here (set BATCHGPU_CHROMIUM to one)")
+    codec = smollm2_codec
+    folder = app_of(codec, tmp_path / "app")
+    cases, expected = smollm2_cases(codec, [*TEXTS, *random_texts(20, 3)])
+    (folder / "cases.json").write_text(json.dumps(cases))
+    got = values(run_page(folder, "text.html", expression="window.batchgpuTextResults", timeout=60))
+    assert len(got) == len(expected)
+    for case, mine, theirs in zip(cases, got, expected):
+        assert mine == theirs, case
 
 
 def bad_input_cases(codec: TextCodec) -> tuple[list[dict], list]:
