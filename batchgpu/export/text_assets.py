@@ -12,7 +12,12 @@ codec: ``encode(text, {special})`` (``TextCodec.encode``), ``encodeChat(messages
 (``encode_chat``: control tokens only where the template wrote them, as :mod:`batchgpu.models.control`
 keeps them), ``renderChat(messages)`` (``render_chat``, the same jinja globals and filters), ``decode(ids)``
 (control tokens left out), ``stream()`` (incremental text as :class:`~batchgpu.llm.text.TextStream`: never
-a partial UTF-8 character), ``stopIds``, ``bosId``, ``eosId`` and ``hasChatTemplate``.
+a partial UTF-8 character), ``stopIds``, ``bosId``, ``eosId`` and ``hasChatTemplate``. Where the vendored
+packages differ from Python's ``tokenizers`` and jinja2, the written JSON (:func:`portable_json`) or
+``tokenizer.js`` does as Python does: byte-fallback tokens that are not UTF-8 as a whole decode to one U+FFFD
+per byte, characters a BPE vocabulary lacks are dropped before merging, and a loop iteration's text before
+its ``{% break %}`` or ``{% continue %}`` is kept. One difference remains: jinja's ``length`` of a string
+counts UTF-16 code units in JavaScript (a character beyond U+FFFF counts 2).
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ as a Split step, whose pattern the JS package translates to Oniguruma's meaning.
 
 
 def write_text_assets(codec: TextCodec, out: Path) -> None:
-    """Write ``out/tokenizer.json`` and ``out/chat.json`` for ``codec`` (``out`` must exist)."""
+    """Write ``out/tokenizer.json`` and ``out/chat.json`` for ``codec`` (``out`` made where missing)."""
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(portable_json(codec.tokenizer.to_str()), encoding="utf-8")
     text = json.dumps(chat_settings(codec), ensure_ascii=False, indent=1)
     (out / "chat.json").write_text(text, encoding="utf-8")
