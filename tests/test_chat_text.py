@@ -362,15 +362,21 @@ FEATURES_TEMPLATE = (
     "{%- for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}{% set ns.turns = ns.turns + 1 %}"
     "{{ m.role | upper }}: {{ m.content.strip() }} {{ m | tojson }} {{ m.content.split(' ') | length }}\n"
     "{% if loop.index0 >= 2 %}{% break %}{% endif %}{% endfor %}"
+    "{%- for m in messages %}[{{ m.content | trim }}|{{ m.content.lstrip('\\n') }}|{{ m.content.rstrip() }}|"
+    "{{ m.content.strip(' \\n') }}|{{ m.content.split() | join('_') }}|{{ m.content.split(none, 1) | tojson }}|"
+    "]\n{% endfor %}{{ messages[1].content | length }} {{ messages[-2].content | length }}\n"
     "{%- for m in messages %}{% if loop.index0 == 1 %}{% break %}{% endif %}{% else %}no turns{% endfor %}"
     "{%- for m in messages %}({{ loop.index }}{% if m.role == 'user' %}{% continue %}{% endif %}){% endfor %}"
     "{{ messages[0] | tojson(indent=2) }}\n{{ ns.turns }} turns, {{ strftime_now('%Y') }}\n"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}\n"
 )
 """A template using what Python's chat environment provides beyond plain jinja (tojson without HTML escapes,
-strftime_now, loop controls, namespace, str methods) and ending in a newline (jinja drops one there). Its
-break and continue come after text of the same iteration: text that @huggingface/jinja 0.5.11 alone drops
-(tokenizer.js wraps its interpreter to keep it)."""
+strftime_now, loop controls, namespace, str methods) and ending in a newline (jinja drops one there). Where
+@huggingface/jinja 0.5.11 alone differs (tokenizer.js wraps its interpreter): break and continue come after
+text of the same iteration (which it drops); strip and split of text with U+FEFF, U+001F, U+0085 at the
+ends (not whitespace to Python, or whitespace only to Python), strip's argument (which it ignores) and the
+length of text beyond U+FFFF (2 each, to it). (No length of a text with special-token text: encode_chat
+measures it with a placeholder of random length there, in Python too.)"""
 
 
 def test_chat_template_features_as_python(tmp_path):
@@ -382,9 +388,13 @@ def test_chat_template_features_as_python(tmp_path):
         {"role": "assistant", "content": "tab\there\nline", "name": "x"},
         {"role": "user", "content": "<|im_end|> 3"},
         {"role": "user", "content": "after the break"},
+        {"role": "user", "content": "\n\ufeff  BOM first, unit separator last \x1f"},
+        {"role": "user", "content": "\x85\u3000next line\u2003and spaces\x1c\x1d\n\n"},
     ]
     cases, expected = chat_cases(codec, [messages])
-    assert "after the break" not in expected[0] and "\\u00e9" not in expected[0] and not expected[0].endswith("\n\n")
+    assert (
+        "USER: after the break" not in expected[0] and "\\u00e9" not in expected[0] and not expected[0].endswith("\n\n")
+    )
     compare(codec, folder, cases, expected)
 
 

@@ -15,9 +15,11 @@ keeps them), ``renderChat(messages)`` (``render_chat``, the same jinja globals a
 a partial UTF-8 character), ``stopIds``, ``bosId``, ``eosId`` and ``hasChatTemplate``. Where the vendored
 packages differ from Python's ``tokenizers`` and jinja2, the written JSON (:func:`portable_json`) or
 ``tokenizer.js`` does as Python does: byte-fallback tokens that are not UTF-8 as a whole decode to one U+FFFD
-per byte, characters a BPE vocabulary lacks are dropped before merging, and a loop iteration's text before
-its ``{% break %}`` or ``{% continue %}`` is kept. One difference remains: jinja's ``length`` of a string
-counts UTF-16 code units in JavaScript (a character beyond U+FFFF counts 2).
+per byte, characters a BPE vocabulary lacks are dropped before merging, a loop iteration's text before
+its ``{% break %}`` or ``{% continue %}`` is kept, and a template's ``strip``/``lstrip``/``rstrip`` (with
+their argument), ``trim``, ``split()`` and ``length`` of a string follow Python's whitespace and count
+characters. Left different: a string indexed by position in a template (``text[0]``) counts UTF-16 code
+units in JavaScript, and a loop over a string's characters is refused there.
 """
 
 from __future__ import annotations

@@ -141,8 +141,7 @@ export class TextStream {
 // here (once, for every Template): a block stopped by break or continue hands its text on with the
 // exception, up to the loop body, which returns it as the iteration's output; after a break the loop's
 // other iterations run no statements; and the loop's {% else %} runs where no iteration got to the end of
-// the body (jinja2's rule, which the package kept by letting the exception reach the loop). Still unlike
-// Python: a string's ``| length`` counts UTF-16 code units (a character beyond U+FFFF counts 2).
+// the body (jinja2's rule, which the package kept by letting the exception reach the loop).
 const LOOP_CONTROL = new Set(["BreakControl", "ContinueControl"]);
 const runningLoops = new Map(); // a for loop's body -> a stack of its running loops' {completed, broken}
 
@@ -187,6 +186,79 @@ if (!Interpreter.prototype.batchgpuLoopText) {
     }
     if (loop) loop.completed = true;
     return new empty.constructor(text);
+  };
+}
+
+// @huggingface/jinja 0.5.11 runs str methods on message text with JavaScript's rules where Python's differ:
+// strip, lstrip and rstrip ignore their argument (Qwen's ``content.lstrip('\n')`` strips spaces too) and,
+// like ``| trim`` and ``split()``, take JavaScript's whitespace (U+FEFF is one, U+001C..U+001F and U+0085 are
+// not; Python's str.isspace says the opposite), and ``| length`` counts UTF-16 code units (Python counts
+// characters). Those builtins of its StringValue, and the trim filter, are Python's here (once, for every
+// Template).
+const PYTHON_SPACE = "\\t\\n\\v\\f\\r\\x1c-\\x20\\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000";
+const PYTHON_WORD = new RegExp(`[^${PYTHON_SPACE}]+`, "gu"); // a run of non-space (Python's split())
+
+/** Python's ``text.strip(chars)`` (``start``, ``end``: which sides; ``chars`` null: whitespace). */
+function pythonStrip(text, chars, start = true, end = true) {
+  const space = new RegExp(`^[${PYTHON_SPACE}]$`, "u");
+  const strips = chars == null ? (c) => space.test(c) : (c) => chars.includes(c);
+  const characters = Array.from(text);
+  let from = 0, to = characters.length;
+  while (start && from < to && strips(characters[from])) from++;
+  while (end && to > from && strips(characters[to - 1])) to--;
+  return characters.slice(from, to).join("");
+}
+
+/** Python's ``text.split(None, maxsplit)``: runs of non-space, the last one the rest after ``maxsplit``. */
+function pythonSplit(text, maxsplit) {
+  const rest = pythonStrip(text, null, true, false);
+  const parts = [];
+  for (const { 0: word, index } of rest.matchAll(PYTHON_WORD)) {
+    if (maxsplit >= 0 && parts.length >= maxsplit) return [...parts, rest.slice(index)];
+    parts.push(word);
+  }
+  return parts;
+}
+
+if (!Interpreter.prototype.batchgpuPythonStrings) {
+  Interpreter.prototype.batchgpuPythonStrings = true;
+  const StringValue = Interpreter.prototype.evaluateBlock.call(null, [], null).constructor;
+  const builtins = Object.getOwnPropertyDescriptor(StringValue.prototype, "builtins").get;
+  const sample = builtins.call(new StringValue("a"));
+  const [FunctionValue, IntegerValue] = [sample.get("strip").constructor, sample.get("length").constructor];
+  const ArrayValue = sample.get("split").value([], null).constructor;
+  const argument = (value) => (value === undefined || value.type === "NullValue" ? null : value.value);
+
+  Object.defineProperty(StringValue.prototype, "builtins", {
+    configurable: true,
+    get() {
+      const map = builtins.call(this);
+      if (map.batchgpuPython) return map;
+      map.batchgpuPython = true;
+      const text = this.value;
+      const strip = (start, end) =>
+        new FunctionValue((args) => new StringValue(pythonStrip(text, argument(args[0]), start, end)));
+      map.set("strip", strip(true, true)).set("lstrip", strip(true, false)).set("rstrip", strip(false, true));
+      map.set("length", new IntegerValue(Array.from(text).length));
+      const split = map.get("split");
+      map.set(
+        "split",
+        new FunctionValue((args, environment) => {
+          if (argument(args[0]) !== null) return split.value(args, environment);
+          const parts = pythonSplit(text, argument(args[1]) ?? -1);
+          return new ArrayValue(parts.map((part) => new StringValue(part)));
+        }),
+      );
+      return map;
+    },
+  });
+
+  const { applyFilter } = Interpreter.prototype;
+  Interpreter.prototype.applyFilter = function (operand, filter, environment) {
+    if (filter.type === "Identifier" && filter.value === "trim" && operand instanceof StringValue) {
+      return new StringValue(pythonStrip(operand.value, null));
+    }
+    return applyFilter.call(this, operand, filter, environment);
   };
 }
 
