@@ -2,11 +2,19 @@
 // (batchgpu/models/codec.py), from the two files batchgpu/export/text_assets.py writes:
 //   tokenizer.json  the tokenizer as Hugging Face's JSON, run by the vendored @huggingface/tokenizers;
 //   chat.json       chat template (rendered by the vendored @huggingface/jinja), BOS/EOS, stop ids.
+// Where those packages differ from Python's tokenizers and jinja2, this module does as Python does (see the
+// comments at each workaround below).
 //
-//   import { loadCodec } from "./tokenizer.js";
-//   const codec = await loadCodec(new URL("./", import.meta.url));
-//   const ids = codec.encodeChat([{ role: "user", content: "Hi" }]);
-//   const stream = codec.stream();  // then stream.push(id) -> new text, stream.finish() -> the rest
+//   const codec = await loadCodec(base);            // base: URL of the folder (http(s):, or file: under Node)
+//   codec.encode(text, { special: true })            // ids (special: with the BOS a SentencePiece model adds)
+//   codec.encodeChat(messages, { trusted: false })   // ids of the chat prompt, the assistant's turn opened
+//   codec.renderChat(messages)                       // the prompt text
+//   codec.decode(ids)                                // text, control tokens left out
+//   const stream = codec.stream();                   // stream.push(id) -> new text ("" while a character is
+//                                                    // unfinished), stream.finish() -> the rest
+//   codec.stopIds (a Set), codec.bosId, codec.eosId (number or null), codec.hasChatTemplate, codec.addsBos
+// Bad input throws (TypeError or Error), with the message Python's codec gives where it can; the codec still
+// works afterwards.
 
 import { fetchJson } from "./io.js";
 import { Environment, Interpreter, Template } from "./vendor/jinja.js";
