@@ -373,7 +373,7 @@ FEATURES_TEMPLATE = (
 )
 """A template using what Python's chat environment provides beyond plain jinja (tojson without HTML escapes,
 strftime_now, loop controls, namespace, str methods) and ending in a newline (jinja drops one there). Where
-@huggingface/jinja 0.5.11 alone differs (tokenizer.js wraps its interpreter): break and continue come after
+@huggingface/jinja 0.5.11 alone differs (chat_template.js wraps its interpreter): break and continue come after
 text of the same iteration (which it drops); strip and split of text with U+FEFF, U+001F, U+0085 at the
 ends (not whitespace to Python, or whitespace only to Python), strip's argument (which it ignores) and the
 length of text beyond U+FFFF (2 each, to it). (No length of a text with special-token text: encode_chat
