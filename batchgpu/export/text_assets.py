@@ -14,12 +14,13 @@ keeps them), ``renderChat(messages)`` (``render_chat``, the same jinja globals a
 (control tokens left out), ``stream()`` (incremental text as :class:`~batchgpu.llm.text.TextStream`: never
 a partial UTF-8 character), ``stopIds``, ``bosId``, ``eosId`` and ``hasChatTemplate``. Where the vendored
 packages differ from Python's ``tokenizers`` and jinja2, the written JSON (:func:`portable_json`),
-``tokenizer.js`` or ``chat_template.js`` (the templates' renderer) does as Python does: byte-fallback tokens that are not UTF-8 as a whole decode to one U+FFFD
-per byte, characters a BPE vocabulary lacks are dropped before merging, a loop iteration's text before
-its ``{% break %}`` or ``{% continue %}`` is kept, and a template's ``strip``/``lstrip``/``rstrip`` (with
-their argument), ``trim``, ``split()`` and ``length`` of a string follow Python's whitespace and count
-characters. Left different: a string indexed by position in a template (``text[0]``) counts UTF-16 code
-units in JavaScript, and a loop over a string's characters is refused there.
+``tokenizer.js`` or ``chat_template.js`` (the templates' renderer) does as Python does: byte-fallback tokens
+that are not UTF-8 as a whole decode to one U+FFFD per byte, characters a BPE vocabulary lacks are dropped
+before merging, a loop iteration's text before its ``{% break %}`` or ``{% continue %}`` is kept, and a
+template's ``strip``/``lstrip``/``rstrip`` (with their argument), ``trim``, ``split()`` and ``length`` of a
+string follow Python's whitespace and count characters. Left different: a string indexed by position in a
+template (``text[0]``) counts UTF-16 code units in JavaScript, and a loop over a string's characters is
+refused there.
 """
 
 from __future__ import annotations
