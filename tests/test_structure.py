@@ -71,7 +71,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "executors": ("executors/", "coldstart.py", "nvrtc.py"),  # plan and run a graph on a device
     "runtime": ("device.py", "runner.py", "runtime.py", "export/"),  # execute, read back, export
     "front end": ("batch.py", "jit.py", "__init__.py"),  # GpuCommandBatch, jit and the package's names
-    "models": ("models/",),  # model files and decoders built from batch ops
+    "models": ("models/", "export/text_assets.py"),  # model files, decoders built from batch ops, a codec's app files
     "llm": ("llm/",),  # the serving engine and its HTTP server
     "tools": ("cli.py", "__main__.py", "check.py", "check_report.py", "overhead.py"),  # the command line
 }
