@@ -71,7 +71,13 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "executors": ("executors/", "coldstart.py", "nvrtc.py"),  # plan and run a graph on a device
     "runtime": ("device.py", "runner.py", "runtime.py", "export/"),  # execute, read back, export
     "front end": ("batch.py", "jit.py", "__init__.py"),  # GpuCommandBatch, jit and the package's names
-    "models": ("models/", "export/text_assets.py"),  # model files, decoders built from batch ops, a codec's app files
+    "models": (  # model files, decoders built from batch ops; a model exported as a web app
+        "models/",
+        "export/text_assets.py",
+        "export/weight_sources.py",
+        "export/chat_steps.py",
+        "export/chat.py",
+    ),
     "llm": ("llm/",),  # the serving engine and its HTTP server
     "tools": ("cli.py", "__main__.py", "check.py", "check_report.py", "overhead.py"),  # the command line
 }

@@ -51,7 +51,16 @@ from .webgpu import required_features
 from .weight_sources import Source, weight_sources
 
 FORMAT = "batchgpu-chat/1"
-APP_FILES = ("index.html", "batchgpu.js", "plan.js", "io.js", "node_gpu.js", "package.json", "tokenizer.js")
+APP_FILES = (
+    "index.html",
+    "batchgpu.js",
+    "plan.js",
+    "io.js",
+    "node_gpu.js",
+    "package.json",
+    "tokenizer.js",
+    "chat_template.js",
+)
 """The app's own files, copied from the package as they are (``batchgpu/export/app``), with its ``vendor/``."""
 MODEL_FILE = "model.gguf"
 
