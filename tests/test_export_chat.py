@@ -219,3 +219,34 @@ def write_safetensors_dir(tmp_path: Path) -> Path:
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     return path
+
+
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "2+2="]
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_smollm2_chats_in_the_browser_as_in_python(tmp_path: Path, browser: Chromium) -> None:
+    """SmolLM2-135M-Instruct (Q4_1) exported and chatted with in the page: three prompts through the chat template
+    in JavaScript give Python's prompt ids, and 16 greedy ids (or fewer, ending at the end token) equal
+    ``Llama.generate``'s on the numpy reference device; the text streamed into the page is Python's decode."""
+    from urllib.parse import quote
+
+    from batchgpu.models.llama import smollm2_path
+
+    try:
+        path = smollm2_path()
+    except BatchError as exc:
+        pytest.skip(str(exc))
+    out = export_chat(path, tmp_path / "app", max_context=128, chunk=32, gpu_kernels=False, copy_model=False)
+    query = "&".join(f"prompt={quote(p)}" for p in CHAT_PROMPTS) + "&max_tokens=16"
+    result = open_app(browser, out, query, timeout=900)
+    codec = open_weights(path).codec()
+    llama = Llama(bg.Device("reference"), path, max_context=128)
+    for run, prompt in zip(result["runs"], CHAT_PROMPTS):
+        ids = codec.encode_chat([{"role": "user", "content": prompt}])
+        assert run["prompt_ids"] == ids
+        expected = list(llama.generate(ids, 16, stop=codec.eos_ids))
+        assert run["token_ids"] == expected
+        assert run["text"] == codec.decode(expected)
+    assert result["runs"][0]["text"] == "The capital of France is Paris."
