@@ -201,9 +201,11 @@ class Chromium:
     ) -> Any:
         """:meth:`evaluate`, then a PNG of the page (``width`` CSS pixels wide, as tall as its content) written to
         ``path``; returns the expression's value."""
-        target = self.send("Target.createTarget", {"url": "about:blank", "width": width, "height": 700})["targetId"]
+        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         try:
             session = self._attach(target)
+            metrics = {"width": width, "height": 700, "deviceScaleFactor": 1, "mobile": False}
+            self.send("Emulation.setDeviceMetricsOverride", metrics, session)
             value = self._await_in(session, url, expression, timeout)
             shot = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session)
             Path(path).write_bytes(base64.b64decode(shot["data"]))
