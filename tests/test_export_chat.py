@@ -8,6 +8,7 @@ of each other (WGSL's exp/log latitude), which random data makes vanishingly rar
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,12 @@ from batchgpu.errors import ArgumentError, BatchError
 from batchgpu.export.browser import Chromium, find_chromium, serve
 from batchgpu.export.chat import export_chat
 from batchgpu.export.chat_steps import ChatSteps, Sampling, chunks
-from batchgpu.export.node import NodeUnavailableError, run_node, webgpu_package
+from batchgpu.export.node import NodeUnavailableError, find_node, node_environment, run_node, webgpu_package
 from batchgpu.export.weight_sources import assemble
 from batchgpu.models.gguf_reader import GGUFFile
 from batchgpu.models.llama import Llama, open_weights, upload_weights
 
+from .test_export import readme_block
 from .test_llama_variants import K_DIMS, VARIANTS, random_weights, write_gguf
 
 DRIVER = Path(__file__).with_name("chat_driver.mjs")
@@ -46,12 +48,14 @@ def tiny_model(folder: Path, name: str) -> Path:
     return path
 
 
-def python_ids(path: Path, prompt: list[int], n: int, sampling: Sampling | None = None, **steps: int) -> list[int]:
+def python_ids(
+    path: Path, prompt: list[int], n: int, sampling: Sampling | None = None, stop: Any = (), **steps: int
+) -> list[int]:
     """The ids the exported steps give in Python (the numpy reference device)."""
     device = bg.Device("reference")
     weights = open_weights(path)
     uploaded = upload_weights(device, weights, fuse=True)
-    return list(ChatSteps(device, weights.config, uploaded, **steps).generate(prompt, n, sampling))
+    return list(ChatSteps(device, weights.config, uploaded, **steps).generate(prompt, n, sampling, stop))
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +192,22 @@ def test_node_generates_pythons_ids(tmp_path: Path) -> None:
     result = run_node(DRIVER, out, function="generate", args={"prompts": PROMPTS, "maxTokens": 4}, timeout=300)
     for run, prompt in zip(result["runs"], PROMPTS):
         assert run["token_ids"] == python_ids(path, prompt, 4, max_context=16, chunk=1)
+    check_readme_block(path, export_chat(path, tmp_path / "readme", max_context=64, chunk=16, gpu_kernels=False))
+
+
+def check_readme_block(path: Path, out: Path) -> None:
+    """README's JavaScript block, run as written under Node in the export's folder, prints Python's reply."""
+    script = out / "readme_chat.mjs"
+    script.write_text(readme_block("chat_js", "js"), encoding="utf-8")
+    ran = subprocess.run(
+        [find_node(), str(script)], cwd=out, env=node_environment(), capture_output=True, text=True, timeout=300
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    codec = open_weights(path).codec()
+    ids = codec.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    reply = python_ids(path, ids, 16, stop=codec.eos_ids, max_context=64, chunk=16)
+    text, rate = ran.stdout.strip().rsplit(" ", 1)
+    assert text == codec.decode(reply) and float(rate) >= 0
 
 
 def test_export_refuses_bad_arguments_before_writing(tmp_path: Path) -> None:
