@@ -270,3 +270,24 @@ def test_smollm2_chats_in_the_browser_as_in_python(tmp_path: Path, browser: Chro
         assert run["token_ids"] == expected
         assert run["text"] == codec.decode(expected)
     assert result["runs"][0]["text"] == "The capital of France is Paris."
+
+
+def test_command_line_exports_and_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from batchgpu import cli
+
+    path = tiny_model(tmp_path, "llama-q8_0")
+    out = tmp_path / "app"
+    assert cli.main(["export-chat", str(out), "--model", str(path), "--chunk", "3"]) == 2
+    assert "chunk must be a power of two" in capsys.readouterr().err and not out.exists()
+    args = ["export-chat", str(out), "--model", str(path), "--max-context", "32", "--chunk", "8", "--link"]
+    assert cli.main(args) == 0
+    assert "python -m http.server" in capsys.readouterr().out
+    manifest = json.loads((out / "model.json").read_text())
+    assert manifest["model"]["max_context"] == 32 and sorted(manifest["steps"]) == [
+        "decode",
+        "prefill_1",
+        "prefill_2",
+        "prefill_4",
+        "prefill_8",
+    ]
+    assert (out / "model.gguf").read_bytes() == path.read_bytes() and (out / "vendor" / "jinja.js").is_file()
