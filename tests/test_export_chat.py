@@ -171,11 +171,16 @@ def test_browser_generates_pythons_ids(tmp_path: Path, browser: Chromium) -> Non
     assert result["long"] == python_ids(path, PROMPTS[0], 50, **steps)
 
 
-def test_page_opened_from_a_file_url_says_to_serve_it(tmp_path: Path, browser: Chromium) -> None:
+def test_page_says_what_it_needs(tmp_path: Path, browser: Chromium) -> None:
+    """Opened from a file: URL, the page says to serve the folder; in a browser without WebGPU, says that."""
     path = tiny_model(tmp_path, "llama-q8_0")
     out = export_chat(path, tmp_path / "app", max_context=16, chunk=4)
     result = browser.evaluate((out / "index.html").as_uri() + "?ids=3", "window.batchgpuChat", 60)
     assert "python -m http.server" in result["error"]
+    no_webgpu = "Object.defineProperty(Navigator.prototype, 'gpu', { get: () => undefined });"
+    with serve(out) as base:
+        result = browser.evaluate(f"{base}index.html?ids=3", "window.batchgpuChat", 60, before=no_webgpu)
+    assert "This browser has no WebGPU" in result["error"]
 
 
 def test_node_generates_pythons_ids(tmp_path: Path) -> None:

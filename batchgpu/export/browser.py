@@ -186,12 +186,19 @@ class Chromium:
                     raise BrowserError(f"{method}: {reply['error'].get('message', reply['error'])}")
                 return reply.get("result", {})
 
-    def evaluate(self, url: str, expression: str = RESULT_EXPRESSION, timeout: float = 60.0) -> Any:
+    def evaluate(
+        self, url: str, expression: str = RESULT_EXPRESSION, timeout: float = 60.0, *, before: str | None = None
+    ) -> Any:
         """Open ``url`` in a new tab, then await ``expression`` (a Promise, or a value) there; returns
-        its JSON value. Waits for the page to define the expression's root object."""
+        its JSON value. Waits for the page to define the expression's root object. ``before``: a script run in
+        the page before its own scripts."""
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         try:
-            return self._await_in(self._attach(target), url, expression, timeout)
+            session = self._attach(target)
+            if before is not None:  # e.g. a test taking a browser feature away
+                self.send("Page.enable", {}, session)
+                self.send("Page.addScriptToEvaluateOnNewDocument", {"source": before}, session)
+            return self._await_in(session, url, expression, timeout)
         finally:
             with contextlib.suppress(BrowserError):
                 self.send("Target.closeTarget", {"targetId": target}, timeout=10)
