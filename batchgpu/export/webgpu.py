@@ -48,9 +48,10 @@ from .plan import PARAMS_ALIGN, ProgramPlan
 
 FORMAT = "batchgpu-webgpu/1"
 TEMPLATE_FILES = ("index.html", "batch.js")
-APP_FILES = ("io.js", "node_gpu.js", "package.json")
+APP_FILES = ("io.js", "node_gpu.js", "plan.js", "package.json")
 """From the app sources (batchgpu/export/app/): the modules batch.js imports (reading files, and the GPU, in
-browsers and under Node), and the package.json that tells Node its .js files are ES modules."""
+browsers and under Node; the WebGPU helpers it shares with the chat app's program runtime), and the
+package.json that tells Node its .js files are ES modules."""
 
 _ENABLE = re.compile(r"^\s*enable\s+([^;]+);", re.MULTILINE)
 _EXTENSION_FEATURES = {"f16": "shader-f16", "subgroups": "subgroups", "clip_distances": "clip-distances"}

@@ -22,13 +22,24 @@ export const DEFAULT_LIMITS = {
 
 const ARRAY_TYPES = { float32: Float32Array, int32: Int32Array, uint32: Uint32Array };
 
-function checkOffers(what, thing, manifest) {
+/** Throw unless the adapter or device ``thing`` (``what``) offers the features and limits ``manifest`` names
+ * (``subject``: what needs them, in the message). */
+export function checkOffers(what, thing, manifest, subject = "the model") {
   const missing = manifest.features.filter((f) => !thing.features.has(f));
-  if (missing.length) throw new Error(`batchgpu: the model needs the WebGPU feature(s) ${missing.join(", ")}, which the ${what} lacks`);
+  if (missing.length) throw new Error(`batchgpu: ${subject} needs the WebGPU feature(s) ${missing.join(", ")}, which the ${what} lacks`);
   for (const [name, need] of Object.entries(manifest.limits)) {
     const have = thing.limits[name];
-    if (have !== undefined && have < need) throw new Error(`batchgpu: the model needs ${name} >= ${need}; the ${what} offers ${have}`);
+    if (have !== undefined && have < need) throw new Error(`batchgpu: ${subject} needs ${name} >= ${need}; the ${what} offers ${have}`);
   }
+}
+
+/** The limits of ``manifest`` above WebGPU's defaults: what requestDevice must ask for. */
+export function requiredLimits(manifest) {
+  const wanted = {};
+  for (const [name, need] of Object.entries(manifest.limits)) {
+    if (need > (DEFAULT_LIMITS[name] ?? Infinity)) wanted[name] = need;
+  }
+  return wanted;
 }
 
 /** A device with the features and limits ``manifest`` needs, and its adapter's description. */
@@ -37,18 +48,14 @@ export async function requestDevice(manifest, gpu) {
   const adapter = await gpu.requestAdapter({ powerPreference: "high-performance" });
   if (!adapter) throw new Error("batchgpu: WebGPU found no adapter (requestAdapter() gave null)");
   checkOffers("adapter", adapter, manifest);
-  const requiredLimits = {};
-  for (const [name, need] of Object.entries(manifest.limits)) {
-    if (need > (DEFAULT_LIMITS[name] ?? Infinity)) requiredLimits[name] = need;
-  }
-  const device = await adapter.requestDevice({ requiredFeatures: manifest.features, requiredLimits, label: "batchgpu chat" });
+  const device = await adapter.requestDevice({ requiredFeatures: manifest.features, requiredLimits: requiredLimits(manifest), label: "batchgpu chat" });
   const info = adapter.info ?? {};
   const adapterText = [info.vendor, info.architecture, info.device, info.description].filter(Boolean).join(" ") || "unknown";
   return { device, adapter: adapterText };
 }
 
 /** A 1-D workgroup count over x and y, like batchgpu.limits.split_groups. */
-function splitGroups(groups, perDim) {
+export function splitGroups(groups, perDim) {
   if (groups <= perDim) return [Math.max(groups, 1), 1, 1];
   const y = Math.ceil(groups / perDim);
   const x = Math.ceil(groups / y);

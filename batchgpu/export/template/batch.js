@@ -23,22 +23,12 @@
 
 import { fetchBytes, fetchJson, fetchText } from "./io.js";
 import { getGpu, releaseGpu } from "./node_gpu.js";
+import { checkOffers, requiredLimits, splitGroups, withErrors } from "./plan.js";
+
+export { splitGroups };
 
 const HERE = new URL(".", import.meta.url);
 
-// WebGPU's default limits: higher needs are requested from the adapter.
-const DEFAULT_LIMITS = {
-  maxStorageBufferBindingSize: 134217728,
-  maxBufferSize: 268435456,
-  maxStorageBuffersPerShaderStage: 8,
-  maxUniformBufferBindingSize: 65536,
-  maxComputeWorkgroupStorageSize: 16384,
-  maxComputeInvocationsPerWorkgroup: 256,
-  maxComputeWorkgroupSizeX: 256,
-  maxComputeWorkgroupSizeY: 256,
-  maxComputeWorkgroupSizeZ: 64,
-  maxComputeWorkgroupsPerDimension: 65535,
-};
 
 export const ARRAY_TYPES = {
   float32: Float32Array,
@@ -86,16 +76,7 @@ export async function expectedOutputs(base = HERE) {
 }
 
 function checkAdapterOrDevice(what, thing, manifest) {
-  const missing = manifest.features.filter((f) => !thing.features.has(f));
-  if (missing.length) {
-    throw new Error(`batchgpu: this batch needs the WebGPU feature(s) ${missing.join(", ")}, which the ${what} lacks`);
-  }
-  for (const [name, need] of Object.entries(manifest.limits)) {
-    const have = thing.limits[name];
-    if (have !== undefined && have < need) {
-      throw new Error(`batchgpu: this batch needs ${name} >= ${need}; the ${what} offers ${have}`);
-    }
-  }
+  checkOffers(what, thing, manifest, "this batch");
 }
 
 /** An adapter from navigator.gpu (under Node: the `webgpu` package's, see node_gpu.js). */
@@ -110,35 +91,7 @@ export async function requestDevice(adapter = null, base = HERE) {
   const { manifest } = await load(base);
   if (!adapter) adapter = await requestAdapter();
   checkAdapterOrDevice("adapter", adapter, manifest);
-  const requiredLimits = {};
-  for (const [name, need] of Object.entries(manifest.limits)) {
-    if (need > (DEFAULT_LIMITS[name] ?? Infinity)) requiredLimits[name] = need;
-  }
-  return adapter.requestDevice({ requiredFeatures: manifest.features, requiredLimits, label: `batchgpu ${manifest.batch}` });
-}
-
-/** Spread a 1-D workgroup count over x and y like batchgpu.limits.split_groups. */
-export function splitGroups(groups, perDim) {
-  if (groups <= perDim) return [Math.max(groups, 1), 1, 1];
-  const y = Math.ceil(groups / perDim);
-  const x = Math.ceil(groups / y);
-  if (y > perDim) throw new Error(`batchgpu: ${groups} workgroups do not fit maxComputeWorkgroupsPerDimension ${perDim}`);
-  return [x, y, 1];
-}
-
-async function withErrors(device, what, body) {
-  device.pushErrorScope("out-of-memory");
-  device.pushErrorScope("validation");
-  let result;
-  try {
-    result = await body();
-  } finally {
-    const validation = await device.popErrorScope();
-    const memory = await device.popErrorScope();
-    const error = validation ?? memory;
-    if (error) throw new Error(`batchgpu: ${what} failed: ${error.message}`);
-  }
-  return result;
+  return adapter.requestDevice({ requiredFeatures: manifest.features, requiredLimits: requiredLimits(manifest), label: `batchgpu ${manifest.batch}` });
 }
 
 function initialBuffer(device, entry, data, usage) {
