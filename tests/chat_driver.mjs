@@ -1,8 +1,8 @@
 // Runs an exported chat model under Node for tests/test_export_chat.py (batchgpu.export.node.run_node).
-export async function generate(base, { prompts, tokenizer = false, ...options }) {
+export async function generate(base, { prompts, tokenizer = false, slabBytes = undefined, ...options }) {
   const { loadModel } = await import(new URL("batchgpu.js", base));
   const { releaseGpu } = await import(new URL("node_gpu.js", base));
-  const model = await loadModel(base, { tokenizer });
+  const model = await loadModel(base, { tokenizer, slabBytes });
   const runs = [];
   try {
     for (const prompt of prompts) {
@@ -15,5 +15,5 @@ export async function generate(base, { prompts, tokenizer = false, ...options })
     model.destroy();
     releaseGpu();
   }
-  return { runs, adapter: model.adapter };
+  return { runs, adapter: model.adapter, loading: model.loading, memory: model.memory };
 }

@@ -185,7 +185,8 @@ def test_page_says_what_it_needs(tmp_path: Path, browser: Chromium) -> None:
 
 def test_node_generates_pythons_ids(tmp_path: Path) -> None:
     """The same module under Node: q/k/v biases joined, and the embedding and the head as row pieces (a lowered
-    binding limit), built from the file by the page's code."""
+    binding limit), built from the file by the page's code, the single-range ones written 60 bytes (three q4_1
+    blocks) at a time."""
     try:
         webgpu_package()
     except NodeUnavailableError as exc:
@@ -194,9 +195,11 @@ def test_node_generates_pythons_ids(tmp_path: Path) -> None:
     limits = {"max_storage_buffer_binding_size": 2048}
     out = export_chat(path, tmp_path / "app", max_context=16, chunk=1, gpu_kernels=False, limits=limits)
     assert any("[" in b["name"] for b in json.loads((out / "model.json").read_text())["buffers"])  # pieces
-    result = run_node(DRIVER, out, function="generate", args={"prompts": PROMPTS, "maxTokens": 4}, timeout=300)
+    args = {"prompts": PROMPTS, "maxTokens": 4, "slabBytes": 64}
+    result = run_node(DRIVER, out, function="generate", args=args, timeout=300)
     for run, prompt in zip(result["runs"], PROMPTS):
         assert run["token_ids"] == python_ids(path, prompt, 4, max_context=16, chunk=1)
+    assert result["loading"]["file_bytes"] == path.stat().st_size
     check_readme_block(path, export_chat(path, tmp_path / "readme", max_context=64, chunk=16, gpu_kernels=False))
 
 

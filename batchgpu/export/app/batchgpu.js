@@ -16,8 +16,9 @@ import { Program, requestDevice, withErrors } from "./plan.js";
 const FORMAT = "batchgpu-chat/1";
 
 /** Load the exported model at ``base`` (the folder's URL): plan, shaders, weights (with ``onProgress({phase,
- * done, total})`` as the GGUF file arrives), and its tokenizer unless ``tokenizer`` is false. */
-export async function loadModel(base = new URL(".", import.meta.url), { onProgress = null, gpu = null, tokenizer = true } = {}) {
+ * done, total})`` as the GGUF file arrives, written ``slabBytes`` at a time), and its tokenizer unless
+ * ``tokenizer`` is false. */
+export async function loadModel(base = new URL(".", import.meta.url), { onProgress = null, gpu = null, tokenizer = true, slabBytes = 1 << 22 } = {}) {
   const at = (name) => new URL(name, base);
   const manifest = await fetchJson(at("model.json"));
   if (manifest.format !== FORMAT) throw new Error(`batchgpu: ${at("model.json")} is not a chat export (format ${manifest.format})`);
@@ -28,13 +29,17 @@ export async function loadModel(base = new URL(".", import.meta.url), { onProgre
   ]);
   const { device, adapter } = await requestDevice(manifest, gpu ?? (await getGpu()));
   const program = await Program.create(device, manifest, { shaders, params, data });
-  await withErrors(device, "writing the weights", () => loadWeights(program, at(manifest.weights.file), onProgress));
+  const started = performance.now();
+  const loading = await withErrors(device, "writing the weights", () => loadWeights(program, at(manifest.weights.file), onProgress, slabBytes));
+  loading.seconds = (performance.now() - started) / 1000;
   let codec = null;
   if (tokenizer) {
     const { loadCodec } = await import("./tokenizer.js");
     codec = await loadCodec(base);
   }
-  return new ChatModel(manifest, program, codec, adapter);
+  const model = new ChatModel(manifest, program, codec, adapter);
+  model.loading = loading;
+  return model;
 }
 
 // weights --------------------------------------------------------------------------------------------------
@@ -50,6 +55,7 @@ class ByteWindow {
   push(chunk) {
     this.chunks.push(chunk);
     this.end += chunk.byteLength;
+    this.peak = Math.max(this.peak ?? 0, this.end - this.start);
   }
 
   /** Bytes [from, to) of the file (a view when one chunk holds them, else a copy). */
@@ -100,50 +106,81 @@ function sourceRow(parts, interleave, row) {
   return [part.offset + index * part.row_bytes, part.row_bytes];
 }
 
-/** A weight buffer's bytes from the file bytes of its span. */
-function assemble(source, span) {
-  const { parts, interleave, first_row: first, rows, format } = source;
-  let joined = span;
-  if (parts.length > 1 || parts[0].heads) {
-    const size = parts[0].row_bytes;
-    joined = new Uint8Array(rows * size);
-    for (let r = 0; r < rows; r++) {
-      const [offset] = sourceRow(parts, interleave, first + r);
-      const from = offset - source.span[0];
-      joined.set(span.subarray(from, from + size), r * size);
-    }
-  }
-  if (!format) return joined;
-  const blocks = joined.byteLength / format.block_bytes;
+/** Repack GGUF blocks (``format``: block_bytes -> device_bytes, segments) into the device's layout. */
+function repack(bytes, format) {
+  if (!format) return bytes;
+  const blocks = bytes.byteLength / format.block_bytes;
   const out = new Uint8Array(blocks * format.device_bytes);
   for (let b = 0; b < blocks; b++) {
     const from = b * format.block_bytes;
     const to = b * format.device_bytes;
-    for (const [start, length, target] of format.segments) out.set(joined.subarray(from + start, from + start + length), to + target);
+    for (const [start, length, target] of format.segments) out.set(bytes.subarray(from + start, from + start + length), to + target);
   }
   return out;
 }
 
-/** Stream the GGUF file once; each weight buffer is built and written as soon as its bytes have arrived. */
-async function loadWeights(program, url, onProgress) {
-  const pending = program.manifest.buffers
-    .map((entry, index) => ({ index, source: entry.source }))
-    .filter((b) => b.source)
-    .sort((a, b) => a.source.span[1] - b.source.span[1]);
+/** A joined weight's bytes (rows of several tensors, or permuted rows) from the file bytes of its span. */
+function assemble(source, span) {
+  const { parts, interleave, first_row: first, rows, format } = source;
+  const size = parts[0].row_bytes;
+  const joined = new Uint8Array(rows * size);
+  for (let r = 0; r < rows; r++) {
+    const [offset] = sourceRow(parts, interleave, first + r);
+    const from = offset - source.span[0];
+    joined.set(span.subarray(from, from + size), r * size);
+  }
+  return repack(joined, format);
+}
+
+/** A weight buffer being written as the file arrives: one range of the file (a tensor, or consecutive rows of
+ * one) goes in slabs of whole blocks as soon as each slab's bytes are in, so the page never holds the whole
+ * tensor; any other weight (joined or permuted rows) is built once its whole span is in. */
+class PendingWeight {
+  constructor(index, source, slabBytes) {
+    this.index = index;
+    this.source = source;
+    this.next = source.span[0]; // the first file byte not written yet
+    this.inOneRange = source.parts.length === 1 && !source.parts[0].heads;
+    const unit = source.format ? source.format.block_bytes : 4;
+    this.slab = this.inOneRange ? Math.max(unit, Math.floor(slabBytes / unit) * unit) : source.span[1] - source.span[0];
+  }
+
+  /** Write what ``window`` now holds; true when the whole buffer is written. */
+  advance(program, window) {
+    const [start, end] = this.source.span;
+    if (!this.inOneRange) {
+      if (window.end < end) return false;
+      program.write(this.index, assemble(this.source, window.slice(start, end)));
+      this.next = end;
+      return true;
+    }
+    const format = this.source.format;
+    while (this.next < end && Math.min(this.next + this.slab, end) <= window.end) {
+      const stop = Math.min(this.next + this.slab, end);
+      const done = this.next - start;
+      const at = format ? (done / format.block_bytes) * format.device_bytes : done;
+      program.write(this.index, repack(window.slice(this.next, stop), format), at);
+      this.next = stop;
+    }
+    return this.next >= end;
+  }
+}
+
+/** Stream the GGUF file once; each weight buffer is written as its bytes arrive (``slabBytes`` at a time where
+ * it is one range of the file), and the bytes no pending buffer needs are let go. */
+async function loadWeights(program, url, onProgress, slabBytes) {
+  let pending = program.manifest.buffers
+    .map((entry, index) => (entry.source ? new PendingWeight(index, entry.source, slabBytes) : null))
+    .filter(Boolean);
   const window = new ByteWindow();
   const progress = onProgress ? (done, total) => onProgress({ phase: "weights", done, total: total || program.manifest.weights.bytes }) : null;
-  let next = 0;
   for await (const chunk of fetchChunks(url, progress)) {
     window.push(chunk);
-    while (next < pending.length && pending[next].source.span[1] <= window.end) {
-      const { index, source } = pending[next++];
-      program.write(index, assemble(source, window.slice(source.span[0], source.span[1])));
-    }
-    let needed = window.end;
-    for (let k = next; k < pending.length; k++) needed = Math.min(needed, pending[k].source.span[0]);
-    window.dropBefore(needed);
+    pending = pending.filter((weight) => weight.source.span[0] >= window.end || !weight.advance(program, window));
+    window.dropBefore(pending.reduce((needed, weight) => Math.min(needed, weight.next), window.end));
   }
-  if (next < pending.length) throw new Error(`batchgpu: ${url} ended before the weights it should hold (${pending.length - next} buffers missing)`);
+  if (pending.length) throw new Error(`batchgpu: ${url} ended before the weights it should hold (${pending.length} buffers missing)`);
+  return { file_bytes: window.end, window_peak_bytes: window.peak ?? 0 };
 }
 
 // generating -----------------------------------------------------------------------------------------------
@@ -160,6 +197,17 @@ function checkOption(name, value, ok) {
   if (!ok) throw new Error(`batchgpu: ${name} out of range, got ${value}`);
 }
 
+/** The bytes of the program's GPU buffers: weights, the KV cache, and the rest (the steps' own buffers). */
+function bufferBytes(manifest) {
+  const memory = { weights: 0, kv_cache: 0, other: 0 };
+  for (const b of manifest.buffers) {
+    const resident = b.kind === "resident" && b.name !== "token";
+    const kind = !resident ? "other" : /^[kv]\d+$/.test(b.name) ? "kv_cache" : "weights";
+    memory[kind] += b.size;
+  }
+  return memory;
+}
+
 export class ChatModel {
   constructor(manifest, program, codec, adapter) {
     this.manifest = manifest;
@@ -168,6 +216,8 @@ export class ChatModel {
     this.adapter = adapter;
     this.maxContext = manifest.model.max_context;
     this.stats = null;
+    this.loading = null; // {file_bytes, window_peak_bytes (the most file bytes held at once), seconds}
+    this.memory = bufferBytes(manifest);
   }
 
   /** The ids generated for ``prompt`` (token ids), one at a time: greedy at temperature 0, else drawn (top_k,

@@ -163,9 +163,9 @@ export class Program {
     return { name, step, dispatches, scalars, scalarView: new DataView(scalarBytes), scalarBytes, outputs, total, staging: new Set(), free: [] };
   }
 
-  /** Write ``bytes`` (a Uint8Array) into buffer ``index`` from its start. */
-  write(index, bytes) {
-    this.device.queue.writeBuffer(this.buffers[index], 0, padded(bytes));
+  /** Write ``bytes`` (a Uint8Array) into buffer ``index`` at byte ``offset`` (a multiple of 4). */
+  write(index, bytes, offset = 0) {
+    this.device.queue.writeBuffer(this.buffers[index], offset, padded(bytes));
   }
 
   /** Run step ``name`` once: write ``inputs`` (typed arrays by name) and ``scalars`` (numbers by name) and submit
