@@ -136,9 +136,14 @@ PAGE_SCRIPT = """window.batchgpuChat.then(async (greedy) => {
   for (const [ids, options] of BAD) {
     try { await run(ids, options); errors.push(null); } catch (error) { errors.push(String(error.message)); }
   }
+  const held = model.generate(PROMPT, { maxTokens: 3 });
+  await held.next();
+  let busy = null;
+  try { await model.generate([3]).next(); } catch (error) { busy = String(error.message); }
+  await held.return();
   const drawn = [await run(PROMPT, SEEDED), await run(PROMPT, SEEDED)];
   const long = await run(PROMPT, { maxTokens: 50 });
-  return { greedy, errors, drawn, long };
+  return { greedy, errors, busy, drawn, long };
 })"""
 """What the browser test runs in the page after the URL's runs: bad requests, a seed twice, a run to the context."""
 
@@ -146,8 +151,8 @@ PAGE_SCRIPT = """window.batchgpuChat.then(async (greedy) => {
 def test_browser_generates_pythons_ids(tmp_path: Path, browser: Chromium) -> None:
     """One page load (each compiles the pipelines again: seconds on SwiftShader): greedy runs of three prompts
     from the URL (prefill chunks 4 + 4 + 2 + 1, 1, 4 + 1); then through ``window.batchgpuModel``: bad requests,
-    each refused naming what is wrong before any step runs; a seed drawing the same ids twice; a run that stops
-    at the context. Every id equals Python's."""
+    each refused naming what is wrong before any step runs; a second generation while one runs, refused; a seed
+    drawing the same ids twice; a run that stops at the context. Every id equals Python's."""
     path = tiny_model(tmp_path, "llama-q8_0")
     out = export_chat(path, tmp_path / "app", max_context=24, chunk=4, gpu_kernels=False)
     bad = json.dumps([[ids, options] for ids, options, _ in BAD_REQUESTS])
@@ -163,6 +168,7 @@ def test_browser_generates_pythons_ids(tmp_path: Path, browser: Chromium) -> Non
         assert run["token_ids"] == python_ids(path, prompt, 10, **steps)
     for (ids, options, message), error in zip(BAD_REQUESTS, result["errors"]):
         assert error is not None and message in error, (ids, options, error)
+    assert "the model is generating already" in result["busy"]  # one sequence: one KV cache
     sampling = Sampling(temperature=0.9, top_k=20, seed=5)
     expected = python_ids(path, PROMPTS[0], 10, sampling, **steps)
     assert result["drawn"] == [expected, expected]

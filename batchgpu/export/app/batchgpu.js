@@ -217,6 +217,7 @@ export class ChatModel {
     this.maxContext = manifest.model.max_context;
     this.stats = null;
     this.loading = null; // {file_bytes, window_peak_bytes (the most file bytes held at once), seconds}
+    this.busy = false;
     this.memory = bufferBytes(manifest);
   }
 
@@ -227,7 +228,7 @@ export class ChatModel {
    * token on the device), so the GPU does not wait for the page between steps. ``this.stats`` then holds the
    * timings. */
   async *generate(prompt, { maxTokens = 128, temperature = 0, topK = 0, topP = 1, minP = 0, seed = 0, stop = null, signal = null, ahead = 1 } = {}) {
-    const { vocab, chunk } = this.manifest.model;
+    const { vocab } = this.manifest.model;
     const ids = Array.from(prompt, Number);
     if (ids.length < 1 || ids.length >= this.maxContext) throw new Error(`batchgpu: the prompt needs 1 to ${this.maxContext - 1} tokens, got ${ids.length}`);
     const bad = ids.find((id) => !Number.isInteger(id) || id < 0 || id >= vocab);
@@ -239,6 +240,17 @@ export class ChatModel {
     checkOption("minP", minP, minP >= 0 && minP <= 1);
     checkOption("seed", seed, Number.isInteger(seed) && seed >= 0 && seed < 2 ** 32);
     checkOption("ahead", ahead, Number.isInteger(ahead) && ahead >= 0);
+    if (this.busy) throw new Error("batchgpu: the model is generating already (one sequence at a time: its KV cache is one); finish or stop that first");
+    this.busy = true;
+    try {
+      yield* this.steps(ids, { maxTokens, temperature, topK, topP, minP, seed, stop, signal, ahead });
+    } finally {
+      this.busy = false;
+    }
+  }
+
+  async *steps(ids, { maxTokens, temperature, topK, topP, minP, seed, stop, signal, ahead }) {
+    const { chunk } = this.manifest.model;
     const stopIds = stop ?? this.codec?.stopIds ?? new Set();
     const sampling = Float32Array.of(temperature, topP, minP, 0);
     const top_k = Int32Array.of(topK);
