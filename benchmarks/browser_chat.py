@@ -20,7 +20,9 @@ through its token API (no tokenizer, no BOS added), sampled greedily (top_k 1, t
 goes on past end-of-generation ids (batchgpu's page stops at its tokenizer's stop ids: ids are compared
 over the shorter list). ``--python`` adds batchgpu's Python side on the numpy reference executor: the very
 steps the page runs (:class:`~batchgpu.export.chat_steps.ChatSteps`) and ``Llama.generate``, so a
-difference can be placed (page, Python or llama.cpp).
+difference can be placed (page, Python or llama.cpp); where the prompt is longer than the model's sliding
+window, also the same steps with the window taken out (a control: ids that differ from it show that the
+comparison covers the window); where ids differ, the reference executor's logits of both ids there.
 
 wllama is fetched once with npm into ``$BATCHGPU_NPM_CACHE`` (default ``~/.cache/batchgpu/npm``) and never
 copied into this repository (its wasm files are ~10 MB).
@@ -33,6 +35,7 @@ copied into this repository (its wasm files are ~10 MB).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -56,6 +59,8 @@ WLLAMA_PACKAGE = "@wllama/wllama@2.4.0"
 takes text."""
 ENV_NPM_CACHE = "BATCHGPU_NPM_CACHE"
 NORMAL_TOKEN = 1
+CONTROL = "python ChatSteps, no window"
+"""The control row: the page's steps in Python with the sliding window taken out (not part of the agreement)."""
 """``tokenizer.ggml.token_type`` of ordinary vocabulary entries (not control, unknown or byte tokens)."""
 
 
@@ -209,10 +214,14 @@ def python_runs(
 
     device = bg.Device("reference", limits=WEBGPU_DEFAULT_LIMITS)
     weights = open_weights(model)
-    steps = ChatSteps(
-        device, weights.config, upload_weights(device, weights, fuse=True), max_context=max_context, chunk=chunk
-    )
+    uploaded = upload_weights(device, weights, fuse=True)
+    steps = ChatSteps(device, weights.config, uploaded, max_context=max_context, chunk=chunk)
     runs = [timed_python("python ChatSteps", lambda: list(steps.generate(prompt, max_tokens)))]
+    if 0 < weights.config.sliding_window < len(prompt):  # a control: do these ids depend on the window at all?
+        unwindowed = dataclasses.replace(weights.config, sliding_window=0)
+        full = ChatSteps(device, unwindowed, uploaded, max_context=max_context, chunk=chunk)
+        runs.append(timed_python(CONTROL, lambda: list(full.generate(prompt, max_tokens))))
+        del full
     llama = Llama(bg.Device("reference"), model, max_context=max_context)
     runs.append(timed_python("python Llama", lambda: [int(i) for i in llama.generate(list(prompt), max_tokens)]))
     return runs, llama
@@ -286,6 +295,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     for row in rows:
         differs = row["first_difference"]
         agree = "yes" if differs is None else f"no: first differs at {differs}"
+        if row["engine"] == CONTROL:
+            agree += " (control)"
         threads = "-" if row["threads"] is None else str(row["threads"])
         lines.append(
             f"| {row['engine']} | {threads} | {row['load_s']:.2f} | {row['prefill_tokens_per_s']:.1f} | "
@@ -350,7 +361,7 @@ def benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) -> d
         "wllama": WLLAMA_PACKAGE,
         "rows": rows,
         "table": markdown(rows),
-        "agree": all(row["first_difference"] is None for row in rows),
+        "agree": all(row["first_difference"] is None for row in rows if row["engine"] != CONTROL),
     }
 
 
