@@ -51,6 +51,8 @@ from typing import Any
 
 import numpy as np
 
+from batchgpu.errors import ArgumentError, BatchError
+
 HERE = Path(__file__).resolve().parent
 PAGE_FILES = ("wllama.html", "wllama_run.js")
 """The wllama page's files, in benchmarks/browser_chat/."""
@@ -313,18 +315,45 @@ def build_site(folder: Path, package: Path) -> None:
     (folder / "wllama").symlink_to(package, target_is_directory=True)
 
 
+def checked_prompt(args: argparse.Namespace, model: Path) -> list[int]:
+    """The prompt ids ``args`` ask for, each checked against the file's vocabulary (before anything is built)."""
+    from batchgpu.models.gguf_reader import GGUFFile
+
+    if not model.is_file():
+        raise ArgumentError(f"--model {model} is not a file; pass a GGUF model file")
+    if args.max_tokens < 1:
+        raise ArgumentError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    vocab = len(GGUFFile(model).metadata.get("tokenizer.ggml.tokens", ()))
+    if args.prompt_ids:
+        try:
+            prompt = [int(i) for i in args.prompt_ids.split(",") if i.strip()]
+        except ValueError:
+            raise ArgumentError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    elif args.prompt_text:
+        prompt = text_prompt(model, args.prompt_text)
+    elif args.prompt_tokens < 1:
+        raise ArgumentError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+    else:
+        prompt = synthetic_prompt(model, args.prompt_tokens, args.seed)
+    if not prompt:
+        raise ArgumentError("the prompt has no ids: pass --prompt-ids, --prompt-tokens N or a non-empty --prompt-text")
+    bad = next((i for i in prompt if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise ArgumentError(f"prompt id {bad} is not in the file's vocabulary [0, {vocab})")
+    return prompt
+
+
 def benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Export, serve, measure; returns the report (``rows``, ``prompt_ids``, ``table``, ...)."""
     from batchgpu.export.chat import export_chat
 
     model = Path(args.model)
-    if args.prompt_ids:
-        prompt = [int(i) for i in args.prompt_ids.split(",") if i.strip()]
-    elif args.prompt_text:
-        prompt = text_prompt(model, args.prompt_text)
-    else:
-        prompt = synthetic_prompt(model, args.prompt_tokens, args.seed)
+    prompt = checked_prompt(args, model)
     max_context = args.max_context or 1 << (len(prompt) + args.max_tokens).bit_length()
+    if max_context < len(prompt) + args.max_tokens:
+        raise ArgumentError(
+            f"--max-context {max_context} is under the prompt ({len(prompt)}) + --max-tokens ({args.max_tokens})"
+        )
     chunk = min(args.chunk, 1 << (max_context.bit_length() - 1))
     package = wllama_package() if args.threads else None
     with tempfile.TemporaryDirectory(prefix="batchgpu-browser-chat-") as temp:
@@ -366,7 +395,6 @@ def benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) -> d
 
 
 def default_model() -> str | None:
-    from batchgpu.errors import BatchError
     from batchgpu.models.llama import smollm2_path
 
     try:
@@ -407,6 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = benchmark(args, log=lambda line: print(line, file=sys.stderr))
     except WllamaUnavailable as missing:
         print(f"wllama is unavailable: {missing}", file=sys.stderr)
+        return 2
+    except BatchError as refused:
+        print(f"browser_chat: {refused}", file=sys.stderr)
         return 2
     print(report["table"])
     for row in report["rows"]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from batchgpu.errors import ArgumentError, ModelFileError
 from batchgpu.export.browser import CROSS_ORIGIN_ISOLATION, find_chromium, serve
 
 from .test_llama_variants import VARIANTS, float64_logits, random_weights, tiny_sizes, write_tiny_gguf
@@ -96,6 +97,36 @@ def test_tiny_model_on_batchgpus_page_and_wllama(tmp_path, wllama):
     assert all(line.count("|") == 8 for line in lines)
     assert lines[2].startswith("| batchgpu | - |") and lines[3].startswith("| wllama | 1 |")
     assert all(line.endswith("| yes |") for line in lines[2:])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (["--prompt-ids", "3,50,4"], r"prompt id 50 is not in the file's vocabulary \[0, 50\)"),
+        (["--prompt-ids", "3,-1"], r"prompt id -1 is not in the file's vocabulary \[0, 50\)"),
+        (["--prompt-ids", "3,x"], r"--prompt-ids must be comma-separated integers, got '3,x'"),
+        (["--prompt-ids", ","], "the prompt has no ids"),
+        (["--prompt-tokens", "0"], "--prompt-tokens must be >= 1, got 0"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        (
+            ["--prompt-tokens", "7", "--max-context", "8"],
+            r"--max-context 8 is under the prompt \(7\) \+ --max-tokens \(5\)",
+        ),
+    ],
+    ids=["id past the vocabulary", "negative id", "not a number", "no ids", "no tokens", "no new tokens", "context"],
+)
+def test_bad_arguments_are_refused_before_anything_is_built(tmp_path, change, message):
+    module = browser_chat()
+    d = VARIANTS["qwen2"]
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "qwen2", d, random_weights(d, 7), "F32", tiny_sizes(d), seed=1, tokenizer="llama")
+    args = module.parse_args(["--model", str(path), "--max-tokens", "5", *change])
+    with pytest.raises(ArgumentError, match=message):
+        module.benchmark(args, log=lambda line: None)
+    not_gguf = tmp_path / "notes.txt"
+    not_gguf.write_text("not a model")
+    with pytest.raises(ModelFileError, match="magic"):
+        module.benchmark(module.parse_args(["--model", str(not_gguf)]), log=lambda line: None)
 
 
 def test_first_difference_is_the_first_index_that_differs():
