@@ -188,12 +188,17 @@ def stored(name: str, array: np.ndarray, qtype: str, rng: np.random.Generator) -
     return quantized, gguf.quants.dequantize(quantized, kind).astype(np.float32).reshape(array.shape), kind
 
 
-def tiny_tokenizer(writer: object, vocab: int) -> None:
-    """A byte-level vocabulary of single characters (no merges) with an end token (2) and a chat template."""
+def tiny_tokenizer(writer: object, vocab: int, model: str = "gpt2") -> None:
+    """A vocabulary of single characters with an end token (2) and a chat template: byte-level BPE ("gpt2", no
+    merges: the file has no merges key, which llama.cpp refuses) or SentencePiece ("llama", scores all 0,
+    which llama.cpp loads)."""
     tokens = [chr(ord("A") + i) if i < 26 else chr(ord("a") + i - 26) for i in range(vocab)]
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(model)
     writer.add_token_list(tokens)
-    writer.add_token_merges([])
+    if model == "llama":
+        writer.add_token_scores([0.0] * vocab)
+    else:
+        writer.add_token_merges([])
     writer.add_token_types([1] * vocab)
     writer.add_eos_token_id(2)
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
@@ -223,17 +228,19 @@ def write_tiny_gguf(
     *,
     seed: int,
     rows: Callable[[str, np.ndarray], np.ndarray] = lambda name, data: data,
+    tokenizer: str = "gpt2",
 ) -> dict[str, np.ndarray]:
-    """A tiny model's GGUF: ``sizes`` as ``<architecture>.*`` keys, eps, RoPE base, the tiny tokenizer, Llama 3's
-    ``rope_freqs`` where ``d`` scales RoPE, then each weight as ``qtype`` stores it (``rows``: what the file
-    holds of a weight's stored rows). Returns the weights the file means (blocks dequantized by gguf)."""
+    """A tiny model's GGUF: ``sizes`` as ``<architecture>.*`` keys, eps, RoPE base, the tiny tokenizer (as
+    ``tokenizer``), Llama 3's ``rope_freqs`` where ``d`` scales RoPE, then each weight as ``qtype`` stores it
+    (``rows``: what the file holds of a weight's stored rows). Returns the weights the file means (blocks
+    dequantized by gguf)."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), architecture)
     for key, value in sizes.items():
         writer.add_uint32(f"{architecture}.{key}", value)
     writer.add_layer_norm_rms_eps(d["eps"])
     writer.add_rope_freq_base(d["theta"])
-    tiny_tokenizer(writer, d["vocab"])
+    tiny_tokenizer(writer, d["vocab"], tokenizer)
     if d.get("scaling") is not None:
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(d))
     meant = {}

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,10 @@ CHROMIUM_FLAGS = (
 without a GPU) and keep it off the network."""
 
 RESULT_EXPRESSION = "window.batchgpuResult"
+
+CROSS_ORIGIN_ISOLATION = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp"}
+"""Headers that make a same-origin page cross-origin isolated (``self.crossOriginIsolated``): what
+``SharedArrayBuffer``, and so WebAssembly threads, need. For :func:`serve`'s ``headers``."""
 
 
 class BrowserError(RuntimeError):
@@ -78,10 +82,14 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
     def end_headers(self) -> None:
         self.send_header("Cache-Control", "no-store")
+        for name, value in self.server.extra_headers.items():
+            self.send_header(name, value)
         super().end_headers()
 
 
 class _Server(http.server.ThreadingHTTPServer):
+    extra_headers: Mapping[str, str] = {}
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Quiet about connections the browser dropped (a closed tab cancels its requests)."""
         if not isinstance(sys.exc_info()[1], ConnectionError):
@@ -89,11 +97,13 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 @contextlib.contextmanager
-def serve(folder: str | Path) -> Iterator[str]:
+def serve(folder: str | Path, *, headers: Mapping[str, str] | None = None) -> Iterator[str]:
     """Serve ``folder`` over HTTP on 127.0.0.1 (a free port) in a thread; yields the base URL.
-    localhost is a secure context, so pages there get ``navigator.gpu``."""
+    localhost is a secure context, so pages there get ``navigator.gpu``. ``headers``: sent with every
+    response besides the defaults (for instance :data:`CROSS_ORIGIN_ISOLATION`)."""
     handler = functools.partial(_QuietHandler, directory=str(folder))
     server = _Server(("127.0.0.1", 0), handler)
+    server.extra_headers = dict(headers or {})
     thread = threading.Thread(target=server.serve_forever, name="batchgpu-export-http", daemon=True)
     thread.start()
     try:
