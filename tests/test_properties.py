@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import batchgpu as bg
 
-DEFAULT_EXAMPLES, LONG_EXAMPLES = 300, 5000
+DEFAULT_EXAMPLES, LONG_EXAMPLES = 150, 5000
 settings.register_profile(
     "default", max_examples=DEFAULT_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
