@@ -178,7 +178,8 @@ def test_browser_generates_pythons_ids(tmp_path: Path, browser: Chromium) -> Non
 
 
 def test_page_says_what_it_needs(tmp_path: Path, browser: Chromium) -> None:
-    """Opened from a file: URL, the page says to serve the folder; in a browser without WebGPU, says that."""
+    """Opened from a file: URL, the page says to serve the folder; in a browser without WebGPU, says that; with
+    a model file other than the exported one, says that."""
     path = tiny_model(tmp_path, "llama-q8_0")
     out = export_chat(path, tmp_path / "app", max_context=16, chunk=4)
     result = browser.evaluate((out / "index.html").as_uri() + "?ids=3", "window.batchgpuChat", 60)
@@ -187,6 +188,11 @@ def test_page_says_what_it_needs(tmp_path: Path, browser: Chromium) -> None:
     with serve(out) as base:
         result = browser.evaluate(f"{base}index.html?ids=3", "window.batchgpuChat", 60, before=no_webgpu)
     assert "This browser has no WebGPU" in result["error"]
+    model = out / "model.gguf"
+    model.write_bytes(model.read_bytes()[:-64])  # another file than the one exported
+    with serve(out) as base:
+        result = browser.evaluate(f"{base}index.html?ids=3", "window.batchgpuChat", 120)
+    assert f"the export was made from a file of {path.stat().st_size} bytes" in result["error"]
 
 
 def test_node_generates_pythons_ids(tmp_path: Path) -> None:

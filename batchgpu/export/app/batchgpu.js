@@ -179,7 +179,10 @@ async function loadWeights(program, url, onProgress, slabBytes) {
     pending = pending.filter((weight) => weight.source.span[0] >= window.end || !weight.advance(program, window));
     window.dropBefore(pending.reduce((needed, weight) => Math.min(needed, weight.next), window.end));
   }
-  if (pending.length) throw new Error(`batchgpu: ${url} ended before the weights it should hold (${pending.length} buffers missing)`);
+  const expected = program.manifest.weights.bytes;
+  if (window.end !== expected) {
+    throw new Error(`batchgpu: ${url} is ${window.end} bytes; the export was made from a file of ${expected} bytes (export again)`);
+  }
   return { file_bytes: window.end, window_peak_bytes: window.peak ?? 0 };
 }
 
