@@ -4,12 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
+import sys
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 
 import batchgpu as bg
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(relative: str, name: str) -> ModuleType:
+    """A script of the checkout (``benchmarks/soak.py``, ``examples/x.py``) as module ``name``, loaded once per
+    process (registered in ``sys.modules``, as dataclasses in it need)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / relative)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
 
 TOLERANCES = {
     np.dtype(np.float32): dict(rtol=2e-5, atol=2e-6),

@@ -11,8 +11,6 @@ far beyond both sides' rounding, so agreement holds on any WebGPU driver."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import pytest
 from batchgpu.errors import ArgumentError, ModelFileError
 from batchgpu.export.browser import CROSS_ORIGIN_ISOLATION, find_chromium, serve
 
+from .conftest import load_script
 from .test_llama_variants import VARIANTS, float64_logits, random_weights, tiny_sizes, write_tiny_gguf
 
 pytest.importorskip("gguf", reason="the tiny model is written with the gguf package")
@@ -35,13 +34,7 @@ MARGIN = 0.02
 
 def browser_chat():
     """benchmarks/browser_chat.py as a module."""
-    if "browser_chat_benchmark" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("browser_chat_benchmark", ROOT / "benchmarks" / "browser_chat.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["browser_chat_benchmark"]
+    return load_script("benchmarks/browser_chat.py", "browser_chat_benchmark")
 
 
 @pytest.fixture(scope="module")

@@ -9,30 +9,21 @@ biases); the test also checks that its ids are not one token repeated."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 import batchgpu as bg
 from batchgpu.models.synth import PRESETS, tensor_plans
 
-pytest.importorskip("gguf", reason="the synthetic file is written with the gguf package")
+from .conftest import load_script
 
-ROOT = Path(__file__).resolve().parent.parent
+pytest.importorskip("gguf", reason="the synthetic file is written with the gguf package")
 
 
 def real_sizes():
     """benchmarks/real_sizes.py as a module (it puts its folder on sys.path for its neighbours)."""
-    if "real_sizes_benchmark" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("real_sizes_benchmark", ROOT / "benchmarks" / "real_sizes.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["real_sizes_benchmark"]
+    return load_script("benchmarks/real_sizes.py", "real_sizes_benchmark")
 
 
 def step_bytes_in_file(preset: str, fmt: str) -> int:

@@ -4,7 +4,6 @@ a benchmark that fails or outruns its timeout, the time budget."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 
 from batchgpu import check, check_report
 
+from .conftest import load_script
 from .test_cache import ROOT, python_env
 
 SAMPLE_TESTS = """
@@ -49,10 +49,7 @@ def run_check(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 def fusion_chains() -> dict:
     """benchmarks/fusion.py's chains (a row per chain and executor in its table)."""
-    spec = importlib.util.spec_from_file_location("fusion_benchmark", ROOT / "benchmarks" / "fusion.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.CHAINS
+    return load_script("benchmarks/fusion.py", "fusion_benchmark").CHAINS
 
 
 def test_check_end_to_end_writes_json_and_markdown(tmp_path):

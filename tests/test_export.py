@@ -21,6 +21,7 @@ from batchgpu.export.browser import Chromium, find_chromium, serve
 from batchgpu.limits import Limits, split_groups
 from batchgpu.shaders import render_wgsl
 
+from .conftest import load_script
 from .op_examples import record_all
 from .test_custom_kernels import saxpy_kernel, square_plus_kernel
 
@@ -28,11 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load_example(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"examples/{name}.py", name)
 
 
 ffn = _load_example("ffn_layer")

@@ -4,20 +4,13 @@ sizes) on the real wgpu device; host RSS and the live device buffer count stay f
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import batchgpu as bg
 
-ROOT = Path(__file__).resolve().parent.parent
+from .conftest import load_script
 
 
 def _soak_module():
-    spec = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/soak.py", "soak")
 
 
 def test_ffn_soak_10000_executes_keeps_memory_flat(gpu: bg.Device) -> None:
