@@ -22,7 +22,7 @@ where a 2-byte scale would leave the quants unaligned (a 2-byte pad after it):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,10 +142,16 @@ class BlockFormat:
         """(n, gguf_bytes) uint8 -> (n, device_bytes) uint8."""
         if not self.segments and self.device_bytes == self.gguf_bytes:
             return blocks
-        out = np.zeros((blocks.shape[0], self.device_bytes), np.uint8)
-        for source, length, target in self.segments or ((0, self.gguf_bytes, 0),):
-            out[:, target : target + length] = blocks[:, source : source + length]
-        return out
+        return repack_blocks(blocks, self.device_bytes, self.segments or ((0, self.gguf_bytes, 0),))
+
+
+def repack_blocks(blocks: np.ndarray, device_bytes: int, segments: Sequence[Sequence[int]]) -> np.ndarray:
+    """(n, gguf bytes) uint8 blocks -> (n, ``device_bytes``) uint8, the bytes at ``segments`` ((gguf offset,
+    length, device offset) each) moved, the rest zero."""
+    out = np.zeros((blocks.shape[0], device_bytes), np.uint8)
+    for source, length, target in segments:
+        out[:, target : target + length] = blocks[:, source : source + length]
+    return out
 
 
 _AFTER_SCALE = ((0, 2, 0),)  # a 2-byte scale, then 2 bytes of pad

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..device import Device
-from ..errors import ArgumentError, BatchError, UnsupportedError
+from ..errors import ArgumentError, UnsupportedError
 from ..executors.wgpu_plan import plan_launches
 from ..fusion import fuse
 from ..memory import share_buffers
@@ -47,7 +47,7 @@ from ..tensor import Storage
 from .chat_steps import ChatSteps
 from .plan import PARAMS_ALIGN, WEBGPU_DEFAULT_LIMITS, ProgramPlan
 from .text_assets import write_text_assets
-from .webgpu import required_features
+from .webgpu import check_out_dir, required_features, storage_names
 from .weight_sources import Source, weight_sources
 
 FORMAT = "batchgpu-chat/1"
@@ -87,7 +87,7 @@ def export_chat(
     Bad arguments raise ArgumentError, a non-GGUF model UnsupportedError, before anything is written."""
     out = Path(out_dir)
     path = Path(model)
-    _check_out_dir(out)
+    check_out_dir(out, "export_chat", "model.json")
     if not path.is_file():
         raise ArgumentError(f"export_chat: {path} is not a file; pass a GGUF model file")
     for name, value in (("max_context", max_context), ("chunk", chunk)):
@@ -119,13 +119,6 @@ def export_chat(
         write_text_assets(codec, out)
         _place_model(path, out / MODEL_FILE, copy=copy_model, stages=stages)
     return out
-
-
-def _check_out_dir(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise BatchError(f"export_chat: {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / "model.json").is_file():
-        raise BatchError(f"export_chat: {out} is not empty and holds no earlier export; pick an empty folder")
 
 
 def _model_entry(weights: GGUFWeights, max_context: int, chunk: int) -> dict[str, Any]:
@@ -164,9 +157,8 @@ def _manifest(
         for storage in view.storages:
             if storage.kind in ("input", "const"):
                 host[storage] = view.host[storage]
-        for node in view.nodes:
-            for tensor in (*node.inputs, *node.outputs):
-                names.setdefault(tensor.storage, tensor.name)
+        for storage, label in storage_names(view, step.inputs.values(), [step.next_id]).items():
+            names.setdefault(storage, label)
         plans[name] = {
             "tokens": step.tokens,
             "dispatches": plan.add(layout, shared.aliases),

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
@@ -113,7 +113,7 @@ def export_webgpu(
     """
     view = batch.view()
     out = Path(out_dir)
-    _check_out_dir(out)
+    check_out_dir(out)
     offered = {str(f) for f in features}
     launches = [launch.for_gpu() if gpu_kernels else launch for node in view.nodes for launch in node.launches]
     layout = plan_launches(launches, PARAMS_ALIGN)  # what the wgpu executor would build, params 256-aligned
@@ -144,11 +144,13 @@ def export_webgpu(
 # validation ------------------------------------------------------------------------------------
 
 
-def _check_out_dir(out: Path) -> None:
+def check_out_dir(out: Path, what: str = "export_webgpu", marker: str = "manifest.json") -> None:
+    """Refuse (BatchError naming ``what``) an ``out`` that is a file, or a folder holding files but no earlier
+    export (its ``marker`` file), before anything is written."""
     if out.exists() and not out.is_dir():
-        raise BatchError(f"export_webgpu: {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
-        raise BatchError(f"export_webgpu: {out} is not empty and holds no earlier export; pick an empty folder")
+        raise BatchError(f"{what}: {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / marker).is_file():
+        raise BatchError(f"{what}: {out} is not empty and holds no earlier export; pick an empty folder")
 
 
 def required_features(launches: Sequence[LaunchLayout], offered: set[str], what: str = "export_webgpu") -> set[str]:
@@ -278,7 +280,7 @@ def _manifest(
 ) -> tuple[dict[str, Any], list[str]]:
     plan = ProgramPlan(storages)
     dispatches = plan.add(layout)
-    buffers = plan.buffer_entries(_storage_names(view, input_tensors, outputs))
+    buffers = plan.buffer_entries(storage_names(view, input_tensors, outputs))
     for i, storage in enumerate(storages):
         if storage in initial:
             buffers[i]["file"] = f"data/{i}.bin"
@@ -321,7 +323,7 @@ def _manifest(
     return manifest, plan.sources
 
 
-def _storage_names(view: BatchView, inputs: Sequence[Tensor], outputs: Sequence[Tensor]) -> dict[Storage, str]:
+def storage_names(view: BatchView, inputs: Iterable[Tensor], outputs: Iterable[Tensor]) -> dict[Storage, str]:
     """A readable label per buffer: its input's or output's name, else the first tensor recorded on it."""
     names: dict[Storage, str] = {}
     for tensor in (*inputs, *outputs):

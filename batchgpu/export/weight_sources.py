@@ -29,7 +29,7 @@ from ..models.gguf_file import PERMUTED_TENSORS
 from ..models.gguf_reader import GGUFFile
 from ..models.llama import FUSED_PROJECTIONS, LlamaConfig
 from ..models.row_pieces import RowPieces, Weight
-from ..quant import quant_format
+from ..quant import quant_format, repack_blocks
 from ..tensor import Storage, Tensor
 
 Source = dict[str, Any]
@@ -138,10 +138,6 @@ def assemble(data: Any, source: Source) -> bytes:
 
 
 def _repacked(joined: np.ndarray, fmt: dict[str, Any] | None) -> bytes:
-    if fmt is not None:
-        blocks = joined.reshape(-1, fmt["block_bytes"])
-        out = np.zeros((blocks.shape[0], fmt["device_bytes"]), np.uint8)
-        for start, length, target in fmt["segments"]:
-            out[:, target : target + length] = blocks[:, start : start + length]
-        joined = out.reshape(-1)
+    if fmt is not None:  # the manifest's description, as the page applies it
+        joined = repack_blocks(joined.reshape(-1, fmt["block_bytes"]), fmt["device_bytes"], fmt["segments"])
     return joined.tobytes()

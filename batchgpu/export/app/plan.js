@@ -79,6 +79,24 @@ export async function withErrors(device, what, body) {
   return result;
 }
 
+/** A buffer of ``entry.size`` bytes (label ``entry.name``) holding ``bytes`` from its start, or zeros (null). */
+export function initialBuffer(device, entry, bytes, usage) {
+  const buffer = device.createBuffer({ size: entry.size, usage, mappedAtCreation: bytes !== null, label: entry.name });
+  if (bytes !== null) {
+    new Uint8Array(buffer.getMappedRange()).set(new Uint8Array(bytes));
+    buffer.unmap();
+  }
+  return buffer;
+}
+
+/** Write scalar ``scalar`` ({dtype: "f32" | "i32" | "u32", slot}) into the scalars' DataView. */
+export function setScalar(view, scalar, value) {
+  const offset = 4 * scalar.slot;
+  if (scalar.dtype === "f32") view.setFloat32(offset, value, true);
+  else if (scalar.dtype === "i32") view.setInt32(offset, value, true);
+  else view.setUint32(offset, value, true);
+}
+
 function padded(bytes) {
   if (bytes.byteLength % 4 === 0) return bytes;
   const out = new Uint8Array(bytes.byteLength + 4 - (bytes.byteLength % 4));
@@ -107,21 +125,11 @@ export class Program {
   }
 
   buffer(entry, bytes) {
-    const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
-    const buffer = this.device.createBuffer({ size: entry.size, usage, mappedAtCreation: bytes !== null, label: entry.name });
-    if (bytes !== null) {
-      new Uint8Array(buffer.getMappedRange()).set(bytes);
-      buffer.unmap();
-    }
-    return buffer;
+    return initialBuffer(this.device, entry, bytes, GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST);
   }
 
   uniform(label, bytes) {
-    const usage = GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST;
-    const buffer = this.device.createBuffer({ size: Math.max(bytes.byteLength, 16), usage, mappedAtCreation: true, label });
-    new Uint8Array(buffer.getMappedRange()).set(bytes);
-    buffer.unmap();
-    return buffer;
+    return initialBuffer(this.device, { size: Math.max(bytes.byteLength, 16), name: label }, bytes, GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST);
   }
 
   async pipelines(shaders) {
@@ -215,11 +223,7 @@ export class Program {
       this.device.queue.writeBuffer(this.buffers[step.inputs[input].buffer], 0, padded(bytes));
     }
     for (const s of step.scalars) {
-      if (!(s.name in scalars)) continue;
-      const value = scalars[s.name];
-      if (s.dtype === "f32") state.scalarView.setFloat32(4 * s.slot, value, true);
-      else if (s.dtype === "i32") state.scalarView.setInt32(4 * s.slot, value, true);
-      else state.scalarView.setUint32(4 * s.slot, value, true);
+      if (s.name in scalars) setScalar(state.scalarView, s, scalars[s.name]);
     }
     if (step.scalars.length) this.device.queue.writeBuffer(state.scalars, 0, state.scalarBytes);
   }

@@ -23,7 +23,7 @@
 
 import { fetchBytes, fetchJson, fetchText } from "./io.js";
 import { getGpu, releaseGpu } from "./node_gpu.js";
-import { checkOffers, requiredLimits, splitGroups, withErrors } from "./plan.js";
+import { checkOffers, initialBuffer, requiredLimits, setScalar, splitGroups, withErrors } from "./plan.js";
 
 export { splitGroups };
 
@@ -92,15 +92,6 @@ export async function requestDevice(adapter = null, base = HERE) {
   if (!adapter) adapter = await requestAdapter();
   checkAdapterOrDevice("adapter", adapter, manifest);
   return adapter.requestDevice({ requiredFeatures: manifest.features, requiredLimits: requiredLimits(manifest), label: `batchgpu ${manifest.batch}` });
-}
-
-function initialBuffer(device, entry, data, usage) {
-  const buffer = device.createBuffer({ size: entry.size, usage, mappedAtCreation: data !== null, label: entry.name });
-  if (data !== null) {
-    new Uint8Array(buffer.getMappedRange()).set(new Uint8Array(data));
-    buffer.unmap();
-  }
-  return buffer;
 }
 
 async function build(device, program) {
@@ -175,13 +166,6 @@ async function build(device, program) {
     const staging = total ? device.createBuffer({ size: total, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST, label: "staging" }) : null;
     return { device, manifest, buffers, scalarsBuffer, scalarBytes, scalarView, scalarValues, dispatches, copies, staging, total, queue: Promise.resolve() };
   });
-}
-
-function setScalar(view, scalar, value) {
-  const offset = 4 * scalar.slot;
-  if (scalar.dtype === "f32") view.setFloat32(offset, value, true);
-  else if (scalar.dtype === "i32") view.setInt32(offset, value, true);
-  else view.setUint32(offset, value, true);
 }
 
 function checkScalar(scalar, value) {
