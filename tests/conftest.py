@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# One BLAS thread per test process, set before numpy loads (xdist workers and the servers the tests start inherit
+# it): the suite runs a process per core, and OpenBLAS's own threads, busy-waiting on cores the other
+# workers use, made numpy-heavy tests (the reference executor's matmuls) up to 10x slower on 2 cores.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import asyncio
 import contextlib
 import importlib.util
