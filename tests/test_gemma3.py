@@ -32,7 +32,10 @@ PROMPT = [3, 17, 42, 8, 29, 11, 5, 23, 40]
 
 
 def windowed(d: dict, layer: int) -> bool:
-    return layer % 6 < 5
+    """Whether ``layer`` attends through the window: as ``d["layer_types"]`` says where given (a Hugging Face
+    config may window any layers), else llama.cpp's gemma3 layout (every sixth layer global)."""
+    kinds = d.get("layer_types")
+    return kinds[layer] == "sliding_attention" if kinds else layer % 6 < 5
 
 
 def random_gemma3(d: dict, seed: int) -> dict[str, np.ndarray]:

@@ -27,6 +27,10 @@ from .weights import Raw, Weights, block_format, check_tensors, check_vocabulary
 INDEX = "model.safetensors.index.json"
 RECOMPUTED = ("rotary_emb.inv_freq",)
 """Buffers some checkpoints carry that the decoder computes itself."""
+NORM_SHIFTS = {"gemma3": 1.0}
+"""Architecture -> what llama.cpp's converter adds to each of its RMS norm weights (GGUF name ``*norm.weight``):
+Gemma's norm multiplies by ``1 + w`` and stores ``w``; a GGUF file holds ``1 + w`` (added in float32, as
+transformers computes it), which the decoder multiplies by."""
 
 
 def shard_files(directory: Path) -> tuple[list[Path], dict[str, Path] | None]:
@@ -90,7 +94,8 @@ def gguf_names(config: LlamaConfig, names: list[str]) -> dict[str, str]:
 
 
 class SafetensorsWeights(Weights):
-    """A Hugging Face checkpoint's tensors under GGUF names (q/k rows as stored: no permutation)."""
+    """A Hugging Face checkpoint's tensors under GGUF names and conventions as llama.cpp's converter writes them
+    (q/k rows as stored: no permutation; Gemma's norm weights + 1, :data:`NORM_SHIFTS`)."""
 
     def __init__(self, directory: Path | str) -> None:
         self.path = Path(directory)
@@ -131,8 +136,16 @@ class SafetensorsWeights(Weights):
         if qtype is not None:  # float16 / bfloat16 rows: their bytes are the blocks
             return np.ascontiguousarray(data).view(np.uint8).reshape(shape[0], -1), qtype, shape
         if self._stored[name].dtype == "BF16":
-            return (data.astype(np.uint32) << 16).view(np.float32), None, shape
-        return np.asarray(data, np.float32), None, shape
+            data = (data.astype(np.uint32) << 16).view(np.float32)
+        return self.as_gguf(name, np.asarray(data, np.float32)), None, shape
+
+    def as_gguf(self, name: str, data: np.ndarray) -> np.ndarray:
+        """A float32 tensor as a GGUF file holds it: norm weights shifted by :data:`NORM_SHIFTS` (a new array;
+        the memory-mapped checkpoint is never written)."""
+        shift = NORM_SHIFTS.get(self.config.architecture)
+        if shift is None or not name.endswith("norm.weight"):
+            return data
+        return data + np.float32(shift)
 
     def codec(self) -> TextCodec:
         return check_vocabulary(TextCodec.from_hf(self.path), self.config, f"{self.path / 'tokenizer.json'}")
