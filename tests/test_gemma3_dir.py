@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,15 +121,23 @@ def split_weights(seed: int, d: dict = TINY) -> tuple[dict[str, np.ndarray], dic
     }
 
 
-def write_directory(directory: Path, stored: dict[str, np.ndarray], config: dict) -> Path:
-    """A Gemma3ForCausalLM directory: config.json, model.safetensors (float32; no lm_head: tied), tokenizer.json."""
+def write_directory(
+    directory: Path,
+    stored: dict[str, np.ndarray],
+    config: dict,
+    name: Callable[[str], str] = hf_name,
+    others: dict[str, np.ndarray] | None = None,
+) -> Path:
+    """A Gemma3ForCausalLM directory: config.json, model.safetensors (float32, each tensor under ``name(its GGUF
+    name)``, ``others`` besides; no lm_head: tied), tokenizer.json."""
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, models
 
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))
-    save_file({hf_name(name): array for name, array in stored.items()}, str(directory / "model.safetensors"))
-    vocab = {chr(ord("A") + i) if i < 26 else chr(ord("a") + i - 26): i for i in range(config["vocab_size"])}
+    tensors = {name(gguf_name): array for gguf_name, array in stored.items()}
+    save_file({**tensors, **(others or {})}, str(directory / "model.safetensors"))
+    vocab = {chr(ord("A") + i) if i < 26 else chr(ord("a") + i - 26): i for i in range(TINY["vocab"])}
     Tokenizer(models.BPE(vocab, [])).save(str(directory / "tokenizer.json"))
     return directory
 
@@ -309,10 +318,28 @@ BAD_CONFIGS = [
         r"RoPE scaling 'yarn' is not supported",
     ),
     (
-        "the multimodal Gemma 3 (gemma3)",
-        dict(model_type="gemma3", text_config={"model_type": "gemma3_text"}, vision_config={}),
+        "a multimodal gemma3 without text_config",
+        dict(model_type="gemma3", text_config=DROP),
+        bg.ModelFileError,
+        r"text_config \(the language model's config\) is missing",
+    ),
+    (
+        "a multimodal gemma3 of another language model",
+        dict(model_type="gemma3", text_config=hf_config(TINY, model_type="gemma2_text")),
+        bg.ModelFileError,
+        r"text_config\.model_type must be 'gemma3_text', got 'gemma2_text'",
+    ),
+    (
+        "a multimodal gemma3's language model with gelu (erf)",
+        dict(model_type="gemma3", text_config=hf_config(TINY, hidden_activation="gelu")),
         bg.BatchError,
-        r"model_type 'gemma3' .*text-only \(gemma3_text\)",
+        r"text_config\.hidden_activation 'gelu'",
+    ),
+    (
+        "another model_type",
+        dict(model_type="gemma2"),
+        bg.BatchError,
+        r"model_type 'gemma2' is not supported; supported: llama, mistral, qwen2, qwen3, gemma3_text, gemma3",
     ),
 ]
 
@@ -330,6 +357,45 @@ def test_configs_it_cannot_run_are_refused(pair, tmp_path, changes, error, messa
     assert "config.json" in str(refused.value)
     model = Llama(device, pair[0], max_context=32)
     assert list(model.generate(PROMPT, 2)) == greedy(TINY, pair[2], PROMPT, 2)
+
+
+# the multimodal Gemma 3 -------------------------------------------------------------------------------
+
+MULTIMODAL_NAMES = {
+    "transformers 4": lambda name: "language_model." + hf_name(name),
+    "transformers 5": lambda name: hf_name(name).replace("model.", "model.language_model.", 1),
+}
+"""Gemma3ForConditionalGeneration's names of its language model's tensors (hub checkpoints, and transformers 5's
+``save_pretrained``)."""
+
+
+@pytest.mark.parametrize("style", list(MULTIMODAL_NAMES))
+def test_multimodal_gemma3_runs_its_language_model(pair, tmp_path, style):
+    """A Gemma3ForConditionalGeneration directory (model_type gemma3: a vision tower beside the language model,
+    whose text_config holds only what differs from transformers' defaults, as 4B-27B publish it) runs on text:
+    its language model's tensors, the vision tensors unread; the logits bit-equal to the text-only directory's."""
+    stored, _ = split_weights(40)
+    assert (TINY["eps"], TINY["theta"], TINY["local"]) == (1e-6, 1e6, 1e4)  # transformers' defaults: left out
+    text = hf_config(TINY, rms_norm_eps=DROP, rope_theta=DROP, rope_local_base_freq=DROP, architectures=DROP)
+    config = dict(
+        architectures=["Gemma3ForConditionalGeneration"],
+        model_type="gemma3",
+        text_config=text,
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 8},
+        eos_token_id=[1, 49],
+    )
+    prefix = "model." if style == "transformers 5" else ""
+    rng = np.random.default_rng(3)
+    vision = {
+        f"{prefix}vision_tower.vision_model.embeddings.patch_embedding.weight": rng.standard_normal((8, 3, 2, 2)),
+        f"{prefix}multi_modal_projector.mm_soft_emb_norm.weight": rng.standard_normal(8),
+    }
+    vision = {name: array.astype(np.float32) for name, array in vision.items()}
+    directory = write_directory(tmp_path / "mm", stored, config, MULTIMODAL_NAMES[style], vision)
+    device = bg.Device("reference")
+    model = Llama(device, directory, max_context=32)
+    assert model.config == Llama(device, pair[0], max_context=32).config
+    np.testing.assert_array_equal(last_logits(model), last_logits(Llama(device, pair[0], max_context=32)))
 
 
 def test_qwen3_layer_types_of_an_unknown_kind_are_refused():

@@ -76,11 +76,9 @@ HF_MODEL_TYPES = {
 }
 """Hugging Face ``model_type`` -> how it maps onto this decoder."""
 
-HF_OTHER_TYPES = {
-    "gemma3": "Gemma3ForConditionalGeneration (a vision tower beside the language model) is not supported: use a "
-    "text-only (gemma3_text) checkpoint, Gemma3ForCausalLM (google/gemma-3-270m, gemma-3-1b-it)",
-}
-"""Hugging Face ``model_type`` values refused with a word on what to use instead."""
+HF_LANGUAGE_MODELS = {"gemma3": ("text_config", "gemma3_text")}
+"""Hugging Face ``model_type`` of a multimodal model -> (the key of its language model's config, that config's
+``model_type``): run on text alone (Gemma3ForConditionalGeneration: its vision tower is not read)."""
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 """The ``layer_types`` entries this decoder computes: a layer attends through the window, or to all positions."""
@@ -207,16 +205,19 @@ class LlamaConfig:
     def from_hf(cls, config: Mapping[str, Any], source: str = "config.json") -> LlamaConfig:
         """The config from a Hugging Face ``config.json`` object read from ``source`` (transformers 4's
         ``rope_theta`` / ``rope_scaling`` or 5's ``rope_parameters``; a key it leaves out takes transformers'
-        default for its ``model_type``)."""
+        default for its ``model_type``; a multimodal model's language model, :data:`HF_LANGUAGE_MODELS`)."""
         if not isinstance(config, Mapping):
             raise ModelFileError(f"{source}: must be a JSON object, got {describe(config)}")
-        model_type = Fields(config, source).text("model_type")
+        fields = language_model(Fields(config, source))
+        model_type = fields.text("model_type")
         if model_type not in HF_MODEL_TYPES:
-            instead = HF_OTHER_TYPES.get(model_type, f"supported: {', '.join(HF_MODEL_TYPES)}")
-            raise BatchError(f"{source}: Hugging Face model_type {model_type!r} is not supported; {instead}")
+            raise BatchError(
+                f"{source}: Hugging Face model_type {model_type!r} is not supported; "
+                f"supported: {', '.join([*HF_MODEL_TYPES, *HF_LANGUAGE_MODELS])}"
+            )
         kind = HF_MODEL_TYPES[model_type]
-        fields = Fields({**kind.defaults, **config}, source)
-        hf_refuse_unsupported(fields, model_type, kind)
+        fields = Fields({**kind.defaults, **fields.values}, fields.source, fields.label)
+        hf_refuse_unsupported(fields, kind)
         sizes = read_sizes(fields, "hf", {})
         return cls(
             **hf_sliding(fields, sizes, kind),
@@ -229,21 +230,38 @@ class LlamaConfig:
         )
 
 
-def hf_refuse_unsupported(fields: Fields, model_type: str, kind: HFModelType) -> None:
+def language_model(fields: Fields) -> Fields:
+    """The fields of a config.json's language model: a multimodal model's (:data:`HF_LANGUAGE_MODELS`, its keys
+    named ``text_config.<key>`` in messages), else the config's own."""
+    if fields.text("model_type", None) not in HF_LANGUAGE_MODELS:
+        return fields
+    key, model_type = HF_LANGUAGE_MODELS[fields.text("model_type")]
+    inner = fields.mapping(key)
+    if inner is None:
+        raise ModelFileError(f"{fields.source}: {key} (the language model's config) is missing")
+    if inner.text("model_type", model_type) != model_type:
+        raise inner.refuse("model_type", repr(model_type), inner.get("model_type"))
+    return Fields({**inner.values, "model_type": model_type}, inner.source, inner.label)
+
+
+def hf_refuse_unsupported(fields: Fields, kind: HFModelType) -> None:
     """BatchError naming the key where a config.json asks for what this decoder does not compute: another MLP
     activation, logit soft-capping (:data:`UNSUPPORTED_KEYS`), a flag of :data:`HF_UNSUPPORTED_FLAGS`."""
     key, computed = kind.activation
     activation = fields.text(key, computed)
     if activation != computed:
         raise BatchError(
-            f"{fields.source}: {model_type} model: {key} {activation!r} is not supported ({computed} only)"
+            f"{fields.source}: {fields.get('model_type')} model: {fields.name(key)} {activation!r} is not "
+            f"supported ({computed} only)"
         )
     for key in UNSUPPORTED_KEYS:
         if fields.has(key):
-            raise BatchError(f"{fields.source}: {key} {fields.get(key)!r} (logit soft-capping) is not supported")
+            raise BatchError(
+                f"{fields.source}: {fields.name(key)} {fields.get(key)!r} (logit soft-capping) is not supported"
+            )
     for key, what in HF_UNSUPPORTED_FLAGS.items():
         if fields.flag(key, False):
-            raise BatchError(f"{fields.source}: {key} true ({what}) is not supported")
+            raise BatchError(f"{fields.source}: {fields.name(key)} true ({what}) is not supported")
 
 
 def attention_scale(query_pre_attn_scalar: float, head_size: int) -> float:
@@ -369,7 +387,7 @@ def hf_rope(fields: Fields, head_size: int) -> dict[str, Any]:
         full = parameters.mapping("full_attention") or Fields({}, fields.source, parameters.name("full_attention."))
         local = parameters.mapping("sliding_attention")
     else:
-        full = parameters or fields.mapping("rope_scaling") or Fields({}, fields.source, "rope_scaling.")
+        full = parameters or fields.mapping("rope_scaling") or Fields({}, fields.source, fields.name("rope_scaling."))
         local = None
     theta = full.number("rope_theta", fields.number("rope_theta", 10000.0, positive=True), positive=True)
     rope = dict(theta=theta, rope_factors=hf_rope_factors(full, head_size, theta))

@@ -27,6 +27,14 @@ from .weights import Raw, Weights, block_format, check_tensors, check_vocabulary
 INDEX = "model.safetensors.index.json"
 RECOMPUTED = ("rotary_emb.inv_freq",)
 """Buffers some checkpoints carry that the decoder computes itself."""
+LANGUAGE_MODEL_NAMES = {
+    "gemma3": (
+        {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.", "model.language_model.": "model."},
+        ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
+    )
+}
+"""A multimodal model's ``model_type`` -> (the prefixes of its language model's tensors -> those of the text-only
+model's, the prefixes of the tensors text does not use, left unread): transformers 4's and 5's names alike."""
 NORM_SHIFTS = {"gemma3": 1.0}
 """Architecture -> what llama.cpp's converter adds to each of its RMS norm weights (GGUF name ``*norm.weight``):
 Gemma's norm multiplies by ``1 + w`` and stores ``w``; a GGUF file holds ``1 + w`` (added in float32, as
@@ -77,19 +85,31 @@ def read_checkpoint(directory: Path) -> dict[str, Stored]:
     return stored
 
 
-def gguf_names(config: LlamaConfig, names: list[str]) -> dict[str, str]:
-    """GGUF name -> the checkpoint's name, by the ``gguf`` package's tensor name map; a name it does not map
-    is kept as it is (and refused as unused). The map covers at most as many layers as there are tensors
-    (a layer index past that cannot have all its tensors)."""
+def gguf_names(
+    config: LlamaConfig, names: list[str], model_type: Any = None, source: Path | str = ""
+) -> dict[str, str]:
+    """GGUF name -> the checkpoint's name, by the ``gguf`` package's tensor name map (a multimodal
+    ``model_type``'s language model tensors first renamed as the text-only model's, its other tensors left
+    out: :data:`LANGUAGE_MODEL_NAMES`); a name it does not map is kept as it is (and refused as unused), two
+    names of one GGUF name are refused (``source`` names the checkpoint). The map covers at most as many
+    layers as there are tensors (a layer index past that cannot have all its tensors)."""
     import gguf
 
     architecture = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == config.architecture)
     name_map = gguf.get_tensor_name_map(architecture, min(config.layers, len(names)))
+    prefixes, unread = LANGUAGE_MODEL_NAMES.get(model_type, ({}, ()))
     renamed = {}
     for name in names:
-        if name.endswith(RECOMPUTED):
+        if name.endswith(RECOMPUTED) or name.startswith(unread):
             continue
-        renamed[name_map.get_name(name, try_suffixes=(".weight", ".bias")) or name] = name
+        prefix = next((prefix for prefix in prefixes if name.startswith(prefix)), None)
+        text_name = prefixes[prefix] + name.removeprefix(prefix) if prefix is not None else name
+        gguf_name = name_map.get_name(text_name, try_suffixes=(".weight", ".bias")) or name
+        if gguf_name in renamed:
+            raise ModelFileError(
+                f"{source}: tensors {renamed[gguf_name]!r} and {name!r} are both the model's {gguf_name!r}"
+            )
+        renamed[gguf_name] = name
     return renamed
 
 
@@ -105,7 +125,7 @@ class SafetensorsWeights(Weights):
         self.settings: dict[str, Any] = read_json(config_file)
         self.config = LlamaConfig.from_hf(self.settings, str(config_file))
         stored = read_checkpoint(self.path)
-        self._names = gguf_names(self.config, list(stored))
+        self._names = gguf_names(self.config, list(stored), self.settings.get("model_type"), self.path)
         self._stored = {gguf: stored[name] for gguf, name in self._names.items()}
         settings = Fields(self.settings, config_file)
         tied = settings.flag("tie_word_embeddings", False) if settings.has("tie_word_embeddings") else None
