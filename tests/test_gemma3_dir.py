@@ -398,6 +398,16 @@ def test_multimodal_gemma3_runs_its_language_model(pair, tmp_path, style):
     np.testing.assert_array_equal(last_logits(model), last_logits(Llama(device, pair[0], max_context=32)))
 
 
+def test_two_tensors_of_one_name_are_refused(pair, tmp_path):
+    """Two names the gguf name map takes for one tensor (transformers' and Meta's embedding) were one silently
+    dropped; now a ModelFileError naming both."""
+    stored, _ = split_weights(40)
+    other = {"tok_embeddings.weight": stored["token_embd.weight"] * np.float32(2)}
+    directory = write_directory(tmp_path / "two", stored, hf_config(TINY), others=other)
+    with pytest.raises(bg.ModelFileError, match=r"'model\.embed_tokens\.weight' and 'tok_embeddings\.weight'"):
+        Llama(bg.Device("reference"), directory, max_context=32)
+
+
 def test_qwen3_layer_types_of_an_unknown_kind_are_refused():
     """An unknown layer kind was taken for a global layer in any model type: now refused by name."""
     settings = dict(
