@@ -86,7 +86,7 @@ def read_checkpoint(directory: Path) -> dict[str, Stored]:
 
 
 def gguf_names(
-    config: LlamaConfig, names: list[str], model_type: Any = None, source: Path | str = ""
+    config: LlamaConfig, names: list[str], model_type: str | None = None, source: Path | str = ""
 ) -> dict[str, str]:
     """GGUF name -> the checkpoint's name, by the ``gguf`` package's tensor name map (a multimodal
     ``model_type``'s language model tensors first renamed as the text-only model's, its other tensors left
