@@ -32,7 +32,10 @@ PROMPT = [3, 17, 42, 8, 29, 11, 5, 23, 40]
 
 
 def windowed(d: dict, layer: int) -> bool:
-    return layer % 6 < 5
+    """Whether ``layer`` attends through the window: as ``d["layer_types"]`` says where given (a Hugging Face
+    config may window any layers), else llama.cpp's gemma3 layout (every sixth layer global)."""
+    kinds = d.get("layer_types")
+    return kinds[layer] == "sliding_attention" if kinds else layer % 6 < 5
 
 
 def random_gemma3(d: dict, seed: int) -> dict[str, np.ndarray]:
@@ -349,3 +352,20 @@ def test_gemma3_27b_scales_attention_by_hidden_over_heads(tmp_path):
     config = LlamaConfig.from_gguf(GGUFFile(tmp_path / "27b.gguf"))
     assert config.query_scale == pytest.approx(1 / math.sqrt(5376 / 32))
     assert [config.window(layer) for layer in range(12)] == [1024] * 5 + [0] + [1024] * 5 + [0]
+
+
+@pytest.mark.parametrize("window", [None, 0], ids=["no window", "window 0"])
+def test_gemma3_files_without_a_window_are_refused(tmp_path, window):
+    """Every gemma3 layer but each sixth attends through the window, which llama.cpp reads from the file (it refuses
+    one without): a file without it, or with 0, was run with every layer global; now a ModelFileError naming the key."""
+    sizes = tiny_sizes(TINY) if window is None else {**tiny_sizes(TINY), "attention.sliding_window": window}
+    write_tiny_gguf(tmp_path / "bad.gguf", "gemma3", TINY, random_gemma3(TINY, 33), "F32", sizes, seed=5)
+    device = bg.Device("reference")
+    with pytest.raises(
+        bg.ModelFileError, match=r"gemma3\.attention\.sliding_window (is missing|must be an integer in \[1,)"
+    ):
+        Llama(device, tmp_path / "bad.gguf", quantized=False, max_context=16)
+    weights = random_gemma3(TINY, 33)
+    write_gemma3(tmp_path / "good.gguf", weights)
+    model = Llama(device, tmp_path / "good.gguf", quantized=False, max_context=16)
+    assert list(model.generate(PROMPT, 2)) == greedy(TINY, weights, PROMPT, 2)

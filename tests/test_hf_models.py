@@ -5,11 +5,12 @@ download); tests/test_llama_variants.py and tests/test_gemma3.py check the same 
 models everywhere.
 
 Mistral and Qwen2 are also run with a sliding window shorter than the prompt (through the safetensors loader and
-the engine's paged KV), and Gemma 3 (transformers' ``Gemma3ForCausalLM``) through a GGUF file written from its
-weights as llama.cpp's converter writes one: batchgpu reads Gemma 3 from GGUF files only."""
+the engine's paged KV), and Gemma 3 (transformers' ``Gemma3ForCausalLM``) both from the directory
+``save_pretrained`` writes and through a GGUF file written from its weights as llama.cpp's converter writes one."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -208,11 +209,12 @@ def gemma3_gguf_weights(model: torch.nn.Module, layers: int) -> dict[str, np.nda
 
 
 def test_gemma3_matches_transformers(tmp_path):
-    """transformers' Gemma3ForCausalLM (float64) against batchgpu's reading of a GGUF written from the same
-    weights (float32): prefill logits within 1e-5 x max|logit| and greedy ids over a prompt longer than the
-    window, from Llama (reference and wgpu executors) and from the engine. transformers' Gemma RMS norm
-    computes in float32 even in a float64 model, so the reference holds float32 rounding there (far inside
-    the tolerance)."""
+    """transformers' Gemma3ForCausalLM (float64) against batchgpu's reading of the directory ``save_pretrained``
+    wrote and of a GGUF written from the same weights (float32): prefill logits within 1e-5 x max|logit| and
+    greedy ids over a prompt longer than the window, from Llama (reference and wgpu executors) and from the
+    engine; the directory and the GGUF give bit-equal logits on the reference executor (the same bytes on the
+    device). transformers' Gemma RMS norm computes in float32 even in a float64 model, so the reference holds
+    float32 rounding there (far inside the tolerance)."""
     from .test_gemma3 import write_gemma3
 
     config = transformers.Gemma3TextConfig(**GEMMA3)
@@ -239,3 +241,10 @@ def test_gemma3_matches_transformers(tmp_path):
     assert [ours.config.window(layer) for layer in range(d["layers"])] == [WINDOW * w for w in windowed]
     assert {ours.config.rope(layer)["theta"] for layer in range(d["layers"]) if windowed[layer]} == {1e4}
     assert engine_greedy(path) == greedy
+    directory = check_matches(tmp_path / "hf", expected, greedy)  # the directory itself (transformers' config.json)
+    assert dataclasses.replace(directory.config, eps=ours.config.eps) == ours.config  # the GGUF's eps is float32
+    both = [model.prefill(PROMPT) for model in (directory, ours)]
+    np.testing.assert_array_equal(*(step.batch.read(step.logits) for step in both))
+    check_matches(tmp_path / "hf", expected, greedy, "wgpu")
+    write_tokenizer(tmp_path / "hf", config.vocab_size)
+    assert engine_greedy(tmp_path / "hf") == greedy

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -22,8 +23,65 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 Mistral), Qwen2 / Qwen2.5 (q/k/v biases), Qwen3 (q/k RMS norms, an explicit head size) and Gemma 3
 (sliding-window layers interleaved with global ones, post-norms, GeGLU)."""
 
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-"""Hugging Face ``model_type`` -> the architecture whose tensor names and conventions it shares."""
+GEMMA3_TEXT_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+    }
+)
+"""transformers' ``Gemma3TextConfig`` defaults, for the keys a config.json leaves out."""
+
+
+@dataclass(frozen=True)
+class HFModelType:
+    """How a Hugging Face ``model_type`` maps onto this decoder: a row of :data:`HF_MODEL_TYPES`."""
+
+    architecture: str
+    """The GGUF architecture whose tensor names and conventions it shares."""
+    activation: tuple[str, str] = ("hidden_act", "silu")
+    """The config key naming the MLP's activation, and the one value of it this decoder computes."""
+    defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """transformers' config class defaults for keys a config.json may leave out (beyond :func:`read_sizes`' own)."""
+    query_scalar: bool = False
+    """Queries are scaled by ``query_pre_attn_scalar ** -0.5`` (Gemma) rather than by ``head_dim ** -0.5``."""
+    layer_pattern: bool = False
+    """Without ``layer_types``, every ``sliding_window_pattern``-th layer is global and the others windowed
+    (Gemma 3), rather than Mistral's and Qwen2's rules."""
+
+
+HF_MODEL_TYPES = {
+    "llama": HFModelType("llama"),
+    "mistral": HFModelType("llama"),
+    "qwen2": HFModelType("qwen2"),
+    "qwen3": HFModelType("qwen3"),
+    "gemma3_text": HFModelType(
+        "gemma3",
+        activation=("hidden_activation", "gelu_pytorch_tanh"),
+        defaults=GEMMA3_TEXT_DEFAULTS,
+        query_scalar=True,
+        layer_pattern=True,
+    ),
+}
+"""Hugging Face ``model_type`` -> how it maps onto this decoder."""
+
+HF_LANGUAGE_MODELS = {"gemma3": ("text_config", "gemma3_text")}
+"""Hugging Face ``model_type`` of a multimodal model -> (the key of its language model's config, that config's
+``model_type``): run on text alone (Gemma3ForConditionalGeneration: its vision tower is not read)."""
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+"""The ``layer_types`` entries this decoder computes: a layer attends through the window, or to all positions."""
 
 PERMUTED_ARCHITECTURES = ("llama",)
 """Architectures whose q/k rows llama.cpp's converter permutes for interleaved RoPE (undone when a GGUF is
@@ -52,8 +110,10 @@ SLIDING_LAYOUTS = {"gemma3": SlidingLayout(global_every=6, local_theta=10000.0, 
 a file's window (``attention.sliding_window``) to every layer (Mistral)."""
 
 UNSUPPORTED_KEYS = ("final_logit_softcapping", "attn_logit_softcapping")
-"""GGUF metadata keys (after ``<arch>.``) naming computations this decoder lacks: a file setting one is
-refused (Gemma 2's logit soft-capping; Gemma 3 has none)."""
+"""GGUF metadata keys (after ``<arch>.``) and config.json keys naming computations this decoder lacks: a file
+setting one is refused (Gemma 2's logit soft-capping; Gemma 3 has none)."""
+HF_UNSUPPORTED_FLAGS = {"use_bidirectional_attention": "attention to later positions (EmbeddingGemma)"}
+"""config.json flags naming computations this decoder lacks: a config setting one true is refused."""
 
 
 @dataclass(frozen=True)
@@ -144,32 +204,70 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], source: str = "config.json") -> LlamaConfig:
         """The config from a Hugging Face ``config.json`` object read from ``source`` (transformers 4's
-        ``rope_theta`` / ``rope_scaling`` or 5's ``rope_parameters``)."""
+        ``rope_theta`` / ``rope_scaling`` or 5's ``rope_parameters``; a key it leaves out takes transformers'
+        default for its ``model_type``; a multimodal model's language model, :data:`HF_LANGUAGE_MODELS`)."""
         if not isinstance(config, Mapping):
             raise ModelFileError(f"{source}: must be a JSON object, got {describe(config)}")
-        fields = Fields(config, source)
+        fields = language_model(Fields(config, source))
         model_type = fields.text("model_type")
         if model_type not in HF_MODEL_TYPES:
             raise BatchError(
                 f"{source}: Hugging Face model_type {model_type!r} is not supported; "
-                f"supported: {', '.join(HF_MODEL_TYPES)}"
+                f"supported: {', '.join([*HF_MODEL_TYPES, *HF_LANGUAGE_MODELS])}"
             )
-        if fields.text("hidden_act", "silu") != "silu":
-            raise BatchError(
-                f"{source}: {model_type} model: hidden_act {config['hidden_act']!r} is not supported (silu only)"
-            )
+        kind = HF_MODEL_TYPES[model_type]
+        fields = Fields({**kind.defaults, **fields.values}, fields.source, fields.label)
+        hf_refuse_unsupported(fields, kind)
         sizes = read_sizes(fields, "hf", {})
-        rope = (
-            fields.mapping("rope_parameters") or fields.mapping("rope_scaling") or Fields({}, source, "rope_scaling.")
-        )
-        theta = rope.number("rope_theta", fields.number("rope_theta", 10000.0, positive=True), positive=True)
         return cls(
-            **hf_sliding(fields, sizes),
+            **hf_sliding(fields, sizes, kind),
+            **hf_rope(fields, sizes["head_size"]),
             eps=fields.number("rms_norm_eps", 1e-6, positive=True),
-            theta=theta,
-            architecture=HF_MODEL_TYPES[model_type],
-            rope_factors=hf_rope_factors(rope, sizes["head_size"], theta),
+            architecture=kind.architecture,
+            query_scale=attention_scale(fields.number("query_pre_attn_scalar", positive=True), sizes["head_size"])
+            if kind.query_scalar
+            else 0.0,
         )
+
+
+def language_model(fields: Fields) -> Fields:
+    """The fields of a config.json's language model: a multimodal model's (:data:`HF_LANGUAGE_MODELS`, its keys
+    named ``text_config.<key>`` in messages), else the config's own."""
+    if fields.text("model_type", None) not in HF_LANGUAGE_MODELS:
+        return fields
+    key, model_type = HF_LANGUAGE_MODELS[fields.text("model_type")]
+    inner = fields.mapping(key)
+    if inner is None:
+        raise ModelFileError(f"{fields.source}: {key} (the language model's config) is missing")
+    if inner.text("model_type", model_type) != model_type:
+        raise inner.refuse("model_type", repr(model_type), inner.get("model_type"))
+    return Fields({**inner.values, "model_type": model_type}, inner.source, inner.label)
+
+
+def hf_refuse_unsupported(fields: Fields, kind: HFModelType) -> None:
+    """BatchError naming the key where a config.json asks for what this decoder does not compute: another MLP
+    activation, logit soft-capping (:data:`UNSUPPORTED_KEYS`), a flag of :data:`HF_UNSUPPORTED_FLAGS`."""
+    key, computed = kind.activation
+    activation = fields.text(key, computed)
+    if activation != computed:
+        raise BatchError(
+            f"{fields.source}: {fields.get('model_type')} model: {fields.name(key)} {activation!r} is not "
+            f"supported ({computed} only)"
+        )
+    for key in UNSUPPORTED_KEYS:
+        if fields.has(key):
+            raise BatchError(
+                f"{fields.source}: {fields.name(key)} {fields.get(key)!r} (logit soft-capping) is not supported"
+            )
+    for key, what in HF_UNSUPPORTED_FLAGS.items():
+        if fields.flag(key, False):
+            raise BatchError(f"{fields.source}: {fields.name(key)} true ({what}) is not supported")
+
+
+def attention_scale(query_pre_attn_scalar: float, head_size: int) -> float:
+    """The ``query_scale`` of queries scaled by ``query_pre_attn_scalar ** -0.5`` (transformers' Gemma): 0 (the
+    attention's own 1 / sqrt(head size)) where that is the head size."""
+    return 0.0 if query_pre_attn_scalar == head_size else query_pre_attn_scalar**-0.5
 
 
 @dataclass(frozen=True)
@@ -231,36 +329,80 @@ def read_sizes(fields: Fields, source: str, defaults: Mapping[str, Any]) -> dict
 
 def gguf_sliding(metadata: Fields, architecture: str, sizes: dict[str, int]) -> dict[str, Any]:
     """The sliding-window fields of a GGUF config beyond the window itself: the windowed layers, their RoPE
-    base (:data:`SLIDING_LAYOUTS`) and the attention scale, as llama.cpp reads them."""
+    base (:data:`SLIDING_LAYOUTS`) and the attention scale, as llama.cpp reads them (its converter leaves
+    ``query_pre_attn_scalar`` out: hidden / heads in the 27B model, else the head size)."""
     layout = SLIDING_LAYOUTS.get(architecture)
     if layout is None:
         return {}
+    if not sizes["sliding_window"]:
+        metadata.integer("attention.sliding_window", low=1)  # missing or 0: refused by name (llama.cpp needs it)
     every = layout.global_every
-    scale = (sizes["heads"] / sizes["hidden"]) ** 0.5 if sizes["layers"] == layout.wide_scale_layers else 0.0
+    wide = sizes["layers"] == layout.wide_scale_layers
     return dict(
         sliding_layers=tuple(layer % every < every - 1 for layer in range(sizes["layers"])),
         local_theta=metadata.number("rope.freq_base_swa", layout.local_theta, positive=True),
-        query_scale=scale,
+        query_scale=attention_scale(sizes["hidden"] // sizes["heads"], sizes["head_size"]) if wide else 0.0,
     )
 
 
-def hf_sliding(fields: Fields, sizes: dict[str, int]) -> dict[str, Any]:
-    """``sizes`` with the sliding-window fields of a ``config.json``: the windowed layers from
-    ``layer_types``, or transformers' Qwen2 rule (layers from ``max_window_layers`` on, where
-    ``use_sliding_window``); no window where the model does not use it (Qwen2/3 carry one they do not)."""
+def hf_sliding(fields: Fields, sizes: dict[str, int], kind: HFModelType) -> dict[str, Any]:
+    """``sizes`` with the sliding-window fields of a ``config.json``: the windowed layers from ``layer_types``
+    (each one of :data:`LAYER_TYPES`), else Gemma 3's ``sliding_window_pattern`` or transformers' Qwen2 rule
+    (layers from ``max_window_layers`` on, where ``use_sliding_window``); no window where the model does not
+    use it (Qwen2/3 carry one they do not). A model with windowed layers must have a window of 1 or more."""
     layers = sizes["layers"]
     layer_types = fields.texts("layer_types", None)
     if layer_types is not None:
         if len(layer_types) != layers:
             raise fields.refuse("layer_types", f"an array of one type per layer ({layers})", layer_types)
-        windowed = tuple(kind == "sliding_attention" for kind in layer_types)
-        return dict(sizes, sliding_layers=windowed, sliding_window=sizes["sliding_window"] if any(windowed) else 0)
-    if not fields.flag("use_sliding_window", True):
+        for layer, value in enumerate(layer_types):
+            if value not in LAYER_TYPES:
+                raise fields.refuse(f"layer_types[{layer}]", f"one of {', '.join(LAYER_TYPES)}", value)
+        windowed = tuple(value == "sliding_attention" for value in layer_types)
+    elif kind.layer_pattern:
+        every = fields.integer("sliding_window_pattern", low=1, high=SIZES["layers"].high)
+        windowed = tuple((layer + 1) % every != 0 for layer in range(layers))  # transformers' rule
+    elif not fields.flag("use_sliding_window", True):
         return dict(sizes, sliding_window=0)
-    if fields.has("max_window_layers"):
+    elif fields.has("max_window_layers"):
         first = fields.integer("max_window_layers", low=0, high=SIZES["layers"].high)
         return dict(sizes, sliding_layers=tuple(layer >= first for layer in range(layers)))
-    return sizes
+    else:
+        return sizes
+    if not any(windowed):
+        return dict(sizes, sliding_layers=windowed, sliding_window=0)
+    if not sizes["sliding_window"]:
+        fields.integer("sliding_window", low=1)  # missing or 0: refused by name
+    return dict(sizes, sliding_layers=windowed)
+
+
+def hf_rope(fields: Fields, head_size: int) -> dict[str, Any]:
+    """``theta``, ``rope_factors`` and ``local_theta`` of a ``config.json``: transformers 4's ``rope_theta`` and
+    ``rope_scaling`` (and Gemma 3's ``rope_local_base_freq`` for the windowed layers), or 5's
+    ``rope_parameters``, keyed by layer type where the windowed layers have a RoPE of their own (Gemma 3).
+    Windowed layers with a base of their own are never frequency-scaled (as the decoder computes them)."""
+    parameters = fields.mapping("rope_parameters")
+    by_type = parameters is not None and any(parameters.has(kind) for kind in LAYER_TYPES)
+    if by_type:
+        full = parameters.mapping("full_attention") or Fields({}, fields.source, parameters.name("full_attention."))
+        local = parameters.mapping("sliding_attention")
+    else:
+        full = parameters or fields.mapping("rope_scaling") or Fields({}, fields.source, fields.name("rope_scaling."))
+        local = None
+    theta = full.number("rope_theta", fields.number("rope_theta", 10000.0, positive=True), positive=True)
+    rope = dict(theta=theta, rope_factors=hf_rope_factors(full, head_size, theta))
+    if local is not None:
+        kind = local.text("rope_type", local.text("type", "default"))
+        if kind != "default":
+            raise BatchError(
+                f"{fields.source}: {local.name('rope_type')} {kind!r} is not supported (the windowed layers' RoPE "
+                "is never scaled; supported: default)"
+            )
+        local_default = fields.number("rope_local_base_freq", theta, positive=True)
+        rope["local_theta"] = local.number("rope_theta", local_default, positive=True)
+    elif fields.has("rope_local_base_freq"):
+        rope["local_theta"] = fields.number("rope_local_base_freq", positive=True)
+    return rope
 
 
 def gguf_rope_factors(file: GGUFFile, head_size: int) -> tuple[float, ...]:

@@ -49,15 +49,17 @@ class ControlTokens:
         self.pattern = re.compile("|".join(re.escape(text) for text in self.texts)) if self.texts else None
         self.guarded = Tokenizer.from_str(tokenizer.to_str())
         self.guarded.encode_special_tokens = True
-        self.markers: dict[str, str] = {}
-        self.ids: dict[int, int] = {}  # a marker's id in ``guarded`` -> the special token's id
-        for k, text in enumerate(self.texts):
-            i, token = special[text]
-            marker = f"{MARKER_START}{self.nonce}:{k}{MARKER_END}"
+        self.markers = {text: f"{MARKER_START}{self.nonce}:{k}{MARKER_END}" for k, text in enumerate(self.texts)}
+
+        def added(text: str) -> Any:
+            token = special[text][1]
             options = dict(single_word=token.single_word, lstrip=token.lstrip, rstrip=token.rstrip)
-            self.guarded.add_tokens([AddedToken(marker, special=False, normalized=token.normalized, **options)])
-            self.markers[text] = marker
-            self.ids[self.guarded.token_to_id(marker)] = i
+            return AddedToken(self.markers[text], special=False, normalized=token.normalized, **options)
+
+        # one call for all: each call rebuilds the added-token matcher (Gemma 3 has over 6,000 special tokens)
+        self.guarded.add_tokens([added(text) for text in self.texts])
+        # a marker's id in ``guarded`` -> the special token's id
+        self.ids = {self.guarded.token_to_id(self.markers[text]): special[text][0] for text in self.texts}
         self.placeholders = {
             text: f"{PLACEHOLDER_START}{self.nonce}:{k}{PLACEHOLDER_END}" for k, text in enumerate(self.texts)
         }

@@ -27,6 +27,18 @@ from .weights import Raw, Weights, block_format, check_tensors, check_vocabulary
 INDEX = "model.safetensors.index.json"
 RECOMPUTED = ("rotary_emb.inv_freq",)
 """Buffers some checkpoints carry that the decoder computes itself."""
+LANGUAGE_MODEL_NAMES = {
+    "gemma3": (
+        {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.", "model.language_model.": "model."},
+        ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
+    )
+}
+"""A multimodal model's ``model_type`` -> (the prefixes of its language model's tensors -> those of the text-only
+model's, the prefixes of the tensors text does not use, left unread): transformers 4's and 5's names alike."""
+NORM_SHIFTS = {"gemma3": 1.0}
+"""Architecture -> what llama.cpp's converter adds to each of its RMS norm weights (GGUF name ``*norm.weight``):
+Gemma's norm multiplies by ``1 + w`` and stores ``w``; a GGUF file holds ``1 + w`` (added in float32, as
+transformers computes it), which the decoder multiplies by."""
 
 
 def shard_files(directory: Path) -> tuple[list[Path], dict[str, Path] | None]:
@@ -73,24 +85,37 @@ def read_checkpoint(directory: Path) -> dict[str, Stored]:
     return stored
 
 
-def gguf_names(config: LlamaConfig, names: list[str]) -> dict[str, str]:
-    """GGUF name -> the checkpoint's name, by the ``gguf`` package's tensor name map; a name it does not map
-    is kept as it is (and refused as unused). The map covers at most as many layers as there are tensors
-    (a layer index past that cannot have all its tensors)."""
+def gguf_names(
+    config: LlamaConfig, names: list[str], model_type: str | None = None, source: Path | str = ""
+) -> dict[str, str]:
+    """GGUF name -> the checkpoint's name, by the ``gguf`` package's tensor name map (a multimodal
+    ``model_type``'s language model tensors first renamed as the text-only model's, its other tensors left
+    out: :data:`LANGUAGE_MODEL_NAMES`); a name it does not map is kept as it is (and refused as unused), two
+    names of one GGUF name are refused (``source`` names the checkpoint). The map covers at most as many
+    layers as there are tensors (a layer index past that cannot have all its tensors)."""
     import gguf
 
     architecture = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == config.architecture)
     name_map = gguf.get_tensor_name_map(architecture, min(config.layers, len(names)))
+    prefixes, unread = LANGUAGE_MODEL_NAMES.get(model_type, ({}, ()))
     renamed = {}
     for name in names:
-        if name.endswith(RECOMPUTED):
+        if name.endswith(RECOMPUTED) or name.startswith(unread):
             continue
-        renamed[name_map.get_name(name, try_suffixes=(".weight", ".bias")) or name] = name
+        prefix = next((prefix for prefix in prefixes if name.startswith(prefix)), None)
+        text_name = prefixes[prefix] + name.removeprefix(prefix) if prefix is not None else name
+        gguf_name = name_map.get_name(text_name, try_suffixes=(".weight", ".bias")) or name
+        if gguf_name in renamed:
+            raise ModelFileError(
+                f"{source}: tensors {renamed[gguf_name]!r} and {name!r} are both the model's {gguf_name!r}"
+            )
+        renamed[gguf_name] = name
     return renamed
 
 
 class SafetensorsWeights(Weights):
-    """A Hugging Face checkpoint's tensors under GGUF names (q/k rows as stored: no permutation)."""
+    """A Hugging Face checkpoint's tensors under GGUF names and conventions as llama.cpp's converter writes them
+    (q/k rows as stored: no permutation; Gemma's norm weights + 1, :data:`NORM_SHIFTS`)."""
 
     def __init__(self, directory: Path | str) -> None:
         self.path = Path(directory)
@@ -100,7 +125,7 @@ class SafetensorsWeights(Weights):
         self.settings: dict[str, Any] = read_json(config_file)
         self.config = LlamaConfig.from_hf(self.settings, str(config_file))
         stored = read_checkpoint(self.path)
-        self._names = gguf_names(self.config, list(stored))
+        self._names = gguf_names(self.config, list(stored), self.settings.get("model_type"), self.path)
         self._stored = {gguf: stored[name] for gguf, name in self._names.items()}
         settings = Fields(self.settings, config_file)
         tied = settings.flag("tie_word_embeddings", False) if settings.has("tie_word_embeddings") else None
@@ -131,8 +156,16 @@ class SafetensorsWeights(Weights):
         if qtype is not None:  # float16 / bfloat16 rows: their bytes are the blocks
             return np.ascontiguousarray(data).view(np.uint8).reshape(shape[0], -1), qtype, shape
         if self._stored[name].dtype == "BF16":
-            return (data.astype(np.uint32) << 16).view(np.float32), None, shape
-        return np.asarray(data, np.float32), None, shape
+            data = (data.astype(np.uint32) << 16).view(np.float32)
+        return self.as_gguf(name, np.asarray(data, np.float32)), None, shape
+
+    def as_gguf(self, name: str, data: np.ndarray) -> np.ndarray:
+        """A float32 tensor as a GGUF file holds it: norm weights shifted by :data:`NORM_SHIFTS` (a new array;
+        the memory-mapped checkpoint is never written)."""
+        shift = NORM_SHIFTS.get(self.config.architecture)
+        if shift is None or not name.endswith("norm.weight"):
+            return data
+        return data + np.float32(shift)
 
     def codec(self) -> TextCodec:
         return check_vocabulary(TextCodec.from_hf(self.path), self.config, f"{self.path / 'tokenizer.json'}")
