@@ -399,6 +399,33 @@ def test_chat_template_features_as_python(tmp_path):
     compare(codec, folder, cases, expected)
 
 
+def test_a_chat_template_compiles_once_per_template_text(tmp_path, monkeypatch):
+    """Rendering a chat compiles the template the first time only (about 5 ms for SmolLM2's, per request
+    before); another template text compiles on its own, and one that does not compile is refused each time."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    compiled = []
+    original = ImmutableSandboxedEnvironment.from_string
+
+    def counted(self, source, *args, **kwargs):
+        compiled.append(source)
+        return original(self, source, *args, **kwargs)
+
+    monkeypatch.setattr(ImmutableSandboxedEnvironment, "from_string", counted)
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ 'A:' if add_generation_prompt }}"
+    codec = tiny_byte_level(tmp_path, "qwen2", QWEN_SPECIALS, template)
+    messages = [{"role": "user", "content": "hi"}]
+    assert [codec.render_chat(messages) for _ in range(3)] == ["<user>hiA:"] * 3
+    codec.chat_template = template + "!"
+    assert codec.render_chat(messages) == "<user>hiA:!"
+    assert compiled == [template, template + "!"]
+    codec.chat_template = "{% for message in %}"
+    for _ in range(2):
+        with pytest.raises(bg.BatchError, match="the model's chat template does not compile"):
+            codec.render_chat(messages)
+    assert len(compiled) == 4
+
+
 def test_a_template_that_does_not_compile_leaves_plain_prompts(tmp_path):
     """A chat template that does not compile refuses chats (in Python too) and nothing else: the codec loads,
     plain prompts encode."""

@@ -119,7 +119,7 @@ class TextCodec:
             raise RequestError("chat: this model's files have no chat template; send a prompt instead", "messages")
         _check_messages(messages)
         try:
-            template = _chat_environment().from_string(self.chat_template)
+            template = _compiled_template(self.chat_template)
         except Exception as exc:  # the model file's template, not the request, is at fault
             raise BatchError(f"chat: the model's chat template does not compile: {exc}") from exc
         try:
@@ -248,6 +248,12 @@ def _token_text(settings: Fields, name: str) -> str:
     if inner is None:
         raise settings.refuse(name, "a string or an object with a string content", token)
     return inner.text("content", "")
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str) -> Any:
+    """``source`` compiled in :func:`_chat_environment`, once per template text (a render is thread-safe)."""
+    return _chat_environment().from_string(source)
 
 
 def _chat_environment() -> Any:
