@@ -432,7 +432,10 @@ def test_lm_eval_runs_two_tasks_against_the_server(
             base_url=f"{server}/v1/completions", model=MODEL, tokenizer_backend="None", num_concurrent=8, max_retries=1
         )
         model.tokenizer, model.tokenizer_backend, model.tokenized_requests = vocabulary, "tiktoken", True
-        run = lm_eval.simple_evaluate(model=model, tasks=["batchgpu_choices", "batchgpu_answers"], task_manager=tasks)
+        run = lm_eval.simple_evaluate(
+            model=model, tasks=["batchgpu_choices", "batchgpu_answers"], task_manager=tasks,
+            random_seed=None, numpy_random_seed=None, torch_random_seed=None,  # the process's generators untouched
+        )  # fmt: skip
         served = metric_values(server)
         greedy = [
             post(server, "/v1/completions", {"model": MODEL, "prompt": context, "max_tokens": LM_EVAL_MAX_TOKENS,
@@ -453,10 +456,11 @@ def test_lm_eval_runs_two_tasks_against_the_server(
     for sample, (context, options, answer), ids, (exact, bound) in zip(
         choices, LM_EVAL_CHOICES, contexts, direct_scores(contexts)
     ):
-        assert [argument[0] for argument in sample["arguments"]] == [context] * len(options)
-        tokens = [vocabulary.encode(f"{context} {option}")[len(ids) :] for option in options]
-        assert all(len(token) == 1 for token in tokens), tokens  # the data's premise: one token per choice
-        wanted = [exact[token] for (token,) in tokens]
+        arguments = [(context, f" {option}") for option in options]  # its default target_delimiter, " "
+        assert [tuple(argument) for argument in sample["arguments"]] == arguments
+        wholes = [vocabulary.encode(prefix + continuation) for prefix, continuation in arguments]
+        assert all(whole[:-1] == ids for whole in wholes), wholes  # the data's premise: one token per choice
+        wanted = [exact[whole[-1]] for whole in wholes]
         top, runner_up = np.sort(exact)[::-1][:2]
         assert top - runner_up > 2 * bound  # is_greedy cannot tip either way
         for (logprob, greedy_choice), value in zip(sample["filtered_resps"], wanted):
