@@ -297,6 +297,193 @@ def test_lm_eval_generate_until_request(server: str) -> None:
     assert reply["choices"][0]["logprobs"] is None
 
 
+# lm-evaluation-harness itself, on two small tasks of its own format -------------------------------------
+
+LM_EVAL_CHOICES = [  # (context, choices, the right one); each choice is one token after its context
+    ("The sky on a clear day is", ["blue", "green", "loud"], 0),
+    ("Two plus two equals", ["seven", "four", "banana"], 1),
+    ("The capital of France is", ["Tokyo", "Berlin", "Paris"], 2),
+    ("Ice is made of frozen", ["water", "paper", "sand"], 0),
+    ("The opposite of hot is", ["tall", "cold", "green"], 1),
+    ("A week has seven", ["days", "cars", "colors"], 0),
+    ("Fish swim in the", ["fire", "sky", "water"], 2),
+    ("Monday, Tuesday,", ["January", "Wednesday", "seven"], 1),
+]
+LM_EVAL_ANSWERS = [  # (context, answer): generated until a newline or a comma
+    ("France: Paris\nJapan: Tokyo\nItaly:", "Rome"),
+    ("one, two, three, four,", "five"),
+    ("red, orange, yellow, green,", "blue"),
+]
+LM_EVAL_UNTIL, LM_EVAL_MAX_TOKENS = ["\n", ","], 6
+
+
+class ServedVocabulary:
+    """The served model's own tokenizer (its GGUF vocabulary) with the methods lm-evaluation-harness 0.4.13's
+    TemplateAPI calls on a tokenizer of its "tiktoken" backend: ``encode`` (one text; anything else raises,
+    and it calls ``encode_batch``), ``encode_batch``, ``decode``, ``decode_batch``, ``eot_token``. Ids and
+    texts as the Hugging Face tokenizer of its "huggingface" backend gives them: no special tokens added
+    (``add_special_tokens=False``, its default), control tokens decoded as their text."""
+
+    def __init__(self, codec: Any) -> None:
+        self.codec = codec
+        self.eot_token = min(codec.eos_ids)
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes one text, got {type(text).__name__}")
+        return self.codec.encode(text, special=False)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.codec.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        return [self.decode(ids) for ids in batch]
+
+
+def write_lm_eval_tasks(directory: Any) -> None:
+    """Two lm-evaluation-harness task definitions in ``directory``, each over a JSON-lines file there (the
+    ``json`` builder of ``datasets``, read locally, its cache in ``directory`` too): ``batchgpu_choices``
+    (multiple_choice, scored by loglikelihood, metric acc) and ``batchgpu_answers`` (generate_until, metric
+    exact_match after the leading space). JSON is YAML, so the task files are written with ``json``."""
+    rows = {
+        "choices": [{"context": c, "choices": choices, "answer": a} for c, choices, a in LM_EVAL_CHOICES],
+        "answers": [{"context": c, "answer": a} for c, a in LM_EVAL_ANSWERS],
+    }
+    common = {"dataset_path": "json", "test_split": "test", "doc_to_text": "{{context}}", "doc_to_target": "{{answer}}"}
+    tasks = {
+        "choices": {"output_type": "multiple_choice", "doc_to_choice": "{{choices}}", "metric_list": [
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True}]},
+        "answers": {
+            "output_type": "generate_until",
+            "generation_kwargs": {"until": LM_EVAL_UNTIL, "max_gen_toks": LM_EVAL_MAX_TOKENS, "do_sample": False},
+            "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                             "regexes_to_ignore": ["^ "]}],
+        },
+    }  # fmt: skip
+    for name, task in tasks.items():
+        data = directory / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows[name]))
+        files = {"data_files": {"test": str(data)}, "cache_dir": str(directory / "datasets")}
+        config = {"task": f"batchgpu_{name}", **common, "dataset_kwargs": files, **task}
+        (directory / f"{name}.yaml").write_text(json.dumps(config, indent=1))
+
+
+def metric_values(server: str) -> dict[str, float]:
+    """The server's Prometheus samples without labels, by name."""
+    with urllib.request.urlopen(f"{server}/metrics", timeout=60) as response:
+        lines = response.read().decode().splitlines()
+    samples = (line.partition(" ") for line in lines if not line.startswith("#"))
+    return {name: float(value) for name, _, value in samples if "{" not in name}
+
+
+def direct_scores(contexts: list[list[int]]) -> list[tuple[np.ndarray, float]]:
+    """Per context: the float64 log-softmax of the logits after it from a :class:`Llama` on wgpu in this
+    process (contiguous KV, one prefill: not the server's paged engine), and how far the server's logprobs
+    may be from it. Both runs' logits are within 1e-5 x max|logit| of a float64 forward pass
+    (tests/test_smollm2.py, wgpu and quantized), so within twice that of each other; a logprob moves by at
+    most twice its logits' error (the logit and the log-sum-exp), plus the server's logprobs op's 3e-5
+    (tests/test_sampling.py)."""
+    model = Llama(bg.Device("wgpu"), max_context=max(map(len, contexts)))
+    scores = []
+    for ids in contexts:
+        step = model.prefill(ids)
+        logits = step.batch.read(step.logits)[0].astype(np.float64)
+        shifted = logits - logits.max()
+        scores.append((shifted - np.log(np.exp(shifted).sum()), 4e-5 * np.abs(logits).max() + 3e-5))
+    return scores
+
+
+@pytest.mark.slow
+def test_lm_eval_runs_two_tasks_against_the_server(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, smollm2_codec: Any
+) -> None:
+    """lm-evaluation-harness's own code (``simple_evaluate``, its local-completions model, a TaskManager over
+    task files written here, its metrics) against ``python -m batchgpu serve`` on wgpu: every request
+    answered 200 (``max_retries=1``: any other status raises out of the run) and reaching the engine once
+    (its /metrics: one first token per request, the prompts' tokens counted); each choice's loglikelihood
+    within the bound of :func:`direct_scores` of the logprob batchgpu's Llama gives it after its context,
+    its is_greedy and every sample's acc what those logprobs give, the accuracy their mean; each generated
+    answer the server's own greedy completion of the context's text with the same stop strings, and its
+    exact_match.
+
+    The tokenizer: lm-evaluation-harness counts a loglikelihood request's context in tokens on its side,
+    so local-completions needs one there. Of its backends, "huggingface" needs transformers (not a
+    dependency here) and the model's Hugging Face tokenizer; "tiktoken" has OpenAI's vocabularies only
+    (and fetches them); "remote" needs vLLM's /tokenize, /detokenize and /tokenizer_info, which this server
+    does not serve; "None" sends text but refuses loglikelihood requests. So the model is built with
+    ``tokenizer_backend=None`` and then given the served model's own vocabulary (:class:`ServedVocabulary`)
+    as a "tiktoken" backend's tokenizer: requests go as token ids, as with the "huggingface" backend and
+    ``tokenizer=HuggingFaceTB/SmolLM2-135M-Instruct``. Nothing reaches the network: the data are local
+    files, ``datasets`` and the hub are offline, the built-in task index is not read."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness (pip install -e '.[test]')")
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    vocabulary = ServedVocabulary(smollm2_codec)
+    write_lm_eval_tasks(tmp_path)
+    tasks = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    with batchgpu_server("--device", "wgpu", "--max-batch", "8", "--max-context", "128") as server:
+        model = LocalCompletionsAPI(
+            base_url=f"{server}/v1/completions", model=MODEL, tokenizer_backend="None", num_concurrent=8, max_retries=1
+        )
+        model.tokenizer, model.tokenizer_backend, model.tokenized_requests = vocabulary, "tiktoken", True
+        run = lm_eval.simple_evaluate(
+            model=model, tasks=["batchgpu_choices", "batchgpu_answers"], task_manager=tasks,
+            random_seed=None, numpy_random_seed=None, torch_random_seed=None,  # the process's generators untouched
+        )  # fmt: skip
+        served = metric_values(server)
+        greedy = [
+            post(server, "/v1/completions", {"model": MODEL, "prompt": context, "max_tokens": LM_EVAL_MAX_TOKENS,
+                                             "temperature": 0, "stop": LM_EVAL_UNTIL})
+            for context, _ in LM_EVAL_ANSWERS
+        ]  # fmt: skip
+    assert run is not None
+    choices = sorted(run["samples"]["batchgpu_choices"], key=lambda sample: sample["doc_id"])
+    answers = sorted(run["samples"]["batchgpu_answers"], key=lambda sample: sample["doc_id"])
+    assert len(choices) == len(LM_EVAL_CHOICES) and len(answers) == len(LM_EVAL_ANSWERS)
+    prompts = [vocabulary.encode(c + cont) for sample in choices for c, cont in sample["arguments"]]
+    prompts += [vocabulary.encode(sample["arguments"][0][0]) for sample in answers]
+    assert served["batchgpu_time_to_first_token_seconds_count"] == len(prompts)
+    assert served["batchgpu_prompt_tokens_total"] == sum(map(len, prompts))
+
+    contexts = [vocabulary.encode(context) for context, _, _ in LM_EVAL_CHOICES]
+    correct = []
+    for sample, (context, options, answer), ids, (exact, bound) in zip(
+        choices, LM_EVAL_CHOICES, contexts, direct_scores(contexts)
+    ):
+        arguments = [(context, f" {option}") for option in options]  # its default target_delimiter, " "
+        assert [tuple(argument) for argument in sample["arguments"]] == arguments
+        wholes = [vocabulary.encode(prefix + continuation) for prefix, continuation in arguments]
+        assert all(whole[:-1] == ids for whole in wholes), wholes  # the data's premise: one token per choice
+        wanted = [exact[whole[-1]] for whole in wholes]
+        top, runner_up = np.sort(exact)[::-1][:2]
+        assert top - runner_up > 2 * bound  # is_greedy cannot tip either way
+        for (logprob, greedy_choice), value in zip(sample["filtered_resps"], wanted):
+            assert abs(logprob - value) <= bound, (context, sample["filtered_resps"], wanted, bound)
+            assert greedy_choice == (value == top)
+        best, second = sorted(wanted, reverse=True)[:2]
+        assert best - second > 2 * bound  # nor can acc
+        correct.append(float(int(np.argmax(wanted)) == answer))
+        assert sample["acc"] == correct[-1] and sample["target"] == answer
+    assert run["results"]["batchgpu_choices"]["acc,none"] == pytest.approx(np.mean(correct), abs=1e-12)
+    assert sum(correct) >= len(correct) - 1  # the items are easy: the model gets at most one wrong
+
+    matched = []
+    for sample, (context, answer), (status, reply) in zip(answers, LM_EVAL_ANSWERS, greedy):
+        assert status == 200, reply
+        (text,) = sample["filtered_resps"]
+        assert sample["arguments"][0][0] == context and text == reply["choices"][0]["text"]
+        matched.append(float(text.removeprefix(" ") == answer))
+        assert sample["exact_match"] == matched[-1]
+    assert run["results"]["batchgpu_answers"]["exact_match,none"] == pytest.approx(np.mean(matched), abs=1e-12)
+    assert 0 < sum(matched) < len(matched)  # both ways: a right answer and a wrong one
+
+
 # refusals ----------------------------------------------------------------------------------------
 
 
