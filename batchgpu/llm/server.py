@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-from ..errors import GrammarError, RequestError
+from ..errors import GrammarError, OverloadedError, RequestError
 from .embeddings import embeddings_response, read_embeddings_request
 from .logprobs import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from .metrics import EngineStats, exposition, metrics_registry
@@ -43,7 +43,9 @@ def create_app(
     Every request is checked before it runs (:mod:`batchgpu.llm.schema`): a body over ``max_request_bytes``
     is refused with 413 as soon as its Content-Length (or what was read of it) says so, a bad field with
     400 naming it, a ``model`` other than ``model_name`` with 404 (``model_not_found``; a request without
-    one gets this model); unknown paths and methods get 404 and 405. Every refusal carries OpenAI's error
+    one gets this model); unknown paths and methods get 404 and 405; a request the engine refuses for its
+    load (:class:`~batchgpu.errors.OverloadedError`: it holds ``max_batch + max_waiting`` sequences) 429
+    (``rate_limit_exceeded``, as OpenAI's rate limits), streamed or not. Every refusal carries OpenAI's error
     body. ``trusted_messages``: control-token text in chat messages is control (only where every client
     is trusted; by default it is plain text, :meth:`~batchgpu.llm.Engine.generate`). ``GET /metrics`` answers Prometheus
     with the engine's metrics (:mod:`batchgpu.llm.metrics`; 501 for an engine without ``stats``, such as
@@ -132,6 +134,8 @@ def create_app(
         pieces = state["engine"].generate(call.prompt, call.params, trusted=trusted_messages)
         try:
             first = await pieces.__anext__()  # refusals (too long, bad ids) become HTTP errors, not streams
+        except OverloadedError as exc:  # the engine is full: OpenAI's answer to too many requests
+            return _error(429, str(exc), kind="requests", code="rate_limit_exceeded")
         except RequestError as exc:
             return _error(400, str(exc), param=exc.param)
         echo = _Echo(call, first, codec) if call.echo else None
@@ -349,9 +353,13 @@ def serve(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     trusted_messages: bool = False,
     embeddings: bool = False,
+    max_connections: int | None = None,
 ) -> None:
     """Run the server until interrupted (uvicorn, one worker: one engine owns the device); see
-    :func:`create_app` for ``max_request_bytes``, ``trusted_messages`` and ``embeddings``."""
+    :func:`create_app` for ``max_request_bytes``, ``trusted_messages`` and ``embeddings``.
+    ``max_connections``: uvicorn's ``limit_concurrency`` (None: no limit); with that many connections (or
+    requests) open, uvicorn answers 503 at once, so bodies being read hold at most ``max_connections *
+    max_request_bytes``."""
     import uvicorn
 
     app = create_app(
@@ -361,4 +369,4 @@ def serve(
         trusted_messages=trusted_messages,
         embeddings=embeddings,
     )
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    uvicorn.run(app, host=host, port=port, log_level="info", limit_concurrency=max_connections)
