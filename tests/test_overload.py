@@ -109,7 +109,8 @@ def test_n_samples_take_n_places_and_more_than_the_engine_holds_is_a_bad_request
 
 
 def test_a_cancelled_request_gives_its_place_back(engine: Engine) -> None:
-    """A waiting request and a running one cancelled: the next requests take their places at once."""
+    """A waiting request and a running one cancelled, and one refused for its length: the next requests take
+    their places at once."""
 
     async def flood() -> list[str]:
         tasks = await taken(engine, PROMPTS[:4], greedy(40))
@@ -119,6 +120,8 @@ def test_a_cancelled_request_gives_its_place_back(engine: Engine) -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+        with pytest.raises(bg.RequestError, match="max_context"):  # refused for its length: its place is free
+            await engine.generate("AB" * 40, greedy(6)).__anext__()
         later = await taken(engine, PROMPTS[4:6], greedy(6))
         with pytest.raises(bg.OverloadedError, match="it holds 4 sequences"):
             await engine.generate("ABC", greedy(6)).__anext__()
@@ -126,7 +129,7 @@ def test_a_cancelled_request_gives_its_place_back(engine: Engine) -> None:
 
     texts = asyncio.run(flood())
     assert texts[2:] == [engine.complete(prompt, greedy(6)).text for prompt in PROMPTS[4:6]]
-    assert engine.memory()["blocks_used"] == 0
+    assert engine.memory()["blocks_used"] == 0 and engine.held == 0
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, "2", True])
