@@ -178,22 +178,41 @@ async def complete(client, prompt: str, tokens: int, *, stream: bool = False) ->
     return "".join([chunk.choices[0].text async for chunk in answer if chunk.choices])
 
 
+def unread_body_answer(server: str) -> bytes:
+    """The answer to a request whose 64-byte body is never sent (only one refused before its body is read
+    gets one before the timeout)."""
+    host, port = server.removeprefix("http://").split(":")
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 64\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(head)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):  # the head, then the JSON body
+            data = connection.recv(65536)
+            if not data:
+                break
+            answer += data
+        return answer
+
+
 def test_a_flood_past_max_batch_plus_max_waiting_gets_429_and_the_server_goes_on(server: str) -> None:
     """Four long requests fill the server's two slots and two waiting places; four more, two of them
-    streamed, are refused with 429 and OpenAI's rate-limit body while those run; the four give the text
-    they give alone, and the server then serves a new request."""
+    streamed, are refused with 429 and OpenAI's rate-limit body while those run, and one whose body never
+    comes before its body is read; the four give the text they give alone, and the server then serves
+    new requests."""
     tokens = 400  # about a second of steps for each pair: the refused ones come long before the first ends
 
-    async def flood() -> tuple[list[str], list[BaseException | str]]:
+    async def flood() -> tuple[list[str], list[BaseException | str], bytes]:
         async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", timeout=120, max_retries=0) as client:
             accepted = [asyncio.create_task(complete(client, prompt, tokens)) for prompt in PROMPTS[:4]]
             while (held := await asyncio.to_thread(status, server))["running"] + held["waiting"] < 4:
                 await asyncio.sleep(0.005)
             extra = [complete(client, prompt, 8, stream=i % 2 == 1) for i, prompt in enumerate(PROMPTS[4:])]
             refused = await asyncio.gather(*extra, return_exceptions=True)
-            return list(await asyncio.gather(*accepted)), list(refused)
+            head = await asyncio.to_thread(unread_body_answer, server)
+            return list(await asyncio.gather(*accepted)), list(refused), head
 
-    texts, refused = asyncio.run(flood())
+    texts, refused, head = asyncio.run(flood())
+    assert head.startswith(b"HTTP/1.1 429 ") and b"rate_limit_exceeded" in head, head
     for error in refused:
         assert isinstance(error, openai.RateLimitError) and error.status_code == 429, error
         assert error.body["type"] == "requests" and error.body["code"] == "rate_limit_exceeded", error.body

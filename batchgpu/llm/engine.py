@@ -177,6 +177,22 @@ class Engine:
         format (``weight_bytes``: block formats by name, float tensors by dtype)."""
         return {**self.pool.usage(), "kv_bytes": self.cache.nbytes, "weight_bytes": weight_bytes(self.weights)}
 
+    def check_room(self, samples: int = 1, field: str = "n") -> None:
+        """Refuse a request of ``samples`` sequences the engine has no room for now (OverloadedError: it
+        holds ``max_batch + max_waiting`` sequences with them) or ever (RequestError naming ``field``: more
+        samples than that); nothing where ``max_waiting`` is None. A server asks before it reads a body."""
+        if self.max_waiting is None:
+            return
+        most = self.max_batch + self.max_waiting
+        if samples > most:
+            raise RequestError(f"{field}: {samples} samples; this engine holds at most {most} sequences", field)
+        if self.held + samples > most:
+            raise OverloadedError(
+                f"the engine is full: it holds {self.held} sequences (running, waiting or being tokenized) and "
+                f"takes at most {most} (max_batch {self.max_batch} + max_waiting {self.max_waiting}); this "
+                f"request needs {samples}: retry later"
+            )
+
     @property
     def failure(self) -> BaseException | None:
         """The error that ended the scheduler task, if one did (a health check's question)."""
@@ -193,20 +209,9 @@ class Engine:
 
     @contextlib.contextmanager
     def _places(self, params: SamplingParams) -> Iterator[None]:
-        """Hold a place per sample of a request while it runs (:attr:`held`): OverloadedError where the
-        engine holds ``max_batch + max_waiting`` sequences with them, RequestError where it never could."""
+        """Hold a place per sample of a request while it runs (:attr:`held`), refused by :meth:`check_room`."""
         needed = params.samples
-        if self.max_waiting is not None:
-            most = self.max_batch + self.max_waiting
-            if needed > most:
-                field = "best_of" if needed > params.n else "n"
-                raise RequestError(f"{field}: {needed} samples; this engine holds at most {most} sequences", field)
-            if self.held + needed > most:
-                raise OverloadedError(
-                    f"the engine is full: it holds {self.held} sequences (running, waiting or being tokenized) and "
-                    f"takes at most {most} (max_batch {self.max_batch} + max_waiting {self.max_waiting}); this "
-                    f"request needs {needed}: retry later"
-                )
+        self.check_room(needed, "best_of" if needed > params.n else "n")
         self.held += needed
         try:
             yield
