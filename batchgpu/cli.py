@@ -144,6 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"refuse request bodies over N bytes with 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 4 MiB)",
     )
     serve.add_argument(
+        "--max-waiting",
+        type=int,
+        metavar="N",
+        help="sequences that may wait beyond --max-batch; a request past them is refused with 429 (default: 16 "
+        "per --max-batch)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        help="open connections uvicorn takes; past them it answers 503 (uvicorn's limit_concurrency; default: "
+        "no limit)",
+    )
+    serve.add_argument(
         "--trusted-messages",
         action="store_true",
         help="read control-token text (<|im_start|>) in chat messages as control tokens: only if every client "
@@ -574,7 +588,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f'serve: {exc}; install the server with `pip install "batchgpu[serve]"`', file=sys.stderr)
         return 2
-    from .llm.options import EngineOptions
+    from .llm.options import WAITING_PER_SLOT, EngineOptions
     from .models.encoder import is_encoder
     from .models.llama import smollm2_path
 
@@ -582,22 +596,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_request_bytes < 1:
         print(f"serve: --max-request-bytes must be at least 1, got {args.max_request_bytes}", file=sys.stderr)
         return 2
-    for flag, value in (("--kv-blocks", args.kv_blocks), ("--block-size", args.block_size)):
-        if value is not None and value < 1:
-            print(f"serve: {flag} must be at least 1, got {value}", file=sys.stderr)
+    lowest = (("--kv-blocks", args.kv_blocks, 1), ("--block-size", args.block_size, 1))
+    lowest += (("--max-waiting", args.max_waiting, 0), ("--max-connections", args.max_connections, 1))
+    for flag, value, low in lowest:
+        if value is not None and value < low:
+            print(f"serve: {flag} must be at least {low}, got {value}", file=sys.stderr)
             return 2
     if is_encoder(path):
         return serve_embeddings(args, path)
+    max_batch = 8 if args.max_batch is None else args.max_batch
     options = EngineOptions(
         model=str(path),
         device=args.device,
-        max_batch=8 if args.max_batch is None else args.max_batch,
+        max_batch=max_batch,
         max_context=args.max_context,
         quantized=not args.fp32,
         kv_dtype="float16" if args.kv_f16 else "float32",
         kv_blocks=args.kv_blocks,
         block_size=args.block_size,
         prefix_caching=not args.no_prefix_caching,
+        max_waiting=WAITING_PER_SLOT * max_batch if args.max_waiting is None else args.max_waiting,
     )
     if args.ray:
         return serve_on_ray(args, options, model_name=path.stem)
@@ -608,6 +626,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         max_request_bytes=args.max_request_bytes,
         trusted_messages=args.trusted_messages,
+        max_connections=args.max_connections,
     )
     return 0
 
@@ -635,6 +654,7 @@ def serve_embeddings(args: argparse.Namespace, path: Path) -> int:
         port=args.port,
         max_request_bytes=args.max_request_bytes,
         embeddings=True,
+        max_connections=args.max_connections,
     )
     return 0
 

@@ -54,6 +54,12 @@ class RequestError(BatchError, ValueError):
         self.param = param
 
 
+class OverloadedError(RequestError):
+    """A request refused because the engine already holds as many sequences as it takes (running, waiting
+    or being tokenized: ``max_batch + max_waiting``): nothing was tokenized, queued or allocated for it, and
+    the same request may succeed later (the server answers 429)."""
+
+
 class GrammarError(RequestError):
     """A structured request's grammar cannot go on (a token it refuses, or the grammar engine's limits
     reached while generating): that request fails alone."""

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 
 from batchgpu.llm import Engine, SamplingParams  # noqa: E402
 from batchgpu.llm.options import EngineOptions  # noqa: E402
-from batchgpu.llm.ray_serve import build_app, cpu_share  # noqa: E402
+from batchgpu.llm.ray_serve import ReplicaLostError, build_app, client_error, cpu_share  # noqa: E402
 
 from .servers import free_port  # noqa: E402
 from .test_llama_variants import VARIANTS, random_weights, write_gguf  # noqa: E402
@@ -162,3 +162,22 @@ def test_the_router_deals_a_burst_evenly_and_follows_completions():
     router.on_request_completed(replicas[2].replica_id, "request-2")
     router.on_request_completed(replicas[2].replica_id, "request-3")
     assert [route(), route()] == ["c", "c"]
+
+
+def test_a_full_engine_or_queue_behind_the_ingress_is_a_429_there() -> None:
+    """A replica's refusal keeps its class and field across Ray (an OverloadedError was a plain RequestError,
+    a 400, at the ingress), Ray's backpressure on the queue to the replicas is an OverloadedError; a lost
+    replica and other failures are no client error."""
+    from ray.exceptions import RayTaskError
+    from ray.serve.exceptions import BackPressureError
+
+    full = bg.OverloadedError("the engine is full: it holds 4 sequences")
+    wrapped = RayTaskError("generate", "Traceback ...", full).as_instanceof_cause()
+    for error in (full, wrapped):
+        answer = client_error(error)
+        assert type(answer) is bg.OverloadedError and str(answer) == str(full), answer
+    long = client_error(bg.RequestError("prompt (300 tokens) + max_tokens (10) exceed", "prompt"))
+    assert type(long) is bg.RequestError and long.param == "prompt"
+    queued = client_error(BackPressureError(num_queued_requests=2, max_queued_requests=2))
+    assert type(queued) is bg.OverloadedError and "max_queued_requests=2" in str(queued), queued
+    assert client_error(ReplicaLostError("lost")) is None and client_error(RuntimeError("boom")) is None

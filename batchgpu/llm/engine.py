@@ -20,7 +20,7 @@ import numpy as np
 
 from ..batch import default_device
 from ..device import Device
-from ..errors import BatchError, RequestError
+from ..errors import BatchError, OverloadedError, RequestError
 from ..models.llama import load_model, smollm2_path, steps_ahead, weight_bytes
 from .blocks import BlockPool, default_blocks
 from .grammar import GrammarEngine, Guide
@@ -47,7 +47,14 @@ class Engine:
     tokens stay on the device as the next decode step's input, so up to ``ahead`` steps are submitted before
     the oldest one's tokens are read (0: none; default: :func:`~batchgpu.models.llama.steps_ahead`); a
     request that stops early drops what ran past it. A step with grammar rows (structured outputs) is
-    split: its sampling part, whose masks need the step before, is submitted once that step is read."""
+    split: its sampling part, whose masks need the step before, is submitted once that step is read.
+
+    ``max_waiting`` bounds the requests that wait: the engine holds at most ``max_batch + max_waiting``
+    sequences (running, waiting, or being tokenized; a request of ``n`` samples counts ``n``, ``best_of``
+    ``best_of``) and refuses a request past that at once with :class:`~batchgpu.errors.OverloadedError`,
+    before its prompt is tokenized; a request that ends (finished, failed or cancelled) gives its places
+    back. None (the default): unbounded, as an offline batch that queues every prompt it has wants; a
+    server facing clients sets a bound (``batchgpu serve`` does, ``--max-waiting``)."""
 
     def __init__(
         self,
@@ -64,6 +71,7 @@ class Engine:
         fuse: bool = True,
         ahead: int | None = None,
         prefix_caching: bool = True,
+        max_waiting: int | None = None,
     ) -> None:
         self.device = device if device is not None else default_device()
         self.path = Path(model) if model is not None else smollm2_path()
@@ -72,11 +80,15 @@ class Engine:
                 f"Engine: max_batch, prefill_chunk, block_size and kv_blocks must be at least 1, got {max_batch}, "
                 f"{prefill_chunk}, {block_size} and {kv_blocks}"
             )
+        if max_waiting is not None and (type(max_waiting) is not int or max_waiting < 0):
+            raise BatchError(f"Engine: max_waiting must be None or an int >= 0, got {max_waiting!r}")
         self.ahead = steps_ahead(self.device, ahead, "Engine")
         self.config, self.codec, self.weights = load_model(
             self.device, self.path, max_context, quantized=quantized, fuse=fuse, what="Engine"
         )
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
+        self.max_waiting = max_waiting
+        self.held = 0  # sequences of the requests taken and not ended: running, waiting or being tokenized
         blocks = kv_blocks if kv_blocks is not None else default_blocks(max_batch, max_context, block_size)
         self.pool = BlockPool(blocks, block_size)
         self.scheduler = Scheduler(
@@ -115,18 +127,19 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
-        encode, arrival = (self.codec, self.config.vocab, prompt, trusted, params, self.grammar), clock()
-        if prompt_size(prompt) <= INLINE_PROMPT and params.structured is None and params.tools is None:
-            ids, guides = prepare(*encode)  # quicker than a hop to the thread
-        else:
-            ids, guides = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prepare, *encode)
-        sequences, queue = self._add(ids, params, arrival, guides)
-        try:
-            async for piece in request_pieces(queue, len(sequences), params):
-                yield piece
-        finally:
-            if self._end_unfinished(sequences):  # cancelled: their slots and blocks are free at once
-                self._wake.set()
+        with self._places(params):  # OverloadedError before anything is done for the request
+            encode, arrival = (self.codec, self.config.vocab, prompt, trusted, params, self.grammar), clock()
+            if prompt_size(prompt) <= INLINE_PROMPT and params.structured is None and params.tools is None:
+                ids, guides = prepare(*encode)  # quicker than a hop to the thread
+            else:
+                ids, guides = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prepare, *encode)
+            sequences, queue = self._add(ids, params, arrival, guides)
+            try:
+                async for piece in request_pieces(queue, len(sequences), params):
+                    yield piece
+            finally:
+                if self._end_unfinished(sequences):  # cancelled: their slots and blocks are free at once
+                    self._wake.set()
 
     def generate_sync(
         self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False
@@ -164,6 +177,22 @@ class Engine:
         format (``weight_bytes``: block formats by name, float tensors by dtype)."""
         return {**self.pool.usage(), "kv_bytes": self.cache.nbytes, "weight_bytes": weight_bytes(self.weights)}
 
+    def check_room(self, samples: int = 1, field: str = "n") -> None:
+        """Refuse a request of ``samples`` sequences the engine has no room for now (OverloadedError: it
+        holds ``max_batch + max_waiting`` sequences with them) or ever (RequestError naming ``field``: more
+        samples than that); nothing where ``max_waiting`` is None. A server asks before it reads a body."""
+        if self.max_waiting is None:
+            return
+        most = self.max_batch + self.max_waiting
+        if samples > most:
+            raise RequestError(f"{field}: {samples} samples; this engine holds at most {most} sequences", field)
+        if self.held + samples > most:
+            raise OverloadedError(
+                f"the engine is full: it holds {self.held} sequences (running, waiting or being tokenized) and "
+                f"takes at most {most} (max_batch {self.max_batch} + max_waiting {self.max_waiting}); this "
+                f"request needs {samples}: retry later"
+            )
+
     @property
     def failure(self) -> BaseException | None:
         """The error that ended the scheduler task, if one did (a health check's question)."""
@@ -177,6 +206,17 @@ class Engine:
         return {**self.scheduler.status(), "steps": dict(self.steps), **sizes, "memory": self.memory()}
 
     # requests ------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _places(self, params: SamplingParams) -> Iterator[None]:
+        """Hold a place per sample of a request while it runs (:attr:`held`), refused by :meth:`check_room`."""
+        needed = params.samples
+        self.check_room(needed, "best_of" if needed > params.n else "n")
+        self.held += needed
+        try:
+            yield
+        finally:
+            self.held -= needed
 
     def _add(
         self, ids: list[int], params: SamplingParams, arrival: float, guides: list[Guide] | None = None

