@@ -317,32 +317,6 @@ LM_EVAL_ANSWERS = [  # (context, answer): generated until a newline or a comma
 LM_EVAL_UNTIL, LM_EVAL_MAX_TOKENS = ["\n", ","], 6
 
 
-class ServedVocabulary:
-    """The served model's own tokenizer (its GGUF vocabulary) with the methods lm-evaluation-harness 0.4.13's
-    TemplateAPI calls on a tokenizer of its "tiktoken" backend: ``encode`` (one text; anything else raises,
-    and it calls ``encode_batch``), ``encode_batch``, ``decode``, ``decode_batch``, ``eot_token``. Ids and
-    texts as the Hugging Face tokenizer of its "huggingface" backend gives them: no special tokens added
-    (``add_special_tokens=False``, its default), control tokens decoded as their text."""
-
-    def __init__(self, codec: Any) -> None:
-        self.codec = codec
-        self.eot_token = min(codec.eos_ids)
-
-    def encode(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError(f"encode takes one text, got {type(text).__name__}")
-        return self.codec.encode(text, special=False)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode(text) for text in texts]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.codec.tokenizer.decode(list(ids), skip_special_tokens=False)
-
-    def decode_batch(self, batch: list[list[int]]) -> list[str]:
-        return [self.decode(ids) for ids in batch]
-
-
 def write_lm_eval_tasks(directory: Any) -> None:
     """Two lm-evaluation-harness task definitions in ``directory``, each over a JSON-lines file there (the
     ``json`` builder of ``datasets``, read locally, its cache in ``directory`` too): ``batchgpu_choices``
@@ -409,14 +383,10 @@ def test_lm_eval_runs_two_tasks_against_the_server(
     answer the server's own greedy completion of the context's text with the same stop strings, and its
     exact_match.
 
-    The tokenizer: lm-evaluation-harness counts a loglikelihood request's context in tokens on its side,
-    so local-completions needs one there. Of its backends, "huggingface" needs transformers (not a
-    dependency here) and the model's Hugging Face tokenizer; "tiktoken" has OpenAI's vocabularies only
-    (and fetches them); "remote" needs vLLM's /tokenize, /detokenize and /tokenizer_info, which this server
-    does not serve; "None" sends text but refuses loglikelihood requests. So the model is built with
-    ``tokenizer_backend=None`` and then given the served model's own vocabulary (:class:`ServedVocabulary`)
-    as a "tiktoken" backend's tokenizer: requests go as token ids, as with the "huggingface" backend and
-    ``tokenizer=HuggingFaceTB/SmolLM2-135M-Instruct``. Nothing reaches the network: the data are local
+    The tokenizer: lm-evaluation-harness counts a loglikelihood request's context in tokens on its side.
+    local-completions' default backend ("auto") finds the server's vLLM tokenizer endpoints (/tokenizer_info,
+    /tokenize, /detokenize: batchgpu.llm.tokenization) and tokenizes through them ("remote"), with no
+    tokenizer of its own; requests then go as token ids. Nothing reaches the network: the data are local
     files, ``datasets`` and the hub are offline, the built-in task index is not read."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -424,14 +394,11 @@ def test_lm_eval_runs_two_tasks_against_the_server(
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
 
-    vocabulary = ServedVocabulary(smollm2_codec)
     write_lm_eval_tasks(tmp_path)
     tasks = TaskManager(include_path=str(tmp_path), include_defaults=False)
     with batchgpu_server("--device", "wgpu", "--max-batch", "8", "--max-context", "128") as server:
-        model = LocalCompletionsAPI(
-            base_url=f"{server}/v1/completions", model=MODEL, tokenizer_backend="None", num_concurrent=8, max_retries=1
-        )
-        model.tokenizer, model.tokenizer_backend, model.tokenized_requests = vocabulary, "tiktoken", True
+        model = LocalCompletionsAPI(base_url=f"{server}/v1/completions", model=MODEL, num_concurrent=8, max_retries=1)
+        assert (model.tokenizer_backend, model.tokenized_requests) == ("remote", True)  # found the endpoints
         run = lm_eval.simple_evaluate(
             model=model, tasks=["batchgpu_choices", "batchgpu_answers"], task_manager=tasks,
             random_seed=None, numpy_random_seed=None, torch_random_seed=None,  # the process's generators untouched
@@ -443,22 +410,26 @@ def test_lm_eval_runs_two_tasks_against_the_server(
             for context, _ in LM_EVAL_ANSWERS
         ]  # fmt: skip
     assert run is not None
+
+    def encode(text: str) -> list[int]:  # as lm-evaluation-harness's tokenizers do: nothing added around
+        return smollm2_codec.encode(text, special=False)
+
     choices = sorted(run["samples"]["batchgpu_choices"], key=lambda sample: sample["doc_id"])
     answers = sorted(run["samples"]["batchgpu_answers"], key=lambda sample: sample["doc_id"])
     assert len(choices) == len(LM_EVAL_CHOICES) and len(answers) == len(LM_EVAL_ANSWERS)
-    prompts = [vocabulary.encode(c + cont) for sample in choices for c, cont in sample["arguments"]]
-    prompts += [vocabulary.encode(sample["arguments"][0][0]) for sample in answers]
+    prompts = [encode(c + cont) for sample in choices for c, cont in sample["arguments"]]
+    prompts += [encode(sample["arguments"][0][0]) for sample in answers]
     assert served["batchgpu_time_to_first_token_seconds_count"] == len(prompts)
     assert served["batchgpu_prompt_tokens_total"] == sum(map(len, prompts))
 
-    contexts = [vocabulary.encode(context) for context, _, _ in LM_EVAL_CHOICES]
+    contexts = [encode(context) for context, _, _ in LM_EVAL_CHOICES]
     correct = []
     for sample, (context, options, answer), ids, (exact, bound) in zip(
         choices, LM_EVAL_CHOICES, contexts, direct_scores(contexts)
     ):
         arguments = [(context, f" {option}") for option in options]  # its default target_delimiter, " "
         assert [tuple(argument) for argument in sample["arguments"]] == arguments
-        wholes = [vocabulary.encode(prefix + continuation) for prefix, continuation in arguments]
+        wholes = [encode(prefix + continuation) for prefix, continuation in arguments]
         assert all(whole[:-1] == ids for whole in wholes), wholes  # the data's premise: one token per choice
         wanted = [exact[whole[-1]] for whole in wholes]
         top, runner_up = np.sort(exact)[::-1][:2]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import urllib.error
 import urllib.request
 
 import pytest
@@ -125,6 +126,18 @@ def test_a_replica_killed_mid_run(cluster, greedy):
             assert re.search(r"the replica serving this request died after [1-9]\d* tokens", str(result)), result
         else:
             assert result == want
+
+
+def test_the_ingress_answers_501_for_what_its_replicas_keep(cluster):
+    """The ingress has no tokenizer nor metrics of its own (its replicas' engines keep them): 501 with
+    OpenAI's error body, for vLLM's tokenizer endpoints and Prometheus' scrape alike."""
+    base = cluster.removesuffix("/v1")
+    for path, body in [("/tokenizer_info", None), ("/tokenize", b'{"prompt": "a"}'), ("/metrics", None)]:
+        request = urllib.request.Request(base + path, data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(request, timeout=60)
+        assert answer.value.code == 501, path
+        assert json.loads(answer.value.read())["error"]["type"] == "server_error"
 
 
 def test_replicas_on_cpus_share_the_cluster_cpus(cluster):

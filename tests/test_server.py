@@ -634,6 +634,69 @@ def test_chat_messages_cannot_forge_turns(client: openai.OpenAI, server: str, co
     _assert_serves(server)
 
 
+# vLLM's tokenizer endpoints -------------------------------------------------------------------------------
+
+
+def test_tokenize_gives_the_ids_a_completion_runs(server: str, codec: Any) -> None:
+    """/tokenize: a text prompt's ids as a completion of it runs them (its prompt_tokens), with or without
+    the tokens the tokenizer adds, chat messages' ids as the chat endpoint runs them (control-token text in
+    them plain text), each token's text on request; /detokenize turns ids back into text, control tokens
+    included; /tokenizer_info names the special tokens and gives the chat template."""
+    text = "Hello <|im_end|> world"
+    status, reply = _post(server, "/tokenize", {"model": MODEL, "prompt": text})
+    assert status == 200 and reply["tokens"] == codec.encode(text) and reply["count"] == len(reply["tokens"])
+    assert reply["max_model_len"] == 256 and reply["token_strs"] is None
+    assert codec.encode_chat([{"role": "user", "content": "<|im_end|>"}])[-1] != reply["tokens"][1]
+    status, completion = _post(server, COMPLETIONS, comp(prompt=text, max_tokens=1))
+    assert completion["usage"]["prompt_tokens"] == reply["count"]
+    status, bare = _post(server, "/tokenize", {"prompt": text, "add_special_tokens": False, "return_token_strs": True})
+    assert bare["tokens"] == codec.encode(text, special=False)
+    assert bare["token_strs"] == [codec.tokenizer.id_to_token(i) for i in bare["tokens"]]
+    status, chat_ids = _post(server, "/tokenize", {"messages": FORGED})
+    assert status == 200 and chat_ids["tokens"] == codec.encode_chat(FORGED)
+    reply = _post(server, CHAT, chat(messages=FORGED, max_tokens=1))[1]
+    assert reply["usage"]["prompt_tokens"] == chat_ids["count"]
+    status, back = _post(server, "/detokenize", {"model": MODEL, "tokens": codec.encode(text, special=False)})
+    assert status == 200 and back == {"prompt": text}
+    status, info = _http(f"{server}/tokenizer_info")
+    assert status == 200 and (info["eos_token"], info["bos_token"]) == (codec.eos_token, codec.bos_token)
+    assert info["chat_template"] == codec.chat_template and info["model_max_length"] == 256
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        ("/tokenize", {}, "prompt", "give either prompt (a string) or messages"),
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt", "either prompt"),
+        ("/tokenize", {"prompt": [1, 2]}, "prompt", "prompt must be a string here"),
+        ("/tokenize", {"prompt": 5}, "prompt", "prompt must be a string or array, got an integer (5)"),
+        ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens", "must be a boolean"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "add_special_tokens": True},
+         "add_special_tokens", "applies to a text prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False},
+         "add_generation_prompt", "is not supported (only true)"),
+        ("/tokenize", {"messages": []}, "messages", "non-empty array of messages"),
+        ("/tokenize", {"prompt": "a", "max_tokens": 3}, "max_tokens", "unrecognized request argument"),
+        ("/detokenize", {}, "tokens", "tokens is missing"),
+        ("/detokenize", {"tokens": [1, 49152]}, "tokens", "token ids in [0, 49152), got [49152]"),
+        ("/detokenize", {"tokens": [1, -1, True, 2.5]}, "tokens", "got [-1, True, 2.5]"),
+        ("/detokenize", {"tokens": "12"}, "tokens", "must be an array"),
+        ("/detokenize", {"prompt": "a", "tokens": [1]}, "prompt", "unrecognized request argument"),
+    ],
+)  # fmt: skip
+def test_tokenizer_endpoints_refuse_bad_bodies(server: str, path: str, body: Any, param: str, message: str) -> None:
+    status, reply = _post(server, path, body)
+    assert status == 400 and reply["error"]["param"] == param and message in reply["error"]["message"], reply
+
+
+def test_tokenizer_endpoints_check_the_model(server: str) -> None:
+    for path, body in [("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})]:
+        status, reply = _post(server, path, {**body, "model": "gpt-4"})
+        assert status == 404 and reply["error"]["code"] == "model_not_found", reply
+    assert _http(f"{server}/tokenizer_info", b"{}")[0] == 405
+    _assert_serves(server)
+
+
 @pytest.fixture(scope="module")
 def trusting_server() -> Iterator[str]:
     """A server that trusts its clients' messages and takes bodies of at most 2048 bytes."""

@@ -43,8 +43,9 @@ JSON_TYPES: dict[str, Callable[[Any], bool]] = {
 }
 
 CHAT, COMPLETIONS, EMBEDDINGS = "chat", "completions", "embeddings"
+TOKENIZE, DETOKENIZE = "tokenize", "detokenize"  # vLLM's tokenizer endpoints (batchgpu.llm.tokenization)
 BOTH = (CHAT, COMPLETIONS)
-EVERY = (CHAT, COMPLETIONS, EMBEDDINGS)
+EVERY = (CHAT, COMPLETIONS, EMBEDDINGS, TOKENIZE, DETOKENIZE)
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,8 @@ class Field:
 
 FIELDS: dict[str, Field] = {
     "model": Field(("string",), EVERY),
-    "prompt": Field(("string", "array"), (COMPLETIONS,)),
-    "messages": Field(("array",), (CHAT,)),
+    "prompt": Field(("string", "array"), (COMPLETIONS, TOKENIZE)),  # tokenize: a string (batchgpu.llm.tokenization)
+    "messages": Field(("array",), (CHAT, TOKENIZE)),
     "stream": Field(("boolean",)),
     "stream_options": Field(("object",)),
     "max_tokens": Field(("integer",), sampling="max_tokens"),
@@ -93,8 +94,13 @@ FIELDS: dict[str, Field] = {
     "input": Field(("string", "array"), (EMBEDDINGS,)),  # checked by batchgpu.llm.embeddings
     "encoding_format": Field(("string",), (EMBEDDINGS,), only=("float", "base64")),
     "dimensions": Field(("integer",), (EMBEDDINGS,)),  # only the model's own (batchgpu.llm.embeddings)
+    "add_special_tokens": Field(("boolean",), (TOKENIZE,)),  # vLLM's: BOS etc. around a text prompt
+    "add_generation_prompt": Field(("boolean",), (TOKENIZE,), only=(True,)),  # the assistant's turn opened
+    "return_token_strs": Field(("boolean",), (TOKENIZE,)),  # vLLM's: each token's text too
+    "tokens": Field(("array",), (DETOKENIZE,)),
 }
-"""The request fields of ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/embeddings``."""
+"""The request fields of ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/tokenize`` and
+``/detokenize``."""
 
 STREAM_OPTIONS = {"include_usage": "boolean"}
 MESSAGE_FIELDS = {
@@ -163,7 +169,7 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     if "stream_options" in values and not stream:
         raise RequestError("stream_options is only allowed when stream is true", "stream_options")
     _check_keys(options, STREAM_OPTIONS, "stream_options")
-    prompt = _messages(values.get("messages")) if endpoint == CHAT else _prompt(values.get("prompt"))
+    prompt = chat_messages(values.get("messages")) if endpoint == CHAT else _prompt(values.get("prompt"))
     echo = values.get("echo", False)
     prompt_only = echo and values.get("max_tokens") == 0
     if values.get("max_tokens") == 0 and not echo:
@@ -326,7 +332,7 @@ def _prompt(prompt: Any) -> str | list[int]:
     raise RequestError(f"prompt must be a string or a list of token ids (one prompt per request), got {got}", "prompt")
 
 
-def _messages(messages: Any) -> list[dict[str, Any]]:
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """The chat messages, each ``{"role", "content"[, "name"]}`` with text content (content parts: their
     texts joined); an assistant's ``tool_calls`` (its content may then be null) with their arguments
     parsed (chat templates read them as objects, as vLLM gives them) and a tool message's

@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP server over one :class:`~batchgpu.llm.Engine` (Starlette on uvicorn):
 ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed over server-sent
-events with ``"stream": true``, and ``GET /metrics`` for Prometheus (:mod:`batchgpu.llm.metrics`); or, for an
+events with ``"stream": true``, ``GET /metrics`` for Prometheus (:mod:`batchgpu.llm.metrics`) and vLLM's
+``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (:mod:`batchgpu.llm.tokenization`); or, for an
 encoder model, ``POST /v1/embeddings`` over an :class:`~batchgpu.llm.embeddings.EmbeddingService`. A client
 that disconnects mid-stream cancels its request (its slot is freed at the next step). The engine is made in
 the server's event-loop thread (a Device belongs to one thread); request bodies are parsed, and prompts
@@ -23,6 +24,7 @@ from .logprobs import chat_logprobs, completion_logprobs, merge_completion_logpr
 from .metrics import EngineStats, exposition, metrics_registry
 from .output import Piece, choices
 from .schema import CHAT, COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, ParsedRequest, read_request
+from .tokenization import detokenize, read_detokenize_request, read_tokenize_request, tokenize, tokenizer_info
 
 
 def create_app(
@@ -170,6 +172,43 @@ def create_app(
             }
         )
 
+    def _vocabulary() -> Any:
+        """The engine, or the 501 Response where its tokenizer is not here (replicas on Ray)."""
+        engine = state["engine"]
+        if getattr(engine, "codec", None) is None:
+            message = f"this server's engine ({type(engine).__name__}) has no tokenizer here"
+            return _error(501, message, kind="server_error", code="tokenizer_unavailable")
+        return engine
+
+    async def tokenize_prompt(request: Request) -> Response:
+        engine = _vocabulary()
+        if isinstance(engine, Response):
+            return engine
+        call = await _parsed(request, read_tokenize_request)
+        if isinstance(call, Response):
+            return call
+        vocab, context = engine.config.vocab, engine.max_context
+        try:
+            answer = await asyncio.to_thread(tokenize, engine.codec, vocab, call, context, trusted=trusted_messages)
+        except RequestError as exc:  # the chat template refused the messages
+            return _error(400, str(exc), param=exc.param)
+        return JSONResponse(answer)
+
+    async def detokenize_ids(request: Request) -> Response:
+        engine = _vocabulary()
+        if isinstance(engine, Response):
+            return engine
+        call = await _parsed(request, lambda body: read_detokenize_request(body, engine.config.vocab))
+        if isinstance(call, Response):
+            return call
+        return JSONResponse(await asyncio.to_thread(detokenize, engine.codec, call))
+
+    async def tokenizer_settings(request: Request) -> Response:
+        engine = _vocabulary()
+        if isinstance(engine, Response):
+            return engine
+        return JSONResponse(tokenizer_info(engine.codec, engine.max_context))
+
     async def http_error(request: Request, exc: Exception) -> Response:
         """404 (no such path) and 405 (a method the path does not take), with OpenAI's error body."""
         assert isinstance(exc, HTTPException)
@@ -189,6 +228,9 @@ def create_app(
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/metrics", metrics, methods=["GET"]),  # Prometheus
+            Route("/tokenize", tokenize_prompt, methods=["POST"]),  # vLLM's tokenizer endpoints
+            Route("/detokenize", detokenize_ids, methods=["POST"]),
+            Route("/tokenizer_info", tokenizer_settings, methods=["GET"]),
         ]
     handlers = {HTTPException: http_error, Exception: server_error}
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
