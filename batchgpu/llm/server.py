@@ -148,7 +148,7 @@ def create_app(
         if call.stream:
             events = _events(
                 first, pieces, chat=chat, ident=ident, created=created, model=model_name, usage=call.include_usage,
-                echo=echo,
+                echo=echo, held=call.params.tools is not None,
             )  # fmt: skip
             return StreamingResponse(events, media_type="text/event-stream")
         collected = [first]
@@ -330,8 +330,12 @@ async def _events(
     model: str,
     usage: bool,
     echo: _Echo | None = None,
+    held: bool = False,
 ) -> AsyncIterator[str]:
-    """Server-sent events of a streamed generation; closing it (a client gone) cancels the request."""
+    """Server-sent events of a streamed generation; closing it (a client gone) cancels the request. ``held``:
+    a tool request, whose text comes whole on its last piece (:class:`~batchgpu.llm.output.Piece`): the pieces
+    before it make no chunk (but for their logprobs), and the last one's delta has the content only where
+    there is some or no call (as the answer not streamed), then each call once, as OpenAI streams one."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
@@ -345,11 +349,13 @@ async def _events(
         started.add(piece.index)
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if piece.text or not role:
+            if piece.text or not (role or held) or (held and piece.finish_reason and not piece.tool_calls):
                 delta["content"] = piece.text
             if piece.tool_calls:  # the calls come whole, with the last piece
                 delta["tool_calls"] = [{"index": i, **call.openai()} for i, call in enumerate(piece.tool_calls)]
             logprobs = chat_logprobs(piece.logprobs, piece.token_texts or {}) if piece.logprobs else None
+            if not (delta or logprobs or piece.finish_reason):  # a tool request's text, held: no event
+                return ""
             choice = {"index": piece.index, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
             return event(choice)
         return event({"index": piece.index, **_completion_choice(piece, echo, first=role)})
@@ -363,7 +369,8 @@ async def _events(
         try:
             async for piece in pieces:
                 last[piece.index] = piece
-                yield chunk(piece)
+                if data := chunk(piece):
+                    yield data
         except RequestError as exc:  # failed mid-stream (a replica lost): an error event, then the end
             yield f"data: {json.dumps(_error_body(str(exc), type(exc).__name__))}\n\n"
             return
