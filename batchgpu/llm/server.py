@@ -116,11 +116,19 @@ def create_app(
 
     async def embed(request: Request) -> Response:
         service = state["engine"]
+        full = _full(service)  # no room for even one text: refused before its body is read
+        if full is not None:
+            return full
         call = await _parsed(request, lambda body: read_embeddings_request(body, service.encoder))
         if isinstance(call, Response):
             return call
-        vectors = await service.embed(call.ids)
-        return JSONResponse(await asyncio.to_thread(embeddings_response, vectors, call, model_name))
+        try:
+            vectors, tokens = await service.embed(call.inputs)  # refused for the load before it is tokenized
+        except OverloadedError as exc:
+            return _overloaded(exc)
+        except RequestError as exc:
+            return _error(400, str(exc), param=exc.param)
+        return JSONResponse(await asyncio.to_thread(embeddings_response, vectors, tokens, call, model_name))
 
     async def _serve(request: Request, endpoint: str) -> Response:
         full = _full(state["engine"])
