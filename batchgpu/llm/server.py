@@ -48,7 +48,8 @@ def create_app(
     one gets this model); unknown paths and methods get 404 and 405; a request the engine refuses for its
     load (:class:`~batchgpu.errors.OverloadedError`: it holds ``max_batch + max_waiting`` sequences) 429
     (``rate_limit_exceeded``, as OpenAI's rate limits), streamed or not, and before its body is read where
-    the engine has no room for even one sequence. Every refusal carries OpenAI's error body.
+    the engine has no room for even one sequence (an embedding service's load likewise: it holds
+    ``max_batch + max_waiting`` texts). Every refusal carries OpenAI's error body.
     ``trusted_messages``: control-token text in chat messages is control (only where every client
     is trusted; by default it is plain text, :meth:`~batchgpu.llm.Engine.generate`). ``GET /metrics`` answers Prometheus
     with the engine's metrics (:mod:`batchgpu.llm.metrics`; 501 for an engine without ``stats``, such as
