@@ -65,10 +65,10 @@ def read_embeddings_request(body: bytes, encoder: Encoder) -> EmbeddingsRequest:
 
 def tokenized(inputs: Inputs, encoder: Encoder) -> list[np.ndarray]:
     """The token ids of each of ``inputs`` (texts tokenized, at most :data:`MAX_TOKENS` in all)."""
-    if all(isinstance(item, str) for item in inputs):
-        ids = [np.asarray(row, np.int32) for row in encoder.tokenize(inputs)]  # type: ignore[arg-type]
+    if inputs and isinstance(inputs[0], str):  # one form for every input (input_items)
+        ids = [np.asarray(row, np.int32) for row in encoder.tokenize([str(item) for item in inputs])]
     else:
-        ids = list(inputs)  # type: ignore[arg-type]
+        ids = [np.asarray(item, np.int32) for item in inputs]
     tokens = sum(len(row) for row in ids)
     if tokens > MAX_TOKENS:
         raise RequestError(f"input has {tokens} tokens in all; at most {MAX_TOKENS} per request", "input")
