@@ -5,7 +5,8 @@ place back, and the engine goes on. The server answers such a refusal with 429 a
 error body (streamed requests too, before the stream starts), and uvicorn answers 503 once
 ``--max-connections`` connections are open; the accepted requests give the text they give alone. A tiny
 random-weight Llama on the reference executor (a few milliseconds a step), driven through the official
-``openai`` client on 127.0.0.1."""
+``openai`` client on 127.0.0.1. An embedding service (a tiny random-weight BERT) bounds the texts it holds
+the same way, and its server answers the same 429."""
 
 from __future__ import annotations
 
@@ -392,11 +393,15 @@ def test_embeddings_past_the_bound_get_429_before_tokenizing_and_the_server_goes
 
 def test_serve_max_waiting_bounds_an_encoders_texts(tiny_bert: Path) -> None:
     """``--max-waiting`` reaches an encoder's service: with one text embedded at a time and none waiting, a
-    request of two is more than it ever holds (400), one of one is served."""
-    options = ["--model", str(tiny_bert), "--device", "reference", "--max-batch", "1", "--max-waiting", "0"]
-    with batchgpu_server(*options, startup=120) as url:
+    request of two is more than it ever holds (400), one of one is served; by default a request of OpenAI's
+    most inputs (2048) fits."""
+    options = ["--model", str(tiny_bert), "--device", "reference"]
+    with batchgpu_server(*options, "--max-batch", "1", "--max-waiting", "0", startup=120) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
         with pytest.raises(openai.BadRequestError, match=r"input has 2 items; .* at most 1 texts") as refused:
             client.embeddings.create(model="tiny-bert", input=EMBEDDING_TEXTS[:2])
         assert refused.value.body["param"] == "input"
         assert len(client.embeddings.create(model="tiny-bert", input=EMBEDDING_TEXTS[:1]).data) == 1
+    with batchgpu_server(*options, startup=120) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+        assert len(client.embeddings.create(model="tiny-bert", input=EMBEDDING_TEXTS[:1] * 2048).data) == 2048
