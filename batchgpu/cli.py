@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="sequences that may wait beyond --max-batch; a request past them is refused with 429 (default: 16 "
-        "per --max-batch)",
+        "per --max-batch); for an encoder, texts (default: 16 per --max-batch, at least 2048)",
     )
     serve.add_argument(
         "--max-connections",
@@ -641,11 +641,14 @@ def serve_embeddings(args: argparse.Namespace, path: Path) -> int:
 
     def make_service() -> Any:
         from .device import Device
-        from .llm.embeddings import EmbeddingService
+        from .llm.embeddings import MAX_INPUTS, EmbeddingService
+        from .llm.options import WAITING_PER_SLOT
         from .models.encoder import DEFAULT_MAX_BATCH, Encoder
 
         rows = DEFAULT_MAX_BATCH if args.max_batch is None else args.max_batch
-        return EmbeddingService(Encoder(Device(args.device), path, max_batch=rows))
+        encoder = Encoder(Device(args.device), path, max_batch=rows)
+        default = max(WAITING_PER_SLOT * encoder.max_batch, MAX_INPUTS)  # a request of OpenAI's most inputs fits
+        return EmbeddingService(encoder, default if args.max_waiting is None else args.max_waiting)
 
     serve(
         make_service,

@@ -477,3 +477,40 @@ def test_complete_refuses_several_samples() -> None:
     with pytest.raises(bg.RequestError, match="complete_choices"):
         eng.complete("Hello", sampled(2, 1))
     assert eng.complete("Hello", greedy(2)).completion_tokens == 2
+
+
+SYNC_CALLS = """
+import sys
+
+import batchgpu as bg
+from batchgpu.llm import Engine, SamplingParams
+
+engine = Engine(sys.argv[1], bg.Device("reference"), max_batch=2, max_context=32, block_size=4, ahead=1)
+params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+alone = [engine.complete(prompt, params).text for prompt in ("ABC", "ABD")]
+first, second = engine.generate_sync("ABC", params), engine.generate_sync("ABD", params)
+heads = [next(first).text, next(second).text]  # two calls in progress at once
+both = [heads[0] + "".join(piece.text for piece in first), heads[1] + "".join(piece.text for piece in second)]
+abandoned = engine.generate_sync("ABC", params)
+next(abandoned)  # left open: closed when the interpreter exits
+print(both == alone, engine.complete("ABD", params).text == alone[1])
+"""
+
+
+def test_sync_calls_leave_no_task_pending_at_exit(tmp_path) -> None:
+    """``complete`` and ``generate_sync`` calls, two of them in progress at once and one left open, give
+    what they give alone, and the interpreter exits without a pending task or an ignored exception."""
+    import subprocess
+    import sys
+
+    from .test_llama_variants import VARIANTS, random_weights, tiny_sizes, write_tiny_gguf
+
+    model = tmp_path / "tiny-llama.gguf"
+    write_tiny_gguf(model, "llama", VARIANTS["llama"], random_weights(VARIANTS["llama"], 7), "F32",
+                    tiny_sizes(VARIANTS["llama"]), seed=1)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", SYNC_CALLS, str(model)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["True", "True"], done.stdout + done.stderr
+    for noise in ("Task was destroyed", "Exception ignored", "never retrieved", "Traceback"):
+        assert noise not in done.stderr, done.stderr

@@ -5,7 +5,8 @@ place back, and the engine goes on. The server answers such a refusal with 429 a
 error body (streamed requests too, before the stream starts), and uvicorn answers 503 once
 ``--max-connections`` connections are open; the accepted requests give the text they give alone. A tiny
 random-weight Llama on the reference executor (a few milliseconds a step), driven through the official
-``openai`` client on 127.0.0.1."""
+``openai`` client on 127.0.0.1. An embedding service (a tiny random-weight BERT) bounds the texts it holds
+the same way, and its server answers the same 429."""
 
 from __future__ import annotations
 
@@ -16,14 +17,19 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 import batchgpu as bg
 from batchgpu.llm import Engine, SamplingParams
+from batchgpu.llm.embeddings import EmbeddingService
+from batchgpu.models.encoder import Encoder
 
 from .servers import batchgpu_server
 from .test_cli import batchgpu_cli
+from .test_encoder import write_bert
 from .test_llama_variants import VARIANTS, random_weights, tiny_sizes, write_tiny_gguf
 
 CONTEXT = 512  # the tiny file's trained length: long generations keep the engine busy for a while
@@ -263,3 +269,139 @@ def test_past_max_connections_uvicorn_answers_503(server: str) -> None:
 def test_serve_refuses_bad_flood_limits_before_loading_a_model(flag: str, value: str, message: str) -> None:
     done = batchgpu_cli("serve", flag, value, "--model", "no-such-model.gguf", timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+# the embedding service -------------------------------------------------------------------------------
+# Its bound counts texts: an encoder's --max-batch is texts embedded together, and a request of k inputs
+# holds k (as a request of n samples holds n sequences of an engine).
+
+EMBEDDING_TEXTS = ["Abc de", "fa ce", "bead", "cab bed", "dace", "ace of bad"]
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_bert(tmp_path_factory.mktemp("bert") / "tiny-bert", np.random.default_rng(3))
+
+
+def embedding_service(tiny_bert: Path, max_waiting: int | None = 2) -> EmbeddingService:
+    """Two texts embedded together and two waiting places: at most 4 texts."""
+    return EmbeddingService(Encoder(bg.Device("reference"), tiny_bert, max_batch=2), max_waiting)
+
+
+def test_the_embedding_service_refuses_texts_past_max_batch_plus_max_waiting_before_tokenizing(
+    tiny_bert: Path,
+) -> None:
+    service = embedding_service(tiny_bert)
+    alone = [service.encoder.embed([text]) for text in EMBEDDING_TEXTS]
+
+    async def flood() -> tuple[list[np.ndarray], list[str]]:
+        tasks = [asyncio.create_task(service.embed(texts)) for texts in (EMBEDDING_TEXTS[:3], EMBEDDING_TEXTS[3:4])]
+        await asyncio.sleep(0)  # each holds its places, being tokenized
+        refusals = []
+        for inputs in (EMBEDDING_TEXTS[4:5], [object()]):  # an input of the wrong kind: never looked at
+            with pytest.raises(bg.OverloadedError) as refused:
+                await service.embed(inputs)
+            refusals.append(str(refused.value))
+        with pytest.raises(bg.RequestError, match=r"input has 5 items; this server holds at most 4 texts") as big:
+            await service.embed(EMBEDDING_TEXTS[:5])
+        assert big.value.param == "input" and not isinstance(big.value, bg.OverloadedError)
+        vectors = [vector for vector, _ in await asyncio.gather(*tasks)]
+        cancelled = asyncio.create_task(service.embed(EMBEDDING_TEXTS[2:]))  # the places are back: taken
+        await asyncio.sleep(0)
+        assert service.held == 4
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        return vectors, refusals
+
+    (three, one), refusals = asyncio.run(flood())
+    full = (
+        "the embedding service is full: it holds 4 texts (embedding, waiting or being tokenized) and takes at most "
+        "4 (max_batch 2 + max_waiting 2); this request has 1: retry later"
+    )
+    assert refusals == [full, full]
+    batched = 1e-5  # a text's vector alone vs padded in a batch: the summation order only
+    np.testing.assert_allclose(np.concatenate([three, one]), np.concatenate(alone[:4]), rtol=0, atol=batched)
+    assert service.held == 0  # every place is given back: ended, refused and cancelled requests alike
+    vectors, tokens = asyncio.run(service.embed(EMBEDDING_TEXTS[:4]))
+    assert vectors.shape == (4, service.encoder.dimensions) and tokens == sum(
+        len(row) for row in service.encoder.tokenize(EMBEDDING_TEXTS[:4])
+    )
+
+
+async def asgi_post(app: Any, body: bytes | None) -> tuple[int, dict]:
+    """The status and JSON body of ``app``'s answer to a POST of ``body`` to /v1/embeddings, handed to it
+    on this event loop as uvicorn hands it one (None: a 64-byte body announced that never comes)."""
+    size = 64 if body is None else len(body)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(size).encode())]
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/v1/embeddings", "raw_path": b"/v1/embeddings", "query_string": b"", "root_path": "",
+        "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    pending, sent = [body] if body is not None else [], []
+
+    async def receive() -> dict:
+        if not pending:
+            await asyncio.Event().wait()  # the body never comes (or comes once)
+        return {"type": "http.request", "body": pending.pop(), "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await asyncio.wait_for(app(scope, receive, send), timeout=60)
+    return sent[0]["status"], json.loads(b"".join(message.get("body", b"") for message in sent[1:]))
+
+
+def embeddings_body(texts: list[str]) -> bytes:
+    return json.dumps({"model": "tiny-bert", "input": texts, "encoding_format": "float"}).encode()
+
+
+def test_embeddings_past_the_bound_get_429_before_tokenizing_and_the_server_goes_on(tiny_bert: Path) -> None:
+    """The server's answers while the service holds 3 of its 4 texts (and all 4: refused before the body
+    is read), to a request of more texts than it ever holds, and once the places are back."""
+    from batchgpu.llm.server import create_app
+
+    service = embedding_service(tiny_bert)
+    app = create_app(lambda: service, "tiny-bert", embeddings=True)
+
+    async def answers() -> list[tuple[int, dict]]:
+        async with app.router.lifespan_context(app):
+            with service.places(3):
+                replies = [await asgi_post(app, embeddings_body(EMBEDDING_TEXTS[:2]))]
+                replies.append(await asgi_post(app, embeddings_body(EMBEDDING_TEXTS[:1])))  # the last place
+            with service.places(4):
+                replies.append(await asgi_post(app, None))
+            replies.append(await asgi_post(app, embeddings_body(EMBEDDING_TEXTS[:5])))
+            return [*replies, await asgi_post(app, embeddings_body(EMBEDDING_TEXTS[:4]))]
+
+    (over, status_one, unread, too_many, after) = asyncio.run(answers())
+    for (status, body), held in ((over, 3), (unread, 4)):
+        assert status == 429, body
+        needs = 2 if held == 3 else 1
+        message = (
+            f"the embedding service is full: it holds {held} texts (embedding, waiting or being tokenized) and "
+            f"takes at most 4 (max_batch 2 + max_waiting 2); this request has {needs}: retry later"
+        )
+        assert body == {"error": {"message": message, "type": "requests", "param": None, "code": "rate_limit_exceeded"}}
+    assert status_one[0] == 200 and len(status_one[1]["data"]) == 1
+    assert too_many[0] == 400 and too_many[1]["error"]["param"] == "input", too_many
+    assert "input has 5 items; this server holds at most 4 texts" in too_many[1]["error"]["message"]
+    assert after[0] == 200 and [item["index"] for item in after[1]["data"]] == [0, 1, 2, 3]
+    assert service.held == 0
+
+
+def test_serve_max_waiting_bounds_an_encoders_texts(tiny_bert: Path) -> None:
+    """``--max-waiting`` reaches an encoder's service: with one text embedded at a time and none waiting, a
+    request of two is more than it ever holds (400), one of one is served; by default a request of OpenAI's
+    most inputs (2048) fits."""
+    options = ["--model", str(tiny_bert), "--device", "reference"]
+    with batchgpu_server(*options, "--max-batch", "1", "--max-waiting", "0", startup=120) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+        with pytest.raises(openai.BadRequestError, match=r"input has 2 items; .* at most 1 texts") as refused:
+            client.embeddings.create(model="tiny-bert", input=EMBEDDING_TEXTS[:2])
+        assert refused.value.body["param"] == "input"
+        assert len(client.embeddings.create(model="tiny-bert", input=EMBEDDING_TEXTS[:1]).data) == 1
+    with batchgpu_server(*options, startup=120) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+        assert len(client.embeddings.create(model="tiny-bert", input=EMBEDDING_TEXTS[:1] * 2048).data) == 2048

@@ -222,6 +222,35 @@ def test_tool_calls_and_their_results(client: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize("choice", ["required", "auto"])  # a named function streams as required does
+def test_streamed_tool_calls_accumulate_to_the_message_not_streamed(client: openai.OpenAI, choice: Any) -> None:
+    """As OpenAI streams a call: a first chunk with the role, no empty content deltas, each call once (index,
+    id, type, name, arguments) and finish_reason "tool_calls" on the last chunk; the client's accumulation of
+    the stream gives the message the same request gets whole (its call's id aside)."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    request = dict(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER_TOOL],
+        tool_choice=choice, max_tokens=40, seed=1, parallel_tool_calls=False,
+    )  # fmt: skip
+    whole = client.chat.completions.create(**request).choices[0]
+    state = ChatCompletionStreamState(input_tools=[WEATHER_TOOL])
+    deltas = []
+    for chunk in client.chat.completions.create(stream=True, **request):
+        state.handle_chunk(chunk)
+        deltas.append(chunk.choices[0].delta.model_dump(exclude_unset=True))
+    streamed = state.get_final_completion().choices[0]
+    assert deltas[0] == {"role": "assistant"} and all(deltas[1:]), deltas  # no chunk with nothing in it
+    assert all(delta.get("content", None) != "" for delta in deltas), deltas
+    assert streamed.finish_reason == whole.finish_reason == "tool_calls"
+    assert streamed.message.content is whole.message.content is None
+    (call,) = whole.message.tool_calls
+    (streamed_call,) = streamed.message.tool_calls
+    assert streamed_call.id.startswith("call_") and streamed_call.type == "function"
+    streamed_function = streamed_call.function
+    assert (streamed_function.name, streamed_function.arguments) == (call.function.name, call.function.arguments)
+
+
 def test_n_choices_with_a_seed(client: openai.OpenAI) -> None:
     """n = 3 with a seed: choices 0..2, each the n = 1 answer with seed + index (so reproducible), the
     usage counting the prompt once and every choice's tokens; chat too; greedy choices are all the same."""

@@ -15,6 +15,7 @@ import asyncio
 import functools
 import importlib.util
 import json
+import logging
 from typing import Any
 
 import numpy as np
@@ -308,6 +309,23 @@ def test_bad_grammars_are_refused_naming_the_field(output: StructuredOutput, mes
     assert caught.value.param == "response_format"
 
 
+@needs_model
+def test_a_grammars_warnings_are_logged_not_printed(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lenient schema's keys llguidance leaves out are a warning of its grammar: logged once per request."""
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "x-guidance": {"lenient": True}}
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING, "batchgpu.llm.grammar"):
+        engine = grammars()
+        guides = engine.guides(engine.compile(StructuredOutput(json_schema=schema)), 2)
+    assert len(guides) == 2 and capfd.readouterr().err == ""
+    warning = 'llguidance: a request\'s grammar: Unimplemented keys: ["uniqueItems"]'
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("batchgpu")] == [
+        ("batchgpu.llm.grammar", logging.WARNING, warning)
+    ]
+
+
 @pytest.mark.parametrize("parameters", ["{not json", "[1, 2]", 5, {"type": object}])
 def test_function_parameters_must_be_a_json_schema_object(parameters: Any) -> None:
     with pytest.raises(RequestError, match="parameters must be a JSON schema object") as caught:
@@ -409,7 +427,7 @@ def test_structured_rows_beside_free_rows_leave_the_free_ones_unchanged() -> Non
         )
         return [t for p in plain for t in p.token_ids], "".join(p.text for p in guided)
 
-    ids, text = asyncio.new_event_loop().run_until_complete(both())
+    ids, text = asyncio.run(both())
     assert ids == alone
     jsonschema.validate(json.loads(text), PERSON)
 
@@ -428,7 +446,7 @@ def test_a_preempted_structured_request_equals_its_solo_output() -> None:
         fill = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         return await asyncio.gather(run("Someone:", params), run("Once upon a time", fill), run("Hello there", fill))
 
-    texts = asyncio.new_event_loop().run_until_complete(crowd())
+    texts = asyncio.run(crowd())
     assert eng.status()["preemptions"] > 0
     assert texts[0] == solo
     jsonschema.validate(json.loads(solo), PERSON)
@@ -453,14 +471,25 @@ def test_required_tool_calls_in_each_format(template: str | None) -> None:
 
 @needs_model
 @pytest.mark.model
-def test_a_grammar_past_the_grammar_engines_limits_fails_its_request_alone() -> None:
+def test_a_grammar_past_the_grammar_engines_limits_fails_its_request_alone(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
     """llguidance stops a grammar whose lexer grows past its limits (here on the first tokens); the request
-    gets a GrammarError (a RequestError naming response_format) and the engine serves the next one."""
+    gets a GrammarError (a RequestError naming response_format) and the engine serves the next one. What
+    llguidance says of it goes to the ``batchgpu.llm.grammar`` logger, not to the process' stderr."""
     eng = engine("reference")
     hostile = structured(StructuredOutput(regex="(a{1000}){1000}"), temperature=0.0, max_tokens=8)
-    with pytest.raises(bg.GrammarError, match="grammar failed: lexer error") as caught:
+    capfd.readouterr()
+    with (
+        caplog.at_level(logging.WARNING, "batchgpu.llm.grammar"),
+        pytest.raises(bg.GrammarError, match="grammar failed: lexer error") as caught,
+    ):
         eng.complete("Say a:", hostile)
     assert caught.value.param == "response_format"
+    assert capfd.readouterr().err == ""
+    logged = [(r.name, r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("batchgpu")]
+    error = "lexer error: too many expressions constructed"
+    assert logged == [("batchgpu.llm.grammar", logging.WARNING, f"llguidance: a request's grammar failed: {error}")]
     assert eng.complete("The capital of France is", SamplingParams(max_tokens=2, temperature=0)).text == " Paris."
     assert eng.memory()["blocks_used"] == 0
 
@@ -488,7 +517,7 @@ def test_split_steps_ahead_give_what_steps_one_by_one_give() -> None:
 
             return await asyncio.gather(*(one(prompt, p) for prompt, p in zip(prompts, params)))
 
-        return asyncio.new_event_loop().run_until_complete(all_of())
+        return asyncio.run(all_of())
 
     ahead, one_by_one = small_engine(1), small_engine(0)
     assert run(ahead) == run(one_by_one)

@@ -6,21 +6,25 @@ forms); texts are truncated at the model's ``max_seq_length`` as sentence-transf
 lists are the model's whole input and are refused when longer. A request has at most
 :data:`MAX_INPUTS` inputs and :data:`MAX_TOKENS` tokens in all; ``encoding_format`` is ``float`` or
 ``base64`` (little-endian float32, as OpenAI sends it); ``dimensions`` is refused unless it is the model's
-own. Every refusal is a RequestError naming the field (OpenAI's ``param``)."""
+own. Every refusal is a RequestError naming the field (OpenAI's ``param``). An
+:class:`EmbeddingService` with ``max_waiting`` holds at most ``max_batch + max_waiting`` texts (embedding,
+waiting or being tokenized) and refuses a request past that with OverloadedError before its texts are
+tokenized."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..arguments import brief
-from ..errors import RequestError
+from ..errors import BatchError, OverloadedError, RequestError
 from ..models.encoder import Encoder
 from .schema import EMBEDDINGS, check_fields, parse_json
 
@@ -30,38 +34,49 @@ MAX_TOKENS = 300_000
 """Tokens (after truncation, special tokens included) one request may have in all (OpenAI's limit)."""
 
 
+Inputs = Sequence[str] | Sequence[np.ndarray]
+"""A request's inputs: texts, or each input's checked token ids."""
+
+
 @dataclass(frozen=True)
 class EmbeddingsRequest:
-    """A checked embeddings request: the model asked for (None: not given), each input's token ids, and
-    whether vectors go back as base64."""
+    """A checked embeddings request: the model asked for (None: not given), its inputs (not tokenized yet),
+    and whether vectors go back as base64."""
 
     model: str | None
-    ids: list[np.ndarray]
+    inputs: Inputs
     base64: bool
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(row) for row in self.ids)
 
 
 def read_embeddings_request(body: bytes, encoder: Encoder) -> EmbeddingsRequest:
-    """The embeddings request the JSON ``body`` makes of ``encoder``'s model, its texts tokenized
-    (proportional to the body's size: run it off the event loop)."""
+    """The embeddings request the JSON ``body`` makes of ``encoder``'s model, its texts not tokenized yet
+    (:meth:`EmbeddingService.embed` tokenizes them; proportional to the body's size: run it off the event
+    loop)."""
     values = check_fields(parse_json(body), EMBEDDINGS)
     dimensions = values.get("dimensions")
     if dimensions is not None and dimensions != encoder.dimensions:
         raise RequestError(
             f"dimensions={dimensions} is not supported: this model's vectors have {encoder.dimensions}", "dimensions"
         )
-    ids = input_ids(values.get("input"), encoder)
-    request = EmbeddingsRequest(values.get("model"), ids, values.get("encoding_format") == "base64")
-    if request.tokens > MAX_TOKENS:
-        raise RequestError(f"input has {request.tokens} tokens in all; at most {MAX_TOKENS} per request", "input")
-    return request
+    return EmbeddingsRequest(
+        values.get("model"), input_items(values.get("input"), encoder), values.get("encoding_format") == "base64"
+    )
 
 
-def input_ids(value: Any, encoder: Encoder) -> list[np.ndarray]:
-    """The token ids of each input of ``input`` (OpenAI's four forms), checked."""
+def tokenized(inputs: Inputs, encoder: Encoder) -> list[np.ndarray]:
+    """The token ids of each of ``inputs`` (texts tokenized, at most :data:`MAX_TOKENS` in all)."""
+    if inputs and isinstance(inputs[0], str):  # one form for every input (input_items)
+        ids = [np.asarray(row, np.int32) for row in encoder.tokenize([str(item) for item in inputs])]
+    else:
+        ids = [np.asarray(item, np.int32) for item in inputs]
+    tokens = sum(len(row) for row in ids)
+    if tokens > MAX_TOKENS:
+        raise RequestError(f"input has {tokens} tokens in all; at most {MAX_TOKENS} per request", "input")
+    return ids
+
+
+def input_items(value: Any, encoder: Encoder) -> Inputs:
+    """The inputs of ``input`` (OpenAI's four forms), checked: its texts, or each input's token ids."""
     if value is None:
         raise RequestError("input is missing: a string, an array of strings or of token-id arrays", "input")
     if isinstance(value, str) or (isinstance(value, list) and value and is_token_ids(value)):
@@ -74,7 +89,7 @@ def input_ids(value: Any, encoder: Encoder) -> list[np.ndarray]:
         empty = next((i for i, item in enumerate(value) if not item), None)
         if empty is not None:
             raise RequestError(f"input[{empty}] is an empty string; every input must have text", "input")
-        return [np.asarray(row, np.int32) for row in encoder.tokenize(value)]
+        return value
     return [token_ids(item, index, encoder) for index, item in enumerate(value)]
 
 
@@ -100,8 +115,8 @@ def token_ids(item: Any, index: int, encoder: Encoder) -> np.ndarray:
     return np.asarray(item, np.int32)
 
 
-def embeddings_response(vectors: np.ndarray, request: EmbeddingsRequest, model: str) -> dict[str, Any]:
-    """OpenAI's embeddings response body for ``vectors`` (one row per input)."""
+def embeddings_response(vectors: np.ndarray, tokens: int, request: EmbeddingsRequest, model: str) -> dict[str, Any]:
+    """OpenAI's embeddings response body for ``vectors`` (one row per input, of ``tokens`` in all)."""
 
     def encoded(row: np.ndarray) -> Any:
         if request.base64:
@@ -109,7 +124,7 @@ def embeddings_response(vectors: np.ndarray, request: EmbeddingsRequest, model: 
         return row.tolist()
 
     data = [{"object": "embedding", "index": i, "embedding": encoded(row)} for i, row in enumerate(vectors)]
-    usage = {"prompt_tokens": request.tokens, "total_tokens": request.tokens}
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     return {"object": "list", "data": data, "model": model, "usage": usage}
 
 
@@ -124,24 +139,64 @@ class Job:
 class EmbeddingService:
     """Embeds the inputs of concurrent requests together: what arrives while a round runs waits, then
     runs as the next round, all its requests' inputs split into device batches by the encoder. Made and
-    awaited in one event loop (the device's thread)."""
+    awaited in one event loop (the device's thread).
 
-    def __init__(self, encoder: Encoder) -> None:
+    ``max_waiting`` bounds the texts held: at most ``encoder.max_batch + max_waiting`` (embedding, waiting
+    or being tokenized; a request of k inputs counts k), a request past that refused at once with
+    :class:`~batchgpu.errors.OverloadedError` before its texts are tokenized (the server answers 429), one
+    of more inputs than that ever with RequestError; a request that ends gives its places back. None (the
+    default): unbounded."""
+
+    def __init__(self, encoder: Encoder, max_waiting: int | None = None) -> None:
+        if max_waiting is not None and (type(max_waiting) is not int or max_waiting < 0):
+            raise BatchError(f"EmbeddingService: max_waiting must be None or an int >= 0, got {max_waiting!r}")
         self.encoder = encoder
+        self.max_waiting = max_waiting
+        self.held = 0  # texts of the requests taken and not ended: embedding, waiting or being tokenized
         self.waiting: deque[Job] = deque()
         self.driver: asyncio.Task[None] | None = None
 
     def status(self) -> dict[str, int]:
-        """Requests waiting for the next round."""
-        return {"waiting": len(self.waiting)}
+        """Requests waiting for the next round, and the texts held."""
+        return {"waiting": len(self.waiting), "held": self.held}
 
-    async def embed(self, ids: Sequence[np.ndarray]) -> np.ndarray:
-        """The vectors of the inputs ``ids`` (checked token ids), one row each."""
-        job = Job(ids, asyncio.get_running_loop().create_future())
-        self.waiting.append(job)
-        if self.driver is None or self.driver.done():
-            self.driver = asyncio.create_task(self.drive())
-        return await job.future
+    def check_room(self, inputs: int = 1) -> None:
+        """Refuse a request of ``inputs`` texts the service has no room for now (OverloadedError) or ever
+        (RequestError naming ``input``); nothing where ``max_waiting`` is None. A server asks before it
+        reads a body."""
+        if self.max_waiting is None:
+            return
+        most = self.encoder.max_batch + self.max_waiting
+        bound = f"(max_batch {self.encoder.max_batch} + max_waiting {self.max_waiting})"
+        if inputs > most:
+            raise RequestError(f"input has {inputs} items; this server holds at most {most} texts {bound}", "input")
+        if self.held + inputs > most:
+            raise OverloadedError(
+                f"the embedding service is full: it holds {self.held} texts (embedding, waiting or being "
+                f"tokenized) and takes at most {most} {bound}; this request has {inputs}: retry later"
+            )
+
+    @contextmanager
+    def places(self, inputs: int) -> Iterator[None]:
+        """Hold a place per text of a request while the block runs (:attr:`held`), refused by
+        :meth:`check_room`."""
+        self.check_room(inputs)
+        self.held += inputs
+        try:
+            yield
+        finally:
+            self.held -= inputs
+
+    async def embed(self, inputs: Inputs) -> tuple[np.ndarray, int]:
+        """The vectors of ``inputs`` (texts, tokenized here off the event loop, or checked token ids), one
+        row each, and the tokens they had in all."""
+        with self.places(len(inputs)):  # OverloadedError before anything is done for the request
+            ids = await asyncio.to_thread(tokenized, inputs, self.encoder)
+            job = Job(ids, asyncio.get_running_loop().create_future())
+            self.waiting.append(job)
+            if self.driver is None or self.driver.done():
+                self.driver = asyncio.create_task(self.drive())
+            return await job.future, sum(len(row) for row in ids)
 
     async def drive(self) -> None:
         """Run rounds while requests wait."""

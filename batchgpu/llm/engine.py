@@ -110,6 +110,8 @@ class Engine:
         self.stats = EngineStats()  # tokens and latencies delivered so far (the server's /metrics)
         self._wake = asyncio.Event()  # a new one with each driver task (an event is bound to one loop)
         self._task: asyncio.Task | None = None
+        self._sync_loop: asyncio.AbstractEventLoop | None = None  # generate_sync's, while calls are in progress
+        self._sync_calls = 0
         # one thread: a prompt's tokenizer memory (about 150 bytes per character) is held once at a time
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgpu-tokenize")
         self.grammar = GrammarEngine(self.codec, self.config.vocab)  # structured outputs' grammars
@@ -144,8 +146,14 @@ class Engine:
     def generate_sync(
         self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False
     ) -> Iterator[Piece]:
-        """:meth:`generate` for synchronous code (runs the engine on a private event loop meanwhile)."""
-        loop = asyncio.new_event_loop()
+        """:meth:`generate` for synchronous code: runs the engine on a private event loop meanwhile, one that
+        the calls in progress at once share (one driver task runs all their requests), its driver stopped
+        and the loop closed when the last of them ends (or is closed, as an iterator left open is when it
+        is collected)."""
+        if self._sync_loop is None:
+            self._sync_loop = asyncio.new_event_loop()
+        loop = self._sync_loop
+        self._sync_calls += 1
         stream = self.generate(prompt, params, trusted=trusted)
         try:
             while True:
@@ -154,9 +162,14 @@ class Engine:
                 except StopAsyncIteration:
                     return
         finally:
-            loop.run_until_complete(stream.aclose())
-            self._stop(loop)
-            loop.close()
+            try:
+                loop.run_until_complete(stream.aclose())
+            finally:
+                self._sync_calls -= 1
+                if self._sync_calls == 0:
+                    self._sync_loop = None
+                    self._stop(loop)
+                    loop.close()
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False) -> Piece:
         """The whole generation as one :class:`Piece` (synchronous); a request with ``n`` > 1 is refused

@@ -6,10 +6,16 @@ and takes each token read back.
 llguidance builds its token trie from the model's ``tokenizers`` JSON once per engine (about 0.2 s for a
 50k vocabulary) and needs no ahead-of-time compile per schema (a new schema's first mask in about a
 millisecond; its own limits bound the work a hostile grammar can ask for). A mask costs 10-20 µs per row
-on the host."""
+on the host.
+
+llguidance's matchers print nothing (log level 0): a request's grammar warnings (a lenient schema's keys
+left out) and the error that stops a sequence's grammar go to the ``batchgpu.llm.grammar`` logger at
+WARNING instead of the process' stderr; the error also fails its request
+(:class:`~batchgpu.errors.GrammarError`)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -20,6 +26,8 @@ from .params import SamplingParams
 from .structured import JSON_LAYOUT, StructuredOutput
 from .text import TextCodec
 from .tools import tool_constraint, tool_format
+
+log = logging.getLogger(__name__)
 
 
 def constraint(params: SamplingParams, chat_template: str | None) -> StructuredOutput | None:
@@ -62,6 +70,7 @@ class Guide:
         self.first = None
         if token < 0 or not self.matcher.consume_token(token):
             error = (self.matcher.get_error() or f"token {token} is not allowed here").splitlines()[0]
+            log.warning("llguidance: a request's grammar failed: %s", error)
             raise GrammarError(f"the output's grammar failed: {error}", "response_format")
 
     @property
@@ -136,7 +145,9 @@ class GrammarEngine:
         from llguidance import LLMatcher
 
         tokenizer = self.tokenizer()
-        guides = [Guide(LLMatcher(tokenizer, grammar), executor=self.executor) for _ in range(count)]
+        guides = [Guide(LLMatcher(tokenizer, grammar, log_level=0), executor=self.executor) for _ in range(count)]
+        for warning in guides[0].matcher.get_grammar_warnings():
+            log.warning("llguidance: a request's grammar: %s", warning)
         first = np.zeros(mask_words(self.vocab), np.uint32)
         guides[0].fill(first)
         for guide in guides:

@@ -48,7 +48,8 @@ def create_app(
     one gets this model); unknown paths and methods get 404 and 405; a request the engine refuses for its
     load (:class:`~batchgpu.errors.OverloadedError`: it holds ``max_batch + max_waiting`` sequences) 429
     (``rate_limit_exceeded``, as OpenAI's rate limits), streamed or not, and before its body is read where
-    the engine has no room for even one sequence. Every refusal carries OpenAI's error body.
+    the engine has no room for even one sequence (an embedding service's load likewise: it holds
+    ``max_batch + max_waiting`` texts). Every refusal carries OpenAI's error body.
     ``trusted_messages``: control-token text in chat messages is control (only where every client
     is trusted; by default it is plain text, :meth:`~batchgpu.llm.Engine.generate`). ``GET /metrics`` answers Prometheus
     with the engine's metrics (:mod:`batchgpu.llm.metrics`; 501 for an engine without ``stats``, such as
@@ -116,11 +117,19 @@ def create_app(
 
     async def embed(request: Request) -> Response:
         service = state["engine"]
+        full = _full(service)  # no room for even one text: refused before its body is read
+        if full is not None:
+            return full
         call = await _parsed(request, lambda body: read_embeddings_request(body, service.encoder))
         if isinstance(call, Response):
             return call
-        vectors = await service.embed(call.ids)
-        return JSONResponse(await asyncio.to_thread(embeddings_response, vectors, call, model_name))
+        try:
+            vectors, tokens = await service.embed(call.inputs)  # refused for the load before it is tokenized
+        except OverloadedError as exc:
+            return _overloaded(exc)
+        except RequestError as exc:
+            return _error(400, str(exc), param=exc.param)
+        return JSONResponse(await asyncio.to_thread(embeddings_response, vectors, tokens, call, model_name))
 
     async def _serve(request: Request, endpoint: str) -> Response:
         full = _full(state["engine"])
@@ -148,7 +157,7 @@ def create_app(
         if call.stream:
             events = _events(
                 first, pieces, chat=chat, ident=ident, created=created, model=model_name, usage=call.include_usage,
-                echo=echo,
+                echo=echo, held=call.params.tools is not None,
             )  # fmt: skip
             return StreamingResponse(events, media_type="text/event-stream")
         collected = [first]
@@ -330,8 +339,12 @@ async def _events(
     model: str,
     usage: bool,
     echo: _Echo | None = None,
+    held: bool = False,
 ) -> AsyncIterator[str]:
-    """Server-sent events of a streamed generation; closing it (a client gone) cancels the request."""
+    """Server-sent events of a streamed generation; closing it (a client gone) cancels the request. ``held``:
+    a tool request, whose text comes whole on its last piece (:class:`~batchgpu.llm.output.Piece`): the pieces
+    before it make no chunk (but for their logprobs), and the last one's delta has the content only where
+    there is some or no call (as the answer not streamed), then each call once, as OpenAI streams one."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
@@ -345,11 +358,13 @@ async def _events(
         started.add(piece.index)
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if piece.text or not role:
+            if piece.text or not (role or held) or (held and piece.finish_reason and not piece.tool_calls):
                 delta["content"] = piece.text
             if piece.tool_calls:  # the calls come whole, with the last piece
                 delta["tool_calls"] = [{"index": i, **call.openai()} for i, call in enumerate(piece.tool_calls)]
             logprobs = chat_logprobs(piece.logprobs, piece.token_texts or {}) if piece.logprobs else None
+            if not (delta or logprobs or piece.finish_reason):  # a tool request's text, held: no event
+                return ""
             choice = {"index": piece.index, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
             return event(choice)
         return event({"index": piece.index, **_completion_choice(piece, echo, first=role)})
@@ -363,7 +378,8 @@ async def _events(
         try:
             async for piece in pieces:
                 last[piece.index] = piece
-                yield chunk(piece)
+                if data := chunk(piece):
+                    yield data
         except RequestError as exc:  # failed mid-stream (a replica lost): an error event, then the end
             yield f"data: {json.dumps(_error_body(str(exc), type(exc).__name__))}\n\n"
             return
