@@ -122,6 +122,7 @@ BAD_REQUESTS = [
     ([3], {"topP": 0}, "topP out of range"),
     ([3], {"topK": 1.5}, "topK out of range"),
     ([3], {"seed": 2**32}, "seed out of range"),
+    ([3], {"reuse": 1}, "reuse out of range"),
 ]
 SEEDED = {"maxTokens": 10, "temperature": 0.9, "topK": 20, "seed": 5}
 
@@ -365,6 +366,25 @@ def test_smollm2_chats_in_the_browser_as_in_python(tmp_path: Path, browser: Chro
         assert run["token_ids"] == expected
         assert run["text"] == codec.decode(expected)
     assert result["runs"][0]["text"] == "The capital of France is Paris."
+
+
+@pytest.mark.model
+def test_smollm2_turns_extend_the_last_prompt_and_reply() -> None:
+    """SmolLM2's chat template renders earlier turns as they were: a turn's prompt ids begin with the last
+    prompt's and the reply's (then the end token the model stopped at), so the page's cache covers them."""
+    from batchgpu.models.llama import smollm2_path
+
+    try:
+        codec = open_weights(smollm2_path()).codec()
+    except BatchError as exc:
+        pytest.skip(str(exc))
+    question = {"role": "user", "content": CHAT_PROMPTS[0]}
+    answer = "The capital of France is Paris."
+    first = codec.encode_chat([question])
+    reply_turn = {"role": "assistant", "content": answer}
+    second = codec.encode_chat([question, reply_turn, {"role": "user", "content": "Why?"}])
+    reply = [*codec.encode(answer, special=False), *sorted(codec.eos_ids)]
+    assert second[: len(first) + len(reply)] == first + reply
 
 
 def test_command_line_exports_and_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -220,6 +220,8 @@ function bufferBytes(manifest) {
 }
 
 export class ChatModel {
+  #cachedIds = [];
+
   constructor(manifest, program, codec, adapter) {
     this.manifest = manifest;
     this.program = program;
@@ -230,7 +232,11 @@ export class ChatModel {
     this.loading = null; // {file_bytes, window_peak_bytes (the most file bytes held at once), seconds}
     this.busy = false;
     this.memory = bufferBytes(manifest);
-    this.cachedIds = []; // the ids whose keys and values the KV cache holds at positions 0, 1, ... (read only)
+  }
+
+  /** The ids whose keys and values the KV cache holds at positions 0, 1, ... (a copy). */
+  get cachedIds() {
+    return this.#cachedIds.slice();
   }
 
   /** The ids generated for ``prompt`` (token ids), one at a time: greedy at temperature 0, else drawn (top_k,
@@ -277,8 +283,8 @@ export class ChatModel {
     const keys = (index) => Uint32Array.of(seed, index);
 
     const started = performance.now();
-    const cached = reuse ? Math.min(commonPrefix(ids, this.cachedIds), ids.length - 1) : 0;
-    this.cachedIds = ids.slice(0, cached); // the rows from ``cached`` on are written again from here
+    const cached = reuse ? Math.min(commonPrefix(ids, this.#cachedIds), ids.length - 1) : 0;
+    this.#cachedIds = ids.slice(0, cached); // the rows from ``cached`` on are written again from here
     const known = ids.slice(); // the ids of positions 0, 1, ...: the prompt, then each token read
     let kept = cached; // the positions written by the steps whose outputs were read
     let failed = false;
@@ -319,7 +325,7 @@ export class ChatModel {
     } finally {
       // Steps still in flight write rows past ``kept`` (a later prompt writes them again before any step reads
       // them); their tokens are dropped. After an error the cache's contents are not known: forget them.
-      this.cachedIds = failed ? [] : known.slice(0, kept);
+      this.#cachedIds = failed ? [] : known.slice(0, kept);
       for (const pending of inFlight) pending.outputs.catch(() => {});
     }
   }
