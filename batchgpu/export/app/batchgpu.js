@@ -6,6 +6,9 @@
 //   const ids = model.codec.encodeChat([{ role: "user", content: "Hi!" }]);
 //   for await (const id of model.generate(ids, { maxTokens: 64, temperature: 0.7, seed: 1 })) ...
 //
+// The next turn's prompt (the conversation so far) prefills only what follows the ids the KV cache holds
+// (model.cachedIds; model.stats.cached_tokens counts them), unless generate(ids, { reuse: false }).
+//
 // Under Node the GPU comes from the `webgpu` npm package (./node_gpu.js), or pass one: loadModel(base, { gpu }).
 // Call model.destroy() and node_gpu.js's releaseGpu() when done, so the process can exit.
 
