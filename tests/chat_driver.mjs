@@ -17,3 +17,38 @@ export async function generate(base, { prompts, tokenizer = false, slabBytes = u
   }
   return { runs, adapter: model.adapter, loading: model.loading, memory: model.memory };
 }
+
+/** One conversation on one model, for the KV cache's reuse across turns: each turn runs ``ids`` with
+ * ``options``; ``abortAfter``: its AbortController aborts after that many tokens; ``failAfter``: reading its
+ * signal throws after that many tokens (an error inside the generation). Returns each turn's ids, stats, error
+ * and the model's cachedIds after it. */
+export async function converse(base, { turns }) {
+  const { loadModel } = await import(new URL("batchgpu.js", base));
+  const { releaseGpu } = await import(new URL("node_gpu.js", base));
+  const model = await loadModel(base, { tokenizer: false });
+  const runs = [];
+  try {
+    for (const { ids, options = {}, abortAfter = null, failAfter = null } of turns) {
+      const token_ids = [];
+      const controller = new AbortController();
+      const failing = { get aborted() { if (token_ids.length >= failAfter) throw new Error("signal failed"); return false; } };
+      const signal = failAfter !== null ? failing : controller.signal;
+      let error = null;
+      const started = performance.now();
+      try {
+        for await (const id of model.generate(ids, { ...options, signal })) {
+          token_ids.push(id);
+          if (token_ids.length === abortAfter) controller.abort();
+        }
+      } catch (caught) {
+        error = String(caught.message);
+      }
+      const ms = performance.now() - started;
+      runs.push({ token_ids, stats: { ...model.stats }, error, cached_ids: Array.from(model.cachedIds), ms });
+    }
+  } finally {
+    model.destroy();
+    releaseGpu();
+  }
+  return { runs };
+}

@@ -122,6 +122,7 @@ BAD_REQUESTS = [
     ([3], {"topP": 0}, "topP out of range"),
     ([3], {"topK": 1.5}, "topK out of range"),
     ([3], {"seed": 2**32}, "seed out of range"),
+    ([3], {"reuse": 1}, "reuse out of range"),
 ]
 SEEDED = {"maxTokens": 10, "temperature": 0.9, "topK": 20, "seed": 5}
 
@@ -215,6 +216,81 @@ def test_node_generates_pythons_ids(tmp_path: Path) -> None:
     check_readme_block(path, export_chat(path, tmp_path / "readme", max_context=64, chunk=16, gpu_kernels=False))
 
 
+GEMMA_PROMPT = [3, 17, 42, 8, 29, 11, 5, 23, 40]
+DRAWN = {"temperature": 0.9, "topK": 20, "seed": 5}
+
+
+def conversation(first: list[int], replies: dict[int, list[int]]) -> list[dict[str, Any]]:
+    """The turns of test_turns_reuse_the_kv_cache: ``replies[n]`` holds turn n's ids, known after a first run."""
+    t1, t2, t3 = (replies.get(n, []) for n in (1, 2, 3))
+    ids2 = [*first, *t1, 21, 4, 33]
+    ids3 = [*ids2, *t2, 7, 12]
+    edited = [*first[:4], 44, *first[5:]]
+    after_abort = [*ids3, *t3[:2], 9, 30]
+    return [
+        {"ids": first, "options": {"maxTokens": 5}},  # 1: nothing cached
+        {"ids": ids2, "options": {"maxTokens": 5}},  # 2: turn 1's prompt and reply, then new ids
+        {"ids": ids3, "options": {"maxTokens": 6, **DRAWN}},  # 3: drawn
+        {"ids": edited, "options": {"maxTokens": 4}},  # 4: an earlier message edited: diverges at 4
+        {"ids": edited, "options": {"maxTokens": 1}},  # 5: the cache then holds exactly these ids
+        {"ids": edited, "options": {"maxTokens": 4}},  # 6: the same ids again: the last one runs again
+        {"ids": ids2, "options": {"maxTokens": 5, "reuse": False}},  # 7: reuse off
+        {"ids": ids3, "options": {"maxTokens": 6, "ahead": 3, **DRAWN}, "abortAfter": 2},  # 8: stopped
+        {"ids": after_abort, "options": {"maxTokens": 5}},  # 9: continues the stopped reply
+        {"ids": ids2, "options": {"maxTokens": 5}, "failAfter": 2},  # 10: an error mid-way
+        {"ids": after_abort, "options": {"maxTokens": 5}},  # 11: the cache forgotten
+    ]
+
+
+def test_turns_reuse_the_kv_cache(tmp_path: Path) -> None:
+    """A conversation under Node on tiny Gemma 3 (a 3-position sliding window in six of seven layers; prefill
+    chunks of 4): each turn prefills only the ids after its common prefix with the ids the cache holds (the
+    last prompt and the tokens fed back, not the last one read), and every turn's ids equal Python's steps
+    run on the whole prompt from position 0, greedy and drawn. The rows kept are the keys and values of the
+    same ids at the same positions (a row depends only on the ids up to it), and a step reads rows up to its
+    own only, so the kept rows and the rewritten ones give what a fresh run gives: the existing contract of
+    the page's ids against Python's holds as it is. An edited earlier message recomputes from the edit; the
+    same ids again rerun their last; reuse off, a stopped reply (steps in flight past it) and an error mid-way
+    (the cache forgotten) each leave ids equal to Python's."""
+    from .test_gemma3 import TINY as GEMMA3
+    from .test_gemma3 import random_gemma3, write_gemma3
+
+    try:
+        webgpu_package()
+    except NodeUnavailableError as exc:
+        pytest.skip(f"WebGPU under Node is unavailable: {exc}")
+    path = tmp_path / "gemma3.gguf"
+    write_gemma3(path, random_gemma3(GEMMA3, 30), qtype="Q8_0")
+    steps = {"max_context": 48, "chunk": 4}
+    out = export_chat(path, tmp_path / "app", gpu_kernels=False, **steps)
+    device = bg.Device("reference")
+    weights = open_weights(path)
+    python = ChatSteps(device, weights.config, upload_weights(device, weights, fuse=True), **steps)
+
+    def expected(turn: dict[str, Any]) -> list[int]:
+        options = turn["options"]
+        sampling = Sampling(temperature=0.9, top_k=20, seed=5) if "seed" in options else None  # DRAWN
+        ids = list(python.generate(turn["ids"], options["maxTokens"], sampling))
+        return ids[: turn.get("abortAfter") or turn.get("failAfter") or len(ids)]
+
+    replies: dict[int, list[int]] = {}
+    for n in (1, 2, 3):  # each turn's prompt holds the replies before it
+        replies[n] = expected(conversation(GEMMA_PROMPT, replies)[n - 1])
+    turns = conversation(GEMMA_PROMPT, replies)
+    runs = run_node(DRIVER, out, function="converse", args={"turns": turns}, timeout=300)["runs"]
+    for n, (turn, run) in enumerate(zip(turns, runs), 1):
+        assert run["token_ids"] == expected(turn), n
+    cached = [run["stats"]["cached_tokens"] for run in runs]
+    computed = [run["stats"]["prefill_tokens"] for run in runs]
+    assert cached == [0, 9 + 4, 17 + 4, 4, 8, 8, 0, 17 + 4, 24 + 1, 17 - 1, 0], cached
+    assert [c + p for c, p in zip(cached, computed)] == [len(turn["ids"]) for turn in turns]
+    assert runs[0]["cached_ids"] == GEMMA_PROMPT + replies[1][:-1]  # the last id read is not in the cache
+    assert runs[4]["cached_ids"] == turns[4]["ids"]
+    assert runs[7]["cached_ids"] == turns[7]["ids"] + replies[3][:1]  # steps in flight: only rows read count
+    assert runs[9]["error"] == "signal failed" and runs[9]["cached_ids"] == []
+    assert all(run["error"] is None for n, run in enumerate(runs) if n != 9)
+
+
 def check_readme_block(path: Path, out: Path) -> None:
     """README's JavaScript block, run as written under Node in the export's folder, prints Python's reply."""
     script = out / "readme_chat.mjs"
@@ -290,6 +366,25 @@ def test_smollm2_chats_in_the_browser_as_in_python(tmp_path: Path, browser: Chro
         assert run["token_ids"] == expected
         assert run["text"] == codec.decode(expected)
     assert result["runs"][0]["text"] == "The capital of France is Paris."
+
+
+@pytest.mark.model
+def test_smollm2_turns_extend_the_last_prompt_and_reply() -> None:
+    """SmolLM2's chat template renders earlier turns as they were: a turn's prompt ids begin with the last
+    prompt's and the reply's (then the end token the model stopped at), so the page's cache covers them."""
+    from batchgpu.models.llama import smollm2_path
+
+    try:
+        codec = open_weights(smollm2_path()).codec()
+    except BatchError as exc:
+        pytest.skip(str(exc))
+    question = {"role": "user", "content": CHAT_PROMPTS[0]}
+    answer = "The capital of France is Paris."
+    first = codec.encode_chat([question])
+    reply_turn = {"role": "assistant", "content": answer}
+    second = codec.encode_chat([question, reply_turn, {"role": "user", "content": "Why?"}])
+    reply = [*codec.encode(answer, special=False), *sorted(codec.eos_ids)]
+    assert second[: len(first) + len(reply)] == first + reply
 
 
 def test_command_line_exports_and_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,10 @@ Every step samples the next token from its last row's logits (``GpuCommandBatch.
 (1, 4) = temperature, top_p, min_p, 0; ``top_k`` (1,); ``keys`` (1, 2) = seed, the token's index), outputs it
 as ``next_id`` and leaves it on the device for the next decode step. The page (``batchgpu.js``) drives these
 exact batches, so :meth:`ChatSteps.generate` gives the ids the page gives for the same settings (up to the
-browser's float latitude, which can flip a near-tie).
+browser's float latitude, which can flip a near-tie). The page also keeps the cache's rows of a prompt's
+common prefix with the ids it holds from the run before and runs the prefill steps from that ``pos`` on:
+each step writes rows ``pos + t`` and attends over rows up to its own (windowed layers over fewer), so rows
+past the prefix are written before any step reads them, and the ids are those of a run from position 0.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@
 //   const ids = model.codec.encodeChat([{ role: "user", content: "Hi!" }]);
 //   for await (const id of model.generate(ids, { maxTokens: 64, temperature: 0.7, seed: 1 })) ...
 //
+// The next turn's prompt (the conversation so far) prefills only what follows the ids the KV cache holds
+// (model.cachedIds; model.stats.cached_tokens counts them), unless generate(ids, { reuse: false }).
+//
 // Under Node the GPU comes from the `webgpu` npm package (./node_gpu.js), or pass one: loadModel(base, { gpu }).
 // Call model.destroy() and node_gpu.js's releaseGpu() when done, so the process can exit.
 
@@ -196,6 +199,14 @@ export function promptChunks(length, chunk) {
   return sizes;
 }
 
+/** The length of the longest common prefix of the id arrays ``a`` and ``b``. */
+export function commonPrefix(a, b) {
+  const most = Math.min(a.length, b.length);
+  let length = 0;
+  while (length < most && a[length] === b[length]) length++;
+  return length;
+}
+
 function checkOption(name, value, ok) {
   if (!ok) throw new Error(`batchgpu: ${name} out of range, got ${value}`);
 }
@@ -212,6 +223,8 @@ function bufferBytes(manifest) {
 }
 
 export class ChatModel {
+  #cachedIds = [];
+
   constructor(manifest, program, codec, adapter) {
     this.manifest = manifest;
     this.program = program;
@@ -224,13 +237,25 @@ export class ChatModel {
     this.memory = bufferBytes(manifest);
   }
 
+  /** The ids whose keys and values the KV cache holds at positions 0, 1, ... (a copy). */
+  get cachedIds() {
+    return this.#cachedIds.slice();
+  }
+
   /** The ids generated for ``prompt`` (token ids), one at a time: greedy at temperature 0, else drawn (top_k,
    * top_p, min_p) by a hash of (seed, the token's index), as batchgpu's ChatSteps.generate draws them. Ends
    * after ``maxTokens``, a stop id (default: the tokenizer's), at the model's context, or when ``signal``
    * aborts. Decode steps are submitted up to ``ahead`` steps before their token is read (each reads its input
    * token on the device), so the GPU does not wait for the page between steps. ``this.stats`` then holds the
-   * timings. */
-  async *generate(prompt, { maxTokens = 128, temperature = 0, topK = 0, topP = 1, minP = 0, seed = 0, stop = null, signal = null, ahead = 1 } = {}) {
+   * timings and the prompt's ``cached_tokens`` and ``prefill_tokens``.
+   *
+   * With ``reuse`` (the default) the KV cache's rows for the longest common prefix of ``prompt`` with
+   * ``this.cachedIds`` (the ids the cache holds: the last prompt and the tokens fed back after it) are kept and
+   * only the rest of the prompt is prefilled, from its position on (at least its last token, whose logits give
+   * the first id), as llama.cpp's server reuses a slot's cached prompt: a conversation's next turn computes only
+   * its new tokens. A row's keys and values depend only on the ids up to it and its position, so the ids are
+   * those of a run from position 0. ``reuse: false`` prefills the whole prompt. */
+  async *generate(prompt, { maxTokens = 128, temperature = 0, topK = 0, topP = 1, minP = 0, seed = 0, stop = null, signal = null, ahead = 1, reuse = true } = {}) {
     const { vocab } = this.manifest.model;
     const ids = Array.from(prompt, Number);
     if (ids.length < 1 || ids.length >= this.maxContext) throw new Error(`batchgpu: the prompt needs 1 to ${this.maxContext - 1} tokens, got ${ids.length}`);
@@ -243,16 +268,17 @@ export class ChatModel {
     checkOption("minP", minP, minP >= 0 && minP <= 1);
     checkOption("seed", seed, Number.isInteger(seed) && seed >= 0 && seed < 2 ** 32);
     checkOption("ahead", ahead, Number.isInteger(ahead) && ahead >= 0);
+    checkOption("reuse", reuse, typeof reuse === "boolean");
     if (this.busy) throw new Error("batchgpu: the model is generating already (one sequence at a time: its KV cache is one); finish or stop that first");
     this.busy = true;
     try {
-      yield* this.steps(ids, { maxTokens, temperature, topK, topP, minP, seed, stop, signal, ahead });
+      yield* this.steps(ids, { maxTokens, temperature, topK, topP, minP, seed, stop, signal, ahead, reuse });
     } finally {
       this.busy = false;
     }
   }
 
-  async *steps(ids, { maxTokens, temperature, topK, topP, minP, seed, stop, signal, ahead }) {
+  async *steps(ids, { maxTokens, temperature, topK, topP, minP, seed, stop, signal, ahead, reuse }) {
     const { chunk } = this.manifest.model;
     const stopIds = stop ?? this.codec?.stopIds ?? new Set();
     const sampling = Float32Array.of(temperature, topP, minP, 0);
@@ -260,26 +286,35 @@ export class ChatModel {
     const keys = (index) => Uint32Array.of(seed, index);
 
     const started = performance.now();
-    let pos = 0;
-    const inFlight = []; // promises of each submitted step's outputs, in order
-    for (const size of promptChunks(ids.length, chunk)) {
-      const inputs = { ids: Int32Array.from(ids.slice(pos, pos + size)), sampling, top_k, keys: keys(0) };
-      inFlight.length = 0; // only the last chunk's token is read
-      inFlight.push(this.program.run(`prefill_${size}`, inputs, { pos }));
-      pos += size;
-    }
-    let submitted = 1; // tokens whose step is submitted
-    let first = null;
-    this.stats = { prompt_tokens: ids.length, generated: 0, prefill_ms: 0, decode_ms: 0, tokens_per_s: 0 };
+    const cached = reuse ? Math.min(commonPrefix(ids, this.#cachedIds), ids.length - 1) : 0;
+    this.#cachedIds = ids.slice(0, cached); // the rows from ``cached`` on are written again from here
+    const known = ids.slice(); // the ids of positions 0, 1, ...: the prompt, then each token read
+    let kept = cached; // the positions written by the steps whose outputs were read
+    let failed = false;
+    let pos = cached;
+    const inFlight = []; // each submitted step's outputs (a promise) and the positions written once it is done
+    this.stats = { prompt_tokens: ids.length, cached_tokens: cached, prefill_tokens: ids.length - cached, generated: 0, prefill_ms: 0, decode_ms: 0, tokens_per_s: 0 };
     try {
+      const prefill = [];
+      for (const size of promptChunks(ids.length - cached, chunk)) {
+        const inputs = { ids: Int32Array.from(ids.slice(pos, pos + size)), sampling, top_k, keys: keys(0) };
+        prefill.push(this.program.run(`prefill_${size}`, inputs, { pos }));
+        pos += size;
+      }
+      inFlight.push({ outputs: Promise.all(prefill).then((outputs) => outputs.at(-1)), end: pos }); // the last chunk's token
+      let submitted = 1; // tokens whose step is submitted
+      let first = null;
       for (let index = 0; index < maxTokens; index++) {
         while (inFlight.length <= ahead && submitted < maxTokens && pos < this.maxContext) {
-          inFlight.push(this.program.run("decode", { sampling, top_k, keys: keys(submitted) }, { pos }));
+          inFlight.push({ outputs: this.program.run("decode", { sampling, top_k, keys: keys(submitted) }, { pos }), end: pos + 1 });
           submitted += 1;
           pos += 1;
         }
         if (!inFlight.length) return; // the context is full
-        const token = (await inFlight.shift()).next_id[0];
+        const step = inFlight.shift();
+        const token = (await step.outputs).next_id[0];
+        known.push(token);
+        kept = step.end;
         const now = performance.now();
         first ??= now;
         Object.assign(this.stats, { generated: index + 1, prefill_ms: first - started, decode_ms: now - first });
@@ -287,8 +322,14 @@ export class ChatModel {
         yield token;
         if (stopIds.has(token) || signal?.aborted) return;
       }
+    } catch (error) {
+      failed = true;
+      throw error;
     } finally {
-      for (const pending of inFlight) pending.catch(() => {}); // steps past the end: their tokens are dropped
+      // Steps still in flight write rows past ``kept`` (a later prompt writes them again before any step reads
+      // them); their tokens are dropped. After an error the cache's contents are not known: forget them.
+      this.#cachedIds = failed ? [] : known.slice(0, kept);
+      for (const pending of inFlight) pending.outputs.catch(() => {});
     }
   }
 
