@@ -139,7 +139,7 @@ def test_engine_requests_without_logprobs_get_none_beside_one_that_asks(engine: 
             run(SamplingParams(max_tokens=3, temperature=0, logprobs=1, prompt_logprobs=0)),
         )
 
-    plain, asked = asyncio.new_event_loop().run_until_complete(both())
+    plain, asked = asyncio.run(both())
     assert all(p.logprobs is None and p.prompt_logprobs is None for p in plain)
     assert [i for p in plain for i in p.token_ids] == [i for p in asked for i in p.token_ids] == GREEDY[:3]
     assert all(len(p.logprobs) == len(p.token_ids) for p in asked) and len(asked[0].prompt_logprobs) == 5
