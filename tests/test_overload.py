@@ -200,6 +200,13 @@ def unread_body_answer(server: str) -> bytes:
         return answer
 
 
+def overloaded_total(server: str) -> float:
+    """The server's ``batchgpu_requests_overloaded_total`` (Prometheus' text format)."""
+    with urllib.request.urlopen(f"{server}/metrics", timeout=60) as response:
+        lines = response.read().decode().splitlines()
+    return next(float(line.split()[1]) for line in lines if line.startswith("batchgpu_requests_overloaded_total "))
+
+
 def test_a_flood_past_max_batch_plus_max_waiting_gets_429_and_the_server_goes_on(server: str) -> None:
     """Four long requests fill the server's two slots and two waiting places; four more, two of them
     streamed, are refused with 429 and OpenAI's rate-limit body while those run, and one whose body never
@@ -217,7 +224,9 @@ def test_a_flood_past_max_batch_plus_max_waiting_gets_429_and_the_server_goes_on
             head = await asyncio.to_thread(unread_body_answer, server)
             return list(await asyncio.gather(*accepted)), list(refused), head
 
+    refusals_before = overloaded_total(server)
     texts, refused, head = asyncio.run(flood())
+    assert overloaded_total(server) - refusals_before == len(refused) + 1  # counted once each, for /metrics
     assert head.startswith(b"HTTP/1.1 429 ") and b"rate_limit_exceeded" in head, head
     for error in refused:
         assert isinstance(error, openai.RateLimitError) and error.status_code == 429, error

@@ -200,6 +200,7 @@ class Engine:
         if samples > most:
             raise RequestError(f"{field}: {samples} samples; this engine holds at most {most} sequences", field)
         if self.held + samples > most:
+            self.stats.overloaded += 1
             raise OverloadedError(
                 f"the engine is full: it holds {self.held} sequences (running, waiting or being tokenized) and "
                 f"takes at most {most} (max_batch {self.max_batch} + max_waiting {self.max_waiting}); this "
