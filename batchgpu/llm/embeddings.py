@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 
 from ..arguments import brief
-from ..errors import BatchError, OverloadedError, RequestError
+from ..errors import RequestError
 from ..models.encoder import Encoder
+from .admission import Places, check_max_waiting
 from .schema import EMBEDDINGS, check_fields, parse_json
 
 MAX_INPUTS = 2048
@@ -148,11 +149,15 @@ class EmbeddingService:
     default): unbounded."""
 
     def __init__(self, encoder: Encoder, max_waiting: int | None = None) -> None:
-        if max_waiting is not None and (type(max_waiting) is not int or max_waiting < 0):
-            raise BatchError(f"EmbeddingService: max_waiting must be None or an int >= 0, got {max_waiting!r}")
+        check_max_waiting("EmbeddingService", max_waiting)
         self.encoder = encoder
         self.max_waiting = max_waiting
-        self.held = 0  # texts of the requests taken and not ended: embedding, waiting or being tokenized
+        self.room = Places(
+            encoder.max_batch, max_waiting, owner="the embedding service", unit="texts",
+            states="embedding, waiting or being tokenized", verb="has",
+            too_many=lambda count, most, bound: RequestError(
+                f"input has {count} items; this server holds at most {most} texts {bound}", "input"),
+        )  # fmt: skip
         self.waiting: deque[Job] = deque()
         self.driver: asyncio.Task[None] | None = None
 
@@ -160,32 +165,24 @@ class EmbeddingService:
         """Requests waiting for the next round, and the texts held."""
         return {"waiting": len(self.waiting), "held": self.held}
 
+    @property
+    def held(self) -> int:
+        """Texts of the requests taken and not ended: embedding, waiting or being tokenized."""
+        return self.room.held
+
     def check_room(self, inputs: int = 1) -> None:
         """Refuse a request of ``inputs`` texts the service has no room for now (OverloadedError) or ever
         (RequestError naming ``input``); nothing where ``max_waiting`` is None. A server asks before it
         reads a body."""
-        if self.max_waiting is None:
-            return
-        most = self.encoder.max_batch + self.max_waiting
-        bound = f"(max_batch {self.encoder.max_batch} + max_waiting {self.max_waiting})"
-        if inputs > most:
-            raise RequestError(f"input has {inputs} items; this server holds at most {most} texts {bound}", "input")
-        if self.held + inputs > most:
-            raise OverloadedError(
-                f"the embedding service is full: it holds {self.held} texts (embedding, waiting or being "
-                f"tokenized) and takes at most {most} {bound}; this request has {inputs}: retry later"
-            )
+        self.room.check(inputs)
 
     @contextmanager
     def places(self, inputs: int) -> Iterator[None]:
         """Hold a place per text of a request while the block runs (:attr:`held`), refused by
         :meth:`check_room`."""
         self.check_room(inputs)
-        self.held += inputs
-        try:
+        with self.room.hold(inputs):
             yield
-        finally:
-            self.held -= inputs
 
     async def embed(self, inputs: Inputs) -> tuple[np.ndarray, int]:
         """The vectors of ``inputs`` (texts, tokenized here off the event loop, or checked token ids), one

@@ -22,6 +22,7 @@ from ..batch import default_device
 from ..device import Device
 from ..errors import BatchError, OverloadedError, RequestError
 from ..models.llama import load_model, smollm2_path, steps_ahead, weight_bytes
+from .admission import Places, check_max_waiting
 from .blocks import BlockPool, default_blocks
 from .grammar import GrammarEngine, Guide
 from .metrics import EngineStats, clock
@@ -80,15 +81,18 @@ class Engine:
                 f"Engine: max_batch, prefill_chunk, block_size and kv_blocks must be at least 1, got {max_batch}, "
                 f"{prefill_chunk}, {block_size} and {kv_blocks}"
             )
-        if max_waiting is not None and (type(max_waiting) is not int or max_waiting < 0):
-            raise BatchError(f"Engine: max_waiting must be None or an int >= 0, got {max_waiting!r}")
+        check_max_waiting("Engine", max_waiting)
         self.ahead = steps_ahead(self.device, ahead, "Engine")
         self.config, self.codec, self.weights = load_model(
             self.device, self.path, max_context, quantized=quantized, fuse=fuse, what="Engine"
         )
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
         self.max_waiting = max_waiting
-        self.held = 0  # sequences of the requests taken and not ended: running, waiting or being tokenized
+        self.room = Places(
+            max_batch, max_waiting, owner="the engine", unit="sequences", states="running, waiting or being tokenized",
+            verb="needs", too_many=lambda count, most, bound: RequestError(
+                f"{count} samples; this engine holds at most {most} sequences"),
+        )  # fmt: skip
         blocks = kv_blocks if kv_blocks is not None else default_blocks(max_batch, max_context, block_size)
         self.pool = BlockPool(blocks, block_size)
         self.scheduler = Scheduler(
@@ -194,18 +198,18 @@ class Engine:
         """Refuse a request of ``samples`` sequences the engine has no room for now (OverloadedError: it
         holds ``max_batch + max_waiting`` sequences with them) or ever (RequestError naming ``field``: more
         samples than that); nothing where ``max_waiting`` is None. A server asks before it reads a body."""
-        if self.max_waiting is None:
-            return
-        most = self.max_batch + self.max_waiting
-        if samples > most:
-            raise RequestError(f"{field}: {samples} samples; this engine holds at most {most} sequences", field)
-        if self.held + samples > most:
+        try:
+            self.room.check(samples)
+        except OverloadedError:
             self.stats.overloaded += 1
-            raise OverloadedError(
-                f"the engine is full: it holds {self.held} sequences (running, waiting or being tokenized) and "
-                f"takes at most {most} (max_batch {self.max_batch} + max_waiting {self.max_waiting}); this "
-                f"request needs {samples}: retry later"
-            )
+            raise
+        except RequestError as exc:  # more samples than the engine ever holds
+            raise RequestError(f"{field}: {exc}", field) from None
+
+    @property
+    def held(self) -> int:
+        """Sequences of the requests taken and not ended: running, waiting or being tokenized."""
+        return self.room.held
 
     @property
     def failure(self) -> BaseException | None:
@@ -226,11 +230,8 @@ class Engine:
         """Hold a place per sample of a request while it runs (:attr:`held`), refused by :meth:`check_room`."""
         needed = params.samples
         self.check_room(needed, "best_of" if needed > params.n else "n")
-        self.held += needed
-        try:
+        with self.room.hold(needed):
             yield
-        finally:
-            self.held -= needed
 
     def _add(
         self, ids: list[int], params: SamplingParams, arrival: float, guides: list[Guide] | None = None
