@@ -68,9 +68,9 @@ def read_detokenize_request(body: bytes, vocab: int) -> DetokenizeRequest:
         raise RequestError("tokens is missing: the token ids to detokenize", "tokens")
     if len(tokens) > MAX_DETOKENIZE_IDS:
         raise RequestError(f"tokens has {len(tokens)} ids; at most {MAX_DETOKENIZE_IDS} per request", "tokens")
-    if not all(JSON_TYPES["integer"](t) and 0 <= t < vocab for t in tokens):
-        bad = [t for t in tokens if not (JSON_TYPES["integer"](t) and 0 <= t < vocab)][:5]
-        raise RequestError(f"tokens must be token ids in [0, {vocab}), got {bad}", "tokens")
+    bad = [t for t in tokens if not (JSON_TYPES["integer"](t) and 0 <= t < vocab)]
+    if bad:
+        raise RequestError(f"tokens must be token ids in [0, {vocab}), got {bad[:5]}", "tokens")
     return DetokenizeRequest(values.get("model"), tokens)
 
 
