@@ -120,7 +120,7 @@ def measure(kind: str, sequences: int, tokens: int, repeats: int) -> dict[str, A
 
     device = bg.Device(kind)
     blocks = sequences * -(-(16 + tokens) // 16)
-    engine = Engine(device=device, max_batch=sequences, max_context=256, prefill_chunk=16, kv_blocks=blocks)
+    engine = Engine(device=device, max_batch=sequences, max_context=256, kv_blocks=blocks)
     clock = DeviceClock(device.executor, kind)
     asyncio.run(crowd(engine, Window(engine, clock, sequences), sequences, 4))  # records and plans every step
     runs = []

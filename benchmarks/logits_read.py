@@ -137,7 +137,7 @@ def main() -> None:
             "decode + read logits + host log-softmax": functools.partial(teacher_forced, model, args.tokens, True),
         }
         if logprobs:
-            engine = Engine(device=device, max_batch=1, max_context=64, prefill_chunk=16)
+            engine = Engine(device=device, max_batch=1, max_context=64)
             forced = PROMPT + FORCED[: args.tokens]
             plain = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
             asked = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, logprobs=5)

@@ -80,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     device = bg.Device(args.device)
-    settings = dict(max_batch=max(levels), max_context=512, prefill_chunk=32, block_size=16)
+    settings = dict(max_batch=max(levels), max_context=512, block_size=16)
     engines = {cached: Engine(device=device, prefix_caching=cached, **settings) for cached in (False, True)}
     print(f"date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}; device {device.name} ({args.device})")
     print(f"system prompt: {len(engines[True].codec.encode(SYSTEM))} tokens; {args.tokens} tokens per request")

@@ -107,7 +107,7 @@ def run_device(kind: str, levels: list[int], tokens: int) -> dict[str, object]:
     device = bg.Device(kind)
     baseline = sequential_llama(device, min(tokens, 24))
     blocks = max(levels) * -(-(16 + tokens) // 16)  # every request's prompt (<= 16 tokens) and output at once
-    engine = Engine(device=device, max_batch=max(levels), max_context=256, prefill_chunk=16, kv_blocks=blocks)
+    engine = Engine(device=device, max_batch=max(levels), max_context=256, kv_blocks=blocks)
     clock = DeviceClock(device.executor, kind)
     asyncio.run(one_request(engine, "warm up", 4))
     rows = [asyncio.run(level(engine, clock, c, tokens)) for c in levels]

@@ -75,19 +75,17 @@ async def level(engine: Engine, requests: int, tokens: int, schema: bool) -> dic
         SamplingParams(max_tokens=tokens, temperature=0.8, seed=i, ignore_eos=True, structured=structured)
         for i in range(requests)
     ]
-    steps = engine.steps["decode"] + engine.steps["prefill"]
+    steps = sum(engine.steps.values())
     started = time.perf_counter()
     generated = sum(await asyncio.gather(*(one(engine, p) for p in params)))
     wall = time.perf_counter() - started
-    return {"tokens_per_s": generated / wall, "steps": engine.steps["decode"] + engine.steps["prefill"] - steps}
+    return {"tokens_per_s": generated / wall, "steps": sum(engine.steps.values()) - steps}
 
 
 def run_device(kind: str, levels: list[int], tokens: int, rounds: int, ahead: int | None) -> list[dict[str, object]]:
     device = bg.Device(kind)
     blocks = max(levels) * -(-(64 + tokens) // 16)
-    engine = Engine(
-        device=device, max_batch=max(levels), max_context=256, prefill_chunk=32, kv_blocks=blocks, ahead=ahead
-    )
+    engine = Engine(device=device, max_batch=max(levels), max_context=256, kv_blocks=blocks, ahead=ahead)
     clock = GrammarClock()
     for requests in levels:  # warm up: every step size and its masked variant recorded
         asyncio.run(level(engine, requests, 4, False))

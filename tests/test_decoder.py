@@ -67,12 +67,13 @@ def expected_llama(d: dict, *, fuse: bool, tokens: int, decode: bool) -> list[st
     return ["reshape"] * decode + ["embedding", "rms_norm"] + layer * d["layers"] + head
 
 
-def expected_step(d: dict, *, fuse: bool, prompt: bool, by_slot: bool, float16_pool: bool) -> list[str]:
+def expected_step(d: dict, *, fuse: bool, mixed: bool, by_slot: bool, float16_pool: bool) -> list[str]:
     joined = fuse and not d["qk_norm"]
     cast = float16_pool and not joined  # separate projections cast k and v for a float16 pool
     layer = layer_ops(joined=joined, joined_ffn=fuse, paged=True, biases=d["biases"], qk_norms=d["qk_norm"], cast=cast)
-    tokens = [] if prompt else ["embedding", "reshape"]  # a decode row's token from the slot's latest
-    counts = ["count_tokens", "count_tokens"] * prompt + ["embedding", "embedding"] * (not by_slot)
+    # a decode row's token from the slot's latest; a mixed step's prompt rows' from the host beside them
+    tokens = ["reshape", "concat", "embedding", "reshape"] if mixed else ["embedding", "reshape"]
+    counts = ["count_tokens", "count_tokens"] * mixed + ["embedding", "embedding"] * (not by_slot)
     sampling = [*counts, "penalize", "sample", "logprobs", "count_tokens", "count_tokens", "reshape", "scatter_rows"]
     return [*tokens, "embedding", "rms_norm", *layer * d["layers"], "embedding", "matmul", *sampling]
 
@@ -110,7 +111,7 @@ def test_engine_steps_record_the_ops_they_always_recorded(variant_files, variant
         max_batch=3,
         max_context=32,
         block_size=4,
-        prefill_chunk=5,
+        max_step_tokens=5,
         fuse=fuse,
         kv_dtype=kv_dtype,
     )
@@ -118,10 +119,10 @@ def test_engine_steps_record_the_ops_they_always_recorded(variant_files, variant
     from batchgpu.llm.scheduler import StepKind
 
     for size, step in engine.runner.recorded[StepKind.DECODE].items():
-        expected = expected_step(d, fuse=fuse, prompt=False, by_slot=size == 3, float16_pool=float16_pool)
+        expected = expected_step(d, fuse=fuse, mixed=False, by_slot=size == 3, float16_pool=float16_pool)
         assert [label(node) for node in step.batch.nodes] == expected, size
-    for size, step in engine.runner.recorded[StepKind.PREFILL].items():
-        expected = expected_step(d, fuse=fuse, prompt=True, by_slot=False, float16_pool=float16_pool)
+    for size, step in engine.runner.recorded[StepKind.MIXED].items():
+        expected = expected_step(d, fuse=fuse, mixed=True, by_slot=False, float16_pool=float16_pool)
         assert [label(node) for node in step.batch.nodes] == expected, size
 
 

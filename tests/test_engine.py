@@ -32,7 +32,7 @@ OTHERS = ["Once upon a time", "The best way to learn", "import numpy as np\n", "
 def engine(kind: str) -> Engine:
     """One engine per executor for the module (weights upload and step recording are the slow part), one
     step submitted ahead of the reads (the default on a GPU; on these CPU devices 0)."""
-    return Engine(device=bg.Device(kind), max_batch=8, max_context=256, prefill_chunk=16, block_size=16, ahead=1)
+    return Engine(device=bg.Device(kind), max_batch=8, max_context=256, max_step_tokens=16, block_size=16, ahead=1)
 
 
 @pytest.fixture(params=["reference", "wgpu"])
@@ -100,10 +100,10 @@ def test_penalized_seeded_request_alone_equals_among_others(eng: Engine) -> None
         max_tokens=16, temperature=0.8, seed=5, repetition_penalty=1.3, presence_penalty=0.5,
         frequency_penalty=0.2, ignore_eos=True,
     )  # fmt: skip
-    before, prefills = dict(eng.decode_sizes), dict(eng.prefill_sizes)
+    before, mixed = dict(eng.decode_sizes), dict(eng.mixed_sizes)
     alone = eng.complete("Water is", params).token_ids
     assert eng.decode_sizes[1] > before[1]
-    assert eng.prefill_sizes[2] == prefills[2] + 1  # 2 prompt tokens: the 2-row prefill step
+    assert eng.mixed_sizes[2] == mixed[2] + 1  # 2 prompt tokens: the 2-row mixed step
 
     async def among_others() -> list[int]:
         others = [collect(eng, p, greedy(n)) for p, n in zip(OTHERS, [20, 3, 18, 5, 16, 7, 9])]
@@ -116,22 +116,23 @@ def test_penalized_seeded_request_alone_equals_among_others(eng: Engine) -> None
     assert eng.status()["decode_sizes"] == eng.decode_sizes
 
 
-def test_prompts_packed_into_prefill_steps(eng: Engine) -> None:
-    """Prompts starting together share prefill steps (a long one split over several, ending mid-step, the
-    short ones packed beside it); each one's greedy ids and penalized seeded draws equal its ids alone."""
+def test_prompts_packed_into_mixed_steps(eng: Engine) -> None:
+    """Prompts starting together share steps (a long one split over several, ending mid-step, the short
+    ones packed beside it, the first decode rows beside its last pieces); each one's greedy ids and
+    penalized seeded draws equal its ids alone."""
     long_prompt = "Count with me: " + ", ".join(str(i) for i in range(1, 20))
     penalized = SamplingParams(max_tokens=6, temperature=0.7, seed=3, repetition_penalty=1.5, ignore_eos=True)
     jobs = [(long_prompt, greedy(5)), ("Water is", penalized), *((p, greedy(4)) for p in OTHERS[:4])]
     alone = [eng.complete(p, params).token_ids for p, params in jobs]
-    chunks = sum(-(-len(eng.codec.encode(p)) // eng.prefill_chunk) for p, _ in jobs)
-    assert len(eng.codec.encode(long_prompt)) > 2 * eng.prefill_chunk
+    chunks = sum(-(-len(eng.codec.encode(p)) // eng.max_step_tokens) for p, _ in jobs)
+    assert len(eng.codec.encode(long_prompt)) > 2 * eng.max_step_tokens
 
     async def together() -> list[list[int]]:
         return list(await asyncio.gather(*(collect(eng, p, params) for p, params in jobs)))
 
-    before = eng.steps["prefill"]
+    before = eng.steps["mixed"]
     assert asyncio.run(together()) == alone
-    assert eng.steps["prefill"] - before < chunks  # packed: fewer steps than one per prompt chunk
+    assert eng.steps["mixed"] - before < chunks  # packed: fewer steps than one per prompt chunk
     assert eng.memory()["blocks_used"] == 0
 
 
@@ -178,7 +179,8 @@ def test_requests_beyond_the_kv_blocks_are_preempted_and_give_their_ids_alone() 
     they grow, the newest are preempted (their blocks given back, their prompt and output recomputed
     later), and each gives the greedy ids it gives alone, with steps submitted ahead of the reads."""
     small = Engine(
-        device=bg.Device("reference"), max_batch=4, max_context=32, prefill_chunk=8, block_size=8, kv_blocks=3, ahead=1,
+        device=bg.Device("reference"), max_batch=4, max_context=32, max_step_tokens=8, block_size=8, kv_blocks=3,
+        ahead=1,
     )  # fmt: skip
 
     async def three() -> list[list[int]]:
@@ -207,7 +209,7 @@ def test_preempted_penalized_seeded_requests_draw_what_they_draw_alone() -> None
     """Preemption drops the tokens of the steps in flight and recomputes the prompt and the output read
     so far: the penalties' token counts (output tokens counted as generated) and the seeded draws
     continue as if it had never stopped. Prefix caching off: every row is computed again."""
-    kwargs = dict(max_batch=4, max_context=48, prefill_chunk=8, block_size=4, kv_blocks=9, ahead=1)
+    kwargs = dict(max_batch=4, max_context=48, max_step_tokens=8, block_size=4, kv_blocks=9, ahead=1)
     eng = Engine(device=bg.Device("reference"), prefix_caching=False, **kwargs)
     jobs = [
         (OTHERS[0], SamplingParams(max_tokens=14, temperature=0.9, seed=11, frequency_penalty=1.5, ignore_eos=True)),
@@ -399,8 +401,15 @@ def test_a_vanishing_temperature_is_greedy() -> None:
 
 @pytest.mark.parametrize("settings", [{"kv_blocks": 0}, {"block_size": 0}, {"kv_blocks": -2, "block_size": 8}])
 def test_a_kv_pool_without_blocks_is_refused_before_the_model_loads(settings) -> None:
-    with pytest.raises(bg.BatchError, match=r"block_size and kv_blocks must be at least 1, got 8, 32, -?\d+ and"):
+    message = r"block_size and kv_blocks must be at least 1, got 8, -?\d+ and (-?\d+|None)"
+    with pytest.raises(bg.BatchError, match=message):
         Engine("no-such-model.gguf", bg.Device("reference"), max_context=64, **settings)
+
+
+@pytest.mark.parametrize("budget", [7, 0, 12.0])
+def test_a_step_budget_below_max_batch_is_refused_before_the_model_loads(budget) -> None:
+    with pytest.raises(bg.BatchError, match=rf"max_step_tokens must be an int of at least max_batch \(8\).*{budget}"):
+        Engine("no-such-model.gguf", bg.Device("reference"), max_context=64, max_step_tokens=budget)
 
 
 def sampled(n: int, seed: int, **extra) -> SamplingParams:

@@ -1,7 +1,7 @@
 """The engine's feed packing on the host (no device, no model): every plan a scheduler makes, packed into a
-step's preallocated arrays (reused from step to step, only what changed fed), equals the straightforward
-packing the engine used before, array by array, for decode and prefill steps of several sizes, idle rows,
-preemption, prompt logprobs and sampling parameters of every kind."""
+step's preallocated arrays (reused from step to step, only what changed fed) from the slots' persistent
+rows, equals a straightforward packing chunk by chunk, array by array, for decode and mixed steps of
+several sizes, idle rows, preemption, prompt logprobs and sampling parameters of every kind."""
 
 from __future__ import annotations
 
@@ -12,17 +12,18 @@ import pytest
 
 from batchgpu.llm import SamplingParams
 from batchgpu.llm.blocks import BlockPool, pool_rows
-from batchgpu.llm.feeds import StepFeeds, pack_decode, pack_prefill, wants_prompt_logprobs
+from batchgpu.llm.feeds import SlotTable, StepFeeds, pack_decode, pack_mixed, wants_prompt_logprobs
 from batchgpu.llm.scheduler import Chunk, Scheduler, StepKind, StepPlan
 from batchgpu.llm.step import step_sizes
 
 I32, F32, U32 = np.int32, np.float32, np.uint32
 
 
-def input_shapes(*, rows: int, samples: int, slots: int, max_blocks: int, prompt: bool, scoring: bool):
+def input_shapes(*, rows: int, samples: int, slots: int, max_blocks: int, mixed: bool, scoring: bool):
     """The inputs of :func:`batchgpu.llm.step.record_step` by name: (shape, dtype)."""
+    sources = {"ids": ((rows,), I32), "sources": ((rows,), I32)} if mixed else {"token_slots": ((rows,), I32)}
     shapes = {
-        ("ids" if prompt else "token_slots"): ((rows,), I32),
+        **sources,
         "positions": ((rows,), I32),
         "kv_rows": ((rows,), I32),
         "seq": ((rows,), I32),
@@ -37,14 +38,14 @@ def input_shapes(*, rows: int, samples: int, slots: int, max_blocks: int, prompt
         "sampled_slots": ((samples,), I32),
         "logprob_n": ((samples,), I32),
     }
-    if prompt:
+    if mixed:
         shapes.update(count_slots=((rows,), I32), generated_slots=((rows,), I32), reset=((slots,), I32))
     if scoring:
         shapes.update(prompt_targets=((rows,), I32), prompt_n=((rows,), I32))
     return {name: (shape, np.dtype(dtype)) for name, (shape, dtype) in shapes.items()}
 
 
-# the engine's packing before the preallocated arrays (commit cd1570b), on fresh arrays every step ----------
+# the packing chunk by chunk, on fresh arrays every step (the engine's before the preallocated arrays) ------
 
 IDLE_NONE = ("kv_rows", "count_slots", "generated_slots", "sampled_slots", "logprob_n", "prompt_n", "prompt_targets")
 
@@ -59,21 +60,27 @@ def idle_feeds(shapes) -> dict[str, np.ndarray]:
     return feeds
 
 
-def prefill_feeds(shapes, chunks: list[Chunk], block_size: int) -> dict[str, np.ndarray]:
+def mixed_feeds(shapes, chunks: list[Chunk], block_size: int, slots: int) -> dict[str, np.ndarray]:
     feeds = idle_feeds(shapes)
     start = 0
     for index, chunk in enumerate(chunks):
         sequence = chunk.sequence
         rows = slice(start, start + chunk.count)
         positions = np.arange(chunk.start, chunk.start + chunk.count, dtype=np.int32)
-        feeds["ids"][rows] = sequence.token_ids(chunk.start, chunk.start + chunk.count)
+        if chunk.decode:  # its token is the one the step before left in its slot
+            assert chunk.count == 1 and chunk.start >= sequence.prefill_length
+            feeds["sources"][rows] = sequence.slot
+        else:
+            feeds["ids"][rows] = sequence.token_ids(chunk.start, chunk.start + chunk.count)
+            feeds["sources"][rows] = np.arange(slots + start, slots + start + chunk.count)
         feeds["positions"][rows] = positions
         feeds["kv_rows"][rows] = pool_rows(sequence.blocks, positions, block_size)
         feeds["seq"][rows] = index
         feeds["lengths"][rows] = positions + 1
         feeds["block_tables"][index, : len(sequence.blocks)] = sequence.blocks
-        feeds["count_slots"][rows] = sequence.slot
-        feeds["generated_slots"][rows] = np.where(positions >= len(sequence.prompt), sequence.slot, -1)
+        if not chunk.decode:  # a decode row's token was counted when it was sampled
+            feeds["count_slots"][rows] = sequence.slot
+            feeds["generated_slots"][rows] = np.where(positions >= len(sequence.prompt), sequence.slot, -1)
         if chunk.start == 0:
             feeds["reset"][sequence.slot] = 1
         sampling_feeds(feeds, index, chunk, row=start + chunk.count - 1)
@@ -121,25 +128,26 @@ class Steps:
     """Per kind, row count and scoring, one :class:`StepFeeds` reused by every plan it runs, as the engine's
     StepRunner places plans (the smallest step that holds the rows; a full-width decode step by slot)."""
 
-    def __init__(self, *, max_batch: int, prefill_chunk: int, max_blocks: int, block_size: int) -> None:
+    def __init__(self, *, max_batch: int, max_step_tokens: int, max_blocks: int, block_size: int) -> None:
         self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
-        self.largest = {StepKind.DECODE: max_batch, StepKind.PREFILL: prefill_chunk}
+        self.largest = {StepKind.DECODE: max_batch, StepKind.MIXED: max_step_tokens}
         self.feeds: dict[tuple[StepKind, int, bool], tuple[StepFeeds, dict]] = {}
+        self.table = SlotTable(max_batch, max_blocks, block_size)
 
     def place(self, plan: StepPlan) -> tuple[StepFeeds, dict, list[int]]:
         size = next(size for size in step_sizes(self.largest[plan.kind]) if size >= plan.rows)
-        prompt = plan.kind is StepKind.PREFILL
-        scoring = prompt and any(wants_prompt_logprobs(c) for c in plan.chunks)
+        mixed = plan.kind is StepKind.MIXED
+        scoring = mixed and any(wants_prompt_logprobs(c) for c in plan.chunks)
         key = (plan.kind, size, scoring)
         if key not in self.feeds:
             samples = min(self.max_batch, size)
             shapes = input_shapes(
-                rows=size, samples=samples, slots=self.max_batch, max_blocks=self.max_blocks, prompt=prompt,
+                rows=size, samples=samples, slots=self.max_batch, max_blocks=self.max_blocks, mixed=mixed,
                 scoring=scoring,
             )  # fmt: skip
             self.feeds[key] = (StepFeeds(shapes), shapes)
         feeds, shapes = self.feeds[key]
-        if prompt:
+        if mixed:
             rows = list(range(len(plan.chunks)))
         else:
             rows = [c.sequence.slot for c in plan.chunks] if size == self.max_batch else list(range(len(plan.chunks)))
@@ -150,11 +158,11 @@ class Steps:
         previous run are the ones fed."""
         feeds, shapes, rows = self.place(plan)
         before = {name: array.copy() for name, array in feeds.arrays.items()} if feeds.sent is not None else None
-        if plan.kind is StepKind.PREFILL:
-            pack_prefill(feeds, plan.chunks, self.block_size)
-            expected = prefill_feeds(shapes, plan.chunks, self.block_size)
+        if plan.kind is StepKind.MIXED:
+            pack_mixed(feeds, self.table, plan.chunks)
+            expected = mixed_feeds(shapes, plan.chunks, self.block_size, self.max_batch)
         else:
-            pack_decode(feeds, plan.chunks, rows, self.block_size)
+            pack_decode(feeds, self.table, plan.chunks, rows)
             expected = decode_feeds(shapes, plan.chunks, rows, self.block_size)
         assert feeds.arrays.keys() == expected.keys()
         for name, array in expected.items():
@@ -189,9 +197,9 @@ def random_params(rng: random.Random, max_tokens: int) -> SamplingParams:
 def test_every_plan_packs_as_the_straightforward_packing_did(seed, max_batch, chunk, block_size, blocks) -> None:
     rng = random.Random(seed * 7919 + max_batch)
     context = 48
-    s = Scheduler(BlockPool(blocks, block_size), max_batch=max_batch, max_context=context, prefill_chunk=chunk)
-    steps = Steps(max_batch=max_batch, prefill_chunk=chunk, max_blocks=s.pool.needed(context), block_size=block_size)
-    live, kinds = [], set()
+    s = Scheduler(BlockPool(blocks, block_size), max_batch=max_batch, max_context=context, max_step_tokens=chunk)
+    steps = Steps(max_batch=max_batch, max_step_tokens=chunk, max_blocks=s.pool.needed(context), block_size=block_size)
+    live, kinds, mixed_with_decode_rows = [], set(), 0
     for _ in range(160):
         if rng.random() < 0.25 and len(s.waiting) < 6:
             prompt = [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 19))]
@@ -202,20 +210,22 @@ def test_every_plan_packs_as_the_straightforward_packing_did(seed, max_batch, ch
         if plan is None:
             continue
         kinds.add((plan.kind, len(plan.chunks) < max_batch))
+        mixed_with_decode_rows += plan.kind is StepKind.MIXED and any(c.decode for c in plan.chunks)
         steps.check(plan)
         for sequence, _ in s.update(plan, [rng.randrange(1, 1000) for _ in plan.chunks]):
             if len(sequence.output) >= sequence.params.max_tokens:
                 s.finish(sequence)
                 live.remove(sequence)
-    assert {kind for kind, _ in kinds} == {StepKind.PREFILL, StepKind.DECODE}
+    assert {kind for kind, _ in kinds} == {StepKind.MIXED, StepKind.DECODE}
+    assert mixed_with_decode_rows > 0  # mixed steps carried decode rows beside prompt pieces
 
 
 def test_a_reused_step_keeps_nothing_of_a_larger_plan_before_it() -> None:
     """Four sequences prefill (16 rows) and decode in the 4-row step, then three others (other sampling
-    parameters, shorter block tables) prefill in the same 16-row step (12 rows) and decode in the same
+    parameters, shorter block tables, the same slots) prefill in the same 16-row step (12 rows) and decode in the same
     4-row step: every row the larger plans wrote and the smaller ones do not is idle again."""
-    s = Scheduler(BlockPool(64, 2), max_batch=4, max_context=40, prefill_chunk=16)
-    steps = Steps(max_batch=4, prefill_chunk=16, max_blocks=20, block_size=2)
+    s = Scheduler(BlockPool(64, 2), max_batch=4, max_context=40, max_step_tokens=16)
+    steps = Steps(max_batch=4, max_step_tokens=16, max_blocks=20, block_size=2)
     first = [s.add(list(range(1, 5 + 2 * i)), random_params(random.Random(i), 6), seed=11 + i) for i in range(4)]
     plans = []
     while not plans or plans[-1] != (StepKind.DECODE, 4):
@@ -224,27 +234,27 @@ def test_a_reused_step_keeps_nothing_of_a_larger_plan_before_it() -> None:
         steps.check(plan)
         plans.append((plan.kind, plan.rows))
         s.update(plan, [5] * len(plan.chunks))
-    assert plans[0] == (StepKind.PREFILL, 16)
+    assert plans[0] == (StepKind.MIXED, 16)
     for sequence in first:
         s.finish(sequence)
     params = SamplingParams(max_tokens=4, temperature=0.5, top_k=3, logprobs=2)
     second = [s.add([3, 4, 5, 6], params, seed=99 + i) for i in range(3)]
     plan = s.schedule()
-    assert plan is not None and plan.kind is StepKind.PREFILL and plan.rows == 12
-    assert steps.place(plan)[0].sent is not None  # the 16-row prefill step that ran the first plan
+    assert plan is not None and plan.kind is StepKind.MIXED and plan.rows == 12
+    assert steps.place(plan)[0].sent is not None  # the 16-row mixed step that ran the first plan
     steps.check(plan)
     s.update(plan, [7, 8, 9])
     plan = s.schedule()
     assert plan is not None and plan.kind is StepKind.DECODE and [c.sequence for c in plan.chunks] == second
     feeds, _, rows = steps.place(plan)
-    assert feeds.signature is not None  # packed for the four first sequences: what they wrote must go
+    assert feeds.sent is not None  # it ran for the four first sequences: what they wrote must go
     steps.check(plan)
     idle = [row for row in range(4) if row not in rows]
     assert idle and (feeds.arrays["lengths"][idle] == 0).all() and (feeds.arrays["block_tables"][idle] == 0).all()
 
 
 def test_only_changed_inputs_are_fed_and_a_failed_run_feeds_them_all_again() -> None:
-    shapes = input_shapes(rows=4, samples=4, slots=4, max_blocks=3, prompt=False, scoring=False)
+    shapes = input_shapes(rows=4, samples=4, slots=4, max_blocks=3, mixed=False, scoring=False)
     feeds = StepFeeds(shapes)
     assert feeds.changed().keys() == shapes.keys()  # nothing ran yet: every input
     feeds.ran()

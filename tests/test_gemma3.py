@@ -165,7 +165,7 @@ def test_engine_serves_tiny_gemma3(tiny):
     greedy ids equal the float64 model's."""
 
     path, weights = tiny
-    engine = Engine(path, bg.Device("reference"), max_batch=2, max_context=32, block_size=4, prefill_chunk=4)
+    engine = Engine(path, bg.Device("reference"), max_batch=2, max_context=32, block_size=4, max_step_tokens=4)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     assert engine.complete(PROMPT, params).token_ids == greedy(TINY, weights, PROMPT, 5)
 

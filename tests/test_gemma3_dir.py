@@ -229,7 +229,7 @@ def test_engine_serves_the_directory(pair):
     """The engine (paged KV in blocks of 2, prefill in chunks of 2 across the 3-position window) serves the
     directory unchanged: the float64 model's greedy ids."""
     directory, _, weights = pair
-    engine = Engine(directory, bg.Device("reference"), max_batch=2, max_context=32, block_size=2, prefill_chunk=2)
+    engine = Engine(directory, bg.Device("reference"), max_batch=2, max_context=32, block_size=2, max_step_tokens=2)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert engine.complete(PROMPT, params).token_ids == greedy(TINY, weights, PROMPT, 4)
 

@@ -95,7 +95,7 @@ def check_matches(path, expected: np.ndarray, greedy: list[int], kind: str = "re
 def engine_greedy(path) -> list[int]:
     """4 greedy ids from the engine: paged KV in blocks of 2, the prompt prefilled in chunks of 2 (both
     shorter than the window, so a windowed query spans blocks and chunks)."""
-    engine = Engine(path, bg.Device("reference"), max_batch=2, max_context=32, block_size=2, prefill_chunk=2)
+    engine = Engine(path, bg.Device("reference"), max_batch=2, max_context=32, block_size=2, max_step_tokens=2)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     return engine.complete(PROMPT, params).token_ids
 

@@ -331,7 +331,7 @@ def test_engine_serves_a_variant(tmp_path):
     weights = random_weights(d, 3)
     path = tmp_path / "qwen3.gguf"
     write_gguf(path, "qwen3", weights)
-    engine = Engine(path, bg.Device("reference"), max_batch=2, max_context=32, block_size=4, prefill_chunk=4)
+    engine = Engine(path, bg.Device("reference"), max_batch=2, max_context=32, block_size=4, max_step_tokens=4)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     assert engine.complete(PROMPT, params).token_ids == greedy(d, weights, PROMPT, 5)
     assert engine.complete([{"role": "user", "content": "DfqB"}], params).token_ids == greedy(

@@ -79,7 +79,7 @@ def check_entry(prefix: list[int], token: int, logprob: float, top: list[tuple[i
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(device=bg.Device("reference"), max_batch=2, max_context=64, prefill_chunk=4)
+    return Engine(device=bg.Device("reference"), max_batch=2, max_context=64, max_step_tokens=4)
 
 
 def test_engine_logprobs_match_float64(engine: Engine) -> None:

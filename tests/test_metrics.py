@@ -14,7 +14,7 @@ from batchgpu.llm.blocks import BlockPool
 from batchgpu.llm.metrics import (
     TIME_TO_FIRST_TOKEN_BUCKETS,
     EngineStats,
-    LatencyHistogram,
+    Histogram,
     exposition,
     metrics_registry,
 )
@@ -34,7 +34,7 @@ class Core:
     stats: EngineStats = field(default_factory=EngineStats)
 
     def __post_init__(self) -> None:
-        self.scheduler = Scheduler(self.pool, max_batch=2, max_context=40, prefill_chunk=8)
+        self.scheduler = Scheduler(self.pool, max_batch=2, max_context=40, max_step_tokens=8)
 
 
 def scrape(registry) -> dict[str, float]:
@@ -70,7 +70,7 @@ def test_two_engines_keep_their_own_registries():
 def test_histogram_buckets_follow_the_le_rule():
     """A value equal to a bound counts in that bucket, one between bounds in the next, one above every
     bound only in +Inf; the sum is the values' sum."""
-    histogram = LatencyHistogram(TIME_TO_FIRST_TOKEN_BUCKETS)
+    histogram = Histogram(TIME_TO_FIRST_TOKEN_BUCKETS)
     for value in (0.001, 0.0011, 0.0, 3000.0, 2560.0):
         histogram.observe(value)
     buckets = dict(histogram.cumulative())

@@ -211,7 +211,7 @@ def test_the_engine_serves_a_model_in_pieces(tmp_path, kind):
     pieces: greedy ids equal the float64 model's."""
     d, meant, path, limit = tiny_model(tmp_path, "qwen2", "Q8_0")
     device = bg.Device(kind, limits={BINDING: limit})
-    engine = Engine(path, device, max_batch=2, max_context=32, block_size=4, prefill_chunk=4)
+    engine = Engine(path, device, max_batch=2, max_context=32, block_size=4, max_step_tokens=4)
     assert isinstance(engine.weights["output.weight"], RowPieces)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     assert engine.complete(PROMPT, params).token_ids == greedy(d, meant, PROMPT, 5)

@@ -1,6 +1,7 @@
 """The engine's scheduler on integers alone (no device, no model): admission under KV block pressure,
-the order of chunked prefill, prefill and decode steps taking turns, a long prompt beside short ones,
-the bookkeeping of steps planned ahead of their reads, and blocks returning to the pool."""
+one token budget per step (every decode-ready sequence's row, then prompt pieces oldest first), a long
+prompt beside short ones, the bookkeeping of steps planned ahead of their reads, and blocks returning to
+the pool."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgpu.errors import RequestError, ShapeError
+from batchgpu.errors import ArgumentError, RequestError, ShapeError
 from batchgpu.llm import SamplingParams
 from batchgpu.llm.blocks import BlockPool
 from batchgpu.llm.scheduler import Scheduler, Sequence, SequenceState, StepPlan
@@ -24,8 +25,9 @@ WAITING, PREEMPTED, PREFILLING, DECODING, FINISHED = (
 )
 
 
-def scheduler(blocks: int = 64, block_size: int = 4, *, max_batch: int = 4, max_context: int = 64, chunk: int = 8):
-    return Scheduler(BlockPool(blocks, block_size), max_batch=max_batch, max_context=max_context, prefill_chunk=chunk)
+def scheduler(blocks: int = 64, block_size: int = 4, *, max_batch: int = 4, max_context: int = 64, budget: int = 8):
+    pool = BlockPool(blocks, block_size)
+    return Scheduler(pool, max_batch=max_batch, max_context=max_context, max_step_tokens=budget)
 
 
 def add(s: Scheduler, prompt_tokens: int, max_tokens: int) -> Sequence:
@@ -45,51 +47,54 @@ def token(sequence: Sequence, draw: int) -> int:
     return 1000 * sequence.id + draw
 
 
-def test_prompts_run_in_chunks_in_slot_order_then_decode_and_prefill_take_turns() -> None:
-    s = scheduler(chunk=8)
+def test_prompts_run_in_pieces_oldest_first_beside_every_decode_ready_row() -> None:
+    s = scheduler(budget=8)
     a, b, c = add(s, 19, 2), add(s, 3, 2), add(s, 5, 2)
-    plans = [shape(s.schedule()) for _ in range(7)]
-    assert plans == [
-        ("prefill", [(a.id, 0, 8, False)]),
-        ("prefill", [(a.id, 8, 8, False)]),  # nothing decodes yet: prefill again
-        ("prefill", [(a.id, 16, 3, True), (b.id, 0, 3, True), (c.id, 0, 2, False)]),  # packed; c cut at 8 rows
-        ("decode", [(a.id, 19, 1, True), (b.id, 3, 1, True)]),  # its turn
-        ("prefill", [(c.id, 2, 3, True)]),
+    plans = [s.schedule() for _ in range(6)]
+    assert [shape(plan) for plan in plans] == [
+        ("mixed", [(a.id, 0, 8, False)]),
+        ("mixed", [(a.id, 8, 8, False)]),
+        ("mixed", [(a.id, 16, 3, True), (b.id, 0, 3, True), (c.id, 0, 2, False)]),  # packed; c cut at 8 rows
+        ("mixed", [(a.id, 19, 1, True), (b.id, 3, 1, True), (c.id, 2, 3, True)]),  # decode rows, then c's rest
         ("decode", [(c.id, 5, 1, True)]),  # a and b sample max_tokens in the steps submitted: none for them
         None,  # every token of every sequence is on its way: nothing to run until reads end them
     ]
+    decode_rows = [[chunk.decode for chunk in plan.chunks] for plan in plans[2:5]]
+    assert decode_rows == [[False] * 3, [True, True, False], [True]]
+    assert [plan.rows for plan in plans[:5]] == [8, 8, 8, 5, 1]
     assert [seq.state for seq in (a, b, c)] == [DECODING] * 3
     assert (a.sampled, a.computed) == (2, 20)  # 19 prompt rows and its first token's
 
 
-def test_a_long_prompt_does_not_stall_decoding_and_short_prompts_join_its_last_chunk() -> None:
-    s = scheduler(chunk=4)
+def test_a_long_prompt_does_not_stall_decoding_and_short_prompts_join_its_last_piece() -> None:
+    """The decoding sequence has its row in every step; the long prompt takes what the budget leaves."""
+    s = scheduler(budget=4)
     short = add(s, 2, 50)
-    assert shape(s.schedule()) == ("prefill", [(short.id, 0, 2, True)])
+    assert shape(s.schedule()) == ("mixed", [(short.id, 0, 2, True)])
     long = add(s, 17, 4)
-    plans = [s.schedule() for _ in range(8)]
+    plans = [s.schedule() for _ in range(4)]
     late = add(s, 3, 4)  # arrives while the long prompt runs: packed beside its last piece
     plans += [s.schedule() for _ in range(3)]
-    kinds = [plan.kind.value for plan in plans]
-    assert kinds == ["decode", "prefill"] * 5 + ["decode"]  # the decoding sequence runs every other step
-    assert [shape(p)[1] for p in plans if p.kind.value == "prefill"] == [
-        [(long.id, 0, 4, False)],
-        [(long.id, 4, 4, False)],
-        [(long.id, 8, 4, False)],
-        [(long.id, 12, 4, False)],
-        [(long.id, 16, 1, True), (late.id, 0, 3, True)],
+    assert [shape(plan) for plan in plans] == [
+        ("mixed", [(short.id, 2, 1, True), (long.id, 0, 3, False)]),
+        ("mixed", [(short.id, 3, 1, True), (long.id, 3, 3, False)]),
+        ("mixed", [(short.id, 4, 1, True), (long.id, 6, 3, False)]),
+        ("mixed", [(short.id, 5, 1, True), (long.id, 9, 3, False)]),
+        ("mixed", [(short.id, 6, 1, True), (long.id, 12, 3, False)]),
+        ("mixed", [(short.id, 7, 1, True), (long.id, 15, 2, True), (late.id, 0, 1, False)]),
+        ("mixed", [(short.id, 8, 1, True), (long.id, 17, 1, True), (late.id, 1, 2, True)]),
     ]
-    assert shape(plans[-1]) == ("decode", [(short.id, 7, 1, True), (long.id, 17, 1, True), (late.id, 3, 1, True)])
+    assert shape(s.schedule()) == ("decode", [(short.id, 9, 1, True), (long.id, 18, 1, True), (late.id, 3, 1, True)])
 
 
 def test_blocks_are_taken_as_sequences_grow() -> None:
     """4 blocks of 8 rows: three generations of 5 + 12, 5 + 12 and 1 + 1 tokens (7 blocks if reserved
     whole) all start at once, each with the block of its prompt; a sequence takes its next block when its
     rows cross into it."""
-    s = scheduler(4, 8, max_batch=4, max_context=32, chunk=16)
+    s = scheduler(4, 8, max_batch=4, max_context=32, budget=16)
     first, second, small = add(s, 5, 12), add(s, 5, 12), add(s, 1, 1)
     plan = s.schedule()
-    assert shape(plan) == ("prefill", [(first.id, 0, 5, True), (second.id, 0, 5, True), (small.id, 0, 1, True)])
+    assert shape(plan) == ("mixed", [(first.id, 0, 5, True), (second.id, 0, 5, True), (small.id, 0, 1, True)])
     assert (first.blocks, second.blocks, small.blocks, s.pool.used) == ([0], [1], [2], 3)
     s.update(plan, [token(c.sequence, c.draw) for c in plan.chunks])
     s.finish(small)  # its one token read
@@ -108,7 +113,7 @@ def test_the_newest_running_sequence_is_preempted_when_the_pool_runs_out() -> No
     a, b = add(s, 3, 6), add(s, 3, 6)
     plans = [s.schedule() for _ in range(3)]  # none read yet
     assert [shape(p) for p in plans] == [
-        ("prefill", [(a.id, 0, 3, True), (b.id, 0, 3, True)]),
+        ("mixed", [(a.id, 0, 3, True), (b.id, 0, 3, True)]),
         ("decode", [(a.id, 3, 1, True), (b.id, 3, 1, True)]),
         ("decode", [(a.id, 4, 1, True)]),  # position 4: a second block each, one left: b preempted
     ]
@@ -119,7 +124,7 @@ def test_the_newest_running_sequence_is_preempted_when_the_pool_runs_out() -> No
     read = [s.update(p, [token(c.sequence, c.draw) for c in p.chunks]) for p in plans]
     assert read == [[(a, 0)], [(a, 1)], [(a, 2)]]  # b's tokens of the steps before its preemption dropped
     assert (a.output, b.output) == ([0, 1, 2], [])
-    assert shape(s.schedule()) == ("prefill", [(b.id, 0, 3, True)])  # b again (the free block), late waits
+    assert shape(s.schedule()) == ("mixed", [(a.id, 5, 1, True), (b.id, 0, 3, True)])  # b again (the free block)
     assert list(s.waiting) == [late]
 
 
@@ -138,7 +143,7 @@ def test_a_preempted_sequence_runs_its_prompt_and_output_again_and_goes_on_drawi
     assert shape(s.schedule()) is None  # b waits: its 5 rows need 2 blocks, a holds 2 of the 3
     s.finish(a)
     plan = s.schedule()
-    assert shape(plan) == ("prefill", [(b.id, 4, 1, True)])  # its first block, full and read, was cached
+    assert shape(plan) == ("mixed", [(b.id, 4, 1, True)])  # its first block, full and read, was cached
     assert plan.chunks[0].draw == 2 and b.token_ids(0, 5) == [1, 2, 3, 1000, 1001]
     s.update(plan, [token(b, 2)])
     while b.sampled < 6:
@@ -165,7 +170,7 @@ def test_prefix_cache_hits_skip_the_prefill_of_cached_blocks() -> None:
     """A prompt's full blocks are registered once the step writing them is read back; a later prompt
     with the same first tokens takes those blocks (shared: each held twice) and computes the rest; a
     prompt that is all full cached blocks still computes its last token (its logits give the first one)."""
-    s = scheduler(16, 4, max_batch=4, max_context=32, chunk=16)
+    s = scheduler(16, 4, max_batch=4, max_context=32, budget=16)
     first = s.add(list(range(1, 12)), SamplingParams(max_tokens=2), seed=7)  # 11 tokens: 2 full blocks
     plan = s.schedule()
     assert s.pool.cached == 0  # not read back yet
@@ -174,16 +179,14 @@ def test_prefix_cache_hits_skip_the_prefill_of_cached_blocks() -> None:
     same_prefix = s.add([*range(1, 9), 50, 51, 52, 53, 54], SamplingParams(max_tokens=2), seed=7)
     whole = s.add(list(range(1, 9)), SamplingParams(max_tokens=2), seed=7)  # exactly the 2 cached blocks
     other = s.add([2, *range(2, 12)], SamplingParams(max_tokens=2), seed=7)  # its first token differs
-    plan = s.schedule()
-    assert shape(plan) == ("decode", [(first.id, 11, 1, True)])
     assert shape(s.schedule()) == (
-        "prefill",
-        [(same_prefix.id, 8, 5, True), (whole.id, 4, 4, True), (other.id, 0, 7, False)],
+        "mixed",
+        [(first.id, 11, 1, True), (same_prefix.id, 8, 5, True), (whole.id, 4, 4, True), (other.id, 0, 6, False)],
     )
     assert same_prefix.blocks[:2] == first.blocks[:2] and whole.blocks[:1] == first.blocks[:1]
     assert [s.pool.refs(b) for b in first.blocks[:2]] == [3, 2]
     assert s.stats.prefix_cache_hit_tokens == 8 + 4
-    assert s.stats.prompt_tokens_computed == 11 + 5 + 4 + 7
+    assert s.stats.prompt_tokens_computed == 11 + 5 + 4 + 6
     for seq in (first, same_prefix, whole, other):
         s.finish(seq)
     assert s.pool.used == 0 and s.pool.free == 16
@@ -196,29 +199,27 @@ def test_no_prefix_cache_for_requests_that_run_every_prompt_row_or_when_off(whol
     """A penalty reads the slot's token counts, which the prefill of the prompt's rows builds, and a request
     for its prompt's logprobs reads every prompt row's logits: such a sequence computes its whole prompt;
     and an engine without prefix caching registers nothing."""
-    s = scheduler(16, 4, chunk=16)
+    s = scheduler(16, 4, budget=16)
     first = add(s, 9, 2)
     plan = s.schedule()
     s.update(plan, [token(first, 0)])
     computed = s.add(list(range(1, 10)), SamplingParams(max_tokens=2, **whole), seed=7)
     plain = add(s, 9, 2)
-    s.schedule()  # first decodes
-    assert shape(s.schedule()) == ("prefill", [(computed.id, 0, 9, True), (plain.id, 8, 1, True)])
-    off = scheduler(16, 4, chunk=16)
+    assert shape(s.schedule()) == ("mixed", [(first.id, 9, 1, True), (computed.id, 0, 9, True), (plain.id, 8, 1, True)])
+    off = scheduler(16, 4, budget=16)
     off.prefix_caching = False
     first = add(off, 9, 2)
     plan = off.schedule()
     off.update(plan, [token(first, 0)])
     again = add(off, 9, 2)
-    off.schedule()
-    assert shape(off.schedule()) == ("prefill", [(again.id, 0, 9, True)])
+    assert shape(off.schedule()) == ("mixed", [(first.id, 9, 1, True), (again.id, 0, 9, True)])
     assert off.pool.cached == 0 and off.stats.prefix_cache_hit_tokens == 0
 
 
 def test_unheld_cached_blocks_are_evicted_least_recently_freed_first() -> None:
     """Free blocks without cached contents are handed out first; then the cached ones whose holders
     finished longest ago, and of one sequence its last blocks before its first (a shared prefix stays)."""
-    s = scheduler(8, 2, max_batch=4, max_context=16, chunk=16)
+    s = scheduler(8, 2, max_batch=4, max_context=16, budget=16)
     older, newer = add(s, 4, 1), s.add([9, 8, 7, 6, 5], SamplingParams(max_tokens=1), seed=7)
     plan = s.schedule()
     s.update(plan, [token(c.sequence, c.draw) for c in plan.chunks])
@@ -275,18 +276,18 @@ def test_a_generation_that_can_never_run_is_refused_and_nothing_queued(prompt_to
     assert not s.waiting and s.schedule() is None and s.pool.used == 0
     assert shape(s.schedule()) is None
     fits = add(s, 5, 19)  # 24 rows: the 3 blocks exactly
-    assert shape(s.schedule()) == ("prefill", [(fits.id, 0, 5, True)])
+    assert shape(s.schedule()) == ("mixed", [(fits.id, 0, 5, True)])
 
 
 def test_tokens_planned_ahead_go_to_their_sequence_and_stop_with_it() -> None:
     """Steps planned before the previous ones' tokens are read: positions and draws advance as if each
     were read; a sequence that finishes meanwhile gets none of the tokens still on their way, and its
     slot and blocks serve the next sequence at once."""
-    s = scheduler(chunk=8)
+    s = scheduler(budget=8)
     a, b = add(s, 3, 6), add(s, 2, 6)
     in_flight = [s.schedule() for _ in range(4)]  # a prefill and 3 decode steps, none read
     assert [shape(p) for p in in_flight] == [
-        ("prefill", [(a.id, 0, 3, True), (b.id, 0, 2, True)]),
+        ("mixed", [(a.id, 0, 3, True), (b.id, 0, 2, True)]),
         ("decode", [(a.id, 3, 1, True), (b.id, 2, 1, True)]),
         ("decode", [(a.id, 4, 1, True), (b.id, 3, 1, True)]),
         ("decode", [(a.id, 5, 1, True), (b.id, 4, 1, True)]),
@@ -297,7 +298,7 @@ def test_tokens_planned_ahead_go_to_their_sequence_and_stop_with_it() -> None:
     b_blocks = list(b.blocks)
     s.finish(b)  # b stops at its first token (a stop string, say)
     c = add(s, 4, 2)
-    assert shape(s.schedule()) == ("prefill", [(c.id, 0, 4, True)])
+    assert shape(s.schedule()) == ("mixed", [(a.id, 6, 1, True), (c.id, 0, 4, True)])
     assert c.slot == 1 and c.blocks == b_blocks[:1]  # b's slot and first block
     for plan in in_flight:
         taken = s.update(plan, [token(ch.sequence, ch.draw) for ch in plan.chunks])
@@ -328,7 +329,7 @@ def test_a_sequence_waits_rather_than_preempting_itself_for_blocks_that_reads_wi
     s = scheduler(2, 4, max_batch=2, max_context=8)
     done, newest = add(s, 4, 1), add(s, 3, 3)
     first = s.schedule()
-    assert shape(first) == ("prefill", [(done.id, 0, 4, True), (newest.id, 0, 3, True)])
+    assert shape(first) == ("mixed", [(done.id, 0, 4, True), (newest.id, 0, 3, True)])
     assert shape(s.schedule()) == ("decode", [(newest.id, 3, 1, True)])
     assert s.schedule() is None and newest.state is DECODING and s.stats.preemptions == 0  # position 4: no block
     s.update(first, [token(c.sequence, c.draw) for c in first.chunks])
@@ -338,20 +339,24 @@ def test_a_sequence_waits_rather_than_preempting_itself_for_blocks_that_reads_wi
 
 def test_parallel_samples_share_their_parents_full_prompt_blocks_and_compute_only_the_rest() -> None:
     """n = 4 samples of an 11-token prompt (blocks of 4): the parent runs the prompt; each child waits until
-    the steps writing the parent's first 2 blocks are submitted, takes them (refs 4), and runs only the
-    last 3 prompt tokens in a block of its own: 11 + 3 * 3 prefill rows, not 4 * 11."""
-    s = scheduler(64, 4, max_batch=4, chunk=8)
+    the steps writing the parent's first 2 blocks are planned (a child may join the step that writes them:
+    a step writes every row's keys and values before any row attends), takes them (refs 4), and runs only
+    the last 3 prompt tokens in a block of its own: 11 + 3 * 3 prefill rows, not 4 * 11."""
+    s = scheduler(64, 4, max_batch=4, budget=8)
     prompt = list(range(1, 12))
     parent = s.add(prompt, SamplingParams(max_tokens=2), seed=7)
     children = [s.add(prompt, SamplingParams(max_tokens=2), seed=7 + i, parent=parent) for i in (1, 2, 3)]
     b, c, d = children
-    assert shape(s.schedule()) == ("prefill", [(parent.id, 0, 8, False)])
-    assert [child.state for child in children] == [WAITING] * 3  # the shared blocks are not written yet
-    assert shape(s.schedule()) == ("prefill", [(parent.id, 8, 3, True), (b.id, 8, 3, True), (c.id, 8, 2, False)])
+    assert shape(s.schedule()) == ("mixed", [(parent.id, 0, 8, False)])
+    assert [child.state for child in children] == [WAITING] * 3  # the step's budget is spent
+    assert shape(s.schedule()) == ("mixed", [(parent.id, 8, 3, True), (b.id, 8, 3, True), (c.id, 8, 2, False)])
+    assert [child.state for child in children] == [DECODING, PREFILLING, WAITING]
+    assert shape(s.schedule()) == (
+        "mixed",
+        [(parent.id, 11, 1, True), (b.id, 11, 1, True), (c.id, 10, 1, True), (d.id, 8, 3, True)],
+    )
     assert all(child.blocks[:2] == parent.blocks[:2] for child in children)
     assert [s.pool.refs(block) for block in parent.blocks] == [4, 4, 1]
-    assert shape(s.schedule()) == ("decode", [(parent.id, 11, 1, True), (b.id, 11, 1, True)])
-    assert shape(s.schedule()) == ("prefill", [(c.id, 10, 1, True), (d.id, 8, 3, True)])
     assert len({child.blocks[2] for child in children} | {parent.blocks[2]}) == 4  # the partial block: own
     assert s.stats.prompt_tokens_computed == 11 + 3 * 3 and s.stats.prefix_cache_hit_tokens == 3 * 8
     for sequence in (parent, *children):
@@ -362,16 +367,16 @@ def test_parallel_samples_share_their_parents_full_prompt_blocks_and_compute_onl
 def test_a_parallel_sample_runs_its_whole_prompt_where_it_cannot_share() -> None:
     """A child whose parent ended before it joined, or one whose penalties count every prompt token, runs
     its whole prompt (and does not wait for the parent)."""
-    s = scheduler(64, 4, max_batch=4, chunk=16)
+    s = scheduler(64, 4, max_batch=4, budget=16)
     s.prefix_caching = False
     prompt = list(range(1, 12))
     parent = s.add(prompt, SamplingParams(max_tokens=2), seed=7)
     penalized = s.add(prompt, SamplingParams(max_tokens=2, presence_penalty=1.0), seed=8, parent=parent)
-    assert shape(s.schedule()) == ("prefill", [(parent.id, 0, 11, True), (penalized.id, 0, 5, False)])
+    assert shape(s.schedule()) == ("mixed", [(parent.id, 0, 11, True), (penalized.id, 0, 5, False)])
     orphan = s.add(prompt, SamplingParams(max_tokens=2), seed=9, parent=parent)
     s.finish(parent)
-    assert shape(s.schedule()) == ("prefill", [(orphan.id, 0, 11, True), (penalized.id, 5, 5, False)])  # slot order
-    assert s.stats.prompt_tokens_computed == 11 + 5 + 11 + 5 and not set(orphan.blocks) & set(penalized.blocks)
+    assert shape(s.schedule()) == ("mixed", [(penalized.id, 5, 6, True), (orphan.id, 0, 10, False)])  # oldest first
+    assert s.stats.prompt_tokens_computed == 11 + 11 + 10 and not set(orphan.blocks) & set(penalized.blocks)
 
 
 @settings(max_examples=80, deadline=None)
@@ -382,13 +387,15 @@ def test_every_generation_runs_to_its_end_and_every_block_comes_back(data: st.Da
     (so sequences are preempted), prefix caching on or off. A model of the device's KV pool records what
     each planned step writes, in plan order (a device runs steps in submission order): every row a step
     attends holds its sequence's token at that position (written by its own steps, or by another's with
-    the same prefix). No block is held by more sequences than its count says; every sequence's output is
-    its own tokens in order, up to max_tokens or where it ended; at the end the pool is whole again."""
-    chunk, block_size = data.draw(st.integers(1, 9), label="chunk"), data.draw(st.integers(1, 5), label="block")
+    the same prefix). Every decode-ready sequence has its row in the next step unless the pool lacks its
+    next block; no step exceeds its budget. No block is held by more sequences than its count says; every
+    sequence's output is its own tokens in order, up to max_tokens or where it ended; at the end the pool is
+    whole again."""
+    batch, block_size = data.draw(st.integers(1, 5), label="batch"), data.draw(st.integers(1, 5), label="block")
+    budget = data.draw(st.integers(batch, 12), label="budget")
     whole = -(-24 // block_size)
     blocks = data.draw(st.integers(whole, 3 * whole), label="blocks")
-    batch = data.draw(st.integers(1, 5), label="batch")
-    s = scheduler(blocks, block_size, max_batch=batch, max_context=24, chunk=chunk)
+    s = scheduler(blocks, block_size, max_batch=batch, max_context=24, budget=budget)
     s.prefix_caching = data.draw(st.booleans(), label="prefix caching")
     ahead = data.draw(st.integers(0, 3), label="ahead")
     generation = st.tuples(st.integers(0, 20), st.integers(1, 12), st.integers(1, 12), st.integers(0, 3))
@@ -408,9 +415,13 @@ def test_every_generation_runs_to_its_end_and_every_block_comes_back(data: st.Da
             first = 100 * family if family < 2 else 100 * (2 + len(sequences))  # others: a prompt of its own
             prompt = list(range(first + 1, first + prompt_tokens + 1))
             sequences.append(s.add(prompt, SamplingParams(max_tokens=max_tokens), seed=7))
+        ready = [seq for seq in s.running() if seq.wants_token]
         plan = s.schedule() if len(in_flight) <= ahead else None
         if plan is not None:
             check_plan(s, plan, pool)
+            decoded = {chunk.sequence for chunk in plan.chunks if chunk.decode}
+            left_out = [seq for seq in ready if seq.state is DECODING and seq not in decoded]
+            assert all(len(seq.blocks) * block_size == seq.computed for seq in left_out)  # only those lacking a block
             in_flight.append(plan)
         elif in_flight:
             done = in_flight.popleft()
@@ -433,24 +444,37 @@ def true_token(seq: Sequence, position: int) -> int:
 
 def check_plan(s: Scheduler, plan: StepPlan, pool: dict[int, int]) -> None:
     """The invariants of one plan and of the pool after it (see the property test); writes the plan's
-    rows into the model ``pool`` and checks the rows each chunk attends."""
+    rows into the model ``pool`` (every row's, as a step writes every key and value before any row attends)
+    and checks the rows each chunk attends."""
     running = s.running()
     holders = Counter(block for seq in running for block in seq.blocks)
     assert all(s.pool.refs(block) == count for block, count in holders.items())
     assert len(holders) == s.pool.used
     for seq in running:
         assert seq.state in (PREFILLING, DECODING) and len(seq.blocks) * s.pool.block_size >= seq.computed
-    assert 1 <= plan.rows <= (s.prefill_chunk if plan.kind.value == "prefill" else s.max_batch)
+    assert 1 <= plan.rows == sum(chunk.count for chunk in plan.chunks) <= s.max_step_tokens
+    assert len({chunk.sequence for chunk in plan.chunks}) == len(plan.chunks)
+    decode = [chunk.decode for chunk in plan.chunks]
+    assert decode == sorted(decode, reverse=True)  # decode rows first
+    assert (plan.kind.value == "decode") == all(decode)
     for chunk in plan.chunks:
         seq = chunk.sequence
         assert seq in running and chunk.count >= 1 and chunk.draw < seq.params.max_tokens
         assert chunk.epoch == seq.preemptions
-        if plan.kind.value == "prefill":
+        if chunk.decode:
+            assert chunk.count == 1 and chunk.start == len(seq.prompt) + chunk.draw - 1 and chunk.sampled
+        else:
             assert chunk.sampled == (chunk.start + chunk.count == seq.prefill_length)
             assert chunk.draw == seq.resumed
-        else:
-            assert chunk.count == 1 and chunk.start == len(seq.prompt) + chunk.draw - 1
-        end = chunk.start + chunk.count
-        for position in range(chunk.start, end):
+        for position in range(chunk.start, chunk.start + chunk.count):
             pool[s.pool.row(seq.blocks, position)] = true_token(seq, position)
+    for chunk in plan.chunks:
+        seq, end = chunk.sequence, chunk.start + chunk.count
         assert [pool.get(s.pool.row(seq.blocks, p)) for p in range(end)] == [true_token(seq, p) for p in range(end)]
+
+
+@pytest.mark.parametrize("budget", [3, 0, 2.5, True, None])
+def test_a_step_budget_below_max_batch_is_refused(budget) -> None:
+    message = f"max_step_tokens must be an int of at least max_batch \\(4\\).*{budget!r}"
+    with pytest.raises(ArgumentError, match=message):
+        scheduler(max_batch=4, budget=budget)

@@ -357,10 +357,13 @@ def _metrics(server: str) -> dict[str, Any]:
     for family in text_string_to_metric_families(text):
         kinds[family.name] = family.type
         for sample in family.samples:
-            samples[sample.name + (f"[{sample.labels['le']}]" if "le" in sample.labels else "")] = sample.value
+            label = sample.labels.get("le", sample.labels.get("kind"))
+            samples[sample.name + (f"[{label}]" if label is not None else "")] = sample.value
     gauges = ("requests_running", "requests_waiting", "kv_blocks_used_ratio")
-    counters = ("prompt_tokens", "generation_tokens", "prefix_cache_hit_tokens", "preemptions", "requests_overloaded")
-    histograms = ("time_to_first_token_seconds", "inter_token_latency_seconds")
+    counters = (
+        "prompt_tokens", "generation_tokens", "prefix_cache_hit_tokens", "preemptions", "requests_overloaded", "steps"
+    )  # fmt: skip
+    histograms = ("time_to_first_token_seconds", "inter_token_latency_seconds", "iteration_tokens")
     expected = {**dict.fromkeys(gauges, "gauge"), **dict.fromkeys(counters, "counter")}
     expected.update(dict.fromkeys(histograms, "histogram"))
     assert kinds == {f"batchgpu_{name}": kind for name, kind in expected.items()}, kinds
@@ -370,7 +373,7 @@ def _metrics(server: str) -> dict[str, Any]:
 def _histogram(samples: dict[str, Any], name: str, bounds: tuple[float, ...]) -> tuple[list[float], float, float]:
     """The cumulative bucket counts (checked: vLLM's bounds, non-decreasing, +Inf = count), count and sum
     of histogram ``name``."""
-    buckets = [samples[f"batchgpu_{name}_bucket[{bound}]"] for bound in [*map(str, bounds), "+Inf"]]
+    buckets = [samples[f"batchgpu_{name}_bucket[{bound}]"] for bound in [*(str(float(b)) for b in bounds), "+Inf"]]
     assert buckets == sorted(buckets) and buckets[-1] == samples[f"batchgpu_{name}_count"]
     assert len([key for key in samples if key.startswith(f"batchgpu_{name}_bucket")]) == len(bounds) + 1
     return buckets, samples[f"batchgpu_{name}_count"], samples[f"batchgpu_{name}_sum"]
@@ -378,9 +381,10 @@ def _histogram(samples: dict[str, Any], name: str, bounds: tuple[float, ...]) ->
 
 def test_metrics_count_the_tokens_and_latencies_of_a_request(server: str) -> None:
     """After one request (5 prompt tokens, 6 generated): the prompt and generation counters rose by those
-    counts, the time to first token got one sample and the inter-token latency five (vLLM's buckets), and
-    the gauges read the engine at scrape time (nothing running or waiting, no KV block held)."""
-    from batchgpu.llm.metrics import INTER_TOKEN_LATENCY_BUCKETS, TIME_TO_FIRST_TOKEN_BUCKETS
+    counts, the time to first token got one sample and the inter-token latency five (vLLM's buckets), the
+    steps one mixed step of 5 rows (its prompt) and 5 decode steps of one row, and the gauges read the
+    engine at scrape time (nothing running or waiting, no KV block held)."""
+    from batchgpu.llm.metrics import INTER_TOKEN_LATENCY_BUCKETS, ITERATION_TOKEN_BUCKETS, TIME_TO_FIRST_TOKEN_BUCKETS
 
     before = _metrics(server)
     status, body = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
@@ -391,11 +395,15 @@ def test_metrics_count_the_tokens_and_latencies_of_a_request(server: str) -> Non
     for name, bounds, samples in [
         ("time_to_first_token_seconds", TIME_TO_FIRST_TOKEN_BUCKETS, 1),
         ("inter_token_latency_seconds", INTER_TOKEN_LATENCY_BUCKETS, 5),
+        ("iteration_tokens", ITERATION_TOKEN_BUCKETS, 6),
     ]:
         buckets_before, count_before, sum_before = _histogram(before, name, bounds)
         buckets_after, count_after, sum_after = _histogram(after, name, bounds)
         assert count_after - count_before == samples and sum_after > sum_before, name
         assert all(a >= b for a, b in zip(buckets_after, buckets_before)), name
+    rose = {name: after[name] - before[name] for name in after if name.startswith(("batchgpu_steps", "batchgpu_iter"))}
+    assert rose["batchgpu_iteration_tokens_sum"] == 5 + 5 and rose["batchgpu_iteration_tokens_bucket[1.0]"] == 5
+    assert rose["batchgpu_steps_total[mixed]"] == 1 and rose["batchgpu_steps_total[decode]"] == 5
     assert after["batchgpu_requests_running"] == after["batchgpu_requests_waiting"] == 0
     assert after["batchgpu_kv_blocks_used_ratio"] == 0
     assert after["batchgpu_preemptions_total"] >= 0 and after["batchgpu_prefix_cache_hit_tokens_total"] >= 0

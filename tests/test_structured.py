@@ -368,14 +368,14 @@ def test_tools_rendered_in_each_format() -> None:
 
 @functools.cache
 def engine(kind: str) -> Engine:
-    return Engine(device=bg.Device(kind), max_batch=4, max_context=512, prefill_chunk=16, block_size=16, ahead=1)
+    return Engine(device=bg.Device(kind), max_batch=4, max_context=512, max_step_tokens=16, block_size=16, ahead=1)
 
 
 @functools.cache
 def small_engine(ahead: int) -> Engine:
     """A KV pool too small for a few requests at once: they preempt."""
     return Engine(
-        device=bg.Device("reference"), max_batch=3, max_context=96, prefill_chunk=16, block_size=8, kv_blocks=9,
+        device=bg.Device("reference"), max_batch=3, max_context=96, max_step_tokens=16, block_size=8, kv_blocks=8,
         ahead=ahead,
     )  # fmt: skip
 

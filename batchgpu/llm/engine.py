@@ -30,9 +30,9 @@ from .output import OutputProcessor, Piece, choices, hand_prompt_logprobs, joine
 from .params import SamplingParams
 from .prompt import INLINE_PROMPT, Prompt, prepare, prompt_size
 from .samples import add_samples, request_pieces
-from .scheduler import Scheduler, SequenceState, StepKind, StepPlan
+from .scheduler import Scheduler, SequenceState, StepKind, StepPlan, check_step_tokens
 from .scheduler import Sequence as ScheduledSequence
-from .step import KVCache, StepRunner, Submitted
+from .step import KVCache, StepRunner, Submitted, default_step_tokens
 
 
 class Engine:
@@ -43,7 +43,11 @@ class Engine:
     (default: room for every slot at a quarter of ``max_context``, at least one full context), in
     ``kv_dtype`` (float32 or float16), taken as sequences grow (when none is left, the newest request
     is preempted and recomputed later); full blocks are kept for later prompts with the same prefix
-    (``prefix_caching``); prompts run in chunks of ``prefill_chunk`` tokens. ``fuse``: one q/k/v GEMV per
+    (``prefix_caching``). Each step carries a row for every sequence ready to decode, then pieces of prompts
+    up to ``max_step_tokens`` rows in all (vLLM's ``max_num_batched_tokens``; at least ``max_batch``;
+    default: :func:`~batchgpu.llm.step.default_step_tokens`, 2,048 on a GPU, 256 on the CPU devices): a
+    larger budget prefills sooner, a smaller one keeps the decoding sequences' steps shorter while prompts
+    run. ``fuse``: one q/k/v GEMV per
     layer, then rope and both KV writes in one kernel (False: separate ops, the same numbers). Sampled
     tokens stay on the device as the next decode step's input, so up to ``ahead`` steps are submitted before
     the oldest one's tokens are read (0: none; default: :func:`~batchgpu.models.llama.steps_ahead`); a
@@ -68,7 +72,7 @@ class Engine:
         kv_dtype: Any = np.float32,
         block_size: int = 16,
         kv_blocks: int | None = None,
-        prefill_chunk: int = 32,
+        max_step_tokens: int | None = None,
         fuse: bool = True,
         ahead: int | None = None,
         prefix_caching: bool = True,
@@ -76,17 +80,19 @@ class Engine:
     ) -> None:
         self.device = device if device is not None else default_device()
         self.path = Path(model) if model is not None else smollm2_path()
-        if min(max_batch, prefill_chunk, block_size, 1 if kv_blocks is None else kv_blocks) < 1:
+        if min(max_batch, block_size, 1 if kv_blocks is None else kv_blocks) < 1:
             raise BatchError(
-                f"Engine: max_batch, prefill_chunk, block_size and kv_blocks must be at least 1, got {max_batch}, "
-                f"{prefill_chunk}, {block_size} and {kv_blocks}"
+                f"Engine: max_batch, block_size and kv_blocks must be at least 1, got {max_batch}, {block_size} and "
+                f"{kv_blocks}"
             )
+        max_step_tokens = default_step_tokens(self.device, max_batch) if max_step_tokens is None else max_step_tokens
+        check_step_tokens(max_batch, max_step_tokens)
         check_max_waiting("Engine", max_waiting)
         self.ahead = steps_ahead(self.device, ahead, "Engine")
         self.config, self.codec, self.weights = load_model(
             self.device, self.path, max_context, quantized=quantized, fuse=fuse, what="Engine"
         )
-        self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
+        self.max_batch, self.max_context, self.max_step_tokens = max_batch, max_context, max_step_tokens
         self.max_waiting = max_waiting
         self.room = Places(
             max_batch, max_waiting, owner="the engine", unit="sequences", states="running, waiting or being tokenized",
@@ -96,22 +102,22 @@ class Engine:
         blocks = kv_blocks if kv_blocks is not None else default_blocks(max_batch, max_context, block_size)
         self.pool = BlockPool(blocks, block_size)
         self.scheduler = Scheduler(
-            self.pool, max_batch=max_batch, max_context=max_context, prefill_chunk=prefill_chunk,
+            self.pool, max_batch=max_batch, max_context=max_context, max_step_tokens=max_step_tokens,
             prefix_caching=prefix_caching,
         )  # fmt: skip
         self.cache = KVCache.allocate(
             self.device, self.config, blocks=blocks, block_size=block_size, slots=max_batch, dtype=np.dtype(kv_dtype)
         )
         self.runner = StepRunner(
-            self.device, self.config, self.weights, self.cache, max_batch=max_batch, prefill_chunk=prefill_chunk,
+            self.device, self.config, self.weights, self.cache, max_batch=max_batch, max_step_tokens=max_step_tokens,
             max_blocks=self.pool.needed(max_context),
         )  # fmt: skip
         self.slots = self.scheduler.slots  # the sequence in each slot (None: free)
-        self.steps = self.runner.counts  # prefill and decode steps run
-        self.decode_sizes = self.runner.runs[StepKind.DECODE]  # decode steps run per recorded batch size
-        self.prefill_sizes = self.runner.runs[StepKind.PREFILL]  # prefill steps run per recorded row count
         self.outputs: dict[ScheduledSequence, OutputProcessor] = {}  # the unfinished requests' outputs
-        self.stats = EngineStats()  # tokens and latencies delivered so far (the server's /metrics)
+        self.stats = EngineStats()  # tokens, steps and latencies so far (the server's /metrics)
+        self.steps = self.stats.steps  # steps run per kind ("decode", "mixed")
+        self.decode_sizes = self.runner.runs[StepKind.DECODE]  # decode steps run per recorded batch size
+        self.mixed_sizes = self.runner.runs[StepKind.MIXED]  # mixed steps run per recorded row count
         self._wake = asyncio.Event()  # a new one with each driver task (an event is bound to one loop)
         self._task: asyncio.Task | None = None
         self._sync_loop: asyncio.AbstractEventLoop | None = None  # generate_sync's, while calls are in progress
@@ -220,7 +226,7 @@ class Engine:
     def status(self) -> dict[str, Any]:
         """Requests running (holding a slot) and waiting, steps run so far (also per recorded row count),
         preemptions and prompt tokens taken from the prefix cache so far, and :meth:`memory`."""
-        sizes = {"decode_sizes": dict(self.decode_sizes), "prefill_sizes": dict(self.prefill_sizes)}
+        sizes = {"decode_sizes": dict(self.decode_sizes), "mixed_sizes": dict(self.mixed_sizes)}
         return {**self.scheduler.status(), "steps": dict(self.steps), **sizes, "memory": self.memory()}
 
     # requests ------------------------------------------------------------------------------------------
@@ -310,6 +316,7 @@ class Engine:
             if plan is not None:
                 submitted = self._submit(plan, self.runner.run, plan)
                 if submitted is not None:
+                    self.stats.step(plan.kind.value, plan.rows)
                     in_flight.append(submitted)
                 continue
             if not in_flight:

@@ -2,18 +2,17 @@
 of one buffer), a :class:`~batchgpu.llm.scheduler.StepPlan` packed into them, and only the inputs whose
 values changed since the step's previous run fed to the batch (the others keep their values on the device).
 
-A decode step whose rows hold the same sequences, in the same slots, as that step's previous run keeps its
-arrays and rewrites only what moves every step: positions, KV rows, lengths, the draws of the sampling keys
-and the block tables of sequences that took a block; any other change repacks the step from its idle
-values. A prefill step is packed from its idle values every time."""
+What a row needs of its sequence beyond its position and draw (the KV block table, the sampling settings,
+the seed) lives in the engine's persistent per-slot arrays (:class:`SlotTable`, vLLM's persistent batch),
+written when a sequence takes a slot or a block, so packing a step is a few numpy gathers by slot over
+its rows, not a loop over sequences; only the rows of prompt pieces are written piece by piece."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
-from .blocks import pool_row, pool_rows
 from .grammar import fill_masks
 from .scheduler import Chunk
 
@@ -36,8 +35,7 @@ IDLE_COLUMNS: dict[str, tuple[int, float]] = {"sampling": (1, 1.0), "penalties":
 class StepFeeds:
     """The host arrays of a step's inputs (``shapes``: name -> (shape, dtype)), by name in ``arrays``: views
     of one buffer, so that resetting them to the idle values (:meth:`reset`) and finding those that changed
-    since the last run (:meth:`changed`) are one numpy operation each. ``signature`` names what the arrays
-    were last packed for (None: nothing reusable)."""
+    since the last run (:meth:`changed`) are one numpy operation each."""
 
     def __init__(self, shapes: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
         sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in shapes.values()]
@@ -55,15 +53,10 @@ class StepFeeds:
                 self.arrays[name][:, column] = value
         self.idle = self.buffer.copy()
         self.sent: np.ndarray | None = None  # the buffer as the step last ran with it (None: unknown)
-        self.signature: Hashable | None = None
-        self.rows = np.zeros(0, np.intp)  # the rows of the plan last packed (decode)
-        self.tables: dict[int, list[int]] = {}  # block-table row -> the blocks written there (decode)
 
     def reset(self) -> dict[str, np.ndarray]:
         """Every array back to its idle values (no rows written, attended or counted, no logprobs)."""
         np.copyto(self.buffer, self.idle)
-        self.signature = None
-        self.tables.clear()
         return self.arrays
 
     def changed(self) -> dict[str, np.ndarray]:
@@ -85,6 +78,56 @@ class StepFeeds:
         self.sent = None
 
 
+class SlotTable:
+    """Per slot, what every step's rows of the sequence holding it need besides their position and draw:
+    its KV block table (``tables``, (slots, max_blocks)), its sampling settings as the steps take them
+    (``penalties``, ``sampling``, ``top_k``, ``logprob_n``: -1 where it asks none) and its seed. Written when
+    a sequence takes the slot or a block (:meth:`sync`); read by slot, many rows at once."""
+
+    def __init__(self, slots: int, max_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.owners: list[Any] = [None] * slots  # the sequence (and epoch) each slot's rows were written for
+        self.lengths = [0] * slots  # blocks written in each slot's table row
+        self.tables = np.zeros((slots, max_blocks), np.int32)
+        self.penalties = np.zeros((slots, 3), np.float32)
+        self.sampling = np.zeros((slots, 4), np.float32)
+        self.top_k = np.zeros(slots, np.int32)
+        self.logprob_n = np.full(slots, -1, np.int32)
+        self.seeds = np.zeros(slots, np.uint32)
+
+    def sync(self, chunks: list[Chunk]) -> np.ndarray:
+        """Bring the rows of ``chunks``' sequences up to date (a new holder of a slot, a block taken);
+        returns their slots, in chunk order."""
+        slots = np.empty(len(chunks), np.intp)
+        for index, chunk in enumerate(chunks):
+            sequence = chunk.sequence
+            slot = slots[index] = sequence.slot
+            owner = (sequence, sequence.preemptions)
+            if self.owners[slot] != owner:
+                self.take(slot, sequence)
+                self.owners[slot] = owner
+            if self.lengths[slot] != len(sequence.blocks):
+                self.tables[slot, : len(sequence.blocks)] = sequence.blocks
+                self.lengths[slot] = len(sequence.blocks)
+        return slots
+
+    def take(self, slot: int, sequence: Any) -> None:
+        """``sequence`` holds ``slot`` now: its settings and seed in the slot's rows, its table empty."""
+        params = sequence.params
+        self.penalties[slot] = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+        self.sampling[slot] = (params.temperature, params.top_p, params.min_p, 0.0)
+        self.top_k[slot] = params.top_k
+        self.logprob_n[slot] = -1 if params.logprobs is None else params.logprobs
+        self.seeds[slot] = sequence.seed
+        self.tables[slot] = 0
+        self.lengths[slot] = 0
+
+    def kv_rows(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The pool rows of the tokens at ``positions`` of the sequences in ``slots``."""
+        size = self.block_size
+        return self.tables[slots, positions // size] * size + positions % size
+
+
 def guided(chunk: Chunk) -> bool:
     """Whether ``chunk`` samples a real token under a grammar (its sequence's ``guide``)."""
     return chunk.sampled and chunk.sequence.guide is not None
@@ -94,8 +137,7 @@ def pack_masks(arrays: dict[str, np.ndarray], chunks: list[Chunk], samples: list
     """A masked step's grammar rows: sample ``samples[i]`` of a guided chunk ``i`` gets its guide's
     allowed-token bitmask (``allowed``) and the flag that applies it (``sampling[:, 3]``); the other rows keep
     theirs off, and so does a chunk whose sequence ended or was preempted since the plan (its token is
-    dropped). Packing resets the flags with the rest (decode packing rewrites a row's sampling settings
-    whenever its sequence changes)."""
+    dropped). Packing resets the flags with the rest."""
     rows = [(chunk.sequence.guide, sample) for chunk, sample in zip(chunks, samples) if guided(chunk) and chunk.current]
     fill_masks(rows, arrays["allowed"])
     for _, sample in rows:
@@ -107,81 +149,97 @@ def wants_prompt_logprobs(chunk: Chunk) -> bool:
     return chunk.sequence.params.prompt_logprobs is not None and chunk.start < len(chunk.sequence.prompt)
 
 
-def pack_prefill(feeds: StepFeeds, chunks: list[Chunk], block_size: int) -> None:
-    """A prefill step's inputs: each chunk's prompt piece a contiguous run of rows, in order; chunk ``i``
-    samples from its last row (a real token only where its piece ends its prompt). A preempted sequence's
-    prompt is its prompt and output: the output's rows count as generated tokens too."""
-    arrays = feeds.reset()
-    start = 0
-    for index, chunk in enumerate(chunks):
-        sequence = chunk.sequence
-        rows = slice(start, start + chunk.count)
-        positions = np.arange(chunk.start, chunk.start + chunk.count, dtype=np.int32)
-        arrays["ids"][rows] = sequence.token_ids(chunk.start, chunk.start + chunk.count)
-        arrays["positions"][rows] = positions
-        arrays["kv_rows"][rows] = pool_rows(sequence.blocks, positions, block_size)
-        arrays["seq"][rows] = index
-        arrays["lengths"][rows] = positions + 1
-        arrays["block_tables"][index, : len(sequence.blocks)] = sequence.blocks
-        arrays["count_slots"][rows] = sequence.slot
-        arrays["generated_slots"][rows] = np.where(positions >= len(sequence.prompt), sequence.slot, -1)
-        if chunk.start == 0:  # (a prompt starting from prefix-cached blocks reads no counts: no penalties)
-            arrays["reset"][sequence.slot] = 1
-        pack_sample(arrays, index, chunk, row=start + chunk.count - 1)
-        if "prompt_n" in arrays and wants_prompt_logprobs(chunk):
-            pack_prompt_targets(arrays, rows, chunk)
-        start += chunk.count
+def pack_rows(
+    arrays: dict[str, np.ndarray], table: SlotTable, chunks: list[Chunk], rows: np.ndarray, slots: np.ndarray
+) -> None:
+    """Rows ``rows[i]`` of one-row chunks ``chunks[i]`` (decode rows, sequences in ``slots``): each row's
+    position, KV row, block table (table row ``rows[i]``) and attention length, and sample ``rows[i]``
+    from that row with its sequence's settings and key, counted for its slot."""
+    positions = np.fromiter([chunk.start for chunk in chunks], np.int32, len(chunks))
+    arrays["positions"][rows] = positions
+    arrays["lengths"][rows] = positions + 1
+    arrays["kv_rows"][rows] = table.kv_rows(slots, positions)
+    arrays["seq"][rows] = rows
+    arrays["block_tables"][rows] = table.tables[slots]
+    arrays["sample_rows"][rows] = rows
+    pack_samples(arrays, table, chunks, rows, slots)
 
 
-def pack_decode(feeds: StepFeeds, chunks: list[Chunk], rows: list[int], block_size: int) -> None:
+def pack_samples(
+    arrays: dict[str, np.ndarray], table: SlotTable, chunks: list[Chunk], samples: np.ndarray, slots: np.ndarray
+) -> None:
+    """Samples ``samples[i]`` of ``chunks[i]`` (sequences in ``slots``): the sequence's settings, penalty
+    counts (its slot's) and seeded key; counted for its slot and with its logprobs where it is a real token."""
+    arrays["sample_slots"][samples] = slots
+    arrays["penalties"][samples] = table.penalties[slots]
+    arrays["sampling"][samples] = table.sampling[slots]
+    arrays["top_k"][samples] = table.top_k[slots]
+    arrays["keys"][samples, 0] = table.seeds[slots]
+    arrays["keys"][samples, 1] = np.fromiter([chunk.draw for chunk in chunks], np.uint32, len(chunks))
+    real = np.fromiter([chunk.sampled for chunk in chunks], bool, len(chunks))
+    arrays["sampled_slots"][samples] = np.where(real, slots, -1)
+    arrays["logprob_n"][samples] = np.where(real, table.logprob_n[slots], -1)
+
+
+def pack_decode(feeds: StepFeeds, table: SlotTable, chunks: list[Chunk], rows: list[int]) -> None:
     """A decode step's inputs: row ``rows[i]`` decodes chunk ``i``'s sequence at its position, from the token
-    the step before left in its slot, and samples its next token (sample ``rows[i]``). Where the step's
-    previous run served the same sequences in the same rows and slots (and epochs), only what moves is
-    written (see the module)."""
-    signature = (tuple(rows), tuple((c.sequence, c.sequence.slot, c.epoch, c.sampled) for c in chunks))
-    if feeds.signature != signature:
-        arrays = feeds.reset()
-        for row, chunk in zip(rows, chunks):
-            arrays["token_slots"][row] = chunk.sequence.slot  # its latest token, where the step before left it
-            arrays["seq"][row] = row
-            pack_sample(arrays, row, chunk, row=row)
-        feeds.signature, feeds.rows = signature, np.array(rows, np.intp)
-    arrays, index = feeds.arrays, feeds.rows
-    positions = np.array([chunk.start for chunk in chunks], np.int32)
-    arrays["positions"][index] = positions
-    arrays["lengths"][index] = positions + 1
-    arrays["kv_rows"][index] = [pool_row(c.sequence.blocks, c.start, block_size) for c in chunks]
-    arrays["keys"][index, 1] = [chunk.draw for chunk in chunks]
-    tables, written = arrays["block_tables"], feeds.tables
-    for row, chunk in zip(rows, chunks):
-        blocks = chunk.sequence.blocks
-        if written.get(row) != blocks:
-            tables[row] = 0
-            tables[row, : len(blocks)] = blocks
-            written[row] = list(blocks)
+    the step before left in its slot, and samples its next token (sample ``rows[i]``); the other rows idle."""
+    arrays = feeds.reset()
+    slots = table.sync(chunks)
+    index = np.asarray(rows, np.intp)
+    arrays["token_slots"][index] = slots
+    pack_rows(arrays, table, chunks, index, slots)
+
+
+def pack_mixed(feeds: StepFeeds, table: SlotTable, chunks: list[Chunk]) -> None:
+    """A mixed step's inputs: chunk ``i``'s rows a contiguous run, in order, sample ``i`` from its last row
+    (a real token only where its piece ends its prompt). A decode chunk's one row reads its token where the
+    step before left it (``sources``: its slot of the device's latest tokens); a prompt piece's rows read
+    theirs from ``ids`` (``sources``: the slots' count + the row). A preempted sequence's prompt is its prompt
+    and output: the output's rows count as generated tokens too."""
+    arrays = feeds.reset()
+    slots = table.sync(chunks)
+    decode = sum(1 for chunk in chunks if chunk.decode)  # the plan's decode rows come first
+    rows = np.arange(decode, dtype=np.intp)
+    arrays["sources"][:decode] = slots[:decode]
+    pack_rows(arrays, table, chunks[:decode], rows, slots[:decode])
+    start, samples = decode, np.arange(decode, len(chunks), dtype=np.intp)
+    base = table.tables.shape[0]
+    for index, chunk in enumerate(chunks[decode:], decode):
+        pack_piece(arrays, table, chunk, index, start, base)
+        start += chunk.count
+    pack_samples(arrays, table, chunks[decode:], samples, slots[decode:])
+
+
+def pack_piece(
+    arrays: dict[str, np.ndarray], table: SlotTable, chunk: Chunk, index: int, start: int, base: int
+) -> None:
+    """The rows ``[start, start + count)`` of prompt piece ``chunk``, chunk ``index`` of its mixed step (its
+    table row, its sample from its last row); ``base``: the slots' count (``sources`` of host ids)."""
+    sequence, slot = chunk.sequence, chunk.sequence.slot
+    rows = slice(start, start + chunk.count)
+    positions = np.arange(chunk.start, chunk.start + chunk.count, dtype=np.int32)
+    arrays["ids"][rows] = sequence.token_ids(chunk.start, chunk.start + chunk.count)
+    arrays["sources"][rows] = np.arange(base + start, base + start + chunk.count, dtype=np.int32)
+    arrays["positions"][rows] = positions
+    arrays["kv_rows"][rows] = table.kv_rows(np.full(chunk.count, slot, np.intp), positions)
+    arrays["seq"][rows] = index
+    arrays["lengths"][rows] = positions + 1
+    arrays["block_tables"][index] = table.tables[slot]
+    arrays["count_slots"][rows] = slot
+    arrays["generated_slots"][rows] = np.where(positions >= len(sequence.prompt), slot, -1)
+    if chunk.start == 0:  # (a prompt starting from prefix-cached blocks reads no counts: no penalties)
+        arrays["reset"][slot] = 1
+    arrays["sample_rows"][index] = start + chunk.count - 1
+    if "prompt_n" in arrays and wants_prompt_logprobs(chunk):
+        pack_prompt_targets(arrays, rows, chunk)
 
 
 def pack_prompt_targets(arrays: dict[str, np.ndarray], rows: slice, chunk: Chunk) -> None:
-    """A scoring prefill step's rows of ``chunk``: each row's target is the prompt token after it; the row of
-    the prompt's last token has none (the sampled token's logprob is the first output's)."""
+    """A scoring step's rows of ``chunk``: each row's target is the prompt token after it; the row of the
+    prompt's last token has none (the sampled token's logprob is the first output's)."""
     sequence = chunk.sequence
     following = sequence.prompt[chunk.start + 1 : chunk.start + chunk.count + 1]
     first = rows.start or 0
     arrays["prompt_targets"][first : first + len(following)] = following
     arrays["prompt_n"][first : first + len(following)] = sequence.params.prompt_logprobs
-
-
-def pack_sample(arrays: dict[str, np.ndarray], index: int, chunk: Chunk, *, row: int) -> None:
-    """Sample ``index`` of a step: from ``row``'s logits, with its sequence's parameters, penalty counts
-    (its slot's) and seeded key, counted for its slot where it is a real token."""
-    sequence = chunk.sequence
-    params = sequence.params
-    arrays["sample_rows"][index] = row
-    arrays["sample_slots"][index] = sequence.slot
-    arrays["penalties"][index] = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
-    arrays["sampling"][index] = (params.temperature, params.top_p, params.min_p, 0.0)
-    arrays["top_k"][index] = params.top_k
-    arrays["keys"][index] = (sequence.seed, chunk.draw)
-    arrays["sampled_slots"][index] = sequence.slot if chunk.sampled else -1
-    if chunk.sampled and params.logprobs is not None:
-        arrays["logprob_n"][index] = params.logprobs

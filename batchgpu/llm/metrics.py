@@ -8,9 +8,10 @@ a scrape reads a few dozen numbers on the event loop.
 - gauges: ``batchgpu_requests_running``, ``batchgpu_requests_waiting``, ``batchgpu_kv_blocks_used_ratio``;
 - counters: ``batchgpu_prompt_tokens_total``, ``batchgpu_generation_tokens_total``,
   ``batchgpu_prefix_cache_hit_tokens_total``, ``batchgpu_preemptions_total``,
-  ``batchgpu_requests_overloaded_total``;
-- histograms: ``batchgpu_time_to_first_token_seconds``, ``batchgpu_inter_token_latency_seconds`` (vLLM's
-  bucket bounds).
+  ``batchgpu_requests_overloaded_total``, ``batchgpu_steps_total`` (label ``kind``: ``decode``, ``mixed``);
+- histograms: ``batchgpu_time_to_first_token_seconds``, ``batchgpu_inter_token_latency_seconds``,
+  ``batchgpu_iteration_tokens`` (token rows per step: vLLM's ``iteration_tokens_total``; vLLM's bucket
+  bounds).
 """
 
 from __future__ import annotations
@@ -36,28 +37,36 @@ INTER_TOKEN_LATENCY_BUCKETS = (
 """Upper bounds (seconds) of the inter-token latency buckets: vLLM's ``vllm:inter_token_latency_seconds``."""
 
 
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+"""Upper bounds of the tokens-per-step buckets: vLLM's ``vllm:iteration_tokens_total``."""
+
+STEP_KINDS = ("decode", "mixed")
+"""The step kinds counted (:class:`~batchgpu.llm.scheduler.StepKind`'s values)."""
+
+
 def clock() -> float:
     """Seconds on the clock latencies are measured with (``time.monotonic``)."""
     return time.monotonic()
 
 
-class LatencyHistogram:
-    """Observations counted in buckets of fixed upper bounds (Prometheus' ``le``: a value equal to a bound
-    is in that bucket), and their sum."""
+class Histogram:
+    """Observations (seconds, tokens) counted in buckets of fixed upper bounds (Prometheus' ``le``: a value
+    equal to a bound is in that bucket), and their sum."""
 
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = tuple(bounds)
         self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound
         self.sum = 0.0
 
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.sum += seconds
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
 
     def cumulative(self) -> list[tuple[str, int]]:
-        """(upper bound, observations at or below it) per bucket, ending with ``+Inf`` (every observation)."""
+        """(upper bound as Prometheus writes it, ``1.0``; observations at or below it) per bucket, ending with
+        ``+Inf`` (every observation)."""
         buckets, total = [], 0
-        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts):
+        for bound, count in zip([*(str(float(bound)) for bound in self.bounds), "+Inf"], self.counts):
             total += count
             buckets.append((bound, total))
         return buckets
@@ -67,13 +76,15 @@ class LatencyHistogram:
 class EngineStats:
     """What an engine's requests got since it started: prompt tokens (counted at each request's first
     token), generated tokens delivered, the seconds from a request's arrival to its first token and
-    between its following tokens."""
+    between its following tokens; the steps it ran per kind and their token rows."""
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
     overloaded: int = 0  # requests refused because the engine was full (OverloadedError: the server's 429)
-    time_to_first_token: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(TIME_TO_FIRST_TOKEN_BUCKETS))
-    inter_token_latency: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(INTER_TOKEN_LATENCY_BUCKETS))
+    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TIME_TO_FIRST_TOKEN_BUCKETS))
+    inter_token_latency: Histogram = field(default_factory=lambda: Histogram(INTER_TOKEN_LATENCY_BUCKETS))
+    steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
+    iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKEN_BUCKETS))
 
     def first_token(self, prompt_tokens: int, seconds: float) -> None:
         """A request's first token, ``seconds`` after it arrived, for a prompt of ``prompt_tokens``."""
@@ -85,6 +96,11 @@ class EngineStats:
         """A later token of a request, ``seconds`` after its previous one."""
         self.generation_tokens += 1
         self.inter_token_latency.observe(seconds)
+
+    def step(self, kind: str, rows: int) -> None:
+        """A step of ``kind`` submitted, over ``rows`` token rows."""
+        self.steps[kind] += 1
+        self.iteration_tokens.observe(rows)
 
 
 class MeteredEngine(Protocol):
@@ -122,13 +138,20 @@ class EngineCollector:
         )
         for name, text, value in counters:
             yield CounterMetricFamily(f"batchgpu_{name}", text, value=value)
+        steps = CounterMetricFamily("batchgpu_steps", "Steps run, by kind (decode only, or mixed).", labels=["kind"])
+        for kind, count in stats.steps.items():
+            steps.add_metric([kind], count)
+        yield steps
         histograms = (
-            ("time_to_first_token", "Seconds from a request's arrival to its first token.", stats.time_to_first_token),
-            ("inter_token_latency", "Seconds between a request's consecutive tokens.", stats.inter_token_latency),
-        )
+            ("time_to_first_token_seconds", "Seconds from a request's arrival to its first token.",
+             stats.time_to_first_token),
+            ("inter_token_latency_seconds", "Seconds between a request's consecutive tokens.",
+             stats.inter_token_latency),
+            ("iteration_tokens", "Token rows per step (decode rows and prompt rows).", stats.iteration_tokens),
+        )  # fmt: skip
         for name, text, histogram in histograms:
             yield HistogramMetricFamily(
-                f"batchgpu_{name}_seconds", text, buckets=histogram.cumulative(), sum_value=histogram.sum
+                f"batchgpu_{name}", text, buckets=histogram.cumulative(), sum_value=histogram.sum
             )
 
 

@@ -2,15 +2,19 @@
 plain Python over integers (vLLM v1's seam: :meth:`Scheduler.schedule` returns a :class:`StepPlan`, the
 step packs it into its feeds and runs it, :meth:`Scheduler.update` takes the tokens read back).
 
-Sequences wait in arrival order; the oldest joins when a slot is free and the pool has the KV blocks of
-its first prompt piece. Blocks are taken as the sequences grow; when the pool has none left for a step,
-the newest running sequence is preempted: its blocks go back, it waits again at the front of the queue
-(in arrival order), and it later runs its prompt and the tokens it had generated as one prompt again
-(vLLM v1's recompute preemption). The oldest running sequence always fits (a request that would not fit
-the whole pool alone is refused), so every sequence ends. Admitted prompts run in chunks of at most
-``prefill_chunk`` rows, several prompts' pieces packed into one prefill step in slot order; a decode
-step serves every decoding sequence at once. Prefill and decode steps alternate while both have work, so
-a long prompt does not stall the sequences already decoding.
+One token budget per step (``max_step_tokens``, vLLM's ``max_num_batched_tokens``): a step first carries a
+row for every running sequence that is ready to decode (including those whose latest token is still on the
+device, in a step submitted ahead), then pieces of the prompts being prefilled, oldest first, then pieces
+of waiting prompts, admitted oldest first while a slot is free, the budget lasts and the pool has the KV
+blocks of their first piece. A step without prompt rows is a decode step (:attr:`StepKind.DECODE`, the
+engine's fast path); one with them is mixed. The budget is at least ``max_batch``, so no step leaves a
+decode-ready sequence out.
+
+Blocks are taken as the sequences grow; when the pool has none left for a step, the newest running
+sequence is preempted: its blocks go back, it waits again at the front of the queue (in arrival order),
+and it later runs its prompt and the tokens it had generated as one prompt again (vLLM v1's recompute
+preemption); a step that preempts admits nobody. The oldest running sequence always fits (a request that
+would not fit the whole pool alone is refused), so every sequence ends.
 
 Prefix caching: each full block whose step was read back is registered under the chained hash of its
 tokens (:mod:`~batchgpu.llm.blocks`); a sequence that joins takes the registered blocks of its longest
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from ..errors import RequestError, ShapeError
+from ..errors import ArgumentError, RequestError, ShapeError
 from .blocks import BlockPool, chain_hashes
 from .params import SamplingParams
 
@@ -53,9 +57,10 @@ QUEUED = (SequenceState.WAITING, SequenceState.PREEMPTED)
 
 
 class StepKind(Enum):
-    """A prefill step (pieces of prompts) or a decode step (one row per decoding sequence)."""
+    """A decode step (one row per decode-ready sequence, nothing else: the engine's fast path) or a mixed
+    step (pieces of prompts, beside a row per decode-ready sequence)."""
 
-    PREFILL = "prefill"
+    MIXED = "mixed"
     DECODE = "decode"
 
 
@@ -120,19 +125,24 @@ def computes_whole_prompt(params: SamplingParams) -> bool:
     return penalized or params.prompt_logprobs is not None
 
 
-@dataclass(frozen=True)
 class Chunk:
-    """A sequence's rows in a step: ``count`` tokens from position ``start`` (a decode step: 1, its newest
-    token); the step samples a token for it from its last row, with key ``(seed, draw)``, and ``sampled``
-    says whether that token is real (not for a prompt piece that leaves more of the prompt to run);
-    ``epoch``: the sequence's preemptions when planned."""
+    """A sequence's rows in a step: ``count`` tokens from position ``start`` (``decode``: one row, its newest
+    token, which the step before left on the device; else a piece of its prompt); the step samples a token
+    for it from its last row, with key ``(seed, draw)``, and ``sampled`` says whether that token is real (not
+    for a prompt piece that leaves more of the prompt to run); ``epoch``: the sequence's preemptions when
+    planned. Immutable by convention (a plain class with slots: a step makes one per sequence)."""
 
-    sequence: Sequence
-    start: int
-    count: int
-    draw: int
-    sampled: bool
-    epoch: int = 0
+    __slots__ = ("sequence", "start", "count", "draw", "sampled", "epoch", "decode")
+
+    def __init__(
+        self, sequence: Sequence, start: int, count: int, draw: int, sampled: bool, epoch: int = 0, decode: bool = False
+    ) -> None:
+        self.sequence, self.start, self.count, self.draw = sequence, start, count, draw
+        self.sampled, self.epoch, self.decode = sampled, epoch, decode
+
+    def __repr__(self) -> str:
+        kind = "decode" if self.decode else "prompt"
+        return f"Chunk({kind} of sequence {self.sequence.id}: {self.count} from {self.start}, draw {self.draw})"
 
     @property
     def current(self) -> bool:
@@ -142,31 +152,38 @@ class Chunk:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What the next step runs: its kind and one chunk per sequence, rows in chunk order."""
+    """What the next step runs: its kind, one chunk per sequence (decode rows first, in slot order, then the
+    prompt pieces, oldest first), rows in chunk order, and ``rows``, their count."""
 
     kind: StepKind
     chunks: list[Chunk]
+    rows: int
 
-    @property
-    def rows(self) -> int:
-        """Token rows the step needs."""
-        return sum(chunk.count for chunk in self.chunks)
+
+def check_step_tokens(max_batch: int, max_step_tokens: int) -> None:
+    """ArgumentError unless ``max_step_tokens`` is an int of at least ``max_batch`` (a step carries a row for
+    every decoding sequence)."""
+    if isinstance(max_step_tokens, bool) or not isinstance(max_step_tokens, int) or max_step_tokens < max_batch:
+        raise ArgumentError(
+            f"max_step_tokens must be an int of at least max_batch ({max_batch}): a step carries a row for every "
+            f"decoding sequence; got {max_step_tokens!r}"
+        )
 
 
 class Scheduler:
-    """Admission, chunked-prefill choice, KV block accounting, preemption and prefix caching (off with
-    ``prefix_caching=False``) for ``max_batch`` slots over ``pool``; ``stats`` counts what happened."""
+    """Admission, the token budget of each step (``max_step_tokens``, at least ``max_batch``), KV block
+    accounting, preemption and prefix caching (off with ``prefix_caching=False``) for ``max_batch`` slots over
+    ``pool``; ``stats`` counts what happened."""
 
     def __init__(
-        self, pool: BlockPool, *, max_batch: int, max_context: int, prefill_chunk: int, prefix_caching: bool = True
+        self, pool: BlockPool, *, max_batch: int, max_context: int, max_step_tokens: int, prefix_caching: bool = True
     ) -> None:
+        check_step_tokens(max_batch, max_step_tokens)
         self.pool = pool
-        self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
+        self.max_batch, self.max_context, self.max_step_tokens = max_batch, max_context, max_step_tokens
         self.prefix_caching = prefix_caching
-        self.prefill_width = min(max_batch, prefill_chunk)  # prompts one prefill step serves (its samples)
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence | None] = [None] * max_batch
-        self.prefill_turn = True
         self.ids = itertools.count()
         self.stats = SchedulerStats()
 
@@ -251,53 +268,71 @@ class Scheduler:
     # the plan ------------------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        """Admit what fits, then plan the next step (None: nothing to run) and count it as submitted;
-        where the pool lacks blocks for it, the newest running sequences are preempted."""
-        self.admit()
+        """Plan the next step (None: nothing to run) and count it as submitted: the running sequences' rows
+        (:meth:`plan_running`), then, unless that preempted a sequence, the first pieces of waiting ones
+        (:meth:`admit`) in the budget left."""
         while True:
             preemptions = self.stats.preemptions
-            running = self.running()
-            prefilling = [s for s in running if s.state is SequenceState.PREFILLING]
-            decoding = [s for s in running if s.wants_token]
-            kinds = [StepKind.PREFILL, StepKind.DECODE] if self.prefill_turn else [StepKind.DECODE, StepKind.PREFILL]
-            for kind in kinds:
-                if kind is StepKind.PREFILL and prefilling:
-                    plan = self.plan_prefill(prefilling)
-                elif kind is StepKind.DECODE and decoding:
-                    plan = self.plan_decode(decoding)
-                else:
-                    continue
-                if plan.chunks:
-                    self.prefill_turn = kind is StepKind.DECODE
-                    return plan
+            chunks, budget = self.plan_running()
+            if self.stats.preemptions == preemptions:
+                chunks += self.admit(budget)
+            if chunks:
+                decode = all(chunk.decode for chunk in chunks)
+                rows = len(chunks) if decode else sum(chunk.count for chunk in chunks)
+                return StepPlan(StepKind.DECODE if decode else StepKind.MIXED, chunks, rows)
             if self.stats.preemptions == preemptions:  # nothing runs until the reads end sequences
-                self.prefill_turn = True
                 return None
 
-    def admit(self) -> None:
-        """Waiting sequences take free slots, oldest first, each with the blocks of its cached prefix,
-        while the pool has free blocks for their first prompt pieces; the oldest waits (it fits an empty
-        pool: :meth:`check`) and those behind it with it."""
-        budget = self.pool.free
-        while self.waiting and None in self.slots:
+    def plan_running(self) -> tuple[list[Chunk], int]:
+        """A decode row for each decode-ready running sequence (slot order), then the next pieces of the
+        prompts being prefilled (oldest first) while the step's budget lasts; preempts where the pool lacks
+        blocks for them (:meth:`allocate`). Returns the chunks and the budget left."""
+        running = self.running()
+        decoding = [s for s in running if s.wants_token]
+        budget = self.max_step_tokens - len(decoding)
+        pieces = []
+        for sequence in sorted((s for s in running if s.state is SequenceState.PREFILLING), key=lambda s: s.id):
+            if budget == 0:
+                break
+            count = min(sequence.prefill_length - sequence.computed, budget)
+            pieces.append((sequence, count))
+            budget -= count
+        demands = [(s, s.computed + 1) for s in decoding] + [(s, s.computed + count) for s, count in pieces]
+        denied = self.allocate(demands)
+        chunks = [self.decode_chunk(s) for s in decoding if s.state is SequenceState.DECODING and s not in denied]
+        for sequence, count in pieces:
+            if sequence.state is SequenceState.PREFILLING and sequence not in denied:
+                chunks.append(self.prompt_chunk(sequence, count))
+        return chunks, budget
+
+    def admit(self, budget: int) -> list[Chunk]:
+        """Waiting sequences take free slots, oldest first, each with the blocks of its cached prefix and the
+        first piece of its prompt that the step's ``budget`` holds, while the pool has free blocks for that
+        piece; the oldest waits (it fits an empty pool: :meth:`check`) and those behind it with it. Returns
+        their prompt chunks."""
+        chunks = []
+        while budget > 0 and self.waiting and None in self.slots:
             sequence = self.waiting[0]
             shared = self.shared_prefix(sequence)
             if shared is None:
-                return  # its parent's prompt blocks are on their way: it waits for them
+                break  # its parent's prompt blocks are on their way: it waits for them
             cached = shared or self.cached_prefix(sequence)
             hit = len(cached) * self.pool.block_size
-            first = min(sequence.prefill_length - hit, self.prefill_chunk)
-            cost = self.pool.needed(hit + first) - len(cached) + sum(self.pool.refs(b) == 0 for b in cached)
-            if cost > budget:
-                return
-            budget -= cost
+            count = min(sequence.prefill_length - hit, budget)
+            cost = self.pool.needed(hit + count) - len(cached) + sum(self.pool.refs(b) == 0 for b in cached)
+            if cost > self.pool.free:
+                break
             self.waiting.popleft()
             self.pool.take(cached)
             sequence.blocks, sequence.computed, sequence.registered = cached, hit, len(cached)
+            self.pool.grow(sequence.blocks, hit + count)
             self.stats.prefix_cache_hit_tokens += hit
             sequence.slot = self.slots.index(None)
             sequence.state = SequenceState.PREFILLING
             self.slots[sequence.slot] = sequence
+            chunks.append(self.prompt_chunk(sequence, count))
+            budget -= count
+        return chunks
 
     def cached_prefix(self, sequence: Sequence) -> list[int]:
         """The registered blocks of ``sequence``'s longest cached prefix, leaving at least its last prefill
@@ -312,8 +347,9 @@ class Scheduler:
     def shared_prefix(self, sequence: Sequence) -> list[int] | None:
         """The blocks a parallel sample takes from its parent: the parent's full blocks of the prompt
         (leaving at least its last prefill token to compute, whose logits it samples its first token from)
-        once the steps writing them are submitted; None while they are not (the parent runs its prompt
-        first); none where it has no parent, the parent has ended, or it must run its whole prompt."""
+        once the steps writing them are planned (in this step too: a step writes every row's keys and values
+        before any row attends); None while they are not (the parent runs its prompt first); none where it
+        has no parent, the parent has ended, or it must run its whole prompt."""
         parent = sequence.parent
         if parent is None or parent.state is SequenceState.FINISHED or computes_whole_prompt(sequence.params):
             return []
@@ -326,58 +362,38 @@ class Scheduler:
         """Grow each sequence's blocks to its rows, oldest first; where the pool has too few, preempt the
         newest running sequence that still needs blocks (possibly the one asking: it then waits instead
         where sequences whose every token is sampled hold blocks, since their reads free them) until they
-        fit. Returns those that got theirs."""
-        granted = set()
-        for sequence, rows in sorted(demands, key=lambda demand: demand[0].id):
+        fit. Returns those that wait (neither granted nor preempted)."""
+        size, denied = self.pool.block_size, set()
+        growing = [(s, rows) for s, rows in demands if rows > len(s.blocks) * size]
+        for sequence, rows in sorted(growing, key=lambda demand: demand[0].id):
             while sequence.state is not SequenceState.PREEMPTED and not self.pool.grow(sequence.blocks, rows):
                 running = self.running()
-                growing = [s for s in running if s.state is SequenceState.PREFILLING or s.wants_token]
-                victim = max(growing, key=lambda s: s.id)
-                if victim is sequence and len(growing) < len(running):
+                candidates = [s for s in running if s.state is SequenceState.PREFILLING or s.wants_token]
+                victim = max(candidates, key=lambda s: s.id)
+                if victim is sequence and len(candidates) < len(running):
+                    denied.add(sequence)
                     break
                 self.preempt(victim)
-            else:
-                if sequence.state is not SequenceState.PREEMPTED:
-                    granted.add(sequence)
-        return granted
+        return denied
 
-    def plan_prefill(self, prefilling: list[Sequence]) -> StepPlan:
-        """The next pieces of the prompts, in slot order, while rows of ``prefill_chunk`` are left (the last
-        one may get only part of what is left of its prompt), at most ``prefill_width`` prompts."""
-        pieces, rows = [], 0
-        for sequence in prefilling[: self.prefill_width]:
-            if rows >= self.prefill_chunk:
-                break
-            count = min(sequence.prefill_length - sequence.computed, self.prefill_chunk - rows)
-            pieces.append((sequence, count))
-            rows += count
-        granted = self.allocate([(sequence, sequence.computed + count) for sequence, count in pieces])
-        chunks = []
-        for sequence, count in pieces:
-            if sequence in granted:
-                ends = sequence.computed + count == sequence.prefill_length
-                chunks.append(Chunk(sequence, sequence.computed, count, sequence.sampled, ends, sequence.preemptions))
-                self.advance_prefill(chunks[-1])
-        return StepPlan(StepKind.PREFILL, chunks)
-
-    def advance_prefill(self, chunk: Chunk) -> None:
-        """Count a planned prompt piece as submitted; a piece that ends the prompt starts the decoding."""
-        sequence = chunk.sequence
-        sequence.computed += chunk.count
-        self.stats.prompt_tokens_computed += chunk.count
-        if chunk.sampled:
+    def prompt_chunk(self, sequence: Sequence, count: int) -> Chunk:
+        """The next ``count`` rows of ``sequence``'s prompt, counted as submitted; a piece that ends the
+        prompt samples its first token and starts its decoding."""
+        ends = sequence.computed + count == sequence.prefill_length
+        chunk = Chunk(sequence, sequence.computed, count, sequence.sampled, ends, sequence.preemptions)
+        sequence.computed += count
+        self.stats.prompt_tokens_computed += count
+        if ends:
             sequence.sampled += 1
             sequence.state = SequenceState.DECODING
+        return chunk
 
-    def plan_decode(self, decoding: list[Sequence]) -> StepPlan:
-        """One row per decoding sequence, at its next position, each sampling its next token."""
-        granted = self.allocate([(s, s.computed + 1) for s in decoding])
-        chunks = []
-        for sequence in (s for s in decoding if s in granted):
-            chunks.append(Chunk(sequence, sequence.computed, 1, sequence.sampled, True, sequence.preemptions))
-            sequence.computed += 1
-            sequence.sampled += 1
-        return StepPlan(StepKind.DECODE, chunks)
+    def decode_chunk(self, sequence: Sequence) -> Chunk:
+        """One row at ``sequence``'s next position, sampling its next token, counted as submitted."""
+        chunk = Chunk(sequence, sequence.computed, 1, sequence.sampled, True, sequence.preemptions, decode=True)
+        sequence.computed += 1
+        sequence.sampled += 1
+        return chunk
 
     # results -------------------------------------------------------------------------------------------
 

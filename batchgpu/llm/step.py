@@ -1,11 +1,11 @@
 """One recorded forward step of a Llama-family model over ``rows`` token rows, sampling ``samples`` next
 tokens on the device. The engine records decode steps (one row per decoding sequence, every row sampled)
-and prefill steps (pieces of several prompts, each one's last row sampled, kept where its prompt ends
-there), each at a ladder of row counts. Everything that changes per step is an input: token ids,
-positions, the paged KV cache rows to write, block tables, sequence lengths, sampling parameters and
-keys; only the sampled ids come back, and for the rows that asked, their logprobs (never the logits). A plan
-is packed into the step's preallocated host arrays (:mod:`~batchgpu.llm.feeds`) and only the inputs that
-changed since the step's previous run are uploaded."""
+and mixed steps (a row per decoding sequence, then pieces of prompts, each piece's last row sampled, kept
+where its prompt ends there), each at a ladder of row counts. Everything that changes per step is an
+input: token ids, positions, the paged KV cache rows to write, block tables, sequence lengths, sampling
+parameters and keys; only the sampled ids come back, and for the rows that asked, their logprobs (never
+the logits). A plan is packed into the step's preallocated host arrays (:mod:`~batchgpu.llm.feeds`) and
+only the inputs that changed since the step's previous run are uploaded."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ..models.config import LlamaConfig
 from ..models.decoder import PagedKV, record_decoder, record_logits
 from ..ops.sampling import MAX_TOP
 from ..tensor import Tensor
-from .feeds import StepFeeds, guided, pack_decode, pack_masks, pack_prefill, wants_prompt_logprobs
+from .feeds import SlotTable, StepFeeds, guided, pack_decode, pack_masks, pack_mixed, wants_prompt_logprobs
 from .scheduler import StepKind, StepPlan
 
 
@@ -146,7 +146,8 @@ class Step:
 
 
 FORWARD_INPUTS = frozenset(
-    {"ids", "token_slots", "positions", "kv_rows", "seq", "lengths", "block_tables", "sample_rows", "count_slots"}
+    {"ids", "sources", "token_slots", "positions", "kv_rows", "seq", "lengths", "block_tables", "sample_rows"}
+    | {"count_slots"}
     | {"generated_slots", "reset", "prompt_targets", "prompt_n"}
 )
 """A step's inputs that its forward part reads (the others: its sampling part)."""
@@ -163,7 +164,7 @@ def record_step(
     table_rows: int,
     max_blocks: int,
     name: str,
-    prompt: bool,
+    mixed: bool,
     by_slot: bool,
     scoring: bool = False,
     masked: bool = False,
@@ -171,8 +172,10 @@ def record_step(
 ) -> Step:
     """Record the step. Inputs (each keeps its value until fed again):
 
-    - a prefill step's ``ids`` (rows,): each row's prompt token; a decode step's ``token_slots`` (rows,):
-      the slot whose latest sampled token (``cache.tokens``, on the device) each row decodes;
+    - a decode step's ``token_slots`` (rows,): the slot whose latest sampled token (``cache.tokens``, on the
+      device) each row decodes; a mixed step's ``ids`` (rows,), its prompt rows' tokens, and ``sources``
+      (rows,): where each row's token is, a slot of ``cache.tokens`` (a decode row) or ``slots + row`` (the
+      row's own entry of ``ids``);
     - ``positions`` (rows,): each row's position in its sequence;
     - ``kv_rows`` (rows,): the pool row each row's key and value go to (-1: an idle row, nothing written);
     - ``seq``, ``lengths`` (rows,): the block-table row of each row's sequence and how many positions it
@@ -184,17 +187,17 @@ def record_step(
       see :meth:`GpuCommandBatch.sample`;
     - ``sampled_slots`` (samples,): slot each sampled token is counted for and stored in ``cache.tokens``
       for (-1: not a real token, e.g. a prompt chunk that does not end the prompt);
-    - with ``prompt`` (a prefill step) also ``count_slots`` (rows,), ``generated_slots`` (rows,), ``reset``
+    - with ``mixed`` also ``count_slots`` (rows,), ``generated_slots`` (rows,), ``reset``
       (slots,): the slot (or -1) each row's token counts for in ``seen``, and in ``generated`` (a row of a
       preempted sequence's output, run again), slots whose counts start over (a new sequence). Decode
-      steps count only the tokens they sample;
+      rows count only the tokens they sample;
     - ``logprob_n`` (samples,): the top ids each sample's logprobs give (-1: the sample asks for none);
-    - with ``scoring`` (a prefill step for prompts that ask for their own logprobs: the head runs on every
+    - with ``scoring`` (a mixed step for prompts that ask for their own logprobs: the head runs on every
       row) also ``prompt_targets`` (rows,): the prompt token after each row, and ``prompt_n`` (rows,): the top
       ids its logprobs give (-1: not asked);
     - with ``masked`` (a step with rows of structured outputs) also ``allowed`` (samples, ceil(vocab / 32))
       uint32: each sample's allowed-token bitmask, read for the samples whose ``sampling[:, 3]`` is 1.
-    With ``split`` (a decode step whose masks are filled while its forward part runs), two batches: the
+    With ``split`` (a step whose masks are filled while its forward part runs), two batches: the
     forward part (the inputs of :data:`FORWARD_INPUTS`) leaves its logits in ``cache.logits``, the
     sampling part (the other inputs) samples from them.
     Outputs: ``next_ids`` (samples,) int32; ``logprobs`` (samples, 41) float32, the ``logprobs`` op's rows of
@@ -208,8 +211,9 @@ def record_step(
         part = batch if label in FORWARD_INPUTS else sampler
         return part.upload(np.zeros(shape, dtype), name=label)
 
-    inputs = {
-        ("ids" if prompt else "token_slots"): inp("ids" if prompt else "token_slots", (rows,), np.int32),
+    sources = ("ids", "sources") if mixed else ("token_slots",)
+    inputs = {name: inp(name, (rows,), np.int32) for name in sources}
+    inputs |= {
         "positions": inp("positions", (rows,), np.int32),
         "kv_rows": inp("kv_rows", (rows,), np.int32),
         "seq": inp("seq", (rows,), np.int32),
@@ -224,7 +228,7 @@ def record_step(
         "sampled_slots": inp("sampled_slots", (samples,), np.int32),
     }
     inputs["logprob_n"] = inp("logprob_n", (samples,), np.int32)
-    if prompt:
+    if mixed:
         inputs["count_slots"] = inp("count_slots", (rows,), np.int32)
         inputs["generated_slots"] = inp("generated_slots", (rows,), np.int32)
         inputs["reset"] = inp("reset", (slots,), np.int32)
@@ -234,7 +238,11 @@ def record_step(
         inputs["prompt_targets"] = inp("prompt_targets", (rows,), np.int32)
         inputs["prompt_n"] = inp("prompt_n", (rows,), np.int32)
     x = inputs
-    ids = x["ids"] if prompt else batch.reshape(batch.embedding(x["token_slots"], cache.tokens), (rows,))
+    if mixed:  # a decode row's token where the step before left it, a prompt row's from the host
+        known = batch.concat([cache.tokens, batch.reshape(x["ids"], (rows, 1))])
+        ids = batch.reshape(batch.embedding(x["sources"], known), (rows,))
+    else:
+        ids = batch.reshape(batch.embedding(x["token_slots"], cache.tokens), (rows,))
     kv = PagedKV(
         cache.keys,
         cache.values,
@@ -253,7 +261,7 @@ def record_step(
         logits = batch.embedding(x["sample_rows"], every)
     else:
         logits = record_logits(batch, weights, batch.embedding(x["sample_rows"], normed))
-    if prompt:  # prompt tokens count before this step's sampling (HF's repetition penalty covers the prompt)
+    if mixed:  # prompt tokens count before this step's sampling (HF's repetition penalty covers the prompt)
         batch.count_tokens(cache.seen, x["count_slots"], x["ids"], x["reset"])
         batch.count_tokens(cache.generated, x["generated_slots"], x["ids"], x["reset"])
     if split:  # the logits go through the resident store to the sampling part
@@ -297,6 +305,14 @@ def step_sizes(largest: int) -> list[int]:
     return sorted({1 << i for i in range(largest.bit_length()) if 1 << i < largest} | {largest})
 
 
+def default_step_tokens(device: Device, max_batch: int) -> int:
+    """An engine's token budget per step when not given: 2,048 rows on a device that computes while the host
+    goes on (a GPU: vLLM's default for online serving), 256 on the CPU devices (numpy, lavapipe: there a
+    step's rows cost the host its time, and a smaller step keeps the decoding sequences' latency down while
+    prompts run); at least ``max_batch``."""
+    return max(max_batch, 2048 if device.executor.concurrent else 256)
+
+
 @dataclass
 class ChunkLogprobs:
     """What a step read back of one chunk's logprobs: its sampled token's (None: not asked) and, for a
@@ -310,7 +326,7 @@ class ChunkLogprobs:
 @dataclass
 class Submitted:
     """A plan's step, submitted: ``next_ids[token_rows[i]]`` is the token of ``plan.chunks[i]``; the step's
-    ``logprobs`` rows likewise, and (a scoring prefill step's) ``prompt_rows[i]`` the rows of chunk ``i`` in
+    ``logprobs`` rows likewise, and (a scoring step's) ``prompt_rows[i]`` the rows of chunk ``i`` in
     ``prompt_logprobs``. A split step is ``pending`` until :meth:`StepRunner.sample` submits its sampling
     part."""
 
@@ -353,11 +369,12 @@ class Submitted:
 
 
 class StepRunner:
-    """An engine's recorded steps, decode and prefill, each at the row counts :func:`step_sizes` up to
-    ``max_batch`` and ``prefill_chunk`` (a prefill step samples for at most ``max_batch`` prompts; in the
-    ``max_batch`` decode step sample ``i`` is slot ``i``'s), and how a :class:`StepPlan` runs on them: in
-    the smallest step of its kind that holds its rows, with feeds packed from the plan. ``runs``: steps
-    run so far per kind and row count; ``counts``: per kind (``"prefill"``, ``"decode"``)."""
+    """An engine's recorded steps, decode and mixed, each at the row counts :func:`step_sizes` up to
+    ``max_batch`` and ``max_step_tokens`` (a mixed step samples for at most ``max_batch`` chunks; in the
+    ``max_batch`` decode step sample ``i`` is slot ``i``'s), the slots' persistent rows
+    (:class:`~batchgpu.llm.feeds.SlotTable`), and how a :class:`StepPlan` runs on them: in the smallest step
+    of its kind that holds its rows, with feeds packed from the plan. ``runs``: steps run so far per kind
+    and row count."""
 
     def __init__(
         self,
@@ -367,19 +384,19 @@ class StepRunner:
         cache: KVCache,
         *,
         max_batch: int,
-        prefill_chunk: int,
+        max_step_tokens: int,
         max_blocks: int,
     ) -> None:
         self.cache, self.max_batch = cache, max_batch
+        self.table = SlotTable(max_batch, max_blocks, cache.block_size)
         record = functools.partial(record_step, device, config, weights, cache, max_blocks=max_blocks)
         self.record = record
         self.recorded = {
             StepKind.DECODE: self.ladder(record, StepKind.DECODE, max_batch),
-            StepKind.PREFILL: self.ladder(record, StepKind.PREFILL, prefill_chunk),
+            StepKind.MIXED: self.ladder(record, StepKind.MIXED, max_step_tokens),
         }
         self.variants: dict[tuple[StepKind, int, bool, bool], Step] = {}  # scoring or masked: on first use
         self.runs = {kind: dict.fromkeys(steps, 0) for kind, steps in self.recorded.items()}
-        self.counts = dict.fromkeys((kind.value for kind in StepKind), 0)
 
     def ladder(self, record: Callable[..., Step], kind: StepKind, largest: int) -> dict[int, Step]:
         """Steps of ``kind`` recorded at each row count of :func:`step_sizes` (``largest``)."""
@@ -388,23 +405,22 @@ class StepRunner:
     def record_size(
         self, record: Callable[..., Step], kind: StepKind, size: int, scoring: bool = False, masked: bool = False
     ) -> Step:
-        """The step of ``kind`` at ``size`` rows (``scoring``: a prefill step giving every row's logprobs;
-        ``masked``: with the samples' allowed-token bitmasks; a masked decode step is split, so its masks,
-        which need the tokens before, are filled while its forward part runs)."""
-        prompt = kind is StepKind.PREFILL
+        """The step of ``kind`` at ``size`` rows (``scoring``: a mixed step giving every row's logprobs;
+        ``masked``: with the samples' allowed-token bitmasks, split, so that its masks, which need the tokens
+        before, are filled while its forward part runs)."""
+        mixed = kind is StepKind.MIXED
         samples = min(self.max_batch, size)
         label = ("score" if scoring else kind.value) + ("-masked" if masked else "")
         return record(
-            rows=size, samples=samples, table_rows=samples, name=f"{label}{size}", prompt=prompt,
-            by_slot=not prompt and samples == self.max_batch, scoring=scoring, masked=masked,
-            split=masked and not prompt,
+            rows=size, samples=samples, table_rows=samples, name=f"{label}{size}", mixed=mixed,
+            by_slot=not mixed and samples == self.max_batch, scoring=scoring, masked=masked, split=masked,
         )  # fmt: skip
 
     def step_for(self, plan: StepPlan, size: int) -> Step:
-        """The recorded step of ``size`` rows that runs ``plan``: a scoring prefill step where a prompt piece
-        of the plan asks for its prompt's logprobs, a masked one where a chunk samples with a grammar (each
-        variant recorded the first time one is needed; a masked decode step split in two parts)."""
-        scoring = plan.kind is StepKind.PREFILL and any(wants_prompt_logprobs(c) for c in plan.chunks)
+        """The recorded step of ``size`` rows that runs ``plan``: a scoring step where a prompt piece of the
+        plan asks for its prompt's logprobs, a masked one where a chunk samples with a grammar (each variant
+        recorded the first time one is needed)."""
+        scoring = plan.kind is StepKind.MIXED and any(wants_prompt_logprobs(c) for c in plan.chunks)
         masked = any(guided(c) for c in plan.chunks)
         if not scoring and not masked:
             return self.recorded[plan.kind][size]
@@ -417,18 +433,15 @@ class StepRunner:
         """Pack ``plan`` into the smallest recorded step of its kind that holds its rows and submit it."""
         size = next(size for size in self.recorded[plan.kind] if size >= plan.rows)
         step = self.step_for(plan, size)
-        if plan.kind is StepKind.PREFILL:
+        if plan.kind is StepKind.MIXED:
             token_rows = list(range(len(plan.chunks)))
-            pack_prefill(step.feeds, plan.chunks, self.cache.block_size)
+            pack_mixed(step.feeds, self.table, plan.chunks)
         else:
             by_slot = size == self.max_batch
             token_rows = [c.sequence.slot for c in plan.chunks] if by_slot else list(range(len(plan.chunks)))
-            pack_decode(step.feeds, plan.chunks, token_rows, self.cache.block_size)
-        if "allowed" in step.feeds.arrays and step.forward is None:
-            pack_masks(step.feeds.arrays, plan.chunks, token_rows)
+            pack_decode(step.feeds, self.table, plan.chunks, token_rows)
         submission = step.run_packed()
         self.runs[plan.kind][size] += 1
-        self.counts[plan.kind.value] += 1
         prompt_rows = piece_rows(plan) if step.prompt_logprobs is not None else []
         return Submitted(plan, submission, step, token_rows, prompt_rows, pending=step.forward is not None)
 
@@ -444,8 +457,8 @@ class StepRunner:
 
 
 def piece_rows(plan: StepPlan) -> list[range]:
-    """The rows of each chunk of ``plan`` in its step (a prefill step's pieces run back to back; a decode
-    step's rows are placed by :func:`~batchgpu.llm.feeds.pack_decode`, and only prefill steps score prompts)."""
+    """The rows of each chunk of ``plan`` in its step (a mixed step's chunks run back to back; a decode
+    step's rows are placed by :func:`~batchgpu.llm.feeds.pack_decode`, and only mixed steps score prompts)."""
     rows, start = [], 0
     for chunk in plan.chunks:
         rows.append(range(start, start + chunk.count))
