@@ -10,6 +10,7 @@ ms per generated token; with ``--baseline-tree PATH`` the same trace on another 
     python benchmarks/serve_load.py --trace system-prompt --model model.gguf --max-step-tokens 256
     git archive 63887b3 | tar -x -C /tmp/base    # an older commit's tree
     OPENBLAS_NUM_THREADS=1 python benchmarks/serve_load.py --trace crowd64 --device reference --baseline-tree /tmp/base
+    python benchmarks/serve_load.py --tree ../other-checkout --baseline-tree /tmp/base   # two trees, neither this one
 
 Traces (:data:`PRESETS`, each field overridable by a flag): a number of requests; prompt lengths fixed,
 uniform in a range or lognormal (clipped); or a long system prompt every request starts with, then a short
@@ -42,10 +43,11 @@ thread of it; in-process ``time.process_time``, this process) per generated toke
 ``GET /v1/engine``'s before and after, and rows per step ``/metrics``' ``batchgpu_iteration_tokens``
 histogram (sum / count) where the server has it, else n/a.
 
-Each round runs every tree in a fresh subprocess per mode (``PYTHONPATH`` the tree; the baseline first), so
-load changes hit both alike; the table gives the medians over the rounds, and the ratios this / baseline of
-tokens/s, TTFT p50 and steps. Only long-standing public surface is used (``Engine``, its ``scheduler``'s
-``schedule``/``running``, ``serve``, ``/v1/engine``), so the script runs against older checkouts too.
+Each round runs every tree (this script's checkout, or ``--tree``, and the baseline) in a fresh subprocess per
+mode (``PYTHONPATH`` the tree, this script's code; the baseline first), so load changes hit both alike; the
+table gives the medians over the rounds, and the ratios this / baseline of tokens/s, TTFT p50 and steps.
+Only long-standing public surface is used (``Engine``, its ``scheduler``'s ``schedule``/``running``,
+``serve``, ``/v1/engine``), so the script runs against older checkouts too.
 """
 
 from __future__ import annotations
@@ -282,6 +284,8 @@ class StepLog:
 
     def figures(self) -> dict[str, Any]:
         steps = sum(self.kinds.values())
+        if not steps:
+            raise RuntimeError("no step went through engine.scheduler.schedule: the engine plans its steps elsewhere")
         return {
             "steps": steps,
             "steps_by_kind": dict(self.kinds),
@@ -648,6 +652,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-blocks", type=int, help="default: max-batch of the longest request at once")
     parser.add_argument("--max-step-tokens", type=int, help="the engine's step budget, where the tree has one")
     parser.add_argument("--rounds", type=int, default=3, help="subprocesses per tree and mode (default 3)")
+    parser.add_argument("--tree", type=Path, help="the checkout measured as 'this' (default: this script's)")
     parser.add_argument("--baseline-tree", type=Path, help="another checkout's root, measured in the same run")
     parser.add_argument("--json", metavar="PATH", help="also write every run's figures as JSON")
     parser.add_argument("--measure", choices=sorted(MEASURES), help=argparse.SUPPRESS)  # one run, this process
@@ -662,7 +667,7 @@ def report(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
     """Every device's rounds (trees alternating, the baseline first) and their tables, printed."""
     trace = trace_from(args)
     settings = settings_for(trace, args)
-    this = Path(__file__).resolve().parents[1]
+    this = (args.tree or Path(__file__).parents[1]).resolve()
     trees = {"this": this, **({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})}
     print(f"date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}; machine: {machine()}")
     print(f"load (1 min) {load_average():.2f}; {trace.describe()}; seed {args.seed}; model {model.name}")
