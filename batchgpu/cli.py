@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences decoded together (default 8); for an encoder, texts embedded together (default 32)",
     )
     serve.add_argument("--max-context", type=int, default=2048, help="prompt + output tokens (default 2048)")
+    serve.add_argument(
+        "--max-step-tokens",
+        type=int,
+        metavar="N",
+        help="token rows per engine step: a row per decoding sequence, then prompt pieces (at least --max-batch; "
+        "default 2048 on a GPU, 256 on the CPU devices, at least twice --max-batch)",
+    )
     serve.add_argument("--fp32", action="store_true", help="dequantize weights to float32 (default: as stored)")
     serve.add_argument("--kv-f16", action="store_true", help="keep the KV cache in float16")
     serve.add_argument(
@@ -605,6 +612,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if is_encoder(path):
         return serve_embeddings(args, path)
     max_batch = 8 if args.max_batch is None else args.max_batch
+    if args.max_step_tokens is not None and args.max_step_tokens < max_batch:
+        print(f"serve: --max-step-tokens must be at least --max-batch ({max_batch}), got {args.max_step_tokens}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     options = EngineOptions(
         model=str(path),
         device=args.device,
@@ -616,6 +627,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         prefix_caching=not args.no_prefix_caching,
         max_waiting=WAITING_PER_SLOT * max_batch if args.max_waiting is None else args.max_waiting,
+        max_step_tokens=args.max_step_tokens,
     )
     if args.ray:
         return serve_on_ray(args, options, model_name=path.stem)

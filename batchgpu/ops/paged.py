@@ -123,59 +123,113 @@ def _paged_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tupl
     return q.shape, q.dtype
 
 
-def pool_rows(table: np.ndarray, length: int, block_size: int, pool: int, window: int = 0) -> np.ndarray:
-    """The pool rows of a sequence's positions [0, length) (clamped to its block table; with a ``window``,
-    the last ``window`` of them) whose block is in a pool of ``pool`` rows, in position order: the rows a
-    query of that length attends over."""
-    count = min(max(int(length), 0), table.shape[0] * block_size)
-    positions = np.arange(max(count - window, 0) if window else 0, count, dtype=np.int64)
-    rows = table[positions // block_size].astype(np.int64) * block_size + positions % block_size
-    return rows[(table[positions // block_size] >= 0) & (rows < pool)]
+def attended_rows(
+    tables: np.ndarray, seq: np.ndarray, lengths: np.ndarray, block_size: int, pool: int, window: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """For query rows of sequences ``seq`` (their block-table rows; out of the table: none) attending over
+    positions ``[0, lengths)`` (with a ``window``, the last ``window`` of them, clamped to the table), the
+    pool rows of those positions in order, padded to the longest: ``(pool rows, valid)``, both (rows,
+    positions); a position whose block is out of the pool (or negative) is not valid."""
+    known = (seq >= 0) & (seq < tables.shape[0])
+    counts = np.where(known, np.clip(lengths, 0, tables.shape[1] * block_size), 0).astype(np.int64)
+    firsts = np.maximum(counts - window, 0) if window else np.zeros_like(counts)
+    width = int((counts - firsts).max(initial=0))
+    offsets = np.arange(width, dtype=np.int64)
+    positions = firsts[:, None] + offsets[None, :]
+    inside = offsets[None, :] < (counts - firsts)[:, None]
+    blocks = tables[np.where(known, seq, 0)[:, None], np.minimum(positions // block_size, tables.shape[1] - 1)]
+    rows = blocks.astype(np.int64) * block_size + positions % block_size
+    valid = inside & (blocks >= 0) & (rows < pool)
+    return np.where(valid, rows, 0), valid
 
 
 def _paged_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:
     """float64 per query row over its valid positions; a row with none (idle, sequence out of the table, all
-    blocks out of the pool) gives zeros. Rows go together, their positions padded to the longest and masked
-    (in groups that bound the padded keys' memory)."""
+    blocks out of the pool) gives zeros. The rows of a sequence with several (a prompt piece) share its
+    keys, gathered once; the other rows go together with rows attending over about as many positions (the
+    same power of two), padded to the longest of their group and masked (groups bound the padded keys'
+    memory)."""
     q, k_pool, v_pool, tables, seq, lengths = arrays
-    tokens, heads, head_dim = q.shape
-    pool, kv_heads, _ = k_pool.shape
-    scale = float(np.float32(attention_scale(params, head_dim)))  # the kernels scale in f32
-    valid = (seq >= 0) & (seq < tables.shape[0])
-    rows = [
-        pool_rows(tables[seq[n]], lengths[n], params["block_size"], pool, params.get("window", 0))
-        if valid[n]
-        else _NO_ROWS
-        for n in range(tokens)
-    ]
+    scale = float(np.float32(attention_scale(params, q.shape[2])))  # the kernels scale in f32
+    block_size, window = params["block_size"], params.get("window", 0)
+    known = (seq >= 0) & (seq < tables.shape[0])
+    counts = np.where(known, np.clip(lengths, 0, tables.shape[1] * block_size), 0).astype(np.int64)
+    firsts = np.maximum(counts - window, 0) if window else np.zeros_like(counts)
+    attending = counts > firsts  # the others stay zero
+    values, repeats = np.unique(seq[attending], return_counts=True)
+    shared = attending & np.isin(seq, values[repeats > 1])
     out = np.zeros(q.shape, np.float64)
-    group = max(1, _PADDED_POSITIONS // max(1, max(r.size for r in rows)))
-    for start in range(0, tokens, group):
-        chunk = range(start, min(start + group, tokens))
-        width = max(rows[n].size for n in chunk)
-        if width == 0:
-            continue
-        gathered = np.zeros((len(chunk), width), np.int64)
-        mask = np.zeros((len(chunk), width), bool)
-        for i, n in enumerate(chunk):
-            gathered[i, : rows[n].size], mask[i, : rows[n].size] = rows[n], True
-        # (rows, kv_heads, group, head_dim) x (rows, kv_heads, head_dim, positions)
-        queries = (
-            q[chunk.start : chunk.stop].astype(np.float64).reshape(len(chunk), kv_heads, heads // kv_heads, head_dim)
-        )
-        keys = k_pool[gathered].astype(np.float64).transpose(0, 2, 3, 1)
-        values = v_pool[gathered].astype(np.float64).transpose(0, 2, 1, 3)
-        scores = np.where(mask[:, None, None, :], (queries @ keys) * scale, -np.inf)
-        top = scores.max(axis=-1, keepdims=True)
-        weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
-        total = weights.sum(axis=-1, keepdims=True)
-        attended = (weights / np.where(total > 0, total, 1.0)) @ values  # (rows, kv_heads, group, head_dim)
-        out[chunk.start : chunk.stop] = attended.reshape(len(chunk), heads, head_dim)
+    for sequence in values[repeats > 1]:
+        rows = np.flatnonzero(shared & (seq == sequence))
+        out[rows] = _attend_shared(q[rows], k_pool, v_pool, tables[sequence], firsts[rows], counts[rows], params)
+    widths = np.where(attending & ~shared, counts - firsts, 0)
+    levels = np.where(widths > 0, np.ceil(np.log2(np.maximum(widths, 1))), -1)
+    for level in np.unique(levels[levels >= 0]):
+        alike = np.flatnonzero(levels == level)
+        size = max(1, _PADDED_POSITIONS // int(widths[alike].max()))
+        for group in (alike[start : start + size] for start in range(0, alike.size, size)):
+            rows, mask = attended_rows(tables, seq[group], lengths[group], block_size, k_pool.shape[0], window)
+            # (rows, kv_heads, group, head_dim) x (rows, kv_heads, head_dim, positions)
+            queries = _grouped(q[group], k_pool.shape[1])
+            keys = k_pool[rows].astype(np.float64).transpose(0, 2, 3, 1)
+            weights = _masked_softmax((queries @ keys) * scale, mask[:, None, None, :])
+            attended = weights @ v_pool[rows].astype(np.float64).transpose(0, 2, 1, 3)  # (rows, kv_heads, group, dim)
+            out[group] = attended.reshape(q[group].shape)
     return out
 
 
-_NO_ROWS = np.zeros(0, np.int64)
+def _attend_shared(
+    q: np.ndarray,
+    k_pool: np.ndarray,
+    v_pool: np.ndarray,
+    table: np.ndarray,
+    firsts: np.ndarray,
+    counts: np.ndarray,
+    params: dict[str, Any],
+) -> np.ndarray:
+    """The reference's attention of one sequence's query rows ``q`` (rows, heads, head_dim), row ``i`` over
+    positions ``[firsts[i], counts[i])`` through its block-table row ``table``: its keys and values gathered
+    once, each kv head's queries in one product (in slices of rows that bound the scores' memory)."""
+    block_size, pool, kv_heads = params["block_size"], k_pool.shape[0], k_pool.shape[1]
+    scale = float(np.float32(attention_scale(params, q.shape[2])))
+    positions = np.arange(firsts.min(), counts.max(), dtype=np.int64)
+    blocks = table[positions // block_size].astype(np.int64)
+    rows = blocks * block_size + positions % block_size
+    present = (blocks >= 0) & (rows < pool)
+    keys = k_pool[np.where(present, rows, 0)].astype(np.float64).transpose(1, 2, 0)  # (kv_heads, dim, positions)
+    values = v_pool[np.where(present, rows, 0)].astype(np.float64).transpose(1, 0, 2)  # (kv_heads, positions, dim)
+    out = np.zeros(q.shape, np.float64)
+    size = max(1, _SHARED_SCORES // (positions.size * q.shape[1]))
+    for start in range(0, q.shape[0], size):
+        part = slice(start, start + size)
+        queries = _grouped(q[part], kv_heads)  # (rows, kv_heads, group, dim)
+        n, _, group, dim = queries.shape
+        scores = queries.transpose(1, 0, 2, 3).reshape(kv_heads, n * group, dim) @ keys * scale
+        mask = present & (positions >= firsts[part, None]) & (positions < counts[part, None])  # (rows, positions)
+        weights = _masked_softmax(scores.reshape(kv_heads, n, group, -1), mask[None, :, None, :])
+        attended = weights.reshape(kv_heads, n * group, -1) @ values  # (kv_heads, rows * group, dim)
+        out[part] = attended.reshape(kv_heads, n, group, dim).transpose(1, 0, 2, 3).reshape(q[part].shape)
+    return out
+
+
+def _grouped(q: np.ndarray, kv_heads: int) -> np.ndarray:
+    """Query rows (rows, heads, dim) as float64 (rows, kv_heads, heads per kv head, dim)."""
+    rows, heads, dim = q.shape
+    return q.astype(np.float64).reshape(rows, kv_heads, heads // kv_heads, dim)
+
+
+def _masked_softmax(scores: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis of ``scores`` where ``mask`` (broadcast) holds; all zeros where it holds
+    nowhere."""
+    scores = np.where(mask, scores, -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    total = weights.sum(axis=-1, keepdims=True)
+    return weights / np.where(total > 0, total, 1.0)
+
+
 _PADDED_POSITIONS = 1 << 16  # rows x padded positions gathered at once by the reference
+_SHARED_SCORES = 1 << 21  # rows x heads x positions of one sequence's scores at once (16 MiB of float64)
 
 
 def _paged_lower(node: Node) -> list[Launch]:
