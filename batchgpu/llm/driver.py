@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import BatchError
-from .metrics import EngineStats
+from .metrics import EngineStats, clock
 from .output import OutputProcessor, Piece, hand_prompt_logprobs
 from .scheduler import Scheduler, Sequence, SequenceState, StepPlan
 from .step import StepRunner, Submitted
@@ -136,10 +136,11 @@ class Driver:
             self.end_unfinished([chunk.sequence for chunk in submitted.plan.chunks], exc)
             return
         sampled = hand_prompt_logprobs(self.outputs, submitted.plan.chunks, logprobs)
+        now = clock()  # the step's tokens all arrive now
         for sequence, token in self.scheduler.update(submitted.plan, tokens):
             output = self.outputs[sequence]
             try:
-                piece = output.push(token, sampled.get(sequence))
+                piece = output.push(token, sampled.get(sequence), now)
             except BatchError as exc:  # a token its grammar refuses: that request fails alone
                 self.end(sequence, exc)
                 continue

@@ -28,7 +28,7 @@ from .blocks import BlockPool, default_blocks
 from .driver import Driver
 from .grammar import GrammarEngine, Guide
 from .metrics import EngineStats, clock
-from .output import OutputProcessor, Piece, choices, joined
+from .output import OutputProcessor, Piece, PieceQueue, choices, joined
 from .params import SamplingParams
 from .prompt import INLINE_PROMPT, Prompt, prepare, prompt_size
 from .samples import add_samples, request_pieces
@@ -249,13 +249,13 @@ class Engine:
 
     def _add(
         self, ids: list[int], params: SamplingParams, arrival: float, guides: list[Guide] | None = None
-    ) -> tuple[list[ScheduledSequence], asyncio.Queue[Piece | BaseException]]:
+    ) -> tuple[list[ScheduledSequence], PieceQueue]:
         """Queue the samples of a generation of ``ids`` that arrived at ``arrival`` (RequestError where the
         engine can never serve it), all delivering to one queue, for the step loop (started on this event
         loop if it does not run there). Sample ``i`` draws with seed ``seed + i``; the later ones share the
         first's prompt blocks (:meth:`Scheduler.shared_prefix`); sample ``i`` follows ``guides[i]``."""
         seed = params.seed if params.seed is not None else random.getrandbits(32)
-        queue: asyncio.Queue[Piece | BaseException] = asyncio.Queue()
+        queue = PieceQueue()
         sequences = add_samples(self.scheduler, ids, params, seed)
         for index, sequence in enumerate(sequences):
             sequence.guide = guides[index] if guides is not None else None

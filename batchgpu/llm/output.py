@@ -7,6 +7,7 @@ records each token's latency in the engine's :class:`~batchgpu.llm.metrics.Engin
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from .text import TextCodec, TextStream
 from .tools import ToolCall, parse_tool_calls, tool_format
 
 
-@dataclass
+@dataclass(slots=True)
 class Piece:
     """Part of a generation's output: new text and token ids, and on the last piece why it ended
     (``finish_reason``: ``"stop"``, ``"length"`` or ``"cancelled"``) and the token counts. Where the
@@ -39,6 +40,33 @@ class Piece:
     token_texts: dict[int, str] | None = None
     index: int = 0
     tool_calls: list[ToolCall] | None = None
+
+
+class PieceQueue:
+    """The pieces (or the error that ends them) of one request on their way from the step loop to its one
+    reader: ``asyncio.Queue``'s ``put_nowait`` and ``get`` for a queue that is never full and read by one
+    task, without its bookkeeping (the step loop puts a piece per sequence per step)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[Piece | BaseException] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Piece | BaseException) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Piece | BaseException:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
 
 
 def joined(pieces: list[Piece]) -> Piece:
@@ -82,17 +110,17 @@ class OutputProcessor:
         prompt_tokens: int,
         stats: EngineStats | None = None,
         arrival: float | None = None,
-        queue: asyncio.Queue[Piece | BaseException] | None = None,
+        queue: PieceQueue | None = None,
         index: int = 0,
         guide: Any = None,
     ) -> None:
         self.params = params
         self.codec = codec
         self.stream = TextStream(codec, params.stop)
-        self.eos_ids = frozenset() if params.ignore_eos else codec.eos_ids
+        self.ends = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else codec.eos_ids)
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
-        self.queue: asyncio.Queue[Piece | BaseException] = queue if queue is not None else asyncio.Queue()
+        self.queue = queue if queue is not None else PieceQueue()
         self.index = index
         self.stats = stats if stats is not None else EngineStats()
         self.latest = arrival if arrival is not None else clock()  # the arrival, then the latest token
@@ -109,15 +137,15 @@ class OutputProcessor:
         del self.prompt_logprobs[start + 1 :]
         self.prompt_logprobs += entries
 
-    def push(self, token: int, logprob: TokenLogprob | None = None) -> Piece:
-        """The piece of ``token`` (with its ``logprob`` where the request asked): its new text, and whether
-        (and why) the generation ends with it. RequestError where the request's grammar refuses the token."""
+    def push(self, token: int, logprob: TokenLogprob | None = None, now: float | None = None) -> Piece:
+        """The piece of ``token`` (with its ``logprob`` where the request asked), read back at ``now`` (a
+        :func:`~batchgpu.llm.metrics.clock` time; None: now): its new text, and whether (and why) the
+        generation ends with it. RequestError where the request's grammar refuses the token."""
         if self.guide is not None:
             self.guide.accept(token)
-        piece = self._piece(token)
+        piece = self._piece(token, clock() if now is None else now)
         if self.held is not None:
             self.hold(piece)
-        piece.index = self.index
         if logprob is None and (self.prompt_logprobs is None or self.completion_tokens != 1):
             return piece  # nothing asked: no logprobs, no token texts
         if logprob is not None:
@@ -141,10 +169,10 @@ class OutputProcessor:
             if calls:
                 piece.finish_reason = "tool_calls"
 
-    def _piece(self, token: int) -> Piece:
+    def _piece(self, token: int, now: float) -> Piece:
         self.completion_tokens += 1
-        self.record_latency()
-        ends = token in self.eos_ids or token in self.params.stop_token_ids
+        self.record_latency(now)
+        ends = token in self.ends
         delta = self.stream.finish() if ends else self.stream.push(token)
         text, reason = delta.text, None
         if ends or delta.stopped:
@@ -157,14 +185,13 @@ class OutputProcessor:
             text += tail.text
             reason = "stop" if tail.stopped else "length"
         if reason is None:
-            return Piece(text, [token])
-        return Piece(text, [token], reason, self.prompt_tokens, self.completion_tokens)
+            return Piece(text, [token], None, 0, 0, None, None, None, self.index)
+        return Piece(text, [token], reason, self.prompt_tokens, self.completion_tokens, None, None, None, self.index)
 
-    def record_latency(self) -> None:
-        """Count the token just pushed in ``stats``: the first with the prompt (a request's first sample
-        alone counts it: its samples share it) and the time to it, the others with the time since the one
-        before."""
-        now = clock()
+    def record_latency(self, now: float) -> None:
+        """Count the token just pushed (read back at ``now``) in ``stats``: the first with the prompt (a
+        request's first sample alone counts it: its samples share it) and the time to it, the others with the
+        time since the one before."""
         if self.completion_tokens == 1:
             self.stats.first_token(self.prompt_tokens if self.index == 0 else 0, now - self.latest)
         else:

@@ -5,11 +5,10 @@ samples of highest cumulative logprob."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
-from .output import Piece, choices, cumulative_logprob
+from .output import Piece, PieceQueue, choices, cumulative_logprob
 from .params import SamplingParams
 from .scheduler import Scheduler, Sequence
 
@@ -46,19 +45,17 @@ def best_samples(samples: list[Piece], params: SamplingParams) -> list[Piece]:
     return best
 
 
-async def pieces_of(queue: asyncio.Queue[Piece | BaseException], samples: int) -> AsyncIterator[Piece]:
+async def pieces_of(queue: PieceQueue, samples: int) -> AsyncIterator[Piece]:
     """The pieces of a request's ``samples`` as they come, until each has ended (an error ends them all)."""
     while samples:
-        item = await queue.get()
+        item = queue.items.popleft() if queue.items else await queue.get()
         if isinstance(item, BaseException):
             raise item
         yield item
         samples -= item.finish_reason is not None
 
 
-def request_pieces(
-    queue: asyncio.Queue[Piece | BaseException], samples: int, params: SamplingParams
-) -> AsyncIterator[Piece]:
+def request_pieces(queue: PieceQueue, samples: int, params: SamplingParams) -> AsyncIterator[Piece]:
     """The pieces a request's caller gets: every sample's as they come (:func:`pieces_of`), or with
     ``best_of`` > ``n`` the best ``n`` samples, each whole (:func:`best_samples`), once all have ended."""
     if params.best_of is not None and params.best_of > params.n:
@@ -66,9 +63,7 @@ def request_pieces(
     return pieces_of(queue, samples)
 
 
-async def best_pieces(
-    queue: asyncio.Queue[Piece | BaseException], samples: int, params: SamplingParams
-) -> AsyncIterator[Piece]:
+async def best_pieces(queue: PieceQueue, samples: int, params: SamplingParams) -> AsyncIterator[Piece]:
     """The best ``params.n`` of a request's ``samples``, each as one piece, once all have ended."""
     collected = [piece async for piece in pieces_of(queue, samples)]
     for piece in best_samples(choices(collected), params):

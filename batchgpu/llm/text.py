@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..models.codec import TextCodec
 
@@ -23,12 +23,14 @@ def token_texts(codec: TextCodec) -> dict[int, str]:
     return texts
 
 
-@dataclass
-class Delta:
+class Delta(NamedTuple):
     """New text of a stream, and whether a stop string ended it."""
 
     text: str
     stopped: bool = False
+
+
+NOTHING, STOPPED = Delta(""), Delta("", True)
 
 
 class TextStream:
@@ -45,19 +47,20 @@ class TextStream:
 
     def __init__(self, codec: TextCodec, stop: Sequence[str] = ()) -> None:
         self.codec = codec
+        self.decode = codec.decode
         self.single = token_texts(codec)
         self.stop = [s for s in stop if s]
         self.holdback = max((len(s) - 1 for s in self.stop), default=0)
         self.ids: list[int] = []
         self.prefix = 0  # the decoding window starts here ...
         self.read = 0  # ... and its text up to here is already in ``text``
-        self.text = ""  # the generation's text so far (whole characters only, until finish)
+        self.text = ""  # with stop strings, the generation's text so far (whole characters only, until finish)
         self.sent = 0  # characters of ``text`` already returned
         self.stopped = False
 
     def push(self, token: int) -> Delta:
         if self.stopped:
-            return Delta("", True)
+            return STOPPED
         self.ids.append(token)
         return self._advance(final=False)
 
@@ -66,19 +69,25 @@ class TextStream:
         text of a character the ids left unfinished (U+FFFD, as ``decode`` gives it) and the text that could
         have begun a stop string (cut at a stop string that this completes)."""
         if self.stopped:
-            return Delta("", True)
+            return STOPPED
         return self._advance(final=True)
 
     def _advance(self, *, final: bool) -> Delta:
         """Take the window's new text into ``text`` (not while it ends in an unfinished character, unless
-        ``final``) and release what can no longer be part of a stop string."""
-        known = self._known()
-        window = self.codec.decode(self.ids[self.prefix :])
-        if not final and (window.endswith(REPLACEMENT) or len(window) <= len(known)):
-            return Delta("")  # a character split over tokens (or nothing visible yet): wait
+        ``final``) and release what can no longer be part of a stop string (all of it without stop strings:
+        then ``text`` is not kept)."""
+        ids, prefix = self.ids, self.prefix
+        known = self.single.get(ids[prefix]) if self.read - prefix == 1 else None
+        if known is None:
+            known = self._known()
+        window = self.decode(ids[prefix:])
+        if not final and (len(window) <= len(known) or window[-1] == REPLACEMENT):
+            return NOTHING  # a character split over tokens (or nothing visible yet): wait
+        self.prefix, self.read = self.read, len(self.ids)
+        if not self.stop:
+            return Delta(window[len(known) :])
         searched_from = max(0, len(self.text) - self.holdback)
         self.text += window[len(known) :]
-        self.prefix, self.read = self.read, len(self.ids)
         found = [at for at in (self.text.find(stop, searched_from) for stop in self.stop) if at >= 0]
         if found:
             self.stopped = True
@@ -88,7 +97,7 @@ class TextStream:
     def _known(self) -> str:
         """The text of the window's tokens already in ``text`` (``decode(ids[prefix:read])``)."""
         if self.read - self.prefix != 1:
-            return self.codec.decode(self.ids[self.prefix : self.read])
+            return self.decode(self.ids[self.prefix : self.read])
         token = self.ids[self.prefix]
         text = self.single.get(token)
         if text is None:
