@@ -359,7 +359,14 @@ def _metrics(server: str) -> dict[str, Any]:
         for sample in family.samples:
             samples[sample.name + (f"[{sample.labels['le']}]" if "le" in sample.labels else "")] = sample.value
     gauges = ("requests_running", "requests_waiting", "kv_blocks_used_ratio")
-    counters = ("prompt_tokens", "generation_tokens", "prefix_cache_hit_tokens", "preemptions", "requests_overloaded")
+    counters = (
+        "prompt_tokens",
+        "generation_tokens",
+        "prefix_cache_hit_tokens",
+        "preemptions",
+        "requests_overloaded",
+        "requests_aborted",
+    )
     histograms = ("time_to_first_token_seconds", "inter_token_latency_seconds")
     expected = {**dict.fromkeys(gauges, "gauge"), **dict.fromkeys(counters, "counter")}
     expected.update(dict.fromkeys(histograms, "histogram"))
