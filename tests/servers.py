@@ -1,8 +1,10 @@
 """Servers the tests start: ``python -m batchgpu serve`` on 127.0.0.1 at a free port, its stderr drained on
-a thread (so it never blocks on a full pipe), waited for with a deadline, and stopped at the end."""
+a thread (so it never blocks on a full pipe), waited for with a deadline, and stopped at the end; and raw
+connections to them, which a test closes when it wants the client gone."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import socket
@@ -12,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 def free_port() -> int:
@@ -59,3 +62,26 @@ def batchgpu_server(*options: str, startup: float = 300.0, env: dict[str, str] |
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=30)
+
+
+def opened(server: str, path: str, body: Any) -> socket.socket:
+    """A connection to ``server`` (``http://host:port``) that has sent a POST of ``body`` (JSON) to ``path``
+    and read nothing yet."""
+    host, port = server.removeprefix("http://").split(":")
+    connection = socket.create_connection((host, int(port)), timeout=60)
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
+    connection.sendall(head.encode() + b"\r\n\r\n" + data)
+    return connection
+
+
+def first_event(connection: socket.socket) -> bytes:
+    """What comes on ``connection`` up to a streamed answer's first server-sent event (AssertionError if the
+    answer is not a 200 or ends first)."""
+    answer = b""
+    while b"\ndata: " not in answer:
+        data = connection.recv(65536)
+        assert data, answer
+        answer += data
+    assert answer.startswith(b"HTTP/1.1 200 "), answer
+    return answer

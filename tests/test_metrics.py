@@ -87,3 +87,15 @@ def test_preemptions_and_prefix_hits_come_from_the_schedulers_stats():
     core.scheduler.stats.preemptions, core.scheduler.stats.prefix_cache_hit_tokens = 3, 48
     samples = scrape(metrics_registry(core))
     assert (samples["batchgpu_preemptions_total"], samples["batchgpu_prefix_cache_hit_tokens_total"]) == (3, 48)
+
+
+def test_refused_and_aborted_requests_are_counters():
+    """Requests refused for the load (429) and aborted because their client left, from the engine's stats;
+    both Prometheus counters."""
+    core = Core()
+    core.stats.overloaded, core.stats.aborted = 2, 3
+    body, _ = exposition(metrics_registry(core))
+    kinds = {family.name: family.type for family in text_string_to_metric_families(body.decode())}
+    assert kinds["batchgpu_requests_overloaded"] == kinds["batchgpu_requests_aborted"] == "counter"
+    samples = scrape(metrics_registry(core))
+    assert (samples["batchgpu_requests_overloaded_total"], samples["batchgpu_requests_aborted_total"]) == (2, 3)

@@ -2,13 +2,15 @@
 at the end) runs two engine replicas of a tiny Qwen3 model on the reference executor behind the
 OpenAI-compatible ingress. Concurrent streamed requests through the official ``openai`` client all end
 with the greedy ids a single engine gives; killing a replica mid-run loses no request that had not
-started streaming, and fails the streaming ones with a clear error instead of hanging."""
+started streaming, and fails the streaming ones with a clear error instead of hanging; clients that leave
+(streamed or not) have their requests dropped by the replicas' engines at once."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 
@@ -24,18 +26,19 @@ from batchgpu.llm import Engine, SamplingParams  # noqa: E402
 from batchgpu.llm.options import EngineOptions  # noqa: E402
 from batchgpu.llm.ray_serve import ReplicaLostError, build_app, client_error, cpu_share  # noqa: E402
 
-from .servers import free_port  # noqa: E402
+from .servers import first_event, free_port, opened  # noqa: E402
 from .test_llama_variants import VARIANTS, random_weights, write_gguf  # noqa: E402
 
 PROMPTS = [[3, 17, 42, 8], [5, 1, 29], [11, 12, 13, 14, 15], [40, 2], [7, 7, 7], [21, 33, 1, 9, 4, 6]]
 TOKENS = 150  # long enough streams that a replica is killed while some of them run
 CONTEXT = 160
+LONG = 8000  # a request whose client leaves asks for this many tokens: many seconds of steps to run them all
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("ray") / "qwen3.gguf"
-    write_gguf(path, "qwen3", random_weights(VARIANTS["qwen3"], 4), context_length=256)
+    write_gguf(path, "qwen3", random_weights(VARIANTS["qwen3"], 4), context_length=LONG + 192)
     return str(path)
 
 
@@ -53,7 +56,7 @@ def cluster(model):
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    options = EngineOptions(model=model, device="reference", max_batch=4, max_context=CONTEXT)
+    options = EngineOptions(model=model, device="reference", max_batch=4, max_context=LONG + 192)
     serve.run(build_app(options, replicas=2, model_name="tiny"), name="batchgpu")  # returns once it runs
     try:
         yield f"http://127.0.0.1:{port}/v1"
@@ -95,6 +98,43 @@ def test_concurrent_requests_through_two_replicas(cluster, greedy):
     with urllib.request.urlopen(f"{cluster}/engine", timeout=30) as response:  # one replica's engine, all states
         status = json.load(response)
     assert status["replicas"] == {"RUNNING": 2} and status["running"] == 0 and "memory" in status, status
+
+
+def test_clients_that_leave_free_the_replicas(cluster, greedy):
+    """Streams closed after their first event, and requests not streamed closed once they run: the
+    replicas' engines drop them at once (each would run for many seconds), and serve the next ones."""
+    base = cluster.removesuffix("/v1")
+    whole = [opened(base, "/v1/completions", long_completion(p, stream=False)) for p in PROMPTS[:2]]
+    streamed = [opened(base, "/v1/completions", long_completion(p, stream=True)) for p in PROMPTS[2:4]]
+    try:  # 4 requests: one replica's slots hold them all, wherever the router sends them
+        for connection in streamed:  # by then the requests sent before run too
+            first_event(connection)
+    finally:
+        for connection in whole + streamed:
+            connection.close()
+    deadline, idle = time.monotonic() + 10, 0
+    while idle < 6:  # in a row: the router deals the status calls to both replicas
+        now = engine_status(cluster)
+        idle = idle + 1 if now["running"] == now["waiting"] == 0 else 0
+        assert time.monotonic() < deadline, f"a replica still runs requests whose clients left: {now}"
+        time.sleep(0.05)
+
+    async def served() -> list[int]:
+        async with openai.AsyncOpenAI(base_url=cluster, api_key="unused", timeout=120, max_retries=0) as client:
+            return await stream_ids(client, PROMPTS[0])
+
+    assert asyncio.run(served()) == greedy[0]
+
+
+def long_completion(prompt: list[int], *, stream: bool) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+            "stream": stream}  # fmt: skip
+
+
+def engine_status(cluster: str) -> dict:
+    """The status of the engine replica the router picks."""
+    with urllib.request.urlopen(f"{cluster}/engine", timeout=30) as response:
+        return json.load(response)
 
 
 def test_a_replica_killed_mid_run(cluster, greedy):

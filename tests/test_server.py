@@ -361,7 +361,8 @@ def _metrics(server: str) -> dict[str, Any]:
             samples[sample.name + (f"[{label}]" if label is not None else "")] = sample.value
     gauges = ("requests_running", "requests_waiting", "kv_blocks_used_ratio")
     counters = (
-        "prompt_tokens", "generation_tokens", "prefix_cache_hit_tokens", "preemptions", "requests_overloaded", "steps"
+        "prompt_tokens", "generation_tokens", "prefix_cache_hit_tokens", "preemptions", "requests_overloaded",
+        "requests_aborted", "steps",
     )  # fmt: skip
     histograms = ("time_to_first_token_seconds", "inter_token_latency_seconds", "iteration_tokens")
     expected = {**dict.fromkeys(gauges, "gauge"), **dict.fromkeys(counters, "counter")}

@@ -8,7 +8,9 @@ a scrape reads a few dozen numbers on the event loop.
 - gauges: ``batchgpu_requests_running``, ``batchgpu_requests_waiting``, ``batchgpu_kv_blocks_used_ratio``;
 - counters: ``batchgpu_prompt_tokens_total``, ``batchgpu_generation_tokens_total``,
   ``batchgpu_prefix_cache_hit_tokens_total``, ``batchgpu_preemptions_total``,
-  ``batchgpu_requests_overloaded_total``, ``batchgpu_steps_total`` (label ``kind``: ``decode``, ``mixed``);
+  ``batchgpu_requests_overloaded_total``, ``batchgpu_requests_aborted_total`` (counted by the server:
+  requests whose client left before their answer was whole, each cancelled at once),
+  ``batchgpu_steps_total`` (label ``kind``: ``decode``, ``mixed``);
 - histograms: ``batchgpu_time_to_first_token_seconds``, ``batchgpu_inter_token_latency_seconds``,
   ``batchgpu_iteration_tokens`` (token rows per step: vLLM's ``iteration_tokens_total``; vLLM's bucket
   bounds).
@@ -81,6 +83,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     overloaded: int = 0  # requests refused because the engine was full (OverloadedError: the server's 429)
+    aborted: int = 0  # requests the server cancelled because their client left (disconnected, or a send failed)
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TIME_TO_FIRST_TOKEN_BUCKETS))
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(INTER_TOKEN_LATENCY_BUCKETS))
     steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
@@ -135,6 +138,7 @@ class EngineCollector:
             ("prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache.", prefix_hits),
             ("preemptions", "Sequences preempted (KV blocks freed, recomputed later).", preemptions),
             ("requests_overloaded", "Requests refused because the engine was full (429).", stats.overloaded),
+            ("requests_aborted", "Requests cancelled because their client disconnected.", stats.aborted),
         )
         for name, text, value in counters:
             yield CounterMetricFamily(f"batchgpu_{name}", text, value=value)

@@ -11,6 +11,8 @@ ingress.
   (:class:`batchgpu.llm.ray_router.LeastLoadedRouter`).
 - A request whose replica dies before its first piece is retried once on another replica; one that dies
   after it fails with :class:`ReplicaLostError` (the stream ends with an error event: clients never hang).
+- A request whose client leaves is aborted as ``batchgpu serve`` aborts it: the ingress closes its
+  :meth:`RemoteEngine.generate`, which cancels the replica's call, whose engine frees the request's slot.
 
 :func:`build_app` assembles the application, :func:`run` serves it (``python -m batchgpu serve --ray
 --replicas N``). Nothing else in batchgpu imports Ray but the router beside it.
@@ -19,6 +21,7 @@ ingress.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -66,8 +69,11 @@ class EngineReplica:
         self.engine = settings.make(adapter=assigned_adapter(settings.device))
 
     async def generate(self, prompt: Prompt, params: SamplingParams, trusted: bool = False) -> AsyncIterator[Piece]:
-        async for piece in self.engine.generate(prompt, params, trusted=trusted):
-            yield piece
+        """The request's pieces; a call Ray cancels (the ingress's client left) closes the engine's generation
+        at once, whether Ray cancels the task iterating this or throws CancelledError in at a ``yield``."""
+        async with contextlib.aclosing(self.engine.generate(prompt, params, trusted=trusted)) as pieces:
+            async for piece in pieces:
+                yield piece
 
     def status(self) -> dict[str, Any]:
         return self.engine.status()

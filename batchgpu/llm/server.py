@@ -3,20 +3,23 @@
 events with ``"stream": true``, ``GET /metrics`` for Prometheus (:mod:`batchgpu.llm.metrics`) and vLLM's
 ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (:mod:`batchgpu.llm.tokenization`); or, for an
 encoder model, ``POST /v1/embeddings`` over an :class:`~batchgpu.llm.embeddings.EmbeddingService`. A client
-that disconnects mid-stream cancels its request (its slot is freed at the next step). The engine is made in
+that leaves aborts its request at once, streamed or not, running or waiting: a task watches each generation
+request's connection for ASGI's ``http.disconnect`` and cancels the generation, which the engine drops before
+its next step (its slot and KV blocks free); a failed send does the same. The engine is made in
 the server's event-loop thread (a Device belongs to one thread); request bodies are parsed, and prompts
 tokenized, on other threads, so a large request does not stall the streams of the others."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import GrammarError, OverloadedError, RequestError
 from .embeddings import embeddings_response, read_embeddings_request
@@ -25,6 +28,8 @@ from .metrics import EngineStats, exposition, metrics_registry
 from .output import Piece, choices
 from .schema import CHAT, COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, ParsedRequest, read_request
 from .tokenization import detokenize, read_detokenize_request, read_tokenize_request, tokenize, tokenizer_info
+
+_T = TypeVar("_T")
 
 
 def create_app(
@@ -53,11 +58,18 @@ def create_app(
     ``trusted_messages``: control-token text in chat messages is control (only where every client
     is trusted; by default it is plain text, :meth:`~batchgpu.llm.Engine.generate`). ``GET /metrics`` answers Prometheus
     with the engine's metrics (:mod:`batchgpu.llm.metrics`; 501 for an engine without ``stats``, such as
-    :class:`~batchgpu.llm.ray_serve.RemoteEngine`)."""
+    :class:`~batchgpu.llm.ray_serve.RemoteEngine`).
+
+    A generation request whose client leaves before its answer is whole (``http.disconnect``, or a send that
+    fails) is aborted at once, streamed or not, running or waiting: the task iterating its ``generate`` is
+    cancelled and the iterator closed (an :class:`~batchgpu.llm.Engine` frees its slot and KV blocks before its
+    next step, a :class:`~batchgpu.llm.ray_serve.RemoteEngine` cancels the replica's call) and, where the engine
+    has ``stats``, ``batchgpu_requests_aborted_total`` counts it; a request ended on purpose (max_tokens 0 with
+    echo) is no abort."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     state: dict[str, Any] = {}
@@ -131,24 +143,41 @@ def create_app(
             return _error(400, str(exc), param=exc.param)
         return JSONResponse(await asyncio.to_thread(embeddings_response, vectors, tokens, call, model_name))
 
-    async def _serve(request: Request, endpoint: str) -> Response:
-        full = _full(state["engine"])
+    async def _serve(request: Request, endpoint: str) -> Any:
+        engine = state["engine"]
+        full = _full(engine)
         if full is not None:  # no room for even one sequence: refused before its body is read
             return full
         call = await _parsed(request, lambda body: read_request(body, endpoint))
         if isinstance(call, Response):
             return call
-        codec = getattr(state["engine"], "codec", None)
+        codec = getattr(engine, "codec", None)
         if call.echo and not isinstance(call.prompt, str) and codec is None and call.params.prompt_logprobs is None:
             message = "echo of a token-id prompt needs logprobs on this server (no tokenizer here)"
             return _error(400, message, param="echo")
-        chat = endpoint == CHAT
+        pieces = engine.generate(call.prompt, call.params, trusted=trusted_messages)
+        client = _Client(request.receive, lambda: _count_abort(engine))  # watched from here on
+        answer: Any = None
+        try:
+            answer = await _answer(call, pieces, client, endpoint == CHAT, codec)
+        except _ClientGone:  # nobody to answer: the generation is cancelled
+            answer = Response(status_code=499)
+        finally:
+            if not isinstance(answer, _EventStream):  # a stream closes both once it is sent
+                client.close()
+                await pieces.aclose()
+        return answer
+
+    async def _answer(
+        call: ParsedRequest, pieces: AsyncIterator[Piece], client: _Client, chat: bool, codec: Any
+    ) -> Any:
+        """The response to a generation request: its stream, its whole answer, or the error refusing it.
+        Waiting for ``client``'s pieces ends at once where the client leaves (:class:`_ClientGone`)."""
         kind = "chat.completion" if chat else "text_completion"
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        pieces = state["engine"].generate(call.prompt, call.params, trusted=trusted_messages)
         try:
-            first = await pieces.__anext__()  # refusals (too long, bad ids) become HTTP errors, not streams
+            first = await client.run(anext(pieces))  # refusals (too long, bad ids) become HTTP errors, not streams
         except OverloadedError as exc:  # the engine is full: OpenAI's answer to too many requests
             return _overloaded(exc)
         except RequestError as exc:
@@ -159,16 +188,14 @@ def create_app(
                 first, pieces, chat=chat, ident=ident, created=created, model=model_name, usage=call.include_usage,
                 echo=echo, held=call.params.tools is not None,
             )  # fmt: skip
-            return StreamingResponse(events, media_type="text/event-stream")
+            return _EventStream(events, pieces, client)
         collected = [first]
         if echo is None or not echo.prompt_only:
             try:
-                collected += [piece async for piece in pieces]
+                collected += await client.run(_rest(pieces))
             except GrammarError as exc:  # its grammar could not go on (the grammar engine's limits)
                 return _error(400, str(exc), param=exc.param)
-        else:
-            await pieces.aclose()
-        samples = choices(collected)
+        samples = choices(collected)  # a prompt-only answer: the caller closes the generation (not an abort)
         answers = [_choice(whole, chat, echo) for whole in samples]
         return JSONResponse(
             {
@@ -275,6 +302,112 @@ async def _read_body(request: Any, limit: int) -> bytes:
             raise RequestError(f"the request body is over {limit} bytes, the most this server takes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+class _ClientGone(Exception):
+    """The client of a generation request left (it disconnected, or a send to it failed)."""
+
+
+class _Client:
+    """The client of a generation request, watched from when its body has been read: a task waits for its
+    ``http.disconnect`` (whatever else the server does meanwhile), so that :meth:`run` cancels the request's
+    work at once when it leaves. ``on_abort`` runs once for a request aborted so (:meth:`abort`)."""
+
+    def __init__(self, receive: Callable[[], Awaitable[Mapping[str, Any]]], on_abort: Callable[[], None]) -> None:
+        self.left = asyncio.ensure_future(_disconnected(receive))
+        self.on_abort = on_abort
+        self.aborted = False
+
+    async def run(self, work: Awaitable[_T]) -> _T:
+        """``work``'s result; run as a task, cancelled (and waited for: its clean-up runs) when the client
+        leaves first (then :class:`_ClientGone`, the request counted by :meth:`abort`) or this call is."""
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait((task, self.left), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled: so is the work
+            await _cancel(task)
+            raise
+        if not task.done():  # the client left first
+            await _cancel(task)
+            self.abort()
+            raise _ClientGone
+        try:
+            return task.result()
+        finally:  # an error raised here keeps this frame: without the task, which keeps the error (no cycle)
+            del task
+
+    def abort(self) -> None:
+        """The request ends because its client left: ``on_abort``, once."""
+        if not self.aborted:
+            self.aborted = True
+            self.on_abort()
+
+    def close(self) -> None:
+        """Stop watching: the request is answered or over."""
+        self.left.cancel()
+
+
+async def _disconnected(receive: Callable[[], Awaitable[Mapping[str, Any]]]) -> None:
+    """Return once ``receive`` (an ASGI request's, its body read) says the client disconnected, or fails."""
+    with contextlib.suppress(Exception):  # a receive that fails has no client behind it either
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended (its ``finally`` blocks run); its error is dropped."""
+    task.cancel()
+    await asyncio.wait((task,))
+    if not task.cancelled():
+        task.exception()  # retrieved: an error it ended with meanwhile is not logged as unretrieved
+
+
+async def _rest(pieces: AsyncIterator[Piece]) -> list[Piece]:
+    """The pieces left of a generation."""
+    return [piece async for piece in pieces]
+
+
+def _count_abort(engine: Any) -> None:
+    """One more request aborted because its client left, counted where ``engine`` keeps :class:`EngineStats`
+    (``batchgpu_requests_aborted_total``; a :class:`~batchgpu.llm.ray_serve.RemoteEngine` keeps none here)."""
+    stats = getattr(engine, "stats", None)
+    if isinstance(stats, EngineStats):
+        stats.aborted += 1
+
+
+class _EventStream:
+    """The ASGI response of a streamed generation: ``events`` (server-sent events of ``pieces``) sent while
+    ``client`` is watched; a client that leaves (a disconnect, or a send that fails) aborts the generation at
+    once. ``events`` and ``pieces`` are closed at the end, whether or not the stream began."""
+
+    def __init__(self, events: AsyncGenerator[str, None], pieces: AsyncGenerator[Piece, None], client: _Client) -> None:
+        self.events, self.pieces, self.client = events, pieces, client
+
+    async def __call__(self, scope: Any, receive: Any, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        try:
+            await self.client.run(self._send_events(send))
+            with contextlib.suppress(OSError):  # the client left after the whole answer: nothing to abort
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except _ClientGone:
+            self.client.abort()
+        finally:
+            self.client.close()
+            await self.events.aclose()
+            await self.pieces.aclose()
+
+    async def _send_events(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        await _sent(send, {"type": "http.response.start", "status": 200, "headers": headers})
+        async for event in self.events:
+            await _sent(send, {"type": "http.response.body", "body": event.encode(), "more_body": True})
+
+
+async def _sent(send: Callable[[dict[str, Any]], Awaitable[None]], message: dict[str, Any]) -> None:
+    """``send(message)``; a send that fails (OSError: ASGI 2.4's word for a client gone) is :class:`_ClientGone`."""
+    try:
+        await send(message)
+    except OSError as exc:
+        raise _ClientGone from exc
 
 
 class _Echo:
