@@ -273,20 +273,20 @@ class Scheduler:
         (:meth:`admit`) in the budget left."""
         while True:
             preemptions = self.stats.preemptions
-            chunks, budget = self.plan_running()
+            chunks = self.plan_running()
+            rows = sum(chunk.count for chunk in chunks)
             if self.stats.preemptions == preemptions:
-                chunks += self.admit(budget)
-            if chunks:
-                decode = all(chunk.decode for chunk in chunks)
-                rows = len(chunks) if decode else sum(chunk.count for chunk in chunks)
-                return StepPlan(StepKind.DECODE if decode else StepKind.MIXED, chunks, rows)
+                chunks += self.admit(self.max_step_tokens - rows)
+                rows = sum(chunk.count for chunk in chunks)
+            if chunks:  # decode rows first: the last is one where every chunk is
+                return StepPlan(StepKind.DECODE if chunks[-1].decode else StepKind.MIXED, chunks, rows)
             if self.stats.preemptions == preemptions:  # nothing runs until the reads end sequences
                 return None
 
-    def plan_running(self) -> tuple[list[Chunk], int]:
+    def plan_running(self) -> list[Chunk]:
         """A decode row for each decode-ready running sequence (slot order), then the next pieces of the
         prompts being prefilled (oldest first) while the step's budget lasts; preempts where the pool lacks
-        blocks for them (:meth:`allocate`). Returns the chunks and the budget left."""
+        blocks for them (:meth:`allocate`)."""
         running = self.running()
         decoding = [s for s in running if s.wants_token]
         budget = self.max_step_tokens - len(decoding)
@@ -297,13 +297,17 @@ class Scheduler:
             count = min(sequence.prefill_length - sequence.computed, budget)
             pieces.append((sequence, count))
             budget -= count
-        demands = [(s, s.computed + 1) for s in decoding] + [(s, s.computed + count) for s, count in pieces]
-        denied = self.allocate(demands)
-        chunks = [self.decode_chunk(s) for s in decoding if s.state is SequenceState.DECODING and s not in denied]
-        for sequence, count in pieces:
-            if sequence.state is SequenceState.PREFILLING and sequence not in denied:
-                chunks.append(self.prompt_chunk(sequence, count))
-        return chunks, budget
+        size, preemptions = self.pool.block_size, self.stats.preemptions
+        growing = [(s, s.computed + 1) for s in decoding if s.computed >= len(s.blocks) * size]  # a new block
+        denied = self.allocate(growing + [(s, s.computed + count) for s, count in pieces])
+        if denied or self.stats.preemptions != preemptions:  # some wait for blocks, or were preempted
+            decoding = [s for s in decoding if s.state is SequenceState.DECODING and s not in denied]
+            pieces = [(s, count) for s, count in pieces if s.state is SequenceState.PREFILLING and s not in denied]
+        chunks = [Chunk(s, s.computed, 1, s.sampled, True, s.preemptions, True) for s in decoding]
+        for sequence in decoding:
+            sequence.computed += 1
+            sequence.sampled += 1
+        return chunks + [self.prompt_chunk(sequence, count) for sequence, count in pieces]
 
     def admit(self, budget: int) -> list[Chunk]:
         """Waiting sequences take free slots, oldest first, each with the blocks of its cached prefix and the
@@ -363,9 +367,8 @@ class Scheduler:
         newest running sequence that still needs blocks (possibly the one asking: it then waits instead
         where sequences whose every token is sampled hold blocks, since their reads free them) until they
         fit. Returns those that wait (neither granted nor preempted)."""
-        size, denied = self.pool.block_size, set()
-        growing = [(s, rows) for s, rows in demands if rows > len(s.blocks) * size]
-        for sequence, rows in sorted(growing, key=lambda demand: demand[0].id):
+        denied = set()
+        for sequence, rows in sorted(demands, key=lambda demand: demand[0].id):
             while sequence.state is not SequenceState.PREEMPTED and not self.pool.grow(sequence.blocks, rows):
                 running = self.running()
                 candidates = [s for s in running if s.state is SequenceState.PREFILLING or s.wants_token]
@@ -388,12 +391,6 @@ class Scheduler:
             sequence.state = SequenceState.DECODING
         return chunk
 
-    def decode_chunk(self, sequence: Sequence) -> Chunk:
-        """One row at ``sequence``'s next position, sampling its next token, counted as submitted."""
-        chunk = Chunk(sequence, sequence.computed, 1, sequence.sampled, True, sequence.preemptions, decode=True)
-        sequence.computed += 1
-        sequence.sampled += 1
-        return chunk
 
     # results -------------------------------------------------------------------------------------------
 
@@ -403,15 +400,15 @@ class Scheduler:
         prefix cache; returns those (sequence, token) pairs, in chunk order."""
         if len(tokens) != len(plan.chunks):
             raise ShapeError(f"update: the plan has {len(plan.chunks)} chunks, got {len(tokens)} tokens")
-        taken = []
+        taken, size, finished = [], self.pool.block_size, SequenceState.FINISHED
         for chunk, token in zip(plan.chunks, tokens):
-            if not chunk.current:
-                continue
             sequence = chunk.sequence
+            if sequence.state is finished or chunk.epoch != sequence.preemptions:  # not current
+                continue
             if chunk.sampled:
                 sequence.output.append(token)
                 taken.append((sequence, token))
-            if self.prefix_caching:
+            if self.prefix_caching and (chunk.start + chunk.count) // size > sequence.registered:
                 self.register(sequence, chunk.start + chunk.count)
         return taken
 
