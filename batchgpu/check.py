@@ -80,6 +80,9 @@ BENCHMARKS = (
     Benchmark("formats", "formats.py", ("--rows", "16384", "--k", "8192"), ("--rows", "512", "--k", "256",
               "--repeat", "2"), 120, label="16384x8192"),
     Benchmark("fusion", "fusion.py", (), ("--elements", "65536", "--repeat", "3"), 60),
+    Benchmark("serve_load", "serve_load.py", ("--model", "smollm2", "--trace", "crowd256", "--rounds", "1"),
+              ("--model", "smollm2", "--trace", "crowd16", "--requests", "4", "--output-len", "4", "--rounds", "1"),
+              240, model=True, json=True),
     Benchmark("structured", "structured.py", ("--concurrency", "1,16", "--tokens", "48"),
               ("--concurrency", "1,2", "--tokens", "4", "--rounds", "1"), 120, model=True, json=True),
 )  # fmt: skip

