@@ -53,10 +53,12 @@ class StepFeeds:
                 self.arrays[name][:, column] = value
         self.idle = self.buffer.copy()
         self.sent: np.ndarray | None = None  # the buffer as the step last ran with it (None: unknown)
+        self.packed_for: tuple[list[int], list[tuple[Any, int]]] | None = None  # a decode step's rows and owners
 
     def reset(self) -> dict[str, np.ndarray]:
         """Every array back to its idle values (no rows written, attended or counted, no logprobs)."""
         np.copyto(self.buffer, self.idle)
+        self.packed_for = None
         return self.arrays
 
     def changed(self) -> dict[str, np.ndarray]:
@@ -183,12 +185,25 @@ def pack_samples(
 
 def pack_decode(feeds: StepFeeds, table: SlotTable, chunks: list[Chunk], rows: list[int]) -> None:
     """A decode step's inputs: row ``rows[i]`` decodes chunk ``i``'s sequence at its position, from the token
-    the step before left in its slot, and samples its next token (sample ``rows[i]``); the other rows idle."""
-    arrays = feeds.reset()
+    the step before left in its slot, and samples its next token (sample ``rows[i]``); the other rows idle.
+    Where the step last ran the same sequences (and epochs) in the same rows, only what moves each step is
+    written: positions, lengths, KV rows, the draws and the block tables."""
     slots = table.sync(chunks)
     index = np.asarray(rows, np.intp)
-    arrays["token_slots"][index] = slots
-    pack_rows(arrays, table, chunks, index, slots)
+    packed_for = (rows, [(chunk.sequence, chunk.epoch) for chunk in chunks])
+    if feeds.packed_for != packed_for:
+        arrays = feeds.reset()
+        arrays["token_slots"][index] = slots
+        pack_rows(arrays, table, chunks, index, slots)
+        feeds.packed_for = packed_for
+        return
+    arrays = feeds.arrays
+    positions = np.fromiter([chunk.start for chunk in chunks], np.int32, len(chunks))
+    arrays["positions"][index] = positions
+    arrays["lengths"][index] = positions + 1
+    arrays["kv_rows"][index] = table.kv_rows(slots, positions)
+    arrays["keys"][index, 1] = np.fromiter([chunk.draw for chunk in chunks], np.uint32, len(chunks))
+    arrays["block_tables"][index] = table.tables[slots]
 
 
 def pack_mixed(feeds: StepFeeds, table: SlotTable, chunks: list[Chunk]) -> None:
