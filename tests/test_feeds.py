@@ -17,9 +17,10 @@ from batchgpu.llm.scheduler import Chunk, Scheduler, StepKind, StepPlan
 from batchgpu.llm.step import step_sizes
 
 I32, F32, U32 = np.int32, np.float32, np.uint32
+SCORING = 5  # scored rows per step at most (the scheduler's scoring_rows), below the budgets: pieces are cut
 
 
-def input_shapes(*, rows: int, samples: int, slots: int, max_blocks: int, mixed: bool, scoring: bool):
+def input_shapes(*, rows: int, samples: int, slots: int, max_blocks: int, mixed: bool, scoring: int):
     """The inputs of :func:`batchgpu.llm.step.record_step` by name: (shape, dtype)."""
     sources = {"ids": ((rows,), I32), "sources": ((rows,), I32)} if mixed else {"token_slots": ((rows,), I32)}
     shapes = {
@@ -40,8 +41,8 @@ def input_shapes(*, rows: int, samples: int, slots: int, max_blocks: int, mixed:
     }
     if mixed:
         shapes.update(count_slots=((rows,), I32), generated_slots=((rows,), I32), reset=((slots,), I32))
-    if scoring:
-        shapes.update(prompt_targets=((rows,), I32), prompt_n=((rows,), I32))
+    if scoring:  # the scored rows
+        shapes.update(score_rows=((scoring,), I32), prompt_targets=((scoring,), I32), prompt_n=((scoring,), I32))
     return {name: (shape, np.dtype(dtype)) for name, (shape, dtype) in shapes.items()}
 
 
@@ -62,7 +63,7 @@ def idle_feeds(shapes) -> dict[str, np.ndarray]:
 
 def mixed_feeds(shapes, chunks: list[Chunk], block_size: int, slots: int) -> dict[str, np.ndarray]:
     feeds = idle_feeds(shapes)
-    start = 0
+    start = scored = 0
     for index, chunk in enumerate(chunks):
         sequence = chunk.sequence
         rows = slice(start, start + chunk.count)
@@ -85,11 +86,14 @@ def mixed_feeds(shapes, chunks: list[Chunk], block_size: int, slots: int) -> dic
             feeds["reset"][sequence.slot] = 1
         sampling_feeds(feeds, index, chunk, row=start + chunk.count - 1)
         feeds["sampled_slots"][index] = sequence.slot if chunk.sampled else -1
-        if "prompt_n" in feeds and wants_prompt_logprobs(chunk):
+        if "prompt_n" in feeds and wants_prompt_logprobs(chunk):  # its rows among the scored ones
             following = sequence.prompt[chunk.start + 1 : chunk.start + chunk.count + 1]
-            feeds["prompt_targets"][start : start + len(following)] = following
-            feeds["prompt_n"][start : start + len(following)] = sequence.params.prompt_logprobs
+            feeds["score_rows"][scored : scored + chunk.count] = range(start, start + chunk.count)
+            feeds["prompt_targets"][scored : scored + len(following)] = following
+            feeds["prompt_n"][scored : scored + len(following)] = sequence.params.prompt_logprobs
+            scored += chunk.count
         start += chunk.count
+    assert scored <= shapes.get("score_rows", ((0,),))[0][0]
     return feeds
 
 
@@ -143,7 +147,7 @@ class Steps:
             samples = min(self.max_batch, size)
             shapes = input_shapes(
                 rows=size, samples=samples, slots=self.max_batch, max_blocks=self.max_blocks, mixed=mixed,
-                scoring=scoring,
+                scoring=min(size, SCORING) if scoring else 0,
             )  # fmt: skip
             self.feeds[key] = (StepFeeds(shapes), shapes)
         feeds, shapes = self.feeds[key]
@@ -197,7 +201,8 @@ def random_params(rng: random.Random, max_tokens: int) -> SamplingParams:
 def test_every_plan_packs_as_the_straightforward_packing_did(seed, max_batch, chunk, block_size, blocks) -> None:
     rng = random.Random(seed * 7919 + max_batch)
     context = 48
-    s = Scheduler(BlockPool(blocks, block_size), max_batch=max_batch, max_context=context, max_step_tokens=chunk)
+    pool = BlockPool(blocks, block_size)
+    s = Scheduler(pool, max_batch=max_batch, max_context=context, max_step_tokens=chunk, scoring_rows=SCORING)
     steps = Steps(max_batch=max_batch, max_step_tokens=chunk, max_blocks=s.pool.needed(context), block_size=block_size)
     live, kinds, mixed_with_decode_rows = [], set(), 0
     for _ in range(160):
@@ -224,7 +229,7 @@ def test_a_reused_step_keeps_nothing_of_a_larger_plan_before_it() -> None:
     """Four sequences prefill (16 rows) and decode in the 4-row step, then three others (other sampling
     parameters, shorter block tables, the same slots) prefill in the same 16-row step (12 rows) and decode in the same
     4-row step: every row the larger plans wrote and the smaller ones do not is idle again."""
-    s = Scheduler(BlockPool(64, 2), max_batch=4, max_context=40, max_step_tokens=16)
+    s = Scheduler(BlockPool(64, 2), max_batch=4, max_context=40, max_step_tokens=16, scoring_rows=SCORING)
     steps = Steps(max_batch=4, max_step_tokens=16, max_blocks=20, block_size=2)
     first = [s.add(list(range(1, 5 + 2 * i)), random_params(random.Random(i), 6), seed=11 + i) for i in range(4)]
     plans = []

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from batchgpu.errors import ArgumentError, RequestError, ShapeError
 from batchgpu.llm import SamplingParams
 from batchgpu.llm.blocks import BlockPool
-from batchgpu.llm.scheduler import Scheduler, Sequence, SequenceState, StepPlan
+from batchgpu.llm.scheduler import Scheduler, Sequence, SequenceState, StepPlan, scores_prompt
 
 WAITING, PREEMPTED, PREFILLING, DECODING, FINISHED = (
     SequenceState.WAITING,
@@ -396,6 +396,7 @@ def test_every_generation_runs_to_its_end_and_every_block_comes_back(data: st.Da
     whole = -(-24 // block_size)
     blocks = data.draw(st.integers(whole, 3 * whole), label="blocks")
     s = scheduler(blocks, block_size, max_batch=batch, max_context=24, budget=budget)
+    s.scoring_rows = data.draw(st.integers(1, 12), label="scored rows")
     s.prefix_caching = data.draw(st.booleans(), label="prefix caching")
     ahead = data.draw(st.integers(0, 3), label="ahead")
     generation = st.tuples(st.integers(0, 20), st.integers(1, 12), st.integers(1, 12), st.integers(0, 3))
@@ -414,7 +415,8 @@ def test_every_generation_runs_to_its_end_and_every_block_comes_back(data: st.Da
                 continue
             first = 100 * family if family < 2 else 100 * (2 + len(sequences))  # others: a prompt of its own
             prompt = list(range(first + 1, first + prompt_tokens + 1))
-            sequences.append(s.add(prompt, SamplingParams(max_tokens=max_tokens), seed=7))
+            scored = 1 if prompt_tokens % 3 == 0 else None  # its prompt's logprobs: it runs every prompt row
+            sequences.append(s.add(prompt, SamplingParams(max_tokens=max_tokens, prompt_logprobs=scored), seed=7))
         ready = [seq for seq in s.running() if seq.wants_token]
         plan = s.schedule() if len(in_flight) <= ahead else None
         if plan is not None:
@@ -453,6 +455,7 @@ def check_plan(s: Scheduler, plan: StepPlan, pool: dict[int, int]) -> None:
     for seq in running:
         assert seq.state in (PREFILLING, DECODING) and len(seq.blocks) * s.pool.block_size >= seq.computed
     assert 1 <= plan.rows == sum(chunk.count for chunk in plan.chunks) <= s.max_step_tokens
+    assert sum(chunk.count for chunk in plan.chunks if scores_prompt(chunk.sequence, chunk.start)) <= s.scoring_rows
     assert len({chunk.sequence for chunk in plan.chunks}) == len(plan.chunks)
     decode = [chunk.decode for chunk in plan.chunks]
     assert decode == sorted(decode, reverse=True)  # decode rows first
@@ -478,3 +481,21 @@ def test_a_step_budget_below_max_batch_is_refused(budget) -> None:
     message = f"max_step_tokens must be an int of at least max_batch \\(4\\).*{budget!r}"
     with pytest.raises(ArgumentError, match=message):
         scheduler(max_batch=4, budget=budget)
+
+
+def test_scored_prompt_rows_are_bounded_per_step_beside_the_rest_of_the_budget() -> None:
+    """A step scores (computes the logprobs of) at most ``scoring_rows`` prompt rows, the head's rows x vocab
+    logits, whatever its budget: a prompt that asks for its logprobs runs in pieces of at most that many
+    rows, the rest of the budget going to prompts that do not ask; admission stays in arrival order (a
+    scoring prompt waiting for scored rows holds those behind it)."""
+    s = Scheduler(BlockPool(64, 4), max_batch=4, max_context=64, max_step_tokens=16, scoring_rows=5)
+    scored = s.add(list(range(1, 13)), SamplingParams(max_tokens=2, prompt_logprobs=1), seed=7)
+    also = s.add(list(range(1, 4)), SamplingParams(max_tokens=2, prompt_logprobs=0), seed=7)
+    plain = add(s, 20, 2)
+    plans = [shape(s.schedule()) for _ in range(3)]
+    assert plans == [
+        ("mixed", [(scored.id, 0, 5, False)]),
+        ("mixed", [(scored.id, 5, 5, False)]),
+        ("mixed", [(scored.id, 10, 2, True), (also.id, 0, 3, True), (plain.id, 0, 11, False)]),
+    ]
+    assert shape(s.schedule()) == ("mixed", [(scored.id, 12, 1, True), (also.id, 3, 1, True), (plain.id, 11, 9, True)])

@@ -112,7 +112,7 @@ class Engine:
         )
         self.runner = StepRunner(
             self.device, self.config, self.weights, self.cache, max_batch=max_batch, max_step_tokens=max_step_tokens,
-            max_blocks=self.pool.needed(max_context),
+            max_blocks=self.pool.needed(max_context), scoring_rows=self.scheduler.scoring_rows,
         )  # fmt: skip
         self.slots = self.scheduler.slots  # the sequence in each slot (None: free)
         self.stats = EngineStats()  # tokens, steps and latencies so far (the server's /metrics)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .grammar import fill_masks
-from .scheduler import Chunk
+from .scheduler import Chunk, scores_prompt
 
 IDLE_VALUES: dict[str, float] = {
     "kv_rows": -1,
@@ -147,8 +147,8 @@ def pack_masks(arrays: dict[str, np.ndarray], chunks: list[Chunk], samples: list
 
 
 def wants_prompt_logprobs(chunk: Chunk) -> bool:
-    """Whether ``chunk`` is a prompt piece whose sequence asks for its prompt's logprobs."""
-    return chunk.sequence.params.prompt_logprobs is not None and chunk.start < len(chunk.sequence.prompt)
+    """Whether ``chunk`` is a prompt piece whose rows are scored (:func:`~batchgpu.llm.scheduler.scores_prompt`)."""
+    return scores_prompt(chunk.sequence, chunk.start)
 
 
 def pack_rows(
@@ -218,10 +218,13 @@ def pack_mixed(feeds: StepFeeds, table: SlotTable, chunks: list[Chunk]) -> None:
     rows = np.arange(decode, dtype=np.intp)
     arrays["sources"][:decode] = slots[:decode]
     pack_rows(arrays, table, chunks[:decode], rows, slots[:decode])
-    start, samples = decode, np.arange(decode, len(chunks), dtype=np.intp)
+    start, samples, scored = decode, np.arange(decode, len(chunks), dtype=np.intp), 0
     base = table.tables.shape[0]
     for index, chunk in enumerate(chunks[decode:], decode):
         pack_piece(arrays, table, chunk, index, start, base)
+        if "score_rows" in arrays and wants_prompt_logprobs(chunk):
+            pack_prompt_targets(arrays, start, scored, chunk)
+            scored += chunk.count
         start += chunk.count
     pack_samples(arrays, table, chunks[decode:], samples, slots[decode:])
 
@@ -246,15 +249,14 @@ def pack_piece(
     if chunk.start == 0:  # (a prompt starting from prefix-cached blocks reads no counts: no penalties)
         arrays["reset"][slot] = 1
     arrays["sample_rows"][index] = start + chunk.count - 1
-    if "prompt_n" in arrays and wants_prompt_logprobs(chunk):
-        pack_prompt_targets(arrays, rows, chunk)
 
 
-def pack_prompt_targets(arrays: dict[str, np.ndarray], rows: slice, chunk: Chunk) -> None:
-    """A scoring step's rows of ``chunk``: each row's target is the prompt token after it; the row of the
-    prompt's last token has none (the sampled token's logprob is the first output's)."""
+def pack_prompt_targets(arrays: dict[str, np.ndarray], start: int, scored: int, chunk: Chunk) -> None:
+    """A scoring step's rows of ``chunk`` (from row ``start``), scored rows ``scored`` on: each row's target is
+    the prompt token after it; the row of the prompt's last token has none (the sampled token's logprob is
+    the first output's)."""
     sequence = chunk.sequence
     following = sequence.prompt[chunk.start + 1 : chunk.start + chunk.count + 1]
-    first = rows.start or 0
-    arrays["prompt_targets"][first : first + len(following)] = following
-    arrays["prompt_n"][first : first + len(following)] = sequence.params.prompt_logprobs
+    arrays["score_rows"][scored : scored + chunk.count] = np.arange(start, start + chunk.count, dtype=np.int32)
+    arrays["prompt_targets"][scored : scored + len(following)] = following
+    arrays["prompt_n"][scored : scored + len(following)] = sequence.params.prompt_logprobs

@@ -129,7 +129,7 @@ class OutputProcessor:
         self.held: list[str] | None = [] if params.tools is not None else None  # a tool request's text, until its end
 
     def add_prompt_logprobs(self, prompt: list[int], entries: list[TokenLogprob], start: int) -> None:
-        """The logprobs of the prompt tokens after positions ``start``, ``start + 1``, ... (a prefill step's
+        """The logprobs of the prompt tokens after positions ``start``, ``start + 1``, ... (a mixed step's
         piece; pieces come in order, and a preempted sequence's prompt runs again from 0, replacing what its
         first run gave); the first token of ``prompt`` opens the list with logprob None."""
         if self.prompt_logprobs is None:
@@ -202,7 +202,7 @@ class OutputProcessor:
 def hand_prompt_logprobs(
     outputs: Mapping[Sequence, OutputProcessor], chunks: Iterable[Chunk], logprobs: list[ChunkLogprobs] | None
 ) -> dict[Sequence, TokenLogprob | None]:
-    """Give each chunk's prompt logprobs (a prefill step's rows, where asked) to its request's output, and
+    """Give each chunk's prompt logprobs (a mixed step's prompt rows, where asked) to its request's output, and
     return each chunk's sampled-token logprob by sequence (to push with its token)."""
     sampled = {}
     for chunk, entry in zip(chunks, logprobs or ()):

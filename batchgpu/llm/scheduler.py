@@ -160,6 +160,17 @@ class StepPlan:
     rows: int
 
 
+SCORING_ROWS = 256
+"""Prompt rows a step computes logprobs for at most (the head runs on each: rows x vocab logits), however
+large its budget: a prompt that asks for its logprobs runs in pieces of at most this many rows."""
+
+
+def scores_prompt(sequence: Sequence, start: int) -> bool:
+    """Whether a piece of ``sequence``'s prompt from ``start`` is scored: it asks for its prompt's logprobs and
+    the piece starts in its prompt (a preempted sequence's output, run again, is not)."""
+    return sequence.params.prompt_logprobs is not None and start < len(sequence.prompt)
+
+
 def check_step_tokens(max_batch: int, max_step_tokens: int) -> None:
     """ArgumentError unless ``max_step_tokens`` is an int of at least ``max_batch`` (a step carries a row for
     every decoding sequence)."""
@@ -171,14 +182,23 @@ def check_step_tokens(max_batch: int, max_step_tokens: int) -> None:
 
 
 class Scheduler:
-    """Admission, the token budget of each step (``max_step_tokens``, at least ``max_batch``), KV block
-    accounting, preemption and prefix caching (off with ``prefix_caching=False``) for ``max_batch`` slots over
-    ``pool``; ``stats`` counts what happened."""
+    """Admission, the token budget of each step (``max_step_tokens``, at least ``max_batch``; at most
+    ``scoring_rows`` of them scored: prompt rows whose logprobs are asked for), KV block accounting,
+    preemption and prefix caching (off with ``prefix_caching=False``) for ``max_batch`` slots over ``pool``;
+    ``stats`` counts what happened."""
 
     def __init__(
-        self, pool: BlockPool, *, max_batch: int, max_context: int, max_step_tokens: int, prefix_caching: bool = True
+        self,
+        pool: BlockPool,
+        *,
+        max_batch: int,
+        max_context: int,
+        max_step_tokens: int,
+        prefix_caching: bool = True,
+        scoring_rows: int = SCORING_ROWS,
     ) -> None:
         check_step_tokens(max_batch, max_step_tokens)
+        self.scoring_rows = scoring_rows  # prompt rows whose logprobs one step computes, at most
         self.pool = pool
         self.max_batch, self.max_context, self.max_step_tokens = max_batch, max_context, max_step_tokens
         self.prefix_caching = prefix_caching
@@ -276,7 +296,8 @@ class Scheduler:
             chunks = self.plan_running()
             rows = sum(chunk.count for chunk in chunks)
             if self.stats.preemptions == preemptions:
-                chunks += self.admit(self.max_step_tokens - rows)
+                scoring = self.scoring_rows - sum(c.count for c in chunks if scores_prompt(c.sequence, c.start))
+                chunks += self.admit(self.max_step_tokens - rows, scoring)
                 rows = sum(chunk.count for chunk in chunks)
             if chunks:  # decode rows first: the last is one where every chunk is
                 return StepPlan(StepKind.DECODE if chunks[-1].decode else StepKind.MIXED, chunks, rows)
@@ -289,14 +310,14 @@ class Scheduler:
         blocks for them (:meth:`allocate`)."""
         running = self.running()
         decoding = [s for s in running if s.wants_token]
-        budget = self.max_step_tokens - len(decoding)
+        budget, scoring = self.max_step_tokens - len(decoding), self.scoring_rows
         pieces = []
         for sequence in sorted((s for s in running if s.state is SequenceState.PREFILLING), key=lambda s: s.id):
-            if budget == 0:
-                break
-            count = min(sequence.prefill_length - sequence.computed, budget)
-            pieces.append((sequence, count))
-            budget -= count
+            count = self.piece(sequence, sequence.computed, budget, scoring)
+            if count:
+                pieces.append((sequence, count))
+                budget -= count
+                scoring -= count if scores_prompt(sequence, sequence.computed) else 0
         size, preemptions = self.pool.block_size, self.stats.preemptions
         growing = [(s, s.computed + 1) for s in decoding if s.computed >= len(s.blocks) * size]  # a new block
         denied = self.allocate(growing + [(s, s.computed + count) for s, count in pieces])
@@ -309,11 +330,17 @@ class Scheduler:
             sequence.sampled += 1
         return chunks + [self.prompt_chunk(sequence, count) for sequence, count in pieces]
 
-    def admit(self, budget: int) -> list[Chunk]:
+    def piece(self, sequence: Sequence, start: int, budget: int, scoring: int) -> int:
+        """The rows of ``sequence``'s next prompt piece from ``start`` that a step with ``budget`` rows left (and
+        ``scoring`` scored rows left, where its rows are scored) holds."""
+        rows = min(sequence.prefill_length - start, budget)
+        return max(min(rows, scoring) if scores_prompt(sequence, start) else rows, 0)
+
+    def admit(self, budget: int, scoring: int) -> list[Chunk]:
         """Waiting sequences take free slots, oldest first, each with the blocks of its cached prefix and the
-        first piece of its prompt that the step's ``budget`` holds, while the pool has free blocks for that
-        piece; the oldest waits (it fits an empty pool: :meth:`check`) and those behind it with it. Returns
-        their prompt chunks."""
+        first piece of its prompt that the step's ``budget`` (and ``scoring`` rows, where its rows are scored)
+        holds, while the pool has free blocks for that piece; the oldest waits (it fits an empty pool:
+        :meth:`check`) and those behind it with it. Returns their prompt chunks."""
         chunks = []
         while budget > 0 and self.waiting and None in self.slots:
             sequence = self.waiting[0]
@@ -322,9 +349,9 @@ class Scheduler:
                 break  # its parent's prompt blocks are on their way: it waits for them
             cached = shared or self.cached_prefix(sequence)
             hit = len(cached) * self.pool.block_size
-            count = min(sequence.prefill_length - hit, budget)
+            count = self.piece(sequence, hit, budget, scoring)
             cost = self.pool.needed(hit + count) - len(cached) + sum(self.pool.refs(b) == 0 for b in cached)
-            if cost > self.pool.free:
+            if count == 0 or cost > self.pool.free:
                 break
             self.waiting.popleft()
             self.pool.take(cached)
@@ -334,6 +361,7 @@ class Scheduler:
             sequence.slot = self.slots.index(None)
             sequence.state = SequenceState.PREFILLING
             self.slots[sequence.slot] = sequence
+            scoring -= count if scores_prompt(sequence, hit) else 0
             chunks.append(self.prompt_chunk(sequence, count))
             budget -= count
         return chunks
@@ -390,7 +418,6 @@ class Scheduler:
             sequence.sampled += 1
             sequence.state = SequenceState.DECODING
         return chunk
-
 
     # results -------------------------------------------------------------------------------------------
 

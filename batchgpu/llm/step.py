@@ -22,7 +22,7 @@ from ..models.decoder import PagedKV, record_decoder, record_logits
 from ..ops.sampling import MAX_TOP
 from ..tensor import Tensor
 from .feeds import SlotTable, StepFeeds, guided, pack_decode, pack_masks, pack_mixed, wants_prompt_logprobs
-from .scheduler import StepKind, StepPlan
+from .scheduler import SCORING_ROWS, StepKind, StepPlan
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class Step:
 FORWARD_INPUTS = frozenset(
     {"ids", "sources", "token_slots", "positions", "kv_rows", "seq", "lengths", "block_tables", "sample_rows"}
     | {"count_slots"}
-    | {"generated_slots", "reset", "prompt_targets", "prompt_n"}
+    | {"generated_slots", "reset", "score_rows", "prompt_targets", "prompt_n"}
 )
 """A step's inputs that its forward part reads (the others: its sampling part)."""
 
@@ -166,7 +166,7 @@ def record_step(
     name: str,
     mixed: bool,
     by_slot: bool,
-    scoring: bool = False,
+    scoring: int = 0,
     masked: bool = False,
     split: bool = False,
 ) -> Step:
@@ -192,16 +192,16 @@ def record_step(
       preempted sequence's output, run again), slots whose counts start over (a new sequence). Decode
       rows count only the tokens they sample;
     - ``logprob_n`` (samples,): the top ids each sample's logprobs give (-1: the sample asks for none);
-    - with ``scoring`` (a mixed step for prompts that ask for their own logprobs: the head runs on every
-      row) also ``prompt_targets`` (rows,): the prompt token after each row, and ``prompt_n`` (rows,): the top
-      ids its logprobs give (-1: not asked);
+    - with ``scoring`` rows scored (a mixed step for prompts that ask for their own logprobs: the head runs on
+      those rows) also ``score_rows`` (scoring,): the rows scored, ``prompt_targets`` (scoring,): the prompt
+      token after each, and ``prompt_n`` (scoring,): the top ids its logprobs give (-1: not asked);
     - with ``masked`` (a step with rows of structured outputs) also ``allowed`` (samples, ceil(vocab / 32))
       uint32: each sample's allowed-token bitmask, read for the samples whose ``sampling[:, 3]`` is 1.
     With ``split`` (a step whose masks are filled while its forward part runs), two batches: the
     forward part (the inputs of :data:`FORWARD_INPUTS`) leaves its logits in ``cache.logits``, the
     sampling part (the other inputs) samples from them.
     Outputs: ``next_ids`` (samples,) int32; ``logprobs`` (samples, 41) float32, the ``logprobs`` op's rows of
-    the raw logits at each sampled id; with ``scoring``, ``prompt_logprobs`` (rows, 41).
+    the raw logits at each sampled id; with ``scoring``, ``prompt_logprobs`` (scoring, 41).
     """
     batch = GpuCommandBatch(device, name=name)
     sampler = GpuCommandBatch(device, name=f"{name}-sample") if split else batch
@@ -235,8 +235,7 @@ def record_step(
     if masked:
         inputs["allowed"] = inp("allowed", (samples, (config.vocab + 31) // 32), np.uint32)
     if scoring:
-        inputs["prompt_targets"] = inp("prompt_targets", (rows,), np.int32)
-        inputs["prompt_n"] = inp("prompt_n", (rows,), np.int32)
+        inputs |= {name: inp(name, (scoring,), np.int32) for name in ("score_rows", "prompt_targets", "prompt_n")}
     x = inputs
     if mixed:  # a decode row's token where the step before left it, a prompt row's from the host
         known = batch.concat([cache.tokens, batch.reshape(x["ids"], (rows, 1))])
@@ -255,12 +254,10 @@ def record_step(
     )
     normed = record_decoder(batch, config, weights, ids, kv)
     prompt_logprobs = None
-    if scoring:  # every row's logits: each row's logprobs of the prompt token after it
-        every = record_logits(batch, weights, normed)
-        prompt_logprobs = batch.logprobs(every, x["prompt_targets"], x["prompt_n"])
-        logits = batch.embedding(x["sample_rows"], every)
-    else:
-        logits = record_logits(batch, weights, batch.embedding(x["sample_rows"], normed))
+    if scoring:  # the scored rows' logits: each one's logprobs of the prompt token after it
+        scored = record_logits(batch, weights, batch.embedding(x["score_rows"], normed))
+        prompt_logprobs = batch.logprobs(scored, x["prompt_targets"], x["prompt_n"])
+    logits = record_logits(batch, weights, batch.embedding(x["sample_rows"], normed))
     if mixed:  # prompt tokens count before this step's sampling (HF's repetition penalty covers the prompt)
         batch.count_tokens(cache.seen, x["count_slots"], x["ids"], x["reset"])
         batch.count_tokens(cache.generated, x["generated_slots"], x["ids"], x["reset"])
@@ -301,7 +298,7 @@ def record_sampling(
 def step_sizes(largest: int) -> list[int]:
     """The row counts a step is recorded at: powers of two below ``largest``, and ``largest``. A step
     runs the smallest that holds its rows, so one request decodes in a one-row step and a short prompt
-    runs in a short prefill step (vLLM captures its CUDA graphs at a like ladder of batch sizes)."""
+    runs in a short mixed step (vLLM captures its CUDA graphs at a like ladder of batch sizes)."""
     return sorted({1 << i for i in range(largest.bit_length()) if 1 << i < largest} | {largest})
 
 
@@ -386,8 +383,9 @@ class StepRunner:
         max_batch: int,
         max_step_tokens: int,
         max_blocks: int,
+        scoring_rows: int = SCORING_ROWS,
     ) -> None:
-        self.cache, self.max_batch = cache, max_batch
+        self.cache, self.max_batch, self.scoring_rows = cache, max_batch, scoring_rows
         self.table = SlotTable(max_batch, max_blocks, cache.block_size)
         record = functools.partial(record_step, device, config, weights, cache, max_blocks=max_blocks)
         self.record = record
@@ -405,15 +403,17 @@ class StepRunner:
     def record_size(
         self, record: Callable[..., Step], kind: StepKind, size: int, scoring: bool = False, masked: bool = False
     ) -> Step:
-        """The step of ``kind`` at ``size`` rows (``scoring``: a mixed step giving every row's logprobs;
-        ``masked``: with the samples' allowed-token bitmasks, split, so that its masks, which need the tokens
-        before, are filled while its forward part runs)."""
+        """The step of ``kind`` at ``size`` rows (``scoring``: a mixed step giving the logprobs of the prompt rows
+        of pieces that ask, at most ``scoring_rows`` of them; ``masked``: with the samples' allowed-token
+        bitmasks, split, so that its masks, which need the tokens before, are filled while its forward part
+        runs)."""
         mixed = kind is StepKind.MIXED
         samples = min(self.max_batch, size)
         label = ("score" if scoring else kind.value) + ("-masked" if masked else "")
         return record(
             rows=size, samples=samples, table_rows=samples, name=f"{label}{size}", mixed=mixed,
-            by_slot=not mixed and samples == self.max_batch, scoring=scoring, masked=masked, split=masked,
+            by_slot=not mixed and samples == self.max_batch, scoring=min(size, self.scoring_rows) if scoring else 0,
+            masked=masked, split=masked,
         )  # fmt: skip
 
     def step_for(self, plan: StepPlan, size: int) -> Step:
@@ -457,10 +457,11 @@ class StepRunner:
 
 
 def piece_rows(plan: StepPlan) -> list[range]:
-    """The rows of each chunk of ``plan`` in its step (a mixed step's chunks run back to back; a decode
-    step's rows are placed by :func:`~batchgpu.llm.feeds.pack_decode`, and only mixed steps score prompts)."""
+    """The rows of each chunk of a scoring step's ``plan`` among its scored rows (the scored pieces' rows,
+    back to back in chunk order: :func:`~batchgpu.llm.feeds.pack_mixed`); none for the others."""
     rows, start = [], 0
     for chunk in plan.chunks:
-        rows.append(range(start, start + chunk.count))
-        start += chunk.count
+        count = chunk.count if wants_prompt_logprobs(chunk) else 0
+        rows.append(range(start, start + count))
+        start += count
     return rows
