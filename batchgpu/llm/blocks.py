@@ -25,11 +25,6 @@ def pool_rows(table: list[int], positions: int | np.ndarray, block_size: int) ->
     return np.asarray(table)[positions // block_size] * block_size + positions % block_size
 
 
-def pool_row(table: list[int], position: int, block_size: int) -> int:
-    """:func:`pool_rows` of one position, in plain integers (a decode step packs one per sequence)."""
-    return table[position // block_size] * block_size + position % block_size
-
-
 def default_blocks(max_batch: int, max_context: int, block_size: int) -> int:
     """An engine's KV blocks when not given: room for every slot at a quarter of ``max_context``, and at
     least for one whole context."""

@@ -9,12 +9,10 @@ its rows, not a loop over sequences; only the rows of prompt pieces are written 
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from .grammar import fill_masks
-from .scheduler import Chunk, scores_prompt
+from .scheduler import Chunk, Sequence, scores_prompt
 
 IDLE_VALUES: dict[str, float] = {
     "kv_rows": -1,
@@ -53,7 +51,7 @@ class StepFeeds:
                 self.arrays[name][:, column] = value
         self.idle = self.buffer.copy()
         self.sent: np.ndarray | None = None  # the buffer as the step last ran with it (None: unknown)
-        self.packed_for: tuple[list[int], list[tuple[Any, int]]] | None = None  # a decode step's rows and owners
+        self.packed_for: tuple[list[int], list[tuple[Sequence, int]]] | None = None  # a decode step's rows, owners
 
     def reset(self) -> dict[str, np.ndarray]:
         """Every array back to its idle values (no rows written, attended or counted, no logprobs)."""
@@ -88,7 +86,7 @@ class SlotTable:
 
     def __init__(self, slots: int, max_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.owners: list[Any] = [None] * slots  # the sequence (and epoch) each slot's rows were written for
+        self.owners: list[tuple[Sequence, int] | None] = [None] * slots  # the sequence (and epoch) of each row
         self.lengths = [0] * slots  # blocks written in each slot's table row
         self.tables = np.zeros((slots, max_blocks), np.int32)
         self.penalties = np.zeros((slots, 3), np.float32)
@@ -113,7 +111,7 @@ class SlotTable:
                 self.lengths[slot] = len(sequence.blocks)
         return slots
 
-    def take(self, slot: int, sequence: Any) -> None:
+    def take(self, slot: int, sequence: Sequence) -> None:
         """``sequence`` holds ``slot`` now: its settings and seed in the slot's rows, its table empty."""
         params = sequence.params
         self.penalties[slot] = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
