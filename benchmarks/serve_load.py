@@ -54,24 +54,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import inspect
 import json
 import math
 import os
 import platform
-import queue
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -371,12 +367,6 @@ def tree_info(bg: Any, device: str, kind: str, mode: str) -> dict[str, Any]:
 # over HTTP -------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_options(kind: str, model: Path, settings: Settings) -> tuple[list[str], str]:
     """``serve``'s flags for the settings, and the step budget it gets (``--max-step-tokens`` only where
     this tree's ``serve`` has it)."""
@@ -390,39 +380,15 @@ def serve_options(kind: str, model: Path, settings: Settings) -> tuple[list[str]
     return [*options, "--max-step-tokens", str(settings.max_step_tokens)], f"max_step_tokens={settings.max_step_tokens}"
 
 
-@contextmanager
-def server(options: list[str], startup: float = 300.0) -> Iterator[tuple[str, int]]:
-    """``python -m batchgpu serve OPTIONS`` on 127.0.0.1 at a free port, its stderr drained on a thread;
-    yields its base URL and process id once uvicorn runs, and stops it at the end."""
-    port = free_port()
-    command = [sys.executable, "-m", "batchgpu", "serve", *options, "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump(stream: Any = process.stderr) -> None:  # uvicorn logs to stderr
-        for line in stream:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        deadline, seen = time.monotonic() + startup, []
-        while not seen or "Uvicorn running on" not in seen[-1]:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError("the server did not start in time:\n" + "".join(seen)) from None
-            if line is None:
-                raise RuntimeError(f"the server exited ({process.wait()}):\n" + "".join(seen))
-            seen.append(line)
-        yield f"http://127.0.0.1:{port}", process.pid
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=30)
+def servers() -> Any:
+    """This checkout's ``tests/servers.py`` (how the tests start ``batchgpu serve``), loaded by path: the tree
+    measured, on ``PYTHONPATH``, may be another checkout."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "servers.py"
+    spec = importlib.util.spec_from_file_location("serve_load_servers", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def process_cpu(pid: int) -> float:
@@ -489,7 +455,8 @@ def measure_http(kind: str, model: Path, trace: Trace, settings: Settings, seed:
     import batchgpu as bg
 
     options, budget = serve_options(kind, model, settings)
-    with server(options) as (url, pid):
+    with servers().serve_process(*options) as (url, process):
+        pid = process.pid
         warmup = [Request(r.prompt, r.max_tokens, 0.0) for r in trace.draw(seed + WARMUP_SEED)]
         asyncio.run(http_run(url, model.stem, warmup))
         before = server_counts(url, pid)

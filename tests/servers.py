@@ -29,6 +29,15 @@ def batchgpu_server(*options: str, startup: float = 300.0, env: dict[str, str] |
     """``python -m batchgpu serve OPTIONS --host 127.0.0.1 --port <free>`` (``env``: variables set for it);
     yields its base URL (no /v1) once uvicorn says it runs (AssertionError with its log if it exits or
     takes longer than ``startup``)."""
+    with serve_process(*options, startup=startup, env=env) as (url, _):
+        yield url
+
+
+@contextmanager
+def serve_process(
+    *options: str, startup: float = 300.0, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """:func:`batchgpu_server`, yielding its process too (benchmarks read its CPU time)."""
     port = free_port()
     command = [sys.executable, "-m", "batchgpu", "serve", *options, "--host", "127.0.0.1", "--port", str(port)]
     environment = {**os.environ, **(env or {})}
@@ -54,7 +63,7 @@ def batchgpu_server(*options: str, startup: float = 300.0, env: dict[str, str] |
             seen.append(line)
             if "Uvicorn running on" in line:
                 break
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", process
     finally:
         process.terminate()
         try:
