@@ -29,6 +29,7 @@ from .decoder import ContiguousKV, architecture, check_parts, record_decoder, re
 from .gguf_file import GGUFWeights
 from .loader import open_weights
 from .row_pieces import Weight, tensors, upload_matrix
+from .speculative import Speculative, accepted, prompt_lookup
 from .weights import Weights
 
 __all__ = ["GGUFWeights", "Llama", "LlamaConfig", "Weights", "load_tokenizer", "open_weights", "smollm2_path"]
@@ -251,26 +252,32 @@ class Llama:
         self.token = device.tensor(np.zeros((1, 1), np.int32), name="token")
         """The latest step's greedy token, on the device: the next decode step's input."""
         self._prefill: dict[int, StepBatch] = {}
+        self._verify: dict[int, StepBatch] = {}  # speculative decoding's steps, by rows
         self._decode: StepBatch | None = None
+        self._draft: Llama | None = None  # a draft model's (Speculative(method="draft"))
+        self.known: list[int] = []  # the tokens whose KV rows the caches hold, where a drafter keeps them
+        self.speculation: dict[str, int] = {}  # the last speculative generation's verify steps and drafts
         self.position = 0
 
     # recording --------------------------------------------------------------------------------
 
-    def record(self, tokens: int, *, from_device: bool = False) -> StepBatch:
+    def record(self, tokens: int, *, from_device: bool = False, every_row: bool = False) -> StepBatch:
         """Record one forward pass of ``tokens`` tokens at position scalar ``pos``; it writes the KV
         caches and yields the greedy next token (argmax of the last token's logits), which it also writes
         into :attr:`token`. ``from_device``: the one token is read from :attr:`token` (a decode step)
-        instead of an ``ids`` input."""
-        batch = GpuCommandBatch(self.device, name=f"llama_{tokens}")
+        instead of an ``ids`` input. ``every_row``: the greedy token after every row (``next_token`` of
+        ``tokens`` ids; a verify step of speculative decoding)."""
+        batch = GpuCommandBatch(self.device, name=f"llama_{tokens}" + ("_rows" if every_row else ""))
         pos = batch.scalar("pos")
         ids = None if from_device else batch.upload(np.zeros(tokens, np.int32), name="ids")
         tokens_in = batch.reshape(self.token, (1,)) if ids is None else ids
         normed = record_decoder(batch, self.config, self.params, tokens_in, ContiguousKV(self.caches, pos))
-        last = batch.slice(normed, (slice(tokens - 1, tokens),)) if tokens > 1 else normed
+        last = batch.slice(normed, (slice(tokens - 1, tokens),)) if tokens > 1 and not every_row else normed
         logits = record_logits(batch, self.params, last)
         next_token = batch.argmax(logits)
+        final = batch.slice(next_token, (slice(tokens - 1, tokens),)) if every_row and tokens > 1 else next_token
         row = batch.upload(np.zeros(1, np.int32), name="token_row")
-        batch.scatter_rows(self.token, row, batch.reshape(next_token, (1, 1)))  # the next decode's input
+        batch.scatter_rows(self.token, row, batch.reshape(final, (1, 1)))  # the next decode's input
         batch.outputs(next_token, logits)  # every other activation shares buffers (batchgpu.memory)
         return StepBatch(batch, ids, pos, next_token, logits)
 
@@ -298,10 +305,13 @@ class Llama:
         assert self._decode is not None
         return self._decode
 
-    def _submit_prefill(self, ids: Sequence[int]) -> tuple[Submission, Tensor]:
-        if len(ids) not in self._prefill:
-            self._prefill[len(ids)] = self.record(len(ids))
-        step = self._prefill[len(ids)]
+    def _submit_prefill(self, ids: Sequence[int], every_row: bool = False) -> tuple[Submission, Tensor]:
+        """Run ``ids`` from the current position (a step recorded once per length; ``every_row``: the greedy
+        token after each of them)."""
+        steps = self._verify if every_row else self._prefill
+        if len(ids) not in steps:
+            steps[len(ids)] = self.record(len(ids), every_row=every_row)
+        step = steps[len(ids)]
         return self._run(step, ids), step.next_token
 
     def _submit_decode(self, token: int | None = None) -> tuple[Submission, Tensor]:
@@ -334,12 +344,22 @@ class Llama:
             self.position -= len(in_flight)
 
     def generate(
-        self, prompt: Sequence[int], max_new_tokens: int, *, ahead: int | None = None, stop: Collection[int] = ()
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        ahead: int | None = None,
+        stop: Collection[int] = (),
+        speculative: Speculative | None = None,
     ) -> Iterator[int]:
         """Greedy decoding: yields each new token id as soon as it is read back, up to ``max_new_tokens``
         or a token of ``stop`` (yielded). Decode steps take their input token on the device and run up to
         ``ahead`` steps ahead of the reads (0: each step waits for the previous token's read; default
-        :func:`steps_ahead`)."""
+        :func:`steps_ahead`). With ``speculative``, each step verifies drafted tokens instead
+        (:meth:`speculate`: the same ids, in fewer steps where drafts are accepted; ``ahead`` unused)."""
+        if speculative is not None:
+            yield from self.speculate(prompt, max_new_tokens, speculative, stop)
+            return
         steps = self._pipeline(prompt, max_new_tokens, ahead)
         for submission, next_token in steps:
             token = int(submission.read(next_token)[0])
@@ -347,6 +367,67 @@ class Llama:
             if token in stop:
                 steps.close()
                 return
+
+    def speculate(
+        self, prompt: Sequence[int], max_new_tokens: int, speculative: Speculative, stop: Collection[int] = ()
+    ) -> Iterator[int]:
+        """Greedy speculative decoding (see :mod:`~batchgpu.models.speculative`): each step runs the latest
+        token and up to ``speculative.tokens`` drafted ones and keeps the drafted tokens its greedy tokens
+        confirm, and one more; the KV rows of the others are dropped (overwritten later). The ids are
+        :meth:`generate`'s. :attr:`speculation` counts its verify steps and drafted and accepted tokens."""
+        if not isinstance(speculative, Speculative):
+            raise ArgumentError(f"Llama.generate: speculative must be a Speculative, got {type(speculative).__name__}")
+        self.position, self.known = 0, []
+        self.speculation = {"verify_steps": 0, "drafted": 0, "accepted": 0}
+        submission, next_token = self._submit_prefill(prompt)
+        history, out = list(prompt), [int(submission.read(next_token)[0])]
+        while True:
+            for token in out:
+                yield token
+                history.append(token)
+                if token in stop or len(history) - len(prompt) == max_new_tokens:
+                    return
+            room = min(max_new_tokens - (len(history) - len(prompt)), self.max_context - self.position) - 1
+            draft = self.propose(history, min(speculative.tokens, room), speculative)
+            submission, next_tokens = self._submit_prefill([history[-1], *draft], every_row=True)
+            out = accepted(draft, submission.read(next_tokens).tolist())
+            self.position -= len(draft) + 1 - len(out)  # the rows after the last accepted token are dropped
+            self.speculation["verify_steps"] += 1
+            self.speculation["drafted"] += len(draft)
+            self.speculation["accepted"] += len(out) - 1
+
+    def propose(self, history: list[int], limit: int, speculative: Speculative) -> list[int]:
+        """Up to ``limit`` drafted tokens after ``history``: prompt lookup, or the draft model's greedy ones."""
+        if limit <= 0:
+            return []
+        if speculative.method == "ngram":
+            return prompt_lookup(history, limit, speculative.min_ngram, speculative.max_ngram)
+        if self._draft is None:
+            draft = Llama(self.device, speculative.draft, quantized=self.quantized, max_context=self.max_context)
+            if draft.config.vocab != self.config.vocab:
+                raise ArgumentError(
+                    f"Llama.generate: the draft model's vocabulary has {draft.config.vocab} tokens, this "
+                    f"model's {self.config.vocab}: speculative decoding needs the same vocabulary"
+                )
+            self._draft = draft
+        return self._draft.continuation(history, limit)
+
+    def continuation(self, history: list[int], count: int) -> list[int]:
+        """The next ``count`` greedy tokens after ``history`` (a draft model's draft), computing only the
+        tokens past the longest prefix of it whose KV rows the caches hold (:attr:`known`)."""
+        common = 0
+        for held, token in zip(self.known, history):
+            if held != token:
+                break
+            common += 1
+        self.position = min(common, len(history) - 1)  # at least the last token runs: its logits
+        submission, next_token = self._submit_prefill(history[self.position :])
+        tokens = [int(submission.read(next_token)[0])]
+        while len(tokens) < count:
+            submission, next_token = self._submit_decode()
+            tokens.append(int(submission.read(next_token)[0]))
+        self.known = [*history, *tokens[:-1]]  # the last drafted token was not run
+        return tokens
 
     async def generate_async(
         self, prompt: Sequence[int], max_new_tokens: int, *, ahead: int | None = None, stop: Collection[int] = ()
