@@ -41,7 +41,8 @@ class DeviceError(BatchError, RuntimeError):
 
 
 class UnsupportedError(BatchError, NotImplementedError):
-    """The executor or adapter lacks a feature the op needs."""
+    """The executor or adapter lacks a feature the op needs, or the decoder a computation a model's config asks
+    for (a config.json key's value other than its neutral ones: batchgpu/models/hf_keys.py)."""
 
 
 class RequestError(BatchError, ValueError):

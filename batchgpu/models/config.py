@@ -1,10 +1,12 @@
 """The shape of a Llama-family decoder (Llama 1-3, SmolLM2, Mistral, Qwen2 / 2.5 / 3, Gemma 3) as one
 dataclass, read from a GGUF file's metadata or a Hugging Face ``config.json``, and the RoPE frequency scalings
 they use. Anything the decoder cannot compute (YaRN, partial rotary, logit soft-capping) is refused by name
-rather than run with wrong numbers."""
+rather than run with wrong numbers: every config.json key of a supported model type is applied, ignored with a
+reason or refused unless neutral (:mod:`batchgpu.models.hf_keys`)."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,10 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BatchError, ModelFileError
+from ..errors import BatchError, ModelFileError, UnsupportedError
 from .fields import INT32_MAX, REQUIRED, Fields
 from .files import describe
 from .gguf_reader import GGUFFile
+from .hf_keys import FOREIGN_KEYS, HF_KEYS, REFUSED, ROPE_KEYS, ROPE_TYPES, HFKey
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 """GGUF ``general.architecture`` values this decoder runs: Llama (and the Llama-layout SmolLM2 and
@@ -34,14 +37,21 @@ GEMMA3_TEXT_DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "head_dim": 256,
         "max_position_embeddings": 131_072,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 1_000_000.0,
-        "rope_local_base_freq": 10_000.0,
         "query_pre_attn_scalar": 256,
         "sliding_window": 4096,
         "sliding_window_pattern": 6,
     }
 )
-"""transformers' ``Gemma3TextConfig`` defaults, for the keys a config.json leaves out."""
+"""transformers' ``Gemma3TextConfig`` defaults, for the keys a config.json leaves out (its RoPE bases:
+:attr:`HFModelType.theta`, :attr:`HFModelType.local_theta`)."""
+QWEN2_DEFAULTS: Mapping[str, Any] = MappingProxyType({"sliding_window": 4096, "max_window_layers": 28})
+"""transformers' ``Qwen2Config`` / ``Qwen3Config`` defaults of the window (used where ``use_sliding_window``)."""
+
+WINDOW_RULES = ("none", "every", "qwen2", "pattern")
+"""How a model type's config.json says which layers are windowed (:func:`hf_sliding`): ``none`` (Llama: no window;
+``sliding_window`` is refused), ``every`` (Mistral: every layer, where ``sliding_window`` is set), ``qwen2``
+(``layer_types``, else the layers from ``max_window_layers`` on, where ``use_sliding_window``), ``pattern``
+(Gemma 3: ``layer_types``, else every ``sliding_window_pattern``-th layer global)."""
 
 
 @dataclass(frozen=True)
@@ -50,35 +60,64 @@ class HFModelType:
 
     architecture: str
     """The GGUF architecture whose tensor names and conventions it shares."""
-    activation: tuple[str, str] = ("hidden_act", "silu")
-    """The config key naming the MLP's activation, and the one value of it this decoder computes."""
+    keys: Mapping[str, HFKey]
+    """Every key of its transformers config class, how each is handled (:data:`~batchgpu.models.hf_keys.HF_KEYS`)."""
     defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """transformers' config class defaults for keys a config.json may leave out (beyond :func:`read_sizes`' own)."""
+    windows: str = "none"
+    """Which layers are windowed: one of :data:`WINDOW_RULES`."""
+    theta: float = 10000.0
+    """transformers' RoPE base where the config gives none."""
+    local_theta: float = 0.0
+    """The windowed layers' RoPE base where the config gives none: they have a RoPE of their own, never scaled, from
+    ``rope_local_base_freq`` or ``rope_parameters.sliding_attention`` (Gemma 3); 0: one RoPE for every layer."""
     query_scalar: bool = False
     """Queries are scaled by ``query_pre_attn_scalar ** -0.5`` (Gemma) rather than by ``head_dim ** -0.5``."""
-    layer_pattern: bool = False
-    """Without ``layer_types``, every ``sliding_window_pattern``-th layer is global and the others windowed
-    (Gemma 3), rather than Mistral's and Qwen2's rules."""
+    tied: bool = False
+    """transformers' ``tie_word_embeddings`` default: whether the output head is the token embedding."""
+    qkv_biases: bool = False
+    """The q/k/v projections have biases (Qwen2); elsewhere a checkpoint's q/k/v biases are refused, as
+    transformers' model of the type would not read them (``attention_bias`` true is refused: the output
+    projection's bias is not computed)."""
 
 
 HF_MODEL_TYPES = {
-    "llama": HFModelType("llama"),
-    "mistral": HFModelType("llama"),
-    "qwen2": HFModelType("qwen2"),
-    "qwen3": HFModelType("qwen3"),
+    "llama": HFModelType("llama", HF_KEYS["llama"]),
+    "mistral": HFModelType("llama", HF_KEYS["mistral"], MappingProxyType({"sliding_window": 4096}), windows="every"),
+    "qwen2": HFModelType("qwen2", HF_KEYS["qwen2"], QWEN2_DEFAULTS, windows="qwen2", qkv_biases=True),
+    "qwen3": HFModelType("qwen3", HF_KEYS["qwen3"], QWEN2_DEFAULTS, windows="qwen2"),
     "gemma3_text": HFModelType(
         "gemma3",
-        activation=("hidden_activation", "gelu_pytorch_tanh"),
-        defaults=GEMMA3_TEXT_DEFAULTS,
+        HF_KEYS["gemma3_text"],
+        GEMMA3_TEXT_DEFAULTS,
+        windows="pattern",
+        theta=1_000_000.0,
+        local_theta=10_000.0,
         query_scalar=True,
-        layer_pattern=True,
+        tied=True,
     ),
 }
 """Hugging Face ``model_type`` -> how it maps onto this decoder."""
 
-HF_LANGUAGE_MODELS = {"gemma3": ("text_config", "gemma3_text")}
-"""Hugging Face ``model_type`` of a multimodal model -> (the key of its language model's config, that config's
-``model_type``): run on text alone (Gemma3ForConditionalGeneration: its vision tower is not read)."""
+
+@dataclass(frozen=True)
+class HFLanguageModel:
+    """A multimodal Hugging Face ``model_type`` whose language model runs on text: a row of
+    :data:`HF_LANGUAGE_MODELS`."""
+
+    key: str
+    """The key of its language model's config."""
+    model_type: str
+    """That config's ``model_type`` (a row of :data:`HF_MODEL_TYPES`)."""
+    keys: Mapping[str, HFKey]
+    """Every key of its own config class, how each is handled."""
+    tied: bool
+    """transformers' ``tie_word_embeddings`` default of its own config (the one that ties its output head)."""
+
+
+HF_LANGUAGE_MODELS = {"gemma3": HFLanguageModel("text_config", "gemma3_text", HF_KEYS["gemma3"], tied=True)}
+"""Hugging Face ``model_type`` of a multimodal model -> how its language model is read: run on text alone
+(Gemma3ForConditionalGeneration: its vision tower is not read)."""
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 """The ``layer_types`` entries this decoder computes: a layer attends through the window, or to all positions."""
@@ -110,10 +149,8 @@ SLIDING_LAYOUTS = {"gemma3": SlidingLayout(global_every=6, local_theta=10000.0, 
 a file's window (``attention.sliding_window``) to every layer (Mistral)."""
 
 UNSUPPORTED_KEYS = ("final_logit_softcapping", "attn_logit_softcapping")
-"""GGUF metadata keys (after ``<arch>.``) and config.json keys naming computations this decoder lacks: a file
-setting one is refused (Gemma 2's logit soft-capping; Gemma 3 has none)."""
-HF_UNSUPPORTED_FLAGS = {"use_bidirectional_attention": "attention to later positions (EmbeddingGemma)"}
-"""config.json flags naming computations this decoder lacks: a config setting one true is refused."""
+"""GGUF metadata keys (after ``<arch>.``) naming computations this decoder lacks: a file setting one is refused
+(Gemma 2's logit soft-capping; Gemma 3 has none). A config.json's are rows of its model type's key table."""
 
 
 @dataclass(frozen=True)
@@ -205,23 +242,22 @@ class LlamaConfig:
     def from_hf(cls, config: Mapping[str, Any], source: str = "config.json") -> LlamaConfig:
         """The config from a Hugging Face ``config.json`` object read from ``source`` (transformers 4's
         ``rope_theta`` / ``rope_scaling`` or 5's ``rope_parameters``; a key it leaves out takes transformers'
-        default for its ``model_type``; a multimodal model's language model, :data:`HF_LANGUAGE_MODELS`)."""
+        default for its ``model_type``; a multimodal model's language model, :data:`HF_LANGUAGE_MODELS`). Every
+        key is handled as its model type's table says (:mod:`batchgpu.models.hf_keys`): a value that asks for
+        what this decoder lacks is refused by name (:class:`~batchgpu.errors.UnsupportedError`), one of the
+        wrong kind or out of range too (:class:`~batchgpu.errors.ModelFileError`)."""
         if not isinstance(config, Mapping):
             raise ModelFileError(f"{source}: must be a JSON object, got {describe(config)}")
         fields = language_model(Fields(config, source))
         model_type = fields.text("model_type")
-        if model_type not in HF_MODEL_TYPES:
-            raise BatchError(
-                f"{source}: Hugging Face model_type {model_type!r} is not supported; "
-                f"supported: {', '.join([*HF_MODEL_TYPES, *HF_LANGUAGE_MODELS])}"
-            )
         kind = HF_MODEL_TYPES[model_type]
         fields = Fields({**kind.defaults, **fields.values}, fields.source, fields.label)
-        hf_refuse_unsupported(fields, kind)
         sizes = read_sizes(fields, "hf", {})
+        hf_refuse_unsupported(fields, kind.keys, model_type)
+        hf_tied(config, source)  # checked here; the loader holds the tensors to it
         return cls(
             **hf_sliding(fields, sizes, kind),
-            **hf_rope(fields, sizes["head_size"]),
+            **hf_rope(fields, sizes["head_size"], kind),
             eps=fields.number("rms_norm_eps", 1e-6, positive=True),
             architecture=kind.architecture,
             query_scale=attention_scale(fields.number("query_pre_attn_scalar", positive=True), sizes["head_size"])
@@ -232,36 +268,79 @@ class LlamaConfig:
 
 def language_model(fields: Fields) -> Fields:
     """The fields of a config.json's language model: a multimodal model's (:data:`HF_LANGUAGE_MODELS`, its keys
-    named ``text_config.<key>`` in messages), else the config's own."""
-    if fields.text("model_type", None) not in HF_LANGUAGE_MODELS:
+    named ``text_config.<key>`` in messages; its own keys checked against its table), else the config's own.
+    BatchError where the model type is none of :data:`HF_MODEL_TYPES` and :data:`HF_LANGUAGE_MODELS`."""
+    model_type = fields.text("model_type")
+    if model_type in HF_MODEL_TYPES:
         return fields
-    key, model_type = HF_LANGUAGE_MODELS[fields.text("model_type")]
-    inner = fields.mapping(key)
-    if inner is None:
-        raise ModelFileError(f"{fields.source}: {key} (the language model's config) is missing")
-    if inner.text("model_type", model_type) != model_type:
-        raise inner.refuse("model_type", repr(model_type), inner.get("model_type"))
-    return Fields({**inner.values, "model_type": model_type}, inner.source, inner.label)
-
-
-def hf_refuse_unsupported(fields: Fields, kind: HFModelType) -> None:
-    """BatchError naming the key where a config.json asks for what this decoder does not compute: another MLP
-    activation, logit soft-capping (:data:`UNSUPPORTED_KEYS`), a flag of :data:`HF_UNSUPPORTED_FLAGS`."""
-    key, computed = kind.activation
-    activation = fields.text(key, computed)
-    if activation != computed:
+    if model_type not in HF_LANGUAGE_MODELS:
         raise BatchError(
-            f"{fields.source}: {fields.get('model_type')} model: {fields.name(key)} {activation!r} is not "
-            f"supported ({computed} only)"
+            f"{fields.source}: Hugging Face model_type {model_type!r} is not supported; "
+            f"supported: {', '.join([*HF_MODEL_TYPES, *HF_LANGUAGE_MODELS])}"
         )
-    for key in UNSUPPORTED_KEYS:
-        if fields.has(key):
-            raise BatchError(
-                f"{fields.source}: {fields.name(key)} {fields.get(key)!r} (logit soft-capping) is not supported"
-            )
-    for key, what in HF_UNSUPPORTED_FLAGS.items():
-        if fields.flag(key, False):
-            raise BatchError(f"{fields.source}: {fields.name(key)} true ({what}) is not supported")
+    wrapper = HF_LANGUAGE_MODELS[model_type]
+    inner = fields.mapping(wrapper.key)
+    if inner is None:
+        raise ModelFileError(f"{fields.source}: {wrapper.key} (the language model's config) is missing")
+    if inner.text("model_type", wrapper.model_type) != wrapper.model_type:
+        raise inner.refuse("model_type", repr(wrapper.model_type), inner.get("model_type"))
+    hf_refuse_unsupported(fields, wrapper.keys, model_type, foreign=False)
+    return Fields({**inner.values, "model_type": wrapper.model_type}, inner.source, inner.label)
+
+
+def hf_model_type(config: Mapping[str, Any]) -> HFModelType:
+    """The row of :data:`HF_MODEL_TYPES` of a config.json that :meth:`LlamaConfig.from_hf` read (a multimodal
+    model's language model's)."""
+    model_type = config["model_type"]
+    return HF_MODEL_TYPES[HF_LANGUAGE_MODELS[model_type].model_type if model_type in HF_LANGUAGE_MODELS else model_type]
+
+
+def hf_tied(config: Mapping[str, Any], source: str = "config.json") -> bool:
+    """Whether the output head of a config.json's model (read by :meth:`LlamaConfig.from_hf`) is its token
+    embedding: ``tie_word_embeddings``, else its model type's default (a multimodal model's own)."""
+    fields = Fields(config, source)
+    model_type = fields.text("model_type")
+    wrapper = HF_LANGUAGE_MODELS.get(model_type)
+    return fields.flag("tie_word_embeddings", wrapper.tied if wrapper else HF_MODEL_TYPES[model_type].tied)
+
+
+def json_kind(value: Any) -> str:
+    """The JSON kind of a value read from a JSON file (a bool is no number)."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array"}.get(type(value), "object" if isinstance(value, Mapping) else "null")
+
+
+def json_text(value: Any) -> str:
+    """A neutral value as messages say it: strings as they are, the rest as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    return value is None or any(json_kind(value) == json_kind(n) and value == n for n in neutral)
+
+
+def hf_refuse_unsupported(fields: Fields, keys: Mapping[str, HFKey], model_type: str, foreign: bool = True) -> None:
+    """Refuse each key of ``fields`` whose row in ``keys`` (its model type's table; else, where ``foreign``,
+    :data:`FOREIGN_KEYS`) is refused unless neutral and whose value is not: ModelFileError where the value is of
+    another JSON kind than the neutral ones, else UnsupportedError naming the key, its value, what it turns on and
+    what is supported. A multimodal model's own config is checked without the foreign keys: its language model's
+    settings are its language model config's (transformers reads nothing else of them)."""
+    for key, value in fields.values.items():
+        row = keys[key] if key in keys else FOREIGN_KEYS.get(key) if foreign else None
+        if row is None or row.handling != REFUSED or is_neutral(value, row.neutral):
+            continue
+        supported = " or ".join(json_text(n) for n in row.neutral) or "null"
+        if row.neutral and json_kind(value) not in {json_kind(n) for n in row.neutral}:
+            raise fields.refuse(key, supported, value)
+        shown = repr(value)
+        shown = shown[:60] + "..." if len(shown) > 60 else shown
+        raise UnsupportedError(
+            f"{fields.source}: {model_type} model: {fields.name(key)} {shown} is not supported ({row.note}; "
+            f"{supported} only)"
+        )
 
 
 def attention_scale(query_pre_attn_scalar: float, head_size: int) -> float:
@@ -346,29 +425,38 @@ def gguf_sliding(metadata: Fields, architecture: str, sizes: dict[str, int]) -> 
 
 
 def hf_sliding(fields: Fields, sizes: dict[str, int], kind: HFModelType) -> dict[str, Any]:
-    """``sizes`` with the sliding-window fields of a ``config.json``: the windowed layers from ``layer_types``
-    (each one of :data:`LAYER_TYPES`), else Gemma 3's ``sliding_window_pattern`` or transformers' Qwen2 rule
-    (layers from ``max_window_layers`` on, where ``use_sliding_window``); no window where the model does not
-    use it (Qwen2/3 carry one they do not). A model with windowed layers must have a window of 1 or more."""
-    layers = sizes["layers"]
-    layer_types = fields.texts("layer_types", None)
-    if layer_types is not None:
-        if len(layer_types) != layers:
-            raise fields.refuse("layer_types", f"an array of one type per layer ({layers})", layer_types)
-        for layer, value in enumerate(layer_types):
-            if value not in LAYER_TYPES:
-                raise fields.refuse(f"layer_types[{layer}]", f"one of {', '.join(LAYER_TYPES)}", value)
-        windowed = tuple(value == "sliding_attention" for value in layer_types)
-    elif kind.layer_pattern:
-        every = fields.integer("sliding_window_pattern", low=1, high=SIZES["layers"].high)
-        windowed = tuple((layer + 1) % every != 0 for layer in range(layers))  # transformers' rule
-    elif not fields.flag("use_sliding_window", True):
+    """``sizes`` with the sliding-window fields of a ``config.json``, by the model type's rule
+    (:attr:`HFModelType.windows`, as transformers reads it): the windowed layers from ``layer_types`` (each one of
+    :data:`LAYER_TYPES`), else Gemma 3's ``sliding_window_pattern`` or Qwen2's ``use_sliding_window`` and
+    ``max_window_layers``; every layer for Mistral; none for Llama (a window it carries is refused). Where Qwen2's
+    ``layer_types`` names windowed layers and ``use_sliding_window`` is absent (transformers fails on it), the
+    layer types are applied. A model with windowed layers must have a window of 1 or more."""
+    if kind.windows == "none":
         return dict(sizes, sliding_window=0)
-    elif fields.has("max_window_layers"):
-        first = fields.integer("max_window_layers", low=0, high=SIZES["layers"].high)
-        return dict(sizes, sliding_layers=tuple(layer >= first for layer in range(layers)))
-    else:
+    if kind.windows == "every":
         return sizes
+    layers = sizes["layers"]
+    layer_types = hf_layer_types(fields, layers)
+    if kind.windows == "pattern":
+        every = fields.integer("sliding_window_pattern", low=1, high=SIZES["layers"].high)
+        if layer_types is None and fields.has("_sliding_window_pattern"):
+            copy = fields.integer("_sliding_window_pattern", low=1, high=SIZES["layers"].high)
+            if copy != every:
+                raise fields.refuse(
+                    "_sliding_window_pattern",
+                    f"sliding_window_pattern {every} where there are no layer_types (transformers reads that one)",
+                    copy,
+                )
+        windowed = layer_types or tuple((layer + 1) % every != 0 for layer in range(layers))  # transformers' rule
+    else:
+        use = fields.flag("use_sliding_window", False)
+        if layer_types is None:
+            first = fields.integer("max_window_layers", low=0, high=SIZES["layers"].high)
+            windowed = tuple(use and bool(sizes["sliding_window"]) and layer >= first for layer in range(layers))
+        elif not use and fields.has("use_sliding_window") and any(layer_types):
+            raise fields.refuse("use_sliding_window", "true where layer_types names windowed layers", False)
+        else:
+            windowed = layer_types
     if not any(windowed):
         return dict(sizes, sliding_layers=windowed, sliding_window=0)
     if not sizes["sliding_window"]:
@@ -376,33 +464,72 @@ def hf_sliding(fields: Fields, sizes: dict[str, int], kind: HFModelType) -> dict
     return dict(sizes, sliding_layers=windowed)
 
 
-def hf_rope(fields: Fields, head_size: int) -> dict[str, Any]:
+def hf_layer_types(fields: Fields, layers: int) -> tuple[bool, ...] | None:
+    """Per layer whether ``layer_types`` windows it (None where absent); each entry one of :data:`LAYER_TYPES`."""
+    layer_types = fields.texts("layer_types", None)
+    if layer_types is None:
+        return None
+    if len(layer_types) != layers:
+        raise fields.refuse("layer_types", f"an array of one type per layer ({layers})", layer_types)
+    for layer, value in enumerate(layer_types):
+        if value not in LAYER_TYPES:
+            raise fields.refuse(f"layer_types[{layer}]", f"one of {', '.join(LAYER_TYPES)}", value)
+    return tuple(value == "sliding_attention" for value in layer_types)
+
+
+def hf_rope(fields: Fields, head_size: int, kind: HFModelType) -> dict[str, Any]:
     """``theta``, ``rope_factors`` and ``local_theta`` of a ``config.json``: transformers 4's ``rope_theta`` and
     ``rope_scaling`` (and Gemma 3's ``rope_local_base_freq`` for the windowed layers), or 5's
-    ``rope_parameters``, keyed by layer type where the windowed layers have a RoPE of their own (Gemma 3).
-    Windowed layers with a base of their own are never frequency-scaled (as the decoder computes them)."""
-    parameters = fields.mapping("rope_parameters")
-    by_type = parameters is not None and any(parameters.has(kind) for kind in LAYER_TYPES)
+    ``rope_parameters``, keyed by layer type where the windowed layers have a RoPE of their own
+    (:attr:`HFModelType.local_theta`; elsewhere refused, as transformers cannot run it). One config gives one of
+    ``rope_scaling`` and ``rope_parameters``; a base given both inside them and at the top level must agree
+    (transformers 4 reads the top level, 5 the inside). Windowed layers with a base of their own are never
+    frequency-scaled (as the decoder computes them)."""
+    scaling, parameters = fields.mapping("rope_scaling"), fields.mapping("rope_parameters")
+    if scaling is not None and parameters is not None:
+        raise fields.refuse(
+            "rope_scaling",
+            "absent where rope_parameters is given (transformers 4 writes one, 5 the other)",
+            None,
+            "an object beside rope_parameters",
+        )
+    by_type = parameters is not None and any(parameters.has(layer_type) for layer_type in LAYER_TYPES)
+    if by_type and not kind.local_theta:
+        raise UnsupportedError(
+            f"{fields.source}: {fields.get('model_type')} model: {fields.name('rope_parameters')} by layer type is "
+            "not supported (one RoPE for every layer in this model type)"
+        )
     if by_type:
         full = parameters.mapping("full_attention") or Fields({}, fields.source, parameters.name("full_attention."))
         local = parameters.mapping("sliding_attention")
     else:
-        full = parameters or fields.mapping("rope_scaling") or Fields({}, fields.source, fields.name("rope_scaling."))
+        full = parameters or scaling or Fields({}, fields.source, fields.name("rope_scaling."))
         local = None
-    theta = full.number("rope_theta", fields.number("rope_theta", 10000.0, positive=True), positive=True)
-    rope = dict(theta=theta, rope_factors=hf_rope_factors(full, head_size, theta))
-    if local is not None:
-        kind = local.text("rope_type", local.text("type", "default"))
-        if kind != "default":
-            raise BatchError(
-                f"{fields.source}: {local.name('rope_type')} {kind!r} is not supported (the windowed layers' RoPE "
-                "is never scaled; supported: default)"
+    theta = rope_base(full, fields, "rope_theta", kind.theta)
+    rope = dict(theta=theta, rope_factors=hf_rope_factors(full, head_size, theta, fields))
+    if kind.local_theta:
+        local = local or Fields({}, fields.source, fields.name("rope_parameters.sliding_attention."))
+        hf_refuse_unsupported(local, ROPE_KEYS, fields.get("model_type"), foreign=False)
+        local_kind = local.text("rope_type", local.text("type", "default"))
+        if local_kind != "default":
+            raise UnsupportedError(
+                f"{fields.source}: {local.name('rope_type')} {local_kind!r} is not supported (the windowed layers' "
+                "RoPE is never scaled; supported: default)"
             )
-        local_default = fields.number("rope_local_base_freq", theta, positive=True)
-        rope["local_theta"] = local.number("rope_theta", local_default, positive=True)
-    elif fields.has("rope_local_base_freq"):
-        rope["local_theta"] = fields.number("rope_local_base_freq", positive=True)
+        rope["local_theta"] = rope_base(local, fields, "rope_local_base_freq", kind.local_theta)
     return rope
+
+
+def rope_base(rope: Fields, fields: Fields, key: str, default: float) -> float:
+    """A RoPE base: ``rope_theta`` of the RoPE parameters ``rope``, else ``fields``' top-level ``key``, else
+    ``default``; where both are given they must agree."""
+    outer = fields.number(key, positive=True) if fields.has(key) else None
+    inner = rope.number("rope_theta", positive=True) if rope.has("rope_theta") else None
+    if outer is not None and inner is not None and outer != inner:
+        raise rope.refuse(
+            "rope_theta", f"{fields.name(key)} {outer:g} where both are given (transformers 4 reads that one)", inner
+        )
+    return next((base for base in (inner, outer) if base is not None), default)
 
 
 def gguf_rope_factors(file: GGUFFile, head_size: int) -> tuple[float, ...]:
@@ -419,28 +546,43 @@ def gguf_rope_factors(file: GGUFFile, head_size: int) -> tuple[float, ...]:
     return tuple(factors.tolist())
 
 
-def hf_rope_factors(rope: Fields, head_dim: int, theta: float) -> tuple[float, ...] | None:
-    """Per-pair frequency divisors for a transformers RoPE config: None (default), the factor
-    everywhere (linear), or Llama 3's band-wise factors (as llama.cpp's converter writes ``rope_freqs``)."""
-    kind = rope.text("rope_type", rope.text("type", "default"))
+def hf_rope_factors(rope: Fields, head_dim: int, theta: float, fields: Fields) -> tuple[float, ...] | None:
+    """Per-pair frequency divisors for a transformers RoPE config ``rope`` (:data:`ROPE_TYPES`): None (default),
+    the factor everywhere (linear), or Llama 3's band-wise factors (as llama.cpp's converter writes
+    ``rope_freqs``; the original context from ``fields``' top level where given, as transformers 5 reads it)."""
+    hf_refuse_unsupported(rope, ROPE_KEYS, fields.get("model_type"), foreign=False)
+    key = "rope_type" if rope.has("rope_type") else "type"
+    kind = rope.text(key, "default")
+    if kind not in ROPE_TYPES:
+        raise UnsupportedError(
+            f"{rope.source}: {rope.name(key)} {kind!r}: RoPE scaling {kind!r} is not supported; "
+            f"supported: {', '.join(ROPE_TYPES)}"
+        )
     if kind == "default":
         return None
     if kind == "linear":
         return (rope.number("factor", positive=True),) * (head_dim // 2)
-    if kind == "llama3":
-        low = rope.number("low_freq_factor", positive=True)
-        high = rope.number("high_freq_factor", positive=True)
-        if high <= low:
-            raise rope.refuse("high_freq_factor", f"above low_freq_factor {low}", high)
-        return llama3_rope_factors(
-            head_dim,
-            theta,
-            factor=rope.number("factor", positive=True),
-            low=low,
-            high=high,
-            original_context=rope.integer("original_max_position_embeddings", low=1),
+    low = rope.number("low_freq_factor", positive=True)
+    high = rope.number("high_freq_factor", positive=True)
+    if high <= low:
+        raise rope.refuse("high_freq_factor", f"above low_freq_factor {low}", high)
+    original = rope.integer("original_max_position_embeddings", None, low=1)
+    outer = fields.integer("original_max_position_embeddings", None, low=1)
+    if original is not None and outer is not None and original != outer:
+        raise rope.refuse(
+            "original_max_position_embeddings",
+            f"the top-level original_max_position_embeddings {outer} where both are given (transformers 5 reads that "
+            "one)",
+            original,
         )
-    raise BatchError(f"{rope.source}: RoPE scaling {kind!r} is not supported; supported: default, linear, llama3")
+    return llama3_rope_factors(
+        head_dim,
+        theta,
+        factor=rope.number("factor", positive=True),
+        low=low,
+        high=high,
+        original_context=outer or rope.integer("original_max_position_embeddings", low=1),
+    )
 
 
 def llama3_rope_factors(

@@ -18,7 +18,8 @@ import numpy as np
 
 from ..errors import BatchError, ModelFileError
 from .codec import TextCodec
-from .config import LlamaConfig
+from .config import LlamaConfig, hf_model_type, hf_tied
+from .decoder import PART_TENSORS
 from .fields import Fields
 from .files import model_file, optional_file, read_json
 from .safetensors_file import Stored, read_header
@@ -113,6 +114,13 @@ def gguf_names(
     return renamed
 
 
+def same_tensor(a: Stored, b: Stored) -> bool:
+    """Whether two stored tensors hold the same values: dtype, shape and bytes."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(np.array_equal(a.array().view(np.uint8), b.array().view(np.uint8)))
+
+
 class SafetensorsWeights(Weights):
     """A Hugging Face checkpoint's tensors under GGUF names and conventions as llama.cpp's converter writes them
     (q/k rows as stored: no permutation; Gemma's norm weights + 1, :data:`NORM_SHIFTS`)."""
@@ -127,16 +135,43 @@ class SafetensorsWeights(Weights):
         stored = read_checkpoint(self.path)
         self._names = gguf_names(self.config, list(stored), self.settings.get("model_type"), self.path)
         self._stored = {gguf: stored[name] for gguf, name in self._names.items()}
-        settings = Fields(self.settings, config_file)
-        tied = settings.flag("tie_word_embeddings", False) if settings.has("tie_word_embeddings") else None
-        if "output.weight" in self._stored and tied:
-            del self._stored["output.weight"]  # tied: the embedding is the head
-        if "output.weight" not in self._stored and tied is False:
-            raise ModelFileError(f"{config_file}: tie_word_embeddings is false but the checkpoint has no lm_head")
+        self.check_head(hf_tied(self.settings, str(config_file)), config_file)
+        self.check_biases(config_file)
         shapes = {name: tensor.shape for name, tensor in self._stored.items()}
         check_tensors(self.config, shapes, self.describe, f"{self.path} (by {config_file.name})")
         for name in self._stored:
             self.layout(name)
+
+    def check_head(self, tied: bool, config_file: Path) -> None:
+        """The output head as ``tied`` (tie_word_embeddings, or its model type's default) says: the token embedding
+        (a checkpoint's own lm_head, which transformers 4 would replace by it and 5 keep, must then be equal to it),
+        or the checkpoint's lm_head (which must be there: transformers would start from random weights)."""
+        head = self._stored.get("output.weight")
+        if tied and head is not None:
+            embedding = self._stored.get("token_embd.weight")
+            if embedding is None or not same_tensor(head, embedding):
+                raise ModelFileError(
+                    f"{self.describe('output.weight')} differs from the token embedding, but tie_word_embeddings is "
+                    "true (transformers 4 would use the embedding, 5 this head); refusing rather than choosing"
+                )
+            del self._stored["output.weight"]  # tied: the embedding is the head
+        if not tied and head is None:
+            absent = not Fields(self.settings, config_file).has("tie_word_embeddings")
+            why = f" (absent: a {self.settings['model_type']} model's default)" if absent else ""
+            raise ModelFileError(f"{config_file}: tie_word_embeddings is false{why} but the checkpoint has no lm_head")
+
+    def check_biases(self, config_file: Path) -> None:
+        """ModelFileError where the checkpoint has q/k/v biases its model type has none of (transformers' model
+        would leave them unread: :attr:`~batchgpu.models.config.HFModelType.qkv_biases`)."""
+        if hf_model_type(self.settings).qkv_biases:
+            return
+        for name in self._stored:
+            if name.startswith("blk.") and name.split(".", 2)[2] in PART_TENSORS["qkv_biases"]:
+                raise ModelFileError(
+                    f"{self.describe(name)} is a q/k/v bias, but a {self.settings['model_type']} model has none "
+                    f"(attention_bias is false or absent in {config_file.name}; transformers would not read it); "
+                    "refusing rather than computing a different model"
+                )
 
     def describe(self, name: str) -> str:
         """The tensor as messages name it: its file and its name there (and GGUF's)."""
