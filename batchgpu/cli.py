@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="token rows per engine step: a row per decoding sequence, then prompt pieces (at least --max-batch; "
         "default 2048 on a GPU, 256 on the CPU devices, at least twice --max-batch)",
     )
+    serve.add_argument(
+        "--speculative",
+        metavar="ngram:K|draft:PATH:K",
+        help="speculative decoding: prompt lookup, or a draft model's file (same vocabulary), up to K drafted "
+        "tokens per step (default: off)",
+    )
     serve.add_argument("--fp32", action="store_true", help="dequantize weights to float32 (default: as stored)")
     serve.add_argument("--kv-f16", action="store_true", help="keep the KV cache in float16")
     serve.add_argument(
@@ -616,6 +622,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"serve: --max-step-tokens must be at least --max-batch ({max_batch}), got {args.max_step_tokens}",
               file=sys.stderr)  # fmt: skip
         return 2
+    from .errors import ArgumentError
+    from .models.speculative import Speculative
+
+    try:
+        speculative = Speculative.parse(args.speculative) if args.speculative else None
+    except ArgumentError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
+    if speculative is not None and speculative.draft is not None and not Path(speculative.draft).exists():
+        print(f"serve: --speculative: no draft model file {speculative.draft}", file=sys.stderr)
+        return 2
     options = EngineOptions(
         model=str(path),
         device=args.device,
@@ -628,6 +645,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefix_caching=not args.no_prefix_caching,
         max_waiting=WAITING_PER_SLOT * max_batch if args.max_waiting is None else args.max_waiting,
         max_step_tokens=args.max_step_tokens,
+        speculative=speculative,
     )
     if args.ray:
         return serve_on_ray(args, options, model_name=path.stem)

@@ -95,3 +95,128 @@ def test_llama_speculates_the_greedy_ids_in_fewer_steps(llama) -> None:
     assert drafted == plain and model.speculation["accepted"] >= 0.8 * model.speculation["drafted"]
     stop = plain[5]
     assert list(model.generate(ids, 24, speculative=Speculative("ngram", 4), stop={stop})) == plain[:6]
+
+
+# the engine ------------------------------------------------------------------------------------------
+
+PROMPTS = [COPY, "Once upon a time", "Water boils at", COPY + " plums, figs,"]
+
+
+def engine(**settings):
+    from batchgpu.llm import Engine
+
+    return Engine(device=bg.Device("reference"), max_batch=4, max_context=256, **settings)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """A plain engine and one with prompt lookup (4 tokens), sharing nothing."""
+    return engine(), engine(speculative=Speculative("ngram", 4))
+
+
+def together(eng, prompts, params) -> list:
+    """Each request's samples, each whole (its pieces joined), the requests run at once."""
+    import asyncio
+
+    from batchgpu.llm.output import choices
+
+    async def one(prompt, p):
+        return choices([piece async for piece in eng.generate(prompt, p)])
+
+    async def every():
+        return await asyncio.gather(*(one(prompt, p) for prompt, p in zip(prompts, params)))
+
+    return asyncio.run(every())
+
+
+def sampling(**fields):
+    from batchgpu.llm import SamplingParams
+
+    return SamplingParams(**{"max_tokens": 24, "ignore_eos": True, **fields})
+
+
+@needs_model
+@pytest.mark.model
+def test_the_engine_speculates_the_tokens_it_samples_without(engines) -> None:
+    """Greedy and seeded sampled requests (with logprobs), copy tasks beside free text: the same ids and
+    logprob entries as the plain engine, in verify steps that accepted drafted tokens."""
+    plain, speculating = engines
+    stats = speculating.scheduler.stats
+    for params in ([sampling(temperature=0.0)] * 4, [sampling(temperature=0.8, seed=i, logprobs=2) for i in range(4)]):
+        before = (dict(speculating.steps), stats.drafted_tokens, stats.accepted_tokens)
+        expected, got = (
+            [s for (s,) in together(plain, PROMPTS, params)],
+            [s for (s,) in together(speculating, PROMPTS, params)],
+        )
+        assert [p.token_ids for p in got] == [p.token_ids for p in expected]
+        for mine, theirs in zip(got, expected):
+            assert [e.token for e in mine.logprobs or ()] == [e.token for e in theirs.logprobs or ()]
+            for a, b in zip(mine.logprobs or (), theirs.logprobs or ()):
+                assert abs(a.logprob - b.logprob) <= 1e-3 and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert speculating.steps["verify"] > before[0]["verify"]
+        assert (
+            stats.accepted_tokens > before[2] and stats.drafted_tokens - before[1] >= stats.accepted_tokens - before[2]
+        )
+    assert speculating.memory()["blocks_used"] == 0
+
+
+@needs_model
+@pytest.mark.model
+def test_speculation_keeps_stops_penalties_samples_and_grammars(engines) -> None:
+    """A stop string inside an accepted draft ends the text where it ends without speculation; penalized
+    requests and structured outputs run beside speculating ones undrafted; n = 2 samples each speculate."""
+    from batchgpu.llm import StructuredOutput
+
+    plain, speculating = engines
+    schema = StructuredOutput(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})
+    params = [
+        sampling(temperature=0.0, stop=[" figs"]),
+        sampling(temperature=0.7, seed=3, repetition_penalty=1.3, frequency_penalty=0.4),
+        sampling(temperature=0.0, structured=schema, ignore_eos=False),
+        sampling(temperature=0.9, seed=11, n=2),
+    ]
+    prompts = [COPY, COPY, "A JSON object:", COPY]
+    expected, got = together(plain, prompts, params), together(speculating, prompts, params)
+    assert [[(s.text, s.token_ids, s.finish_reason) for s in p] for p in got] == [
+        [(s.text, s.token_ids, s.finish_reason) for s in p] for p in expected
+    ]
+    assert got[0][0].finish_reason == "stop" and not got[0][0].text.endswith(" figs") and len(got[3]) == 2
+
+
+@needs_model
+@pytest.mark.model
+def test_a_preempted_speculating_request_gives_its_tokens() -> None:
+    """Three requests of free text (few drafts accepted: they run long enough to meet) in a KV pool of 5
+    blocks where each needs 3: preemptions, and the plain engine's ids."""
+    params, prompts = [sampling(temperature=0.0, max_tokens=40)] * 3, ["Once upon a time", "Water boils at", "Hi"]
+    small = {"kv_blocks": 5, "block_size": 16}
+    expected = together(engine(**small), prompts, params)
+    speculating = engine(speculative=Speculative("ngram", 4), **small)
+    assert [p.token_ids for (p,) in together(speculating, prompts, params)] == [p.token_ids for (p,) in expected]
+    assert speculating.status()["preemptions"] > 0 and speculating.memory()["blocks_used"] == 0
+
+
+@needs_model
+@pytest.mark.model
+def test_a_draft_model_drafts_for_the_engine(engines) -> None:
+    """SmolLM2 drafting for itself (greedy drafts of the same model): the plain engine's ids, nearly every
+    drafted token accepted."""
+    from batchgpu.models.llama import smollm2_path
+
+    plain, _ = engines
+    speculating = engine(speculative=Speculative("draft", 3, draft=smollm2_path()))
+    params = [sampling(temperature=0.0)] * 2
+    assert [p.token_ids for (p,) in together(speculating, PROMPTS[:2], params)] == [
+        p.token_ids for (p,) in together(plain, PROMPTS[:2], params)
+    ]
+    stats = speculating.scheduler.stats
+    assert stats.accepted_tokens >= 0.9 * stats.drafted_tokens > 0
+
+
+def test_the_engine_refuses_speculation_with_steps_ahead() -> None:
+    from batchgpu.llm import Engine
+
+    with pytest.raises(ArgumentError, match="one at a time \\(ahead 0\\), got ahead=2"):
+        Engine("no-such.gguf", bg.Device("reference"), ahead=2, speculative=Speculative())
+    with pytest.raises(ArgumentError, match="speculative must be a Speculative, got str"):
+        Engine("no-such.gguf", bg.Device("reference"), speculative="ngram:4")

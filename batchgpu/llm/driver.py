@@ -18,16 +18,25 @@ from typing import Any
 from ..errors import BatchError
 from .metrics import EngineStats, clock
 from .output import OutputProcessor, Piece, hand_prompt_logprobs
-from .scheduler import Scheduler, Sequence, SequenceState, StepPlan
-from .step import StepRunner, Submitted
+from .scheduler import Scheduler, Sequence, SequenceState, StepKind, StepPlan
+from .speculation import Speculator
+from .step import StepRunner, Submitted, TokenLogprob
 
 
 class Driver:
     """The step loop over ``scheduler`` and ``runner`` with ``ahead`` steps submitted before the oldest is
     read; ``outputs`` holds the output processor of every unfinished sequence, ``stats`` counts the steps."""
 
-    def __init__(self, scheduler: Scheduler, runner: StepRunner, stats: EngineStats, ahead: int) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: StepRunner,
+        stats: EngineStats,
+        ahead: int,
+        speculator: Speculator | None = None,
+    ) -> None:
         self.scheduler, self.runner, self.stats, self.ahead = scheduler, runner, stats, ahead
+        self.speculator = speculator  # speculative decoding's (its steps run one at a time: ahead 0)
         self.outputs: dict[Sequence, OutputProcessor] = {}
         self.wake = asyncio.Event()  # a new one with each task (an event is bound to one loop)
         self.task: asyncio.Task | None = None
@@ -103,6 +112,8 @@ class Driver:
                     in_flight.pop()
                 continue
             plan = self.scheduler.schedule() if len(in_flight) <= self.ahead else None
+            if plan is not None and self.speculator is not None:
+                plan = await self.drafted(plan)
             if plan is not None:
                 submitted = self.submit(plan, self.runner.run, plan)
                 if submitted is not None:
@@ -115,6 +126,17 @@ class Driver:
                 continue
             await self.complete(in_flight.popleft())
             await asyncio.sleep(0)  # let consumers take their pieces between steps
+
+    async def drafted(self, plan: StepPlan) -> StepPlan | None:
+        """``plan`` with its sequences' drafts (a verify step), or as it was; where drafting fails, its requests
+        fail (None) and the engine goes on."""
+        assert self.speculator is not None
+        try:
+            return await self.speculator.speculate(plan)
+        except Exception as exc:
+            error = exc if isinstance(exc, BatchError) else BatchError(f"drafting failed: {exc!r}")
+            self.end_unfinished([chunk.sequence for chunk in plan.chunks], error)
+            return None
 
     def submit(self, plan: StepPlan, submit: Callable[[Any], Any], argument: Any) -> Any:
         """``submit(argument)``: run ``plan``'s step (or its sampling part); where packing or submitting fails,
@@ -129,22 +151,37 @@ class Driver:
     async def complete(self, submitted: Submitted) -> None:
         """Read a step's tokens and hand each to its request's output processor; a piece that ends its
         generation ends the request."""
+        plan = submitted.plan
         try:
-            tokens = await submitted.read_async()
-            logprobs = await submitted.logprobs_async(tokens)
+            samples = await submitted.read_async()
+            logprobs = await submitted.logprobs_async(samples)
         except BatchError as exc:
-            self.end_unfinished([chunk.sequence for chunk in submitted.plan.chunks], exc)
+            self.end_unfinished([chunk.sequence for chunk in plan.chunks], exc)
             return
-        sampled = hand_prompt_logprobs(self.outputs, submitted.plan.chunks, logprobs)
+        sampled = hand_prompt_logprobs(self.outputs, plan.chunks, logprobs)
+        if plan.kind is StepKind.VERIFY:
+            assert self.speculator is not None
+            taken = self.speculator.verified(plan, samples)
+            drafted = [(sequence.slot, tokens[-1]) for (sequence, tokens), c in zip(taken, plan.chunks) if c.draft]
+            self.runner.put_tokens([slot for slot, _ in drafted], [token for _, token in drafted])
+        else:
+            taken = [(sequence, [token]) for sequence, token in self.scheduler.update(plan, [s[0] for s in samples])]
         now = clock()  # the step's tokens all arrive now
-        for sequence, token in self.scheduler.update(submitted.plan, tokens):
-            output = self.outputs[sequence]
+        for sequence, tokens in taken:
+            self.deliver(sequence, tokens, sampled.get(sequence), now)
+
+    def deliver(self, sequence: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None, now: float) -> None:
+        """Hand ``tokens`` (with their ``logprobs`` where asked), read back at ``now``, to ``sequence``'s output
+        processor, one by one; a piece that ends its generation ends the request (the tokens after it are
+        dropped)."""
+        output = self.outputs[sequence]
+        for index, token in enumerate(tokens):
             try:
-                piece = output.push(token, sampled.get(sequence), now)
+                piece = output.push(token, logprobs[index] if logprobs else None, now)
             except BatchError as exc:  # a token its grammar refuses: that request fails alone
                 self.end(sequence, exc)
-                continue
-            if piece.finish_reason is None:
-                output.queue.put_nowait(piece)
-            else:
+                return
+            if piece.finish_reason is not None:
                 self.end(sequence, piece)
+                return
+            output.queue.put_nowait(piece)

@@ -23,8 +23,10 @@ from ..batch import default_device
 from ..device import Device
 from ..errors import BatchError, OverloadedError, RequestError
 from ..models.llama import load_model, smollm2_path, steps_ahead, weight_bytes
+from ..models.speculative import Speculative
 from .admission import Places, check_max_waiting
 from .blocks import BlockPool, default_blocks
+from .draft_model import DraftModel
 from .driver import Driver
 from .grammar import GrammarEngine, Guide
 from .metrics import EngineStats, clock
@@ -34,6 +36,7 @@ from .prompt import INLINE_PROMPT, Prompt, prepare, prompt_size
 from .samples import add_samples, request_pieces
 from .scheduler import Scheduler, StepKind, check_step_tokens
 from .scheduler import Sequence as ScheduledSequence
+from .speculation import Drafter, PromptLookup, Speculator, check_speculative, verify_rows
 from .step import KVCache, StepRunner, default_step_tokens
 
 
@@ -79,6 +82,7 @@ class Engine:
         ahead: int | None = None,
         prefix_caching: bool = True,
         max_waiting: int | None = None,
+        speculative: Speculative | None = None,
     ) -> None:
         self.device = device if device is not None else default_device()
         self.path = Path(model) if model is not None else smollm2_path()
@@ -90,7 +94,8 @@ class Engine:
         max_step_tokens = default_step_tokens(self.device, max_batch) if max_step_tokens is None else max_step_tokens
         check_step_tokens(max_batch, max_step_tokens)
         check_max_waiting("Engine", max_waiting)
-        ahead = steps_ahead(self.device, ahead, "Engine")
+        ahead = steps_ahead(self.device, 0 if speculative is not None and ahead is None else ahead, "Engine")
+        check_speculative(speculative, ahead)
         self.config, self.codec, self.weights = load_model(
             self.device, self.path, max_context, quantized=quantized, fuse=fuse, what="Engine"
         )
@@ -113,11 +118,14 @@ class Engine:
         self.runner = StepRunner(
             self.device, self.config, self.weights, self.cache, max_batch=max_batch, max_step_tokens=max_step_tokens,
             max_blocks=self.pool.needed(max_context), scoring_rows=self.scheduler.scoring_rows,
+            verify_rows=verify_rows(speculative, max_batch),
         )  # fmt: skip
         self.slots = self.scheduler.slots  # the sequence in each slot (None: free)
         self.stats = EngineStats()  # tokens, steps and latencies so far (the server's /metrics)
-        self.driver = Driver(self.scheduler, self.runner, self.stats, ahead)
-        self.steps = self.stats.steps  # steps run per kind ("decode", "mixed")
+        drafter = None if speculative is None else self.drafter(speculative, quantized)
+        speculator = None if speculative is None else Speculator(self.scheduler, speculative, drafter)
+        self.driver = Driver(self.scheduler, self.runner, self.stats, ahead, speculator)
+        self.steps = self.stats.steps  # steps run per kind ("decode", "mixed", "verify")
         self.decode_sizes = self.runner.runs[StepKind.DECODE]  # decode steps run per recorded batch size
         self.mixed_sizes = self.runner.runs[StepKind.MIXED]  # mixed steps run per recorded row count
         self._sync_loop: asyncio.AbstractEventLoop | None = None  # generate_sync's, while calls are in progress
@@ -234,10 +242,20 @@ class Engine:
     def status(self) -> dict[str, Any]:
         """Requests running (holding a slot) and waiting, steps run so far (also per recorded row count),
         preemptions and prompt tokens taken from the prefix cache so far, and :meth:`memory`."""
-        sizes = {"decode_sizes": dict(self.decode_sizes), "mixed_sizes": dict(self.mixed_sizes)}
+        sizes = {f"{kind.value}_sizes": dict(runs) for kind, runs in self.runner.runs.items()}
         return {**self.scheduler.status(), "steps": dict(self.steps), **sizes, "memory": self.memory()}
 
     # requests ------------------------------------------------------------------------------------------
+
+    def drafter(self, settings: Speculative, quantized: bool) -> Drafter:
+        """The drafter of ``settings``: prompt lookup, or a draft model on this engine's device and KV blocks."""
+        if settings.method == "ngram":
+            return PromptLookup(settings)
+        return DraftModel(
+            self.device, settings, vocab=self.config.vocab, max_context=self.max_context, quantized=quantized,
+            kv_dtype=self.cache.keys[0].dtype, blocks=self.pool.blocks, block_size=self.pool.block_size,
+            max_batch=self.max_batch, max_step_tokens=self.max_step_tokens,
+        )  # fmt: skip
 
     @contextlib.contextmanager
     def _places(self, params: SamplingParams) -> Iterator[None]:

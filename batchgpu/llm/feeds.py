@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .grammar import fill_masks
+from .params import SamplingParams
 from .scheduler import Chunk, Sequence, scores_prompt
 
 IDLE_VALUES: dict[str, float] = {
@@ -25,6 +26,9 @@ IDLE_VALUES: dict[str, float] = {
 }
 """Inputs whose every element says "none" (no KV row written, no count, no logprobs) in an idle row; the
 others are zero there, but for :data:`IDLE_COLUMNS`."""
+
+GREEDY = SamplingParams(temperature=0.0)
+"""The sampling of a greedy :class:`SlotTable`'s rows."""
 
 IDLE_COLUMNS: dict[str, tuple[int, float]] = {"sampling": (1, 1.0), "penalties": (0, 1.0)}
 """Inputs with one column off at a value other than zero: top_p 1 and the repetition penalty 1."""
@@ -82,10 +86,11 @@ class SlotTable:
     """Per slot, what every step's rows of the sequence holding it need besides their position and draw:
     its KV block table (``tables``, (slots, max_blocks)), its sampling settings as the steps take them
     (``penalties``, ``sampling``, ``top_k``, ``logprob_n``: -1 where it asks none) and its seed. Written when
-    a sequence takes the slot or a block (:meth:`sync`); read by slot, many rows at once."""
+    a sequence takes the slot or a block (:meth:`sync`); read by slot, many rows at once. ``greedy``: every
+    sequence samples greedily, without penalties or logprobs, whatever it asked (a draft model's drafts)."""
 
-    def __init__(self, slots: int, max_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
+    def __init__(self, slots: int, max_blocks: int, block_size: int, greedy: bool = False) -> None:
+        self.block_size, self.greedy = block_size, greedy
         self.owners: list[tuple[Sequence, int] | None] = [None] * slots  # the sequence (and epoch) of each row
         self.lengths = [0] * slots  # blocks written in each slot's table row
         self.tables = np.zeros((slots, max_blocks), np.int32)
@@ -113,7 +118,7 @@ class SlotTable:
 
     def take(self, slot: int, sequence: Sequence) -> None:
         """``sequence`` holds ``slot`` now: its settings and seed in the slot's rows, its table empty."""
-        params = sequence.params
+        params = GREEDY if self.greedy else sequence.params
         self.penalties[slot] = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
         self.sampling[slot] = (params.temperature, params.top_p, params.min_p, 0.0)
         self.top_k[slot] = params.top_k
@@ -162,23 +167,34 @@ def pack_rows(
     arrays["seq"][rows] = rows
     arrays["block_tables"][rows] = table.tables[slots]
     arrays["sample_rows"][rows] = rows
-    pack_samples(arrays, table, chunks, rows, slots)
+    pack_samples(arrays, table, rows, slots, *draws_of(chunks))
+
+
+def draws_of(chunks: list[Chunk]) -> tuple[np.ndarray, np.ndarray]:
+    """The draws of ``chunks``' samples (their keys' second word) and whether each is a real token."""
+    draws = np.fromiter([chunk.draw for chunk in chunks], np.uint32, len(chunks))
+    return draws, np.fromiter([chunk.sampled for chunk in chunks], bool, len(chunks))
 
 
 def pack_samples(
-    arrays: dict[str, np.ndarray], table: SlotTable, chunks: list[Chunk], samples: np.ndarray, slots: np.ndarray
+    arrays: dict[str, np.ndarray],
+    table: SlotTable,
+    samples: np.ndarray,
+    slots: np.ndarray,
+    draws: np.ndarray,
+    counted: np.ndarray,
 ) -> None:
-    """Samples ``samples[i]`` of ``chunks[i]`` (sequences in ``slots``): the sequence's settings, penalty
-    counts (its slot's) and seeded key; counted for its slot and with its logprobs where it is a real token."""
+    """Samples ``samples[i]`` of the sequences in ``slots``: the sequence's settings, penalty counts (its
+    slot's) and key (its seed, ``draws[i]``); with logprobs where asked; counted for its slot (and left as its
+    latest token) where ``counted[i]``."""
     arrays["sample_slots"][samples] = slots
     arrays["penalties"][samples] = table.penalties[slots]
     arrays["sampling"][samples] = table.sampling[slots]
     arrays["top_k"][samples] = table.top_k[slots]
     arrays["keys"][samples, 0] = table.seeds[slots]
-    arrays["keys"][samples, 1] = np.fromiter([chunk.draw for chunk in chunks], np.uint32, len(chunks))
-    real = np.fromiter([chunk.sampled for chunk in chunks], bool, len(chunks))
-    arrays["sampled_slots"][samples] = np.where(real, slots, -1)
-    arrays["logprob_n"][samples] = np.where(real, table.logprob_n[slots], -1)
+    arrays["keys"][samples, 1] = draws
+    arrays["sampled_slots"][samples] = np.where(counted, slots, -1)
+    arrays["logprob_n"][samples] = np.where(counted, table.logprob_n[slots], -1)
 
 
 def pack_decode(feeds: StepFeeds, table: SlotTable, chunks: list[Chunk], rows: list[int]) -> None:
@@ -224,7 +240,40 @@ def pack_mixed(feeds: StepFeeds, table: SlotTable, chunks: list[Chunk]) -> None:
             pack_prompt_targets(arrays, start, scored, chunk)
             scored += chunk.count
         start += chunk.count
-    pack_samples(arrays, table, chunks[decode:], samples, slots[decode:])
+    pack_samples(arrays, table, samples, slots[decode:], *draws_of(chunks[decode:]))
+
+
+def pack_verify(feeds: StepFeeds, table: SlotTable, chunks: list[Chunk]) -> list[range]:
+    """A verify step's inputs: chunk ``i``'s rows a contiguous run, its sequence's latest token (read back) and
+    its drafted tokens, all from ``ids``; every row samples (sample ``r`` from row ``r``, the key's draw one
+    more per row), with logprobs where asked. A chunk that drafted counts none of its samples and leaves its
+    slot's latest token as it was (the read puts the accepted one there:
+    :meth:`~batchgpu.llm.step.StepRunner.put_tokens`); one that did not is a decode row. Returns each
+    chunk's samples."""
+    arrays = feeds.reset()
+    slots = table.sync(chunks)
+    counts = np.fromiter([chunk.count for chunk in chunks], np.intp, len(chunks))
+    total, firsts = int(counts.sum()), np.cumsum(counts) - counts
+    rows, index = np.arange(total, dtype=np.intp), np.repeat(np.arange(len(chunks), dtype=np.intp), counts)
+    offsets = rows - firsts[index]  # each row's place in its chunk
+    starts = np.fromiter([chunk.start for chunk in chunks], np.int32, len(chunks))
+    positions = (starts[index] + offsets).astype(np.int32)
+    row_slots = slots[index]
+    arrays["ids"][:total] = [
+        t for chunk in chunks for t in (chunk.sequence.token_ids(chunk.start, chunk.start + 1)[0], *chunk.draft)
+    ]
+    arrays["sources"][:total] = table.tables.shape[0] + rows
+    arrays["positions"][:total] = positions
+    arrays["lengths"][:total] = positions + 1
+    arrays["kv_rows"][:total] = table.kv_rows(row_slots, positions)
+    arrays["seq"][:total] = index
+    arrays["block_tables"][: len(chunks)] = table.tables[slots]
+    arrays["sample_rows"][:total] = rows
+    draws, _ = draws_of(chunks)
+    undrafted = np.fromiter([not chunk.draft for chunk in chunks], bool, len(chunks))
+    pack_samples(arrays, table, rows, row_slots, draws[index] + offsets.astype(np.uint32), undrafted[index])
+    arrays["logprob_n"][:total] = table.logprob_n[row_slots]  # every row's token is real
+    return [range(first, first + count) for first, count in zip(firsts.tolist(), counts.tolist())]
 
 
 def pack_piece(

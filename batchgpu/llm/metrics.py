@@ -10,7 +10,9 @@ a scrape reads a few dozen numbers on the event loop.
   ``batchgpu_prefix_cache_hit_tokens_total``, ``batchgpu_preemptions_total``,
   ``batchgpu_requests_overloaded_total``, ``batchgpu_requests_aborted_total`` (counted by the server:
   requests whose client left before their answer was whole, each cancelled at once),
-  ``batchgpu_steps_total`` (label ``kind``: ``decode``, ``mixed``);
+  ``batchgpu_steps_total`` (label ``kind``: ``decode``, ``mixed``, ``verify``),
+  ``batchgpu_spec_decode_num_draft_tokens_total``, ``batchgpu_spec_decode_num_accepted_tokens_total``
+  (speculative decoding: tokens drafted into verify steps, and of them those accepted; vLLM's names);
 - histograms: ``batchgpu_time_to_first_token_seconds``, ``batchgpu_inter_token_latency_seconds``,
   ``batchgpu_iteration_tokens`` (token rows per step: vLLM's ``iteration_tokens_total``; vLLM's bucket
   bounds).
@@ -42,7 +44,7 @@ INTER_TOKEN_LATENCY_BUCKETS = (
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 """Upper bounds of the tokens-per-step buckets: vLLM's ``vllm:iteration_tokens_total``."""
 
-STEP_KINDS = ("decode", "mixed")
+STEP_KINDS = ("decode", "mixed", "verify")
 """The step kinds counted (:class:`~batchgpu.llm.scheduler.StepKind`'s values)."""
 
 
@@ -138,6 +140,8 @@ class EngineCollector:
             ("prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache.", prefix_hits),
             ("preemptions", "Sequences preempted (KV blocks freed, recomputed later).", preemptions),
             ("requests_overloaded", "Requests refused because the engine was full (429).", stats.overloaded),
+            ("spec_decode_num_draft_tokens", "Tokens drafted into verify steps read back.", counts.drafted_tokens),
+            ("spec_decode_num_accepted_tokens", "Drafted tokens accepted.", counts.accepted_tokens),
             ("requests_aborted", "Requests cancelled because their client disconnected.", stats.aborted),
         )
         for name, text, value in counters:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..models.speculative import Speculative
 from .engine import Engine
 
 WAITING_PER_SLOT = 16  # batchgpu serve's default max_waiting per slot of max_batch (TGI takes 128 requests)
@@ -30,6 +31,7 @@ class EngineOptions:
     prefix_caching: bool = True
     max_waiting: int | None = None
     max_step_tokens: int | None = None
+    speculative: Speculative | None = None
 
     def make(self, adapter: int | None = None) -> Engine:
         """A new engine on a new device (``adapter``: which GPU, where a machine has several)."""
@@ -47,4 +49,5 @@ class EngineOptions:
             prefix_caching=self.prefix_caching,
             max_waiting=self.max_waiting,
             max_step_tokens=self.max_step_tokens,
+            speculative=self.speculative,
         )

@@ -201,9 +201,9 @@ class OutputProcessor:
 
 def hand_prompt_logprobs(
     outputs: Mapping[Sequence, OutputProcessor], chunks: Iterable[Chunk], logprobs: list[ChunkLogprobs] | None
-) -> dict[Sequence, TokenLogprob | None]:
+) -> dict[Sequence, list[TokenLogprob] | None]:
     """Give each chunk's prompt logprobs (a mixed step's prompt rows, where asked) to its request's output, and
-    return each chunk's sampled-token logprob by sequence (to push with its token)."""
+    return each chunk's sampled tokens' logprobs by sequence (to push with its tokens)."""
     sampled = {}
     for chunk, entry in zip(chunks, logprobs or ()):
         output = outputs.get(chunk.sequence)

@@ -57,22 +57,26 @@ QUEUED = (SequenceState.WAITING, SequenceState.PREEMPTED)
 
 
 class StepKind(Enum):
-    """A decode step (one row per decode-ready sequence, nothing else: the engine's fast path) or a mixed
-    step (pieces of prompts, beside a row per decode-ready sequence)."""
+    """A decode step (one row per decode-ready sequence, nothing else: the engine's fast path), a mixed
+    step (pieces of prompts, beside a row per decode-ready sequence) or a verify step (a decode step whose
+    sequences' rows are followed by their drafted tokens' rows: speculative decoding)."""
 
     MIXED = "mixed"
     DECODE = "decode"
+    VERIFY = "verify"
 
 
 @dataclass
 class SchedulerStats:
     """Counters since the scheduler started: ``preemptions``, prompt tokens whose KV came from the prefix
-    cache (``prefix_cache_hit_tokens``) and prefill rows computed (``prompt_tokens_computed``, prompts and
-    the recomputation of preempted sequences)."""
+    cache (``prefix_cache_hit_tokens``), prefill rows computed (``prompt_tokens_computed``, prompts and
+    the recomputation of preempted sequences) and speculative decoding's drafted and accepted tokens."""
 
     preemptions: int = 0
     prefix_cache_hit_tokens: int = 0
     prompt_tokens_computed: int = 0
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted into verify steps read back
+    accepted_tokens: int = 0  # ... and those of them accepted
 
 
 @dataclass(eq=False)
@@ -95,6 +99,7 @@ class Sequence:
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks of known tokens
     registered: int = 0  # its first blocks that are registered in the prefix cache
     parent: Sequence | None = None  # a parallel sample's first sibling, whose prompt blocks it shares
+    draft_limit: int = 0  # tokens its next draft may have (speculative decoding; 0: not speculated yet)
     guide: Any = (
         None  # a structured output's grammar state (batchgpu.llm.grammar.Guide): its masks need every token read
     )
@@ -117,12 +122,17 @@ class Sequence:
         return (self.prompt + self.output)[start:stop]
 
 
+def penalized(params: SamplingParams) -> bool:
+    """Whether a request with ``params`` samples with a repetition, presence or frequency penalty (its
+    sampling reads its slot's token counts on the device)."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
 def computes_whole_prompt(params: SamplingParams) -> bool:
     """Whether a request with ``params`` must run every prompt row, so it takes nothing from the prefix
-    cache: its sampling reads the slot's token counts (a penalty is on: the prefill counts every token), or
-    it asks for its prompt's logprobs (each row's logits give the next prompt token's)."""
-    penalized = params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-    return penalized or params.prompt_logprobs is not None
+    cache: it is :func:`penalized` (the prefill counts every token), or it asks for its prompt's logprobs
+    (each row's logits give the next prompt token's)."""
+    return penalized(params) or params.prompt_logprobs is not None
 
 
 class Chunk:
@@ -130,15 +140,25 @@ class Chunk:
     token, which the step before left on the device; else a piece of its prompt); the step samples a token
     for it from its last row, with key ``(seed, draw)``, and ``sampled`` says whether that token is real (not
     for a prompt piece that leaves more of the prompt to run); ``epoch``: the sequence's preemptions when
-    planned. Immutable by convention (a plain class with slots: a step makes one per sequence)."""
+    planned. A decode chunk of a verify step also has ``draft``: the drafted tokens that follow its first
+    row (``count`` is one more), each row sampling (keys ``draw``, ``draw + 1``, ...). Immutable by convention
+    (a plain class with slots: a step makes one per sequence)."""
 
-    __slots__ = ("sequence", "start", "count", "draw", "sampled", "epoch", "decode")
+    __slots__ = ("sequence", "start", "count", "draw", "sampled", "epoch", "decode", "draft")
 
     def __init__(
-        self, sequence: Sequence, start: int, count: int, draw: int, sampled: bool, epoch: int = 0, decode: bool = False
+        self,
+        sequence: Sequence,
+        start: int,
+        count: int,
+        draw: int,
+        sampled: bool,
+        epoch: int = 0,
+        decode: bool = False,
+        draft: tuple[int, ...] = (),
     ) -> None:
         self.sequence, self.start, self.count, self.draw = sequence, start, count, draw
-        self.sampled, self.epoch, self.decode = sampled, epoch, decode
+        self.sampled, self.epoch, self.decode, self.draft = sampled, epoch, decode, draft
 
     def __repr__(self) -> str:
         kind = "decode" if self.decode else "prompt"

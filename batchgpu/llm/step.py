@@ -17,11 +17,21 @@ import numpy as np
 
 from ..batch import GpuCommandBatch, Submission
 from ..device import Device
+from ..errors import ShapeError
 from ..models.config import LlamaConfig
 from ..models.decoder import PagedKV, record_decoder, record_logits
 from ..ops.sampling import MAX_TOP
 from ..tensor import Tensor
-from .feeds import SlotTable, StepFeeds, guided, pack_decode, pack_masks, pack_mixed, wants_prompt_logprobs
+from .feeds import (
+    SlotTable,
+    StepFeeds,
+    guided,
+    pack_decode,
+    pack_masks,
+    pack_mixed,
+    pack_verify,
+    wants_prompt_logprobs,
+)
 from .scheduler import SCORING_ROWS, StepKind, StepPlan
 
 
@@ -59,7 +69,7 @@ class KVCache:
     tokens: Tensor
     block_size: int
     blocks: int
-    logits: Tensor | None = None  # (slots, vocab) float32: a split step's logits, allocated on first use
+    logits: Tensor | None = None  # (rows, vocab) float32: a split step's logits, allocated on first use
 
     @classmethod
     def allocate(
@@ -84,11 +94,12 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.keys, *self.values))
 
-    def logits_store(self, device: Device, vocab: int) -> Tensor:
-        """The resident (slots, vocab) float32 rows where a split step's forward part leaves its logits for
-        its sampling part (allocated the first time a split step is recorded)."""
+    def logits_store(self, device: Device, vocab: int, rows: int) -> Tensor:
+        """The resident (rows, vocab) float32 rows where a split step's forward part leaves its logits for
+        its sampling part (allocated the first time a split step is recorded, with room for ``rows``: the most
+        samples any step of the engine has)."""
         if self.logits is None:
-            self.logits = device.tensor(np.zeros((self.seen.shape[0], vocab), np.float32), name="logits")
+            self.logits = device.tensor(np.zeros((rows, vocab), np.float32), name="logits")
         return self.logits
 
 
@@ -169,6 +180,7 @@ def record_step(
     scoring: int = 0,
     masked: bool = False,
     split: bool = False,
+    store_rows: int = 0,
 ) -> Step:
     """Record the step. Inputs (each keeps its value until fed again):
 
@@ -199,7 +211,8 @@ def record_step(
       uint32: each sample's allowed-token bitmask, read for the samples whose ``sampling[:, 3]`` is 1.
     With ``split`` (a step whose masks are filled while its forward part runs), two batches: the
     forward part (the inputs of :data:`FORWARD_INPUTS`) leaves its logits in ``cache.logits``, the
-    sampling part (the other inputs) samples from them.
+    sampling part (the other inputs) samples from them; the store has ``store_rows`` rows (at least
+    ``samples``: the most any step of the engine samples).
     Outputs: ``next_ids`` (samples,) int32; ``logprobs`` (samples, 41) float32, the ``logprobs`` op's rows of
     the raw logits at each sampled id; with ``scoring``, ``prompt_logprobs`` (scoring, 41).
     """
@@ -262,7 +275,9 @@ def record_step(
         batch.count_tokens(cache.seen, x["count_slots"], x["ids"], x["reset"])
         batch.count_tokens(cache.generated, x["generated_slots"], x["ids"], x["reset"])
     if split:  # the logits go through the resident store to the sampling part
-        store, rows_of = cache.logits_store(device, config.vocab), np.arange(samples, dtype=np.int32)
+        store, rows_of = cache.logits_store(device, config.vocab, store_rows), np.arange(samples, dtype=np.int32)
+        if samples > store.shape[0]:  # (the scatter would leave the samples past it without logits)
+            raise ShapeError(f"record_step: {samples} samples, the split steps' logits store holds {store.shape[0]}")
         batch.scatter_rows(store, batch.upload(rows_of, name="store_rows"), logits)
         logits = sampler.embedding(sampler.upload(rows_of, name="store_rows"), store)
     next_ids, logprobs = record_sampling(sampler, cache, x, logits, samples=samples, by_slot=by_slot)
@@ -316,14 +331,15 @@ class ChunkLogprobs:
     prompt piece whose sequence asked, one per row: the logprob of the prompt token after that row (the
     rows before the prompt's last)."""
 
-    sampled: TokenLogprob | None = None
+    sampled: list[TokenLogprob] | None = None  # one per sampled token (a verify step's chunk: per row)
     prompt: list[TokenLogprob] | None = None
 
 
 @dataclass
 class Submitted:
-    """A plan's step, submitted: ``next_ids[token_rows[i]]`` is the token of ``plan.chunks[i]``; the step's
-    ``logprobs`` rows likewise, and (a scoring step's) ``prompt_rows[i]`` the rows of chunk ``i`` in
+    """A plan's step, submitted: ``next_ids[token_rows[i]]`` is the token of ``plan.chunks[i]`` (a verify
+    step's chunk samples ``next_ids[samples[i]]``, one per row; other chunks one, ``token_rows[i]``); the
+    step's ``logprobs`` rows likewise, and (a scoring step's) ``prompt_rows[i]`` the rows of chunk ``i`` in
     ``prompt_logprobs``. A split step is ``pending`` until :meth:`StepRunner.sample` submits its sampling
     part."""
 
@@ -333,14 +349,20 @@ class Submitted:
     token_rows: list[int]
     prompt_rows: list[range]
     pending: bool = False  # a split step whose sampling part is not submitted yet
+    samples: list[range] = field(default_factory=list)  # per chunk, its samples (default: its token row)
 
-    async def read_async(self) -> list[int]:
-        """The step's token for each chunk of its plan (awaits the device)."""
+    def __post_init__(self) -> None:
+        if not self.samples:
+            self.samples = [range(row, row + 1) for row in self.token_rows]
+
+    async def read_async(self) -> list[list[int]]:
+        """The step's tokens for each chunk of its plan (one, or a verify step's one per row; awaits the
+        device)."""
         ids = await self.submission.read_async(self.step.next_ids)
-        return ids[self.token_rows].tolist()
+        return [ids[rows].tolist() for rows in self.samples]
 
-    async def logprobs_async(self, tokens: list[int]) -> list[ChunkLogprobs] | None:
-        """Per chunk, the logprobs its sequence asked for (of its sampled token, ``tokens[i]``, and of its
+    async def logprobs_async(self, tokens: list[list[int]]) -> list[ChunkLogprobs] | None:
+        """Per chunk, the logprobs its sequence asked for (of its sampled tokens, ``tokens[i]``, and of its
         prompt's tokens); None when no chunk asked: then nothing more is read. Reads only the small rows of
         the ``logprobs`` op."""
         chunks = self.plan.chunks
@@ -357,7 +379,7 @@ class Submitted:
         for index, chunk in enumerate(chunks):
             entry = ChunkLogprobs()
             if rows is not None and sampled[index]:
-                entry.sampled = token_logprob(rows[self.token_rows[index]], tokens[index])
+                entry.sampled = [token_logprob(rows[r], t) for r, t in zip(self.samples[index], tokens[index])]
             if lines is not None and prompt[index]:
                 following = chunk.sequence.prompt[chunk.start + 1 : chunk.start + chunk.count + 1]
                 entry.prompt = [token_logprob(lines[row], t) for row, t in zip(self.prompt_rows[index], following)]
@@ -384,15 +406,22 @@ class StepRunner:
         max_step_tokens: int,
         max_blocks: int,
         scoring_rows: int = SCORING_ROWS,
+        verify_rows: int = 0,
+        greedy: bool = False,
     ) -> None:
-        self.cache, self.max_batch, self.scoring_rows = cache, max_batch, scoring_rows
-        self.table = SlotTable(max_batch, max_blocks, cache.block_size)
-        record = functools.partial(record_step, device, config, weights, cache, max_blocks=max_blocks)
+        self.device, self.cache, self.max_batch, self.scoring_rows = device, cache, max_batch, scoring_rows
+        self.table = SlotTable(max_batch, max_blocks, cache.block_size, greedy)
+        record = functools.partial(
+            record_step, device, config, weights, cache, max_blocks=max_blocks, store_rows=max(max_batch, verify_rows)
+        )
         self.record = record
         self.recorded = {
             StepKind.DECODE: self.ladder(record, StepKind.DECODE, max_batch),
             StepKind.MIXED: self.ladder(record, StepKind.MIXED, max_step_tokens),
         }
+        if verify_rows:  # speculative decoding's verify steps
+            self.recorded[StepKind.VERIFY] = self.ladder(record, StepKind.VERIFY, verify_rows)
+        self.putter: tuple[GpuCommandBatch, Tensor, Tensor] | None = None  # put_tokens' batch: on first use
         self.variants: dict[tuple[StepKind, int, bool, bool], Step] = {}  # scoring or masked: on first use
         self.runs = {kind: dict.fromkeys(steps, 0) for kind, steps in self.recorded.items()}
 
@@ -407,11 +436,11 @@ class StepRunner:
         of pieces that ask, at most ``scoring_rows`` of them; ``masked``: with the samples' allowed-token
         bitmasks, split, so that its masks, which need the tokens before, are filled while its forward part
         runs)."""
-        mixed = kind is StepKind.MIXED
-        samples = min(self.max_batch, size)
+        mixed = kind is not StepKind.DECODE  # a verify step's rows read their tokens from the host, as prompts'
+        samples = size if kind is StepKind.VERIFY else min(self.max_batch, size)  # a verify step: every row
         label = ("score" if scoring else kind.value) + ("-masked" if masked else "")
         return record(
-            rows=size, samples=samples, table_rows=samples, name=f"{label}{size}", mixed=mixed,
+            rows=size, samples=samples, table_rows=min(self.max_batch, size), name=f"{label}{size}", mixed=mixed,
             by_slot=not mixed and samples == self.max_batch, scoring=min(size, self.scoring_rows) if scoring else 0,
             masked=masked, split=masked,
         )  # fmt: skip
@@ -433,9 +462,13 @@ class StepRunner:
         """Pack ``plan`` into the smallest recorded step of its kind that holds its rows and submit it."""
         size = next(size for size in self.recorded[plan.kind] if size >= plan.rows)
         step = self.step_for(plan, size)
+        samples: list[range] = []
         if plan.kind is StepKind.MIXED:
             token_rows = list(range(len(plan.chunks)))
             pack_mixed(step.feeds, self.table, plan.chunks)
+        elif plan.kind is StepKind.VERIFY:
+            samples = pack_verify(step.feeds, self.table, plan.chunks)
+            token_rows = [rows.start for rows in samples]
         else:
             by_slot = size == self.max_batch
             token_rows = [c.sequence.slot for c in plan.chunks] if by_slot else list(range(len(plan.chunks)))
@@ -443,7 +476,22 @@ class StepRunner:
         submission = step.run_packed()
         self.runs[plan.kind][size] += 1
         prompt_rows = piece_rows(plan) if step.prompt_logprobs is not None else []
-        return Submitted(plan, submission, step, token_rows, prompt_rows, pending=step.forward is not None)
+        return Submitted(plan, submission, step, token_rows, prompt_rows, step.forward is not None, samples)
+
+    def put_tokens(self, slots: list[int], tokens: list[int]) -> None:
+        """Write ``tokens[i]`` as slot ``slots[i]``'s latest token on the device, where the next decode row
+        reads it (after a verify step: the last accepted token, not the last row's sample); submitted, as
+        every step is, in order."""
+        if self.putter is None:
+            batch = GpuCommandBatch(self.device, name="put-tokens")
+            rows = batch.upload(np.zeros(self.max_batch, np.int32), name="slots")
+            values = batch.upload(np.zeros((self.max_batch, 1), np.int32), name="tokens")
+            batch.scatter_rows(self.cache.tokens, rows, values)
+            self.putter = (batch, rows, values)
+        batch, rows, values = self.putter
+        feed_rows, feed_values = np.full(self.max_batch, -1, np.int32), np.zeros((self.max_batch, 1), np.int32)
+        feed_rows[: len(slots)], feed_values[: len(slots), 0] = slots, tokens
+        batch.execute({rows: feed_rows, values: feed_values})
 
     def sample(self, submitted: Submitted) -> Submitted:
         """Submit a split step's sampling part, with its grammar rows' masks (their guides must have taken
