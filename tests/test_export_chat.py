@@ -8,6 +8,7 @@ of each other (WGSL's exp/log latitude), which random data makes vanishingly rar
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 import batchgpu as bg
+from batchgpu.arguments import linked_within, within
 from batchgpu.errors import ArgumentError, BatchError
 from batchgpu.export.browser import Chromium, find_chromium, serve
 from batchgpu.export.chat import export_chat
@@ -328,6 +330,51 @@ def test_export_refuses_bad_arguments_before_writing(tmp_path: Path) -> None:
     (out / "notes.txt").write_text("mine")
     with pytest.raises(BatchError, match="not empty"):
         export_chat(path, out)
+
+
+def test_export_never_deletes_or_overwrites_its_own_model(tmp_path: Path) -> None:
+    """A model the export would reach (inside the output folder, through a symbolic link either way, or a hard
+    link of a file there) is refused before anything is written; the earlier export stays as it was."""
+    model = tiny_model(tmp_path, "llama-q8_0")
+    out = export_chat(model, tmp_path / "app", max_context=16, chunk=4, gpu_kernels=False)
+    earlier = {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
+    os.link(out / "model.gguf", tmp_path / "hard.gguf")
+    (tmp_path / "soft.gguf").symlink_to(out / "model.gguf")
+    (tmp_path / "alias").symlink_to(out, target_is_directory=True)
+    for source, target, message in [
+        (out / "model.gguf", out, "lies in the output folder"),
+        (tmp_path / "soft.gguf", out, "lies in the output folder"),
+        (out / "model.gguf", tmp_path / "alias", "lies in the output folder"),
+        (tmp_path / "alias" / "model.gguf", out, "lies in the output folder"),
+        (model, tmp_path, "lies in the output folder"),  # the model's own folder
+        (tmp_path / "hard.gguf", out, "is the same file as"),
+    ]:
+        for copy_model in (True, False):
+            with pytest.raises(ArgumentError, match=message):
+                export_chat(source, target, max_context=16, chunk=4, copy_model=copy_model)
+    assert {f: f.read_bytes() for f in out.rglob("*") if f.is_file()} == earlier
+
+
+def test_export_over_an_earlier_export_replaces_its_model_by_rename(tmp_path: Path) -> None:
+    model = tiny_model(tmp_path, "llama-q8_0")
+    out = export_chat(model, tmp_path / "app", max_context=16, chunk=4, gpu_kernels=False)
+    for copy_model in (True, False):
+        export_chat(model, out, max_context=8, chunk=2, gpu_kernels=False, copy_model=copy_model)
+        assert (out / "model.gguf").read_bytes() == model.read_bytes() and not list(out.glob("*.partial"))
+    assert os.path.samefile(out / "model.gguf", model)  # the last export linked it
+
+
+def test_within_and_linked_within(tmp_path: Path) -> None:
+    folder, outside = tmp_path / "folder", tmp_path / "model.gguf"
+    (folder / "sub").mkdir(parents=True)
+    outside.write_bytes(b"GGUF")
+    assert within(outside, folder) is None and linked_within(outside, folder) is None
+    os.link(outside, folder / "sub" / "copy.gguf")
+    assert linked_within(outside, folder) == folder / "sub" / "copy.gguf"
+    assert within(folder / "sub" / "copy.gguf", folder) == folder / "sub" / "copy.gguf"
+    (tmp_path / "alias").symlink_to(folder, target_is_directory=True)
+    assert within(folder / "sub" / "copy.gguf", tmp_path / "alias") == tmp_path / "alias" / "sub" / "copy.gguf"
+    assert within(tmp_path / "missing", folder) is None and linked_within(tmp_path / "missing", folder) is None
 
 
 def write_safetensors_dir(tmp_path: Path) -> Path:

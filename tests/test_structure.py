@@ -79,7 +79,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "export/chat.py",
     ),
     "llm": ("llm/",),  # the serving engine and its HTTP server
-    "tools": ("cli.py", "__main__.py", "check.py", "check_report.py", "overhead.py"),  # the command line
+    "tools": ("cli.py", "flags.py", "__main__.py", "check.py", "check_report.py", "overhead.py"),  # the command line
 }
 
 

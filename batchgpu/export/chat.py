@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arguments import linked_within, within
 from ..device import Device
 from ..errors import ArgumentError, UnsupportedError
 from ..executors.wgpu_plan import plan_launches
@@ -63,6 +64,8 @@ APP_FILES = (
 )
 """The app's own files, copied from the package as they are (``batchgpu/export/app``), with its ``vendor/``."""
 MODEL_FILE = "model.gguf"
+MANIFEST = "model.json"
+"""The plan's file: a folder holding it is an earlier export, which an export may write over."""
 
 
 def export_chat(
@@ -84,10 +87,12 @@ def export_chat(
     file system allows, else a copy); ``limits``: WebGPU limits (``max_*``, underscored) lower than its defaults
     that the target devices have (a matrix over ``max_storage_buffer_binding_size`` is held as row pieces).
 
-    Bad arguments raise ArgumentError, a non-GGUF model UnsupportedError, before anything is written."""
+    Bad arguments raise ArgumentError, a non-GGUF model UnsupportedError, before anything is written; so does
+    a model that writing into ``out`` would reach (:func:`check_model_apart`): an export never deletes or
+    overwrites its own input."""
     out = Path(out_dir)
     path = Path(model)
-    check_out_dir(out, "export_chat", "model.json")
+    check_model_apart(path, out)
     if not path.is_file():
         raise ArgumentError(f"export_chat: {path} is not a file; pass a GGUF model file")
     for name, value in (("max_context", max_context), ("chunk", chunk)):
@@ -119,6 +124,22 @@ def export_chat(
         write_text_assets(codec, out)
         _place_model(path, out / MODEL_FILE, copy=copy_model, stages=stages)
     return out
+
+
+def check_model_apart(model: Path, out: Path) -> None:
+    """ArgumentError (naming ``export_chat``) unless ``out`` is a folder to export into (empty, or an earlier
+    export: :func:`~batchgpu.export.webgpu.check_out_dir`) that the model file is not part of: not under it (an
+    earlier export's model.gguf, the model's own folder, either through a symbolic link) nor linked from it
+    (a hard or symbolic link there, as ``--link`` leaves)."""
+    inside = within(model, out)
+    if inside is not None:
+        raise ArgumentError(f"export_chat: the model {model} lies in the output folder (as {inside}); export to "
+                            f"another folder, or move the model out first")  # fmt: skip
+    check_out_dir(out, "export_chat", MANIFEST)
+    linked = linked_within(model, out)
+    if linked is not None:
+        raise ArgumentError(f"export_chat: the model {model} is the same file as {linked} in the output folder; "
+                            f"export to another folder, or remove {linked} first")  # fmt: skip
 
 
 def _model_entry(weights: GGUFWeights, max_context: int, chunk: int) -> dict[str, Any]:
@@ -214,7 +235,7 @@ def _write(out: Path, manifest: dict[str, Any], plan: ProgramPlan, data: bytearr
         (out / shader["file"]).write_text(source, encoding="utf-8")
     (out / "params.bin").write_bytes(bytes(plan.params))
     (out / "data.bin").write_bytes(bytes(data))
-    (out / "model.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     app = resources.files("batchgpu.export") / "app"
     for name in APP_FILES:
         (out / name).write_text((app / name).read_text(encoding="utf-8"), encoding="utf-8")
@@ -227,13 +248,24 @@ def _write(out: Path, manifest: dict[str, Any], plan: ProgramPlan, data: bytearr
 
 
 def _place_model(source: Path, target: Path, *, copy: bool, stages: Stages) -> None:
-    if target.exists() or target.is_symlink():
-        target.unlink()
+    """The model at ``target`` (a hard link where asked and the file system allows, else a copy), through
+    ``<target>.partial`` renamed over an earlier export's: ``target`` is whole or as it was, never missing."""
+    partial = target.with_name(target.name + ".partial")
+    partial.unlink(missing_ok=True)
     stages.phase(f"copying {source.name}", name="copying")
-    if not copy:
-        try:
-            os.link(source, target)
-            return
-        except OSError:
-            pass  # another file system: copy
-    shutil.copyfile(source, target)
+    try:
+        if copy or not _linked(source, partial):
+            shutil.copyfile(source, partial)
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def _linked(source: Path, target: Path) -> bool:
+    """Whether ``target`` could be made a hard link of ``source`` (not across file systems)."""
+    try:
+        os.link(source, target)
+    except OSError:
+        return False
+    return True

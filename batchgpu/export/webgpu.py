@@ -147,10 +147,22 @@ def export_webgpu(
 def check_out_dir(out: Path, what: str = "export_webgpu", marker: str = "manifest.json") -> None:
     """Refuse (BatchError naming ``what``) an ``out`` that is a file, or a folder holding files but no earlier
     export (its ``marker`` file), before anything is written."""
+    problem = out_dir_problem(out, marker)
+    if problem is not None:
+        raise BatchError(f"{what}: {out} {problem}; pick an empty folder")
+
+
+def out_dir_problem(out: Path, marker: str) -> str | None:
+    """Why ``out`` is no folder to export into (a file, or a folder holding files but no earlier export: its
+    ``marker`` file), or None."""
     if out.exists() and not out.is_dir():
-        raise BatchError(f"{what}: {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / marker).is_file():
-        raise BatchError(f"{what}: {out} is not empty and holds no earlier export; pick an empty folder")
+        return "exists and is not a folder"
+    try:
+        if out.is_dir() and any(out.iterdir()) and not (out / marker).is_file():
+            return "is not empty and holds no earlier export"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    return None
 
 
 def required_features(launches: Sequence[LaunchLayout], offered: set[str], what: str = "export_webgpu") -> set[str]:

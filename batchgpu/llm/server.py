@@ -571,11 +571,13 @@ def serve(
     :func:`create_app` for ``max_request_bytes``, ``trusted_messages`` and ``embeddings``.
     ``max_connections``: uvicorn's ``limit_concurrency`` (None: no limit); with that many connections (or
     requests) open, uvicorn answers 503 at once, so bodies being read hold at most ``max_connections *
-    max_request_bytes``."""
+    max_request_bytes``. The engine is made first, before the port is bound, in this thread (where uvicorn
+    then runs its event loop): an engine that cannot be made raises here, and nothing ever listened."""
     import uvicorn
 
+    engine = make_engine()
     app = create_app(
-        make_engine,
+        lambda: engine,
         model_name,
         max_request_bytes=max_request_bytes,
         trusted_messages=trusted_messages,
