@@ -181,7 +181,7 @@ def create_app(
         except OverloadedError as exc:  # the engine is full: OpenAI's answer to too many requests
             return _overloaded(exc)
         except RequestError as exc:
-            return _error(400, str(exc), param=exc.param)
+            return _error(400, str(exc), param=call.request_field(exc.param))
         echo = _Echo(call, first, codec) if call.echo else None
         if call.stream:
             events = _events(
@@ -194,7 +194,7 @@ def create_app(
             try:
                 collected += await client.run(_rest(pieces))
             except GrammarError as exc:  # its grammar could not go on (the grammar engine's limits)
-                return _error(400, str(exc), param=exc.param)
+                return _error(400, str(exc), param=call.request_field(exc.param))
         samples = choices(collected)  # a prompt-only answer: the caller closes the generation (not an abort)
         answers = [_choice(whole, chat, echo) for whole in samples]
         return JSONResponse(
@@ -227,7 +227,8 @@ def create_app(
         try:
             answer = await asyncio.to_thread(tokenize, engine.codec, vocab, call, context, trusted=trusted_messages)
         except RequestError as exc:  # the chat template refused the messages
-            return _error(400, str(exc), param=exc.param)
+            chat = not isinstance(call.prompt, str) and exc.param == "prompt"
+            return _error(400, str(exc), param="messages" if chat else exc.param)
         return JSONResponse(answer)
 
     async def detokenize_ids(request: Request) -> Response:
@@ -546,9 +547,12 @@ def _error(
     code: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> Any:
-    from starlette.responses import JSONResponse
+    """A refusal: OpenAI's error body (``\\u`` escapes for what is not ASCII, so that text from the request
+    is always encodable) with ``status``."""
+    from starlette.responses import Response
 
-    return JSONResponse(_error_body(message, kind, param=param, code=code), status, headers=headers)
+    body = json.dumps(_error_body(message, kind, param=param, code=code)).encode("ascii")
+    return Response(body, status, headers=headers, media_type="application/json")
 
 
 def _error_body(message: str, kind: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
