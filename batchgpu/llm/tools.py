@@ -29,7 +29,7 @@ from typing import Any
 
 from ..arguments import brief
 from ..errors import RequestError
-from .structured import JSON_LAYOUT, StructuredOutput
+from .structured import JSON_LAYOUT, StructuredOutput, check_finite_schema
 
 MAX_TOOLS = 128
 """The most functions one request may offer (OpenAI's limit)."""
@@ -89,6 +89,7 @@ class Function:
         except UnicodeEncodeError as exc:
             message = f"function {self.name}: its description or parameters are not valid Unicode ({exc.reason})"
             raise RequestError(message, "tools") from None
+        check_finite_schema(parsed, "tools", f"function {self.name}: the parameters' JSON schema")
         object.__setattr__(self, "parameters", text)
 
     @property
