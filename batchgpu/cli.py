@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--top", type=int, metavar="N", help="show the N slowest dispatches per batch and a per-kernel summary"
     )
 
-    from .llm.schema import DEFAULT_MAX_REQUEST_BYTES
+    from .llm.schema import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
     serve = command("serve", "an OpenAI-compatible HTTP server of a model (batchgpu.llm)")
     serve.add_argument(
@@ -169,6 +169,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="read control-token text (<|im_start|>) in chat messages as control tokens: only if every client "
         "is trusted (default: plain text, so a message cannot forge another role's turn)",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=timeout_seconds,
+        default=DEFAULT_HEADER_TIMEOUT,
+        metavar="S",
+        help="answer 408 and close a connection whose request line and headers take over S seconds to arrive "
+        f"(a client trickling them holds nothing for long; default {DEFAULT_HEADER_TIMEOUT:g}; 0: no limit)",
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=timeout_seconds,
+        default=DEFAULT_BODY_TIMEOUT,
+        metavar="S",
+        help=f"answer 408 and close a connection whose request body takes over S seconds to arrive after its "
+        f"headers (default {DEFAULT_BODY_TIMEOUT:g}; 0: no limit)",
     )
     serve.add_argument("--ray", action="store_true", help="serve on Ray Serve: --replicas engines, one per device")
     serve.add_argument("--replicas", type=int, default=1, help="engine replicas with --ray (default 1)")
@@ -589,6 +605,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
 # serve ------------------------------------------------------------------------------------------
 
 
+def timeout_seconds(text: str) -> float | None:
+    """A time limit of ``serve`` in seconds (argparse's ``type``): a number >= 0, 0 for none (None)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be seconds >= 0 (0: no limit), got {text!r}")
+    return value or None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from .llm.server import serve
@@ -639,6 +666,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         trusted_messages=args.trusted_messages,
         max_connections=args.max_connections,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
     )
     return 0
 
@@ -670,6 +699,8 @@ def serve_embeddings(args: argparse.Namespace, path: Path) -> int:
         max_request_bytes=args.max_request_bytes,
         embeddings=True,
         max_connections=args.max_connections,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
     )
     return 0
 

@@ -26,6 +26,14 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 """The largest request body the server reads by default (``serve --max-request-bytes``): 4 MiB, hundreds
 of times the text of a long context's prompt; a larger body is refused (413) before it is read."""
 
+DEFAULT_HEADER_TIMEOUT = 10.0
+"""Seconds a request's line and headers may take to arrive by default (``serve --header-timeout``); later,
+the server answers 408 and closes the connection (a client trickling its headers holds nothing for long)."""
+
+DEFAULT_BODY_TIMEOUT = 30.0
+"""Seconds a request's body may take to arrive after its headers by default (``serve --body-timeout``: 4 MiB
+at 140 kB/s); later, the server answers 408 and closes the connection."""
+
 MAX_DEPTH = 32
 """JSON nesting a body may have (a chat request with content parts needs 5); deeper is refused before it
 is parsed."""
