@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--top", type=int, metavar="N", help="show the N slowest dispatches per batch and a per-kernel summary"
     )
 
-    from .llm.schema import DEFAULT_MAX_REQUEST_BYTES
+    from .llm.schema import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
     serve = command("serve", "an OpenAI-compatible HTTP server of a model (batchgpu.llm)")
     serve.add_argument(
@@ -136,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="sequences decoded together (default 8); for an encoder, texts embedded together (default 32)",
     )
-    serve.add_argument("--max-context", type=int, default=2048, help="prompt + output tokens (default 2048)")
+    serve.add_argument(
+        "--max-context", type=int, help="prompt + output tokens (default 2048, or the model's trained context)"
+    )
     serve.add_argument(
         "--max-step-tokens",
         type=int,
@@ -192,6 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="read control-token text (<|im_start|>) in chat messages as control tokens: only if every client "
         "is trusted (default: plain text, so a message cannot forge another role's turn)",
     )
+    serve.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT,
+        metavar="S",
+        help="answer 408 and close a connection whose request line and headers take over S seconds to arrive "
+        f"(a client trickling them holds nothing for long; default {DEFAULT_HEADER_TIMEOUT:g}; 0: no limit)",
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT,
+        metavar="S",
+        help=f"answer 408 and close a connection whose request body takes over S seconds to arrive after its "
+        f"headers (default {DEFAULT_BODY_TIMEOUT:g}; 0: no limit)",
+    )
     serve.add_argument("--ray", action="store_true", help="serve on Ray Serve: --replicas engines, one per device")
     serve.add_argument("--replicas", type=int, default=1, help="engine replicas with --ray (default 1)")
     serve.add_argument(
@@ -216,7 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat = command("export-chat", "a GGUF model as a static WebGPU chat app (a folder to serve over HTTP)")
     chat.add_argument("out", help="the folder to write (empty, or an earlier export)")
     chat.add_argument("--model", required=True, help="the GGUF model file")
-    chat.add_argument("--max-context", type=int, default=1024, help="KV cache positions: prompt + reply (default 1024)")
+    chat.add_argument(
+        "--max-context",
+        type=int,
+        help="KV cache positions: prompt + reply (default 1024, or the model's trained context if shorter)",
+    )
     chat.add_argument("--chunk", type=int, default=64, help="the largest prefill step, a power of two (default 64)")
     chat.add_argument(
         "--cpu-kernels", action="store_true", help="the CPU-driver kernel forms (for a CPU WebGPU such as SwiftShader)"
@@ -648,7 +670,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=str(path),
         device=args.device,
         max_batch=max_batch,
-        max_context=args.max_context,
+        max_context=flags.max_context(args),
         quantized=not args.fp32,
         kv_dtype="float16" if args.kv_f16 else "float32",
         kv_blocks=args.kv_blocks,
@@ -672,6 +694,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         trusted_messages=args.trusted_messages,
         max_connections=args.max_connections,
+        header_timeout=args.header_timeout or None,  # 0: no limit
+        body_timeout=args.body_timeout or None,
     )
     return 0
 
@@ -703,6 +727,8 @@ def serve_embeddings(args: argparse.Namespace, path: Path) -> int:
         max_request_bytes=args.max_request_bytes,
         embeddings=True,
         max_connections=args.max_connections,
+        header_timeout=args.header_timeout or None,  # 0: no limit
+        body_timeout=args.body_timeout or None,
     )
     return 0
 
@@ -757,7 +783,7 @@ def cmd_export_chat(args: argparse.Namespace) -> int:
         out = export_chat(
             args.model,
             args.out,
-            max_context=args.max_context,
+            max_context=flags.max_context(args),
             chunk=args.chunk,
             gpu_kernels=not args.cpu_kernels,
             copy_model=not args.link,

@@ -164,10 +164,10 @@ def step_tokens(value: int, args: argparse.Namespace) -> Refusal | None:
 
 
 def power_of_two_to(other: str) -> Check:
-    """A power of two no larger than the value of the flag ``other``."""
+    """A power of two no larger than the value of the flag ``other`` (``--max-context``: as resolved)."""
 
     def check(value: int, args: argparse.Namespace) -> Refusal | None:
-        bound = getattr(args, dest(other))
+        bound = max_context(args) if other == "--max-context" else getattr(args, dest(other))
         return None if value & (value - 1) == 0 and value <= bound else Refusal(f"a power of two <= {other} ({bound})")
 
     return check
@@ -355,6 +355,22 @@ def within_trained(model_flag: str) -> Check:
     return check
 
 
+DEFAULT_CONTEXT = {"serve": 2048, "export-chat": 1024}
+"""A command's ``--max-context`` where none is given, at most the model's trained context."""
+
+
+def max_context(args: argparse.Namespace) -> int:
+    """``--max-context`` as given, or the command's default (:data:`DEFAULT_CONTEXT`) lowered to the trained
+    context of the model of ``--model`` (a model too short for the default still serves, whole)."""
+    if args.max_context is not None:
+        return args.max_context
+    from .models.encoder import is_encoder
+
+    default, path = DEFAULT_CONTEXT[args.command], model_path(args.model)
+    trained = None if is_encoder(path) else trained_context(path)
+    return min(default, trained) if trained else default
+
+
 def generation_only(value: bool, args: argparse.Namespace) -> Refusal | None:
     """Off for an encoder model (``--ray`` serves generation models; an encoder is served in one process)."""
     from .models.encoder import is_encoder
@@ -471,6 +487,8 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Rule("--max-context", within_trained("--model")),
         Rule("--ray", generation_only),
         Rule("--speculative", speculation),
+        Rule("--header-timeout", reals(0, MAX_SECONDS)),
+        Rule("--body-timeout", reals(0, MAX_SECONDS)),
     ),
     "synth": (
         Rule("--preset", one_of(PRESETS)),

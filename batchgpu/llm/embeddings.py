@@ -25,6 +25,7 @@ import numpy as np
 
 from ..arguments import brief
 from ..errors import RequestError
+from ..models.codec import check_text
 from ..models.encoder import Encoder
 from .admission import Places, check_max_waiting
 from .schema import EMBEDDINGS, check_fields, parse_json
@@ -67,6 +68,8 @@ def read_embeddings_request(body: bytes, encoder: Encoder) -> EmbeddingsRequest:
 def tokenized(inputs: Inputs, encoder: Encoder) -> list[np.ndarray]:
     """The token ids of each of ``inputs`` (texts tokenized, at most :data:`MAX_TOKENS` in all)."""
     if inputs and isinstance(inputs[0], str):  # one form for every input (input_items)
+        for index, item in enumerate(inputs):
+            check_text(item, f"input[{index}]", "input")  # a lone surrogate is no text (as in a prompt)
         ids = [np.asarray(row, np.int32) for row in encoder.tokenize([str(item) for item in inputs])]
     else:
         ids = [np.asarray(item, np.int32) for item in inputs]

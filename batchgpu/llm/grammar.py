@@ -11,12 +11,16 @@ on the host.
 llguidance's matchers print nothing (log level 0): a request's grammar warnings (a lenient schema's keys
 left out) and the error that stops a sequence's grammar go to the ``batchgpu.llm.grammar`` logger at
 WARNING instead of the process' stderr; the error also fails its request
-(:class:`~batchgpu.errors.GrammarError`)."""
+(:class:`~batchgpu.errors.GrammarError`). A panic of llguidance's (a Rust panic on a hostile schema is
+pyo3's PanicException, which is no Exception) is the request's error too (:func:`panics`), never the
+server's."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -38,6 +42,19 @@ def constraint(params: SamplingParams, chat_template: str | None) -> StructuredO
     return params.structured
 
 
+@contextmanager
+def panics(param: str, error: type[RequestError] = RequestError) -> Iterator[None]:
+    """Turn a panic of llguidance's inside the block into ``error`` naming ``param`` (other exceptions pass)."""
+    try:
+        yield
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        reason = (str(exc).splitlines() or ["a panic"])[0][:200]
+        log.warning("llguidance panicked on a request's grammar: %s", reason)
+        raise error(f"the grammar engine failed on the {param}: {reason}", param) from None
+
+
 def mask_words(vocab: int) -> int:
     """32-bit words of one row's allowed-token bitmask."""
     return (vocab + 31) // 32
@@ -47,12 +64,15 @@ class Guide:
     """One sequence's grammar state: :meth:`fill` its next token's allowed bitmask, :meth:`accept` each
     token read back; ``stopped`` once the grammar has ended (after its end-of-sequence token, or text
     nothing can follow). ``first``: the mask at the start, computed ahead (off the engine's loop: a
-    grammar's first mask builds its lexer, the dearest one)."""
+    grammar's first mask builds its lexer, the dearest one); ``param``: the request field its errors name."""
 
-    def __init__(self, matcher: Any, first: np.ndarray | None = None, executor: Any = None) -> None:
+    def __init__(
+        self, matcher: Any, first: np.ndarray | None = None, executor: Any = None, param: str = "response_format"
+    ) -> None:
         self.matcher = matcher
         self.first = first
         self.executor = executor  # the engine's llguidance thread pool (:func:`fill_masks`)
+        self.param = param
 
     def fill(self, row: np.ndarray) -> None:
         """Write the allowed-token bitmask of the next token into ``row`` (uint32, :func:`mask_words` long)."""
@@ -62,16 +82,24 @@ class Guide:
             return
         from llguidance.numpy import fill_next_token_bitmask
 
-        fill_next_token_bitmask(self.matcher, row.view(np.int32).reshape(1, -1), 0)
+        with panics(self.param, GrammarError):
+            fill_next_token_bitmask(self.matcher, row.view(np.int32).reshape(1, -1), 0)
 
     def accept(self, token: int) -> None:
-        """Advance over ``token``; RequestError where the grammar refuses it (a token the mask left out, -1:
-        the mask allowed none, or the grammar engine's limits reached)."""
+        """Advance over ``token``; GrammarError where the grammar refuses it (a token the mask left out, -1:
+        the mask allowed none, or the grammar engine's limits reached) or ends with it short of a whole
+        output (it was stuck: nothing but the end could follow text its grammar does not accept)."""
         self.first = None
-        if token < 0 or not self.matcher.consume_token(token):
+        with panics(self.param, GrammarError):
+            consumed = token >= 0 and self.matcher.consume_token(token)
+        if not consumed:
             error = (self.matcher.get_error() or f"token {token} is not allowed here").splitlines()[0]
             log.warning("llguidance: a request's grammar failed: %s", error)
-            raise GrammarError(f"the output's grammar failed: {error}", "response_format")
+            raise GrammarError(f"the output's grammar failed: {error}", self.param)
+        if self.matcher.is_stopped() and not self.matcher.is_accepting():
+            log.warning("llguidance: a request's grammar ended short of a whole output")
+            message = "the output's grammar failed: it ended short of a whole output (nothing it allows comes next)"
+            raise GrammarError(message, self.param)
 
     @property
     def stopped(self) -> bool:
@@ -91,7 +119,8 @@ def fill_masks(guides: list[tuple[Guide, int]], masks: np.ndarray) -> None:
     if pending:
         from llguidance.numpy import fill_next_token_bitmask_par
 
-        fill_next_token_bitmask_par(guides[0][0].executor, pending, masks.view(np.int32))
+        with panics(guides[0][0].param, GrammarError):
+            fill_next_token_bitmask_par(guides[0][0].executor, pending, masks.view(np.int32))
 
 
 class GrammarEngine:
@@ -118,10 +147,16 @@ class GrammarEngine:
         """The llguidance grammar of ``output``, checked against the vocabulary (RequestError naming
         ``output.param`` where the schema or grammar is refused; safe to call from another thread)."""
         try:
-            from llguidance import LLMatcher
+            import llguidance  # noqa: F401
         except ImportError:
             message = "structured outputs need llguidance: pip install 'batchgpu[llm]'"
             raise RequestError(message, output.param) from None
+        with panics(output.param):
+            return self._compiled(output)
+
+    def _compiled(self, output: StructuredOutput) -> str:
+        from llguidance import LLMatcher
+
         try:
             if output.json_object:
                 grammar = LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
@@ -139,17 +174,29 @@ class GrammarEngine:
             raise RequestError(f"the {output.param} is not valid: {problem.splitlines()[0][:300]}", output.param)
         return grammar
 
-    def guides(self, grammar: str, count: int) -> list[Guide]:
+    def guides(self, grammar: str, count: int, param: str = "response_format") -> list[Guide]:
         """``count`` guides of one compiled ``grammar``, each at its start with its first mask computed
-        (call it off the event loop)."""
+        (call it off the event loop); RequestError naming ``param`` where the grammar has no output at all
+        (llguidance stops at once, finding nothing to write: a schema that only refers to itself)."""
+        with panics(param):
+            return self._guides(grammar, count, param)
+
+    def _guides(self, grammar: str, count: int, param: str) -> list[Guide]:
         from llguidance import LLMatcher
 
         tokenizer = self.tokenizer()
-        guides = [Guide(LLMatcher(tokenizer, grammar, log_level=0), executor=self.executor) for _ in range(count)]
+        guides = [
+            Guide(LLMatcher(tokenizer, grammar, log_level=0), executor=self.executor, param=param) for _ in range(count)
+        ]
         for warning in guides[0].matcher.get_grammar_warnings():
             log.warning("llguidance: a request's grammar: %s", warning)
         first = np.zeros(mask_words(self.vocab), np.uint32)
         guides[0].fill(first)
+        matcher = guides[0].matcher
+        if matcher.is_stopped() and not matcher.is_accepting():
+            reason = (matcher.get_error() or str(matcher.stop_reason())).splitlines()[0]
+            message = f"the {param} cannot be followed: the grammar engine finds no output it allows ({reason})"
+            raise RequestError(message, param)
         for guide in guides:
             guide.first = first.copy()
         return guides

@@ -40,7 +40,9 @@ def prepare(
     another thread."""
     ids = prompt_ids(codec, vocab, prompt, trusted, params.tools)
     output = constraint(params, codec.chat_template)
-    return ids, grammars.guides(grammars.compile(output), params.samples) if output is not None else None
+    if output is None:
+        return ids, None
+    return ids, grammars.guides(grammars.compile(output), params.samples, output.param)
 
 
 def prompt_ids(

@@ -247,7 +247,7 @@ class Scheduler:
             raise RequestError(
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceed the engine's max_context "
                 f"({self.max_context})",
-                "prompt",
+                "max_tokens" if max_tokens >= self.max_context else "prompt",  # past it alone, or with the prompt
             )
         needed = self.pool.needed(prompt_tokens + max_tokens)
         if needed > self.pool.blocks:

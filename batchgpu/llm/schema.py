@@ -1,15 +1,18 @@
 """The OpenAI request bodies the server takes, checked before anything runs: the JSON text (nesting depth,
-no NaN or Infinity) and then every field against one table, :data:`FIELDS` (its JSON type, the endpoints
-that have it, and the values served where the server has only some of OpenAI's). A refusal is a
-RequestError naming the field (OpenAI's error ``param``). The ranges of the sampling fields are
-:class:`SamplingParams`' own checks; fields outside the table are refused, as OpenAI refuses them."""
+no NaN, Infinity or number out of range, no lone surrogate in any string) and then every field against one
+table, :data:`FIELDS` (its JSON type, the endpoints that have it, and the values served where the server
+has only some of OpenAI's), and every object nested in a field against its own table of keys and their
+JSON types (:data:`MESSAGE_FIELDS`, :data:`TOOL_FIELDS`, ...). A refusal is a RequestError naming the
+field (OpenAI's error ``param``). The ranges of the sampling fields are :class:`SamplingParams`' own
+checks; fields outside the tables are refused, as OpenAI refuses them."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,6 +25,14 @@ from .tools import Function, ToolCalling
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 """The largest request body the server reads by default (``serve --max-request-bytes``): 4 MiB, hundreds
 of times the text of a long context's prompt; a larger body is refused (413) before it is read."""
+
+DEFAULT_HEADER_TIMEOUT = 10.0
+"""Seconds a request's line and headers may take to arrive by default (``serve --header-timeout``); later,
+the server answers 408 and closes the connection (a client trickling its headers holds nothing for long)."""
+
+DEFAULT_BODY_TIMEOUT = 30.0
+"""Seconds a request's body may take to arrive after its headers by default (``serve --body-timeout``: 4 MiB
+at 140 kB/s); later, the server answers 408 and closes the connection."""
 
 MAX_DEPTH = 32
 """JSON nesting a body may have (a chat request with content parts needs 5); deeper is refused before it
@@ -102,13 +113,21 @@ FIELDS: dict[str, Field] = {
 """The request fields of ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/tokenize`` and
 ``/detokenize``."""
 
+# The objects nested in the fields: each one's keys and their JSON types ("a or b": either; null is the key
+# left out); other keys are refused (:func:`_check_keys`).
 STREAM_OPTIONS = {"include_usage": "boolean"}
 MESSAGE_FIELDS = {
     "role": "string", "content": "string or array", "name": "string", "tool_calls": "array", "tool_call_id": "string",
 }  # fmt: skip
+TEXT_PART_FIELDS = {"type": "string", "text": "string"}  # a message's content part
+CALL_FIELDS = {"id": "string", "type": "string", "function": "object"}  # an assistant message's tool call
+CALLED_FIELDS = {"name": "string", "arguments": "string"}  # its function
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 JSON_SCHEMA_FIELDS = {"name": "string", "description": "string", "schema": "object", "strict": "boolean"}
+TOOL_FIELDS = {"type": "string", "function": "object"}
 FUNCTION_FIELDS = {"name": "string", "description": "string", "parameters": "object", "strict": "boolean"}
+TOOL_CHOICE_FIELDS = {"type": "string", "function": "object"}
+CHOSEN_FIELDS = {"name": "string"}  # tool_choice's function
 
 
 @dataclass
@@ -124,6 +143,12 @@ class ParsedRequest:
     include_usage: bool
     echo: bool = False
     prompt_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token generated is dropped)
+    names: dict[str, str] = field(default_factory=dict)  # the request's name of an engine refusal's param
+
+    def request_field(self, param: str | None) -> str | None:
+        """The request field an engine's refusal naming ``param`` is about (chat: ``prompt`` is
+        ``messages``; ``max_tokens`` is ``max_completion_tokens`` where the request gave that)."""
+        return self.names.get(param, param) if param is not None else None
 
 
 def read_request(body: bytes, endpoint: str) -> ParsedRequest:
@@ -134,17 +159,70 @@ def read_request(body: bytes, endpoint: str) -> ParsedRequest:
 
 def parse_json(body: bytes) -> dict[str, Any]:
     """The request body as a JSON object: UTF-8, at most :data:`MAX_DEPTH` levels deep (measured before
-    parsing, so no depth reaches the parser's recursion), without NaN or Infinity."""
+    parsing, so no depth reaches the parser's recursion), without NaN, Infinity or a number past float's
+    range, and without a lone surrogate in any string or key (:func:`check_unicode`)."""
     depth = json_depth(body)
     if depth > MAX_DEPTH:
         raise RequestError(f"the request body is JSON nested {depth} levels deep; the limit is {MAX_DEPTH}")
     try:
-        value = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
-    except ValueError as exc:  # not UTF-8, not JSON, an integer too long to convert
+        value = json.loads(body.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+    except ValueError as exc:  # not UTF-8, not JSON, an integer too long to convert, a number out of range
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise RequestError(f"the request body must be a JSON object, got {_json_type(value)}")
+    if SURROGATE_ESCAPE.search(body):  # only JSON's \u escapes make one (UTF-8 cannot)
+        check_unicode(value)
     return value
+
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate (half of a pair, or a lone one)."""
+
+
+def check_unicode(body: dict[str, Any]) -> None:
+    """RequestError naming the field where a string or key holds a lone surrogate (JSON's ``\\ud800`` escape
+    without its pair): it is no text (no tokenizer, template, grammar or response encodes it), so it is
+    refused wherever it is, as in the prompt."""
+    for name, value in body.items():
+        for text, where in _texts(value, _shown(name), name):
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    found = f"a lone surrogate {text[exc.start]!r} at character {exc.start}"
+                    raise RequestError(f"{where} is not valid Unicode: {found}", _shown(name)) from None
+
+
+def _texts(value: Any, where: str, key: str | None = None) -> Iterator[tuple[str, str]]:
+    """Every string in ``value`` (at ``where`` in the request; ``key``: its own key) and every key in it,
+    with where each is."""
+    if key is not None:
+        yield key, f"the name of {where}"
+    if isinstance(value, str):
+        yield value, where
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _texts(item, f"{where}.{_shown(name)}", name)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _texts(item, f"{where}[{index}]")
+
+
+def _shown(key: str) -> str:
+    """A key as a message names it: a lone surrogate escaped (a response cannot encode it)."""
+    return key.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def parse_json_text(text: str, where: str, param: str) -> Any:
+    """The value of ``text``, JSON inside a string field (a tool call's ``arguments``), checked as a body
+    is (RequestError naming ``param``): at most :data:`MAX_DEPTH` deep, no NaN or number out of range."""
+    depth = json_depth(text.encode("utf-8", "surrogatepass"))
+    if depth > MAX_DEPTH:
+        raise RequestError(f"{where} is JSON nested {depth} levels deep; the limit is {MAX_DEPTH}", param)
+    try:
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except ValueError as exc:
+        raise RequestError(f"{where} must be JSON text: {exc}", param) from None
 
 
 JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # unrolled: no alternation per character
@@ -179,6 +257,9 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     constraints = {"structured": _response_format(values.get("response_format")), "tools": _tools(values)}
     params = _sampling(values, {**_logprobs(values, endpoint), **constraints}, prompt_only)
     _check_samples(params, stream, echo)
+    names = {"prompt": "messages"} if endpoint == CHAT else {}
+    if "max_completion_tokens" in values:
+        names["max_tokens"] = "max_completion_tokens"
     return ParsedRequest(
         model=values.get("model"),
         prompt=prompt,
@@ -187,6 +268,7 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         include_usage=bool(options.get("include_usage")),
         echo=echo,
         prompt_only=prompt_only,
+        names=names,
     )
 
 
@@ -280,25 +362,24 @@ def _tools(values: dict[str, Any]) -> ToolCalling | None:
         if "tool_choice" in values and choice != "none":
             raise RequestError("tool_choice is only allowed when tools are given", "tool_choice")
         return None
-    if choice == "none":
-        return None
-    functions = tuple(_function(tool, f"tools[{i}]") for i, tool in enumerate(tools))
-    return ToolCalling(functions, choice, values.get("parallel_tool_calls", True))
+    functions = tuple(_function(tool, f"tools[{i}]") for i, tool in enumerate(tools))  # checked, used or not
+    calling = ToolCalling(functions, "auto" if choice == "none" else choice, values.get("parallel_tool_calls", True))
+    return None if choice == "none" else calling
 
 
 def _named_choice(choice: dict[str, Any]) -> str:
     function = choice.get("function")
     if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise RequestError('tool_choice must be {"type": "function", "function": {"name": ...}}', "tool_choice")
-    _check_keys(choice, {"type": "string", "function": "object"}, "tool_choice")
-    _check_keys(function, {"name": "string"}, "tool_choice.function", param="tool_choice")
+    _check_keys(choice, TOOL_CHOICE_FIELDS, "tool_choice")
+    _check_keys(function, CHOSEN_FIELDS, "tool_choice.function", param="tool_choice")
     return function["name"]
 
 
 def _function(tool: Any, where: str) -> Function:
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
         raise RequestError(f'{where} must be {{"type": "function", "function": {{...}}}}', "tools")
-    _check_keys(tool, {"type": "string", "function": "object"}, where, param="tools")
+    _check_keys(tool, TOOL_FIELDS, where, param="tools")
     function = tool["function"]
     _check_keys(function, FUNCTION_FIELDS, f"{where}.function", param="tools")
     parameters = function.get("parameters") or {"type": "object"}
@@ -345,10 +426,8 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
 def _message(message: Any, where: str) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise RequestError(f"{where} must be an object, got {_json_type(message)}", "messages")
+    _check_keys(message, MESSAGE_FIELDS, where, param="messages")
     fields = {key: value for key, value in message.items() if value is not None}
-    for key in fields:
-        if key not in MESSAGE_FIELDS:
-            raise RequestError(f"{where}.{key} is not supported", "messages")
     role, content = fields.get("role"), fields.get("content")
     if role not in ROLES:
         raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {brief(role)}", "messages")
@@ -357,15 +436,11 @@ def _message(message: Any, where: str) -> dict[str, Any]:
             raise RequestError(f"{where}.tool_calls is only allowed in an assistant message", "messages")
         fields["tool_calls"] = [_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(fields["tool_calls"])]
         content = "" if content is None else content
-    if "tool_call_id" in fields and not isinstance(fields["tool_call_id"], str):
-        raise RequestError(f"{where}.tool_call_id must be a string", "messages")
     if isinstance(content, list):
         content = "".join(_text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content))
     if not isinstance(content, str):
         got = "nothing" if content is None else _json_type(content)
         raise RequestError(f"{where}.content must be a string or an array of text parts, got {got}", "messages")
-    if "name" in fields and not isinstance(fields["name"], str):
-        raise RequestError(f"{where}.name must be a string, got {_json_type(fields['name'])}", "messages")
     return {**fields, "role": role, "content": content}
 
 
@@ -377,12 +452,9 @@ def _call(call: Any, where: str) -> dict[str, Any]:
         raise RequestError(
             f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', "messages"
         )
-    _check_keys(call, {"id": "string", "type": "string", "function": "object"}, where, param="messages")
-    _check_keys(function, {"name": "string", "arguments": "string"}, f"{where}.function", param="messages")
-    try:
-        arguments = json.loads(function.get("arguments") or "{}", parse_constant=_no_constant)
-    except ValueError:
-        raise RequestError(f"{where}.function.arguments must be JSON text", "messages") from None
+    _check_keys(call, CALL_FIELDS, where, param="messages")
+    _check_keys(function, CALLED_FIELDS, f"{where}.function", param="messages")
+    arguments = parse_json_text(function.get("arguments") or "{}", f"{where}.function.arguments", "messages")
     return {
         "id": call.get("id", ""),
         "type": "function",
@@ -394,18 +466,19 @@ def _text_part(part: Any, where: str) -> str:
     if not isinstance(part, dict) or part.get("type") != "text":
         kind = brief(part.get("type")) if isinstance(part, dict) else _json_type(part)
         raise RequestError(f"{where} must be a text part ({{'type': 'text', 'text': ...}}), got {kind}", "messages")
-    _check_keys(part, {"type": "string", "text": "string"}, where, param="messages")
+    _check_keys(part, TEXT_PART_FIELDS, where, param="messages")
     if not isinstance(part.get("text"), str):
         raise RequestError(f"{where}.text must be a string, got {_json_type(part.get('text'))}", "messages")
     return part["text"]
 
 
 def _check_keys(value: dict[str, Any], types: dict[str, str], where: str, param: str | None = None) -> None:
-    """The keys of the object ``value`` are among ``types`` and their values of those JSON types (or null)."""
+    """The keys of the object ``value`` are among ``types`` and their values of those JSON types ("a or b":
+    either) or null."""
     for key, item in value.items():
         if key not in types:
             raise RequestError(f"{where}.{key} is not supported", param or where)
-        if item is not None and not JSON_TYPES[types[key]](item):
+        if item is not None and not any(JSON_TYPES[kind](item) for kind in types[key].split(" or ")):
             raise RequestError(f"{where}.{key} must be {_article(types[key])}, got {_json_type(item)}", param or where)
 
 
@@ -428,3 +501,11 @@ def _article(kind: str) -> str:
 
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    """A JSON number with a fraction or exponent, as a float within float's range."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value

@@ -26,7 +26,15 @@ from .embeddings import embeddings_response, read_embeddings_request
 from .logprobs import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from .metrics import EngineStats, exposition, metrics_registry
 from .output import Piece, choices
-from .schema import CHAT, COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, ParsedRequest, read_request
+from .schema import (
+    CHAT,
+    COMPLETIONS,
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_REQUEST_BYTES,
+    ParsedRequest,
+    read_request,
+)
 from .tokenization import detokenize, read_detokenize_request, read_tokenize_request, tokenize, tokenizer_info
 
 _T = TypeVar("_T")
@@ -39,6 +47,7 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     trusted_messages: bool = False,
     embeddings: bool = False,
+    body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
 ) -> Any:
     """The ASGI app; ``make_engine`` runs once at startup, in the server's thread, and returns an
     :class:`~batchgpu.llm.Engine` or anything with its ``generate`` (async iterator of pieces) and ``status`` (a dict,
@@ -48,7 +57,9 @@ def create_app(
     exist).
 
     Every request is checked before it runs (:mod:`batchgpu.llm.schema`): a body over ``max_request_bytes``
-    is refused with 413 as soon as its Content-Length (or what was read of it) says so, a bad field with
+    is refused with 413 as soon as its Content-Length (or what was read of it) says so, one that has not
+    all come ``body_timeout`` seconds after its headers (None: no limit) with 408 (``request_timeout``,
+    the connection closed: a client that trickles its body holds its request no longer), a bad field with
     400 naming it, a ``model`` other than ``model_name`` with 404 (``model_not_found``; a request without
     one gets this model); unknown paths and methods get 404 and 405; a request the engine refuses for its
     load (:class:`~batchgpu.errors.OverloadedError`: it holds ``max_batch + max_waiting`` sequences) 429
@@ -113,11 +124,14 @@ def create_app(
     async def _parsed(request: Request, parse: Callable[[bytes], Any]) -> Any:
         """The request ``parse`` makes of the body (off the event loop), or the Response refusing it."""
         try:
-            body = await _read_body(request, max_request_bytes)
+            body = await asyncio.wait_for(_read_body(request, max_request_bytes), body_timeout)
         except RequestError as exc:  # over the limit
             return _error(413, str(exc), code="request_too_large")
         except ClientDisconnect:
             return Response(status_code=400)  # nobody to answer
+        except asyncio.TimeoutError:  # a body trickled in: the rest is not waited for, the connection closed
+            message = f"the request body did not all arrive within {body_timeout:g} s"
+            return _error(408, message, code="request_timeout", headers={"Connection": "close"})
         try:
             call = await asyncio.to_thread(parse, body)
         except RequestError as exc:
@@ -181,7 +195,7 @@ def create_app(
         except OverloadedError as exc:  # the engine is full: OpenAI's answer to too many requests
             return _overloaded(exc)
         except RequestError as exc:
-            return _error(400, str(exc), param=exc.param)
+            return _error(400, str(exc), param=call.request_field(exc.param))
         echo = _Echo(call, first, codec) if call.echo else None
         if call.stream:
             events = _events(
@@ -194,7 +208,7 @@ def create_app(
             try:
                 collected += await client.run(_rest(pieces))
             except GrammarError as exc:  # its grammar could not go on (the grammar engine's limits)
-                return _error(400, str(exc), param=exc.param)
+                return _error(400, str(exc), param=call.request_field(exc.param))
         samples = choices(collected)  # a prompt-only answer: the caller closes the generation (not an abort)
         answers = [_choice(whole, chat, echo) for whole in samples]
         return JSONResponse(
@@ -227,7 +241,8 @@ def create_app(
         try:
             answer = await asyncio.to_thread(tokenize, engine.codec, vocab, call, context, trusted=trusted_messages)
         except RequestError as exc:  # the chat template refused the messages
-            return _error(400, str(exc), param=exc.param)
+            chat = not isinstance(call.prompt, str) and exc.param == "prompt"
+            return _error(400, str(exc), param="messages" if chat else exc.param)
         return JSONResponse(answer)
 
     async def detokenize_ids(request: Request) -> Response:
@@ -546,9 +561,12 @@ def _error(
     code: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> Any:
-    from starlette.responses import JSONResponse
+    """A refusal: OpenAI's error body (``\\u`` escapes for what is not ASCII, so that text from the request
+    is always encodable) with ``status``."""
+    from starlette.responses import Response
 
-    return JSONResponse(_error_body(message, kind, param=param, code=code), status, headers=headers)
+    body = json.dumps(_error_body(message, kind, param=param, code=code)).encode("ascii")
+    return Response(body, status, headers=headers, media_type="application/json")
 
 
 def _error_body(message: str, kind: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -566,14 +584,19 @@ def serve(
     trusted_messages: bool = False,
     embeddings: bool = False,
     max_connections: int | None = None,
+    header_timeout: float | None = DEFAULT_HEADER_TIMEOUT,
+    body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
 ) -> None:
     """Run the server until interrupted (uvicorn, one worker: one engine owns the device); see
-    :func:`create_app` for ``max_request_bytes``, ``trusted_messages`` and ``embeddings``.
+    :func:`create_app` for ``max_request_bytes``, ``trusted_messages``, ``embeddings`` and ``body_timeout``.
     ``max_connections``: uvicorn's ``limit_concurrency`` (None: no limit); with that many connections (or
     requests) open, uvicorn answers 503 at once, so bodies being read hold at most ``max_connections *
-    max_request_bytes``. The engine is made first, before the port is bound, in this thread (where uvicorn
-    then runs its event loop): an engine that cannot be made raises here, and nothing ever listened."""
+    max_request_bytes``. ``header_timeout``: seconds a request's line and headers may take to arrive
+    (:func:`timed_protocol`; None: no limit, as uvicorn's own). The engine is made first, before the port is
+    bound, in this thread (where uvicorn then runs its event loop): an engine that cannot be made raises
+    here, and nothing ever listened."""
     import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     engine = make_engine()
     app = create_app(
@@ -582,5 +605,64 @@ def serve(
         max_request_bytes=max_request_bytes,
         trusted_messages=trusted_messages,
         embeddings=embeddings,
+        body_timeout=body_timeout,
     )
-    uvicorn.run(app, host=host, port=port, log_level="info", limit_concurrency=max_connections)
+    http = AutoHTTPProtocol if header_timeout is None else timed_protocol(AutoHTTPProtocol, header_timeout)
+    uvicorn.run(app, host=host, port=port, log_level="info", limit_concurrency=max_connections, http=http)
+
+
+def timed_protocol(base: type[asyncio.Protocol], seconds: float) -> type[asyncio.Protocol]:
+    """``base`` (uvicorn's HTTP/1.1 protocol: httptools' or h11's) with a deadline on each request's head:
+    a connection whose request line and headers have not all come ``seconds`` after it opened, or after
+    the first byte of its next request, is answered 408 (OpenAI's error body, ``request_timeout``) and
+    closed. uvicorn itself waits for a head forever (its keep-alive timeout ends only idle connections,
+    and each byte restarts it), so a client that trickles its headers a byte at a time (slow loris) would
+    hold its connection, and many such clients the server's connections, for as long as they like. (The
+    start of a next head sent with the request before it, then nothing, is left to the keep-alive timeout,
+    which no byte restarts then.) The body has its own limit, in the app (:func:`create_app`'s
+    ``body_timeout``)."""
+
+    class TimedProtocol(base):  # type: ignore[valid-type, misc]
+        head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.start_head()
+
+        def data_received(self, data: bytes) -> None:
+            if self.head_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self.start_head()  # the first bytes of the connection's next request
+            current = self.cycle
+            super().data_received(data)
+            if self.cycle is not current:  # its head is whole: the request is the app's now
+                self.stop_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.stop_head()
+            super().connection_lost(exc)
+
+        def start_head(self) -> None:
+            self.head_timer = self.loop.call_later(seconds, self.head_late)
+
+        def stop_head(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def head_late(self) -> None:
+            self.head_timer = None
+            if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+                return
+            message = f"the request line and headers did not all arrive within {seconds:g} s"
+            self.transport.write(_raw_error(408, "Request Timeout", message, "request_timeout"))
+            self.transport.close()
+
+    TimedProtocol.__name__ = TimedProtocol.__qualname__ = f"Timed{base.__name__}"
+    return TimedProtocol
+
+
+def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 response carrying OpenAI's error body, for a connection then closed (no app ran)."""
+    body = json.dumps(_error_body(message, "invalid_request_error", code=code)).encode("ascii")
+    head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+    return head.encode("ascii") + b"connection: close\r\n\r\n" + body

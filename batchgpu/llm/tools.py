@@ -29,7 +29,7 @@ from typing import Any
 
 from ..arguments import brief
 from ..errors import RequestError
-from .structured import JSON_LAYOUT, StructuredOutput
+from .structured import JSON_LAYOUT, StructuredOutput, check_finite_schema
 
 MAX_TOOLS = 128
 """The most functions one request may offer (OpenAI's limit)."""
@@ -79,11 +79,17 @@ class Function:
         try:
             parsed = json.loads(parameters) if isinstance(parameters, str) else parameters
             text = json.dumps(parsed, separators=(",", ":")) if isinstance(parsed, Mapping) else None
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             text = None
         if text is None:
             message = f"function {self.name}: parameters must be a JSON schema object, got {brief(parameters)}"
             raise RequestError(message, "tools")
+        try:  # written into the prompt: no lone surrogate (JSON's \\ud800 escape alone), as in messages
+            json.dumps([self.description, parsed], ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            message = f"function {self.name}: its description or parameters are not valid Unicode ({exc.reason})"
+            raise RequestError(message, "tools") from None
+        check_finite_schema(parsed, "tools", f"function {self.name}: the parameters' JSON schema")
         object.__setattr__(self, "parameters", text)
 
     @property

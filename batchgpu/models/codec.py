@@ -98,7 +98,7 @@ class TextCodec:
         the tokenizer adds around a text (a SentencePiece model's BOS), as transformers'
         ``add_special_tokens``. Safe to call from another thread: the tokenizer runs without holding
         Python's GIL."""
-        _check_text(text, "prompt")
+        check_text(text, "prompt")
         ids = self.tokenizer.encode_batch_fast([text], add_special_tokens=special)[0].ids
         if len(text) >= LARGE_TEXT:
             release_freed_memory()
@@ -186,7 +186,7 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
 def _check_texts(value: Any, what: str) -> None:
     """Every string in ``value`` (a message's field: nested lists and mappings too) is valid text."""
     if isinstance(value, str):
-        _check_text(value, what, "messages")
+        check_text(value, what, "messages")
     elif isinstance(value, Mapping):
         for key, item in value.items():
             _check_texts(item, f"{what}.{key}")
@@ -195,7 +195,7 @@ def _check_texts(value: Any, what: str) -> None:
             _check_texts(item, f"{what}[{index}]")
 
 
-def _check_text(text: Any, what: str, param: str = "prompt") -> None:
+def check_text(text: Any, what: str, param: str = "prompt") -> None:
     """Text the tokenizer can take: a str of Unicode scalar values (JSON's ``\\ud800`` escapes give a lone
     surrogate, which is not one)."""
     if not isinstance(text, str):
