@@ -391,7 +391,6 @@ class Scheduler:
             sequence.state = SequenceState.DECODING
         return chunk
 
-
     # results -------------------------------------------------------------------------------------------
 
     def update(self, plan: StepPlan, tokens: list[int]) -> list[tuple[Sequence, int]]:
