@@ -115,7 +115,7 @@ FUNCTION_FIELDS = {"name": "string", "description": "string", "parameters": "obj
 class ParsedRequest:
     """What a valid request asks for: the model name (None: not given), the prompt (text, token ids or
     chat messages), the sampling parameters, and how to answer (streamed; with a usage event; the prompt
-    echoed before the output, or alone)."""
+    echoed before the output, or alone with ``max_tokens`` 0)."""
 
     model: str | None
     prompt: str | list[int] | list[dict[str, Any]]
@@ -123,7 +123,6 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     echo: bool = False
-    prompt_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token generated is dropped)
 
 
 def read_request(body: bytes, endpoint: str) -> ParsedRequest:
@@ -171,13 +170,14 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     _check_keys(options, STREAM_OPTIONS, "stream_options")
     prompt = chat_messages(values.get("messages")) if endpoint == CHAT else _prompt(values.get("prompt"))
     echo = values.get("echo", False)
-    prompt_only = echo and values.get("max_tokens") == 0
     if values.get("max_tokens") == 0 and not echo:
         raise RequestError(
             "max_tokens=0 is only served with echo (the prompt scored); otherwise at least 1", "max_tokens"
         )
+    if values.get("max_completion_tokens") == 0:  # chat: no echo, so at least one token
+        raise RequestError(f"max_completion_tokens must be an int >= 1, got {brief(0)}", "max_completion_tokens")
     constraints = {"structured": _response_format(values.get("response_format")), "tools": _tools(values)}
-    params = _sampling(values, {**_logprobs(values, endpoint), **constraints}, prompt_only)
+    params = _sampling(values, {**_logprobs(values, endpoint), **constraints})
     _check_samples(params, stream, echo)
     return ParsedRequest(
         model=values.get("model"),
@@ -186,7 +186,6 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         stream=stream,
         include_usage=bool(options.get("include_usage")),
         echo=echo,
-        prompt_only=prompt_only,
     )
 
 
@@ -305,10 +304,8 @@ def _function(tool: Any, where: str) -> Function:
     return Function(function.get("name"), function.get("description"), parameters)
 
 
-def _sampling(values: dict[str, Any], settings: dict[str, Any], prompt_only: bool) -> SamplingParams:
+def _sampling(values: dict[str, Any], settings: dict[str, Any]) -> SamplingParams:
     settings = {**{FIELDS[name].sampling: value for name, value in values.items() if FIELDS[name].sampling}, **settings}
-    if prompt_only:  # the prompt's logprobs come with the first token: one is generated, then dropped
-        settings["max_tokens"] = 1
     if "max_completion_tokens" in values:  # chat: OpenAI's newer name wins
         settings["max_tokens"] = values["max_completion_tokens"]
     stop = settings.get("stop")
