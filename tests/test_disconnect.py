@@ -102,7 +102,7 @@ def assert_dropped(server: str, before: tuple[float, float], dropped: int) -> No
 
 
 def served_normally(server: str) -> None:
-    """A completion not streamed, a streamed one, and a prompt-only echo (its generation closed on purpose)."""
+    """A completion not streamed, a streamed one, and a prompt-only echo (its one piece the whole answer)."""
     assert posted(server, completion(PROMPTS[0], stream=False, tokens=6))["usage"]["completion_tokens"] == 6
     events = posted(server, completion(PROMPTS[0], stream=True, tokens=6))
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length", events

@@ -199,7 +199,7 @@ def test_stream_text_is_the_decoded_text_up_to_the_first_stop(codec: TextCodec, 
 
 
 BAD_PARAMS = [
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),  # 0: the prompt alone (an echo that scores it)
     ({"temperature": -1.0}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
     ({"top_p": 0.0}, "top_p"),

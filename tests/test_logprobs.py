@@ -243,6 +243,68 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     assert plain.choices[0].logprobs is None
 
 
+SPLIT_TEXT = "你好, 世界! 😀 日本語"
+"""A text SmolLM2's byte-level tokenizer splits into tokens holding parts of characters."""
+
+
+def test_chat_logprobs_hold_each_tokens_bytes(client: openai.OpenAI, smollm2_codec: Any) -> None:
+    """A reply to a Chinese message, streamed and not: the tokens' ``bytes`` join to the content's UTF-8 (read
+    as UTF-8, where max_tokens cut a character: the content ends in U+FFFD there), each
+    ``token`` is those bytes as text (``\\xNN`` for bytes outside a whole character), the top ids likewise;
+    the bytes are the ids' own (the tokenizer's table), not U+FFFD's."""
+    messages = [{"role": "user", "content": f"Repeat: {SPLIT_TEXT}"}]
+    fields = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    reply = client.chat.completions.create(**fields)
+    content = reply.choices[0].logprobs.content
+    data = b"".join(bytes(entry.bytes) for entry in content)
+    assert data.decode("utf-8", "replace") == reply.choices[0].message.content
+    assert any(entry.token.startswith("\\x") for entry in content)  # the reply splits characters too
+    for token in content + [top for entry in content for top in entry.top_logprobs]:
+        assert token.token == bytes(token.bytes).decode("utf-8", "backslashreplace")
+    stream = client.chat.completions.create(stream=True, **fields)
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    streamed = [entry for chunk in chunks if chunk.logprobs for entry in chunk.logprobs.content]
+    assert [(e.token, e.bytes, e.logprob) for e in streamed] == [(e.token, e.bytes, e.logprob) for e in content]
+    assert "".join(chunk.delta.content or "" for chunk in chunks) == reply.choices[0].message.content
+    ids = smollm2_codec.encode(SPLIT_TEXT, special=False)
+    table = smollm2_codec.token_bytes
+    assert any(b"\\x" in table.alone(i).encode() for i in ids)  # the text does split characters
+
+
+@pytest.mark.parametrize("max_tokens", [0, 4])
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_tokens_join_to_the_text(server: str, max_tokens: int, stream: bool) -> None:
+    """Completions echo of a text whose characters split over tokens: the tokens join to the returned text
+    (the prompt as given, then the output), ``text_offset`` each token's start in it, the prompt's tokens
+    holding its partial characters as ``""`` up to the token that completes each."""
+    body = {
+        "model": MODEL,
+        "prompt": SPLIT_TEXT,
+        "max_tokens": max_tokens,
+        "echo": True,
+        "logprobs": 1,
+        "temperature": 0,
+    }
+    request = urllib.request.Request(
+        f"{server}/v1/completions",
+        json.dumps({**body, "stream": stream}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        text = response.read().decode()
+    if stream:
+        events = [json.loads(e.removeprefix("data: ")) for e in text.split("\n\n") if e and e != "data: [DONE]"]
+        choices = [event["choices"][0] for event in events]
+        answer = "".join(choice["text"] for choice in choices)
+        logprobs = {key: [v for c in choices for v in c["logprobs"][key]] for key in ("tokens", "text_offset")}
+    else:
+        choice = json.loads(text)["choices"][0]
+        answer, logprobs = choice["text"], choice["logprobs"]
+    assert answer.startswith(SPLIT_TEXT) and "".join(logprobs["tokens"]) == answer
+    assert logprobs["text_offset"] == [len("".join(logprobs["tokens"][:i])) for i in range(len(logprobs["tokens"]))]
+    assert "" in logprobs["tokens"][: len(SPLIT_TEXT)]  # a token ending inside a character
+
+
 # lm-evaluation-harness's local-completions model (lm_eval/models/openai_completions.py, 0.4.13) ----------
 
 

@@ -43,7 +43,8 @@ def scrape(registry) -> dict[str, float]:
     samples = {}
     for family in text_string_to_metric_families(body.decode()):
         for sample in family.samples:
-            samples[sample.name + (f"[{sample.labels['le']}]" if "le" in sample.labels else "")] = sample.value
+            label = sample.labels.get("le", sample.labels.get("finished_reason"))
+            samples[sample.name + (f"[{label}]" if label is not None else "")] = sample.value
     return samples
 
 
@@ -55,12 +56,14 @@ def test_two_engines_keep_their_own_registries():
     for prompt in ([5, 6, 7], [8] * 9, [1] * 20):
         first.scheduler.add(prompt, SamplingParams(max_tokens=3), seed=1)
     first.scheduler.schedule()  # two admitted (slots), one waiting
-    first.stats.first_token(3, 0.02)
+    first.stats.first_token(0.02)
     first.stats.next_token(0.01)
+    first.stats.finish(3, 2, ["stop"])
     one, two = (scrape(registry) for registry in registries)
     assert (one["batchgpu_requests_running"], one["batchgpu_requests_waiting"]) == (2, 1)
     assert one["batchgpu_kv_blocks_used_ratio"] == first.pool.used / 13 and first.pool.used > 0
     assert (one["batchgpu_prompt_tokens_total"], one["batchgpu_generation_tokens_total"]) == (3, 2)
+    assert (one["batchgpu_requests_finished_total"], one["batchgpu_request_success_total[stop]"]) == (1, 1)
     assert one["batchgpu_time_to_first_token_seconds_count"] == one["batchgpu_inter_token_latency_seconds_count"] == 1
     assert two["batchgpu_requests_running"] == two["batchgpu_kv_blocks_used_ratio"] == 0
     assert two["batchgpu_generation_tokens_total"] == two["batchgpu_time_to_first_token_seconds_count"] == 0
@@ -89,13 +92,24 @@ def test_preemptions_and_prefix_hits_come_from_the_schedulers_stats():
     assert (samples["batchgpu_preemptions_total"], samples["batchgpu_prefix_cache_hit_tokens_total"]) == (3, 48)
 
 
-def test_refused_and_aborted_requests_are_counters():
-    """Requests refused for the load (429) and aborted because their client left, from the engine's stats;
-    both Prometheus counters."""
+def test_requests_by_outcome_are_counters():
+    """Requests by outcome (finished, aborted, overloaded, refused, failed) and the finished ones' choices by
+    finish reason, from the engine's stats; all Prometheus counters, the token counters the finished
+    requests' usage."""
     core = Core()
     core.stats.overloaded, core.stats.aborted = 2, 3
+    for outcome in ("refused", "refused", "failed", "aborted"):
+        core.stats.end(outcome)
+    core.stats.finish(7, 5, ["stop", "length", "length"])
+    core.stats.finish(4, 0, ["length"])
+    core.stats.finish(2, 9, ["tool_calls"])
     body, _ = exposition(metrics_registry(core))
     kinds = {family.name: family.type for family in text_string_to_metric_families(body.decode())}
-    assert kinds["batchgpu_requests_overloaded"] == kinds["batchgpu_requests_aborted"] == "counter"
+    outcomes = ("finished", "aborted", "overloaded", "refused", "failed")
+    assert {kinds[f"batchgpu_requests_{outcome}"] for outcome in outcomes} == {"counter"}
+    assert kinds["batchgpu_request_success"] == "counter"
     samples = scrape(metrics_registry(core))
-    assert (samples["batchgpu_requests_overloaded_total"], samples["batchgpu_requests_aborted_total"]) == (2, 3)
+    assert [samples[f"batchgpu_requests_{outcome}_total"] for outcome in outcomes] == [3, 4, 2, 2, 1]
+    reasons = [samples[f"batchgpu_request_success_total[{reason}]"] for reason in ("stop", "length", "tool_calls")]
+    assert reasons == [1, 3, 1]
+    assert (samples["batchgpu_prompt_tokens_total"], samples["batchgpu_generation_tokens_total"]) == (13, 14)

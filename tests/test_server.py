@@ -357,12 +357,13 @@ def _metrics(server: str) -> dict[str, Any]:
     for family in text_string_to_metric_families(text):
         kinds[family.name] = family.type
         for sample in family.samples:
-            label = sample.labels.get("le", sample.labels.get("kind"))
+            label = sample.labels.get("le", sample.labels.get("kind", sample.labels.get("finished_reason")))
             samples[sample.name + (f"[{label}]" if label is not None else "")] = sample.value
     gauges = ("requests_running", "requests_waiting", "kv_blocks_used_ratio")
     counters = (
-        "prompt_tokens", "generation_tokens", "prefix_cache_hit_tokens", "preemptions", "requests_overloaded",
-        "requests_aborted", "steps",
+        "prompt_tokens", "generation_tokens", "prefix_cache_hit_tokens", "preemptions", "requests_finished",
+        "requests_aborted", "requests_overloaded", "requests_refused", "requests_failed", "request_success", "steps",
+        "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
     )  # fmt: skip
     histograms = ("time_to_first_token_seconds", "inter_token_latency_seconds", "iteration_tokens")
     expected = {**dict.fromkeys(gauges, "gauge"), **dict.fromkeys(counters, "counter")}

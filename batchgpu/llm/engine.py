@@ -30,7 +30,7 @@ from .draft_model import DraftModel
 from .driver import Driver
 from .grammar import GrammarEngine, Guide
 from .metrics import EngineStats, clock
-from .output import OutputProcessor, Piece, PieceQueue, choices, joined
+from .output import OutputProcessor, Piece, PieceQueue, Tally, choices, joined
 from .params import SamplingParams
 from .prompt import INLINE_PROMPT, Prompt, prepare, prompt_size
 from .samples import add_samples, request_pieces
@@ -143,23 +143,48 @@ class Engine:
         iteration (or cancelling the task) cancels the request and frees its slot. Chat messages get control
         tokens from the chat template alone (text in them that spells one is plain text,
         :meth:`batchgpu.llm.text.TextCodec.encode_chat`); ``trusted``: the messages' control-token text is
-        control too. A text prompt is the caller's whole prompt: control tokens wherever their text appears."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
-        with self._places(params):  # OverloadedError before anything is done for the request
-            encode, arrival = (self.codec, self.config.vocab, prompt, trusted, params, self.grammar), clock()
-            if prompt_size(prompt) <= INLINE_PROMPT and params.structured is None and params.tools is None:
-                ids, guides = prepare(*encode)  # quicker than a hop to the thread
-            else:
-                ids, guides = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prepare, *encode)
-            sequences, queue = self._add(ids, params, arrival, guides)
-            try:
-                async for piece in request_pieces(queue, len(sequences), params):
-                    yield piece
-            finally:
-                if self.driver.end_unfinished(sequences):  # cancelled: their slots and blocks are free at once
-                    self.driver.wake.set()
+        control too. A text prompt is the caller's whole prompt: control tokens wherever their text appears.
+
+        The last piece carries the request's :class:`~batchgpu.llm.output.Usage`, which :attr:`stats` counts as
+        that piece goes to the caller; a request that ends otherwise counts by how (:class:`EngineStats`):
+        aborted (the caller stopped before its last piece), overloaded, refused (a RequestError before it was
+        queued) or failed (an error after)."""
+        outcome: str | None = "refused"  # until the request is queued; None once counted
+        try:
+            params = params if params is not None else SamplingParams()
+            if not isinstance(params, SamplingParams):
+                raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
+            with self._places(params):  # OverloadedError before anything is done for the request
+                encode, arrival = (self.codec, self.config.vocab, prompt, trusted, params, self.grammar), clock()
+                if prompt_size(prompt) <= INLINE_PROMPT and params.structured is None and params.tools is None:
+                    ids, guides = prepare(*encode)  # quicker than a hop to the thread
+                else:
+                    ids, guides = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prepare, *encode)
+                sequences, queue = self._add(ids, params, arrival, guides)
+                outcome, tally = "aborted", Tally(params.n)  # queued: it finishes, fails or its caller stops
+                try:
+                    async for piece in request_pieces(queue, len(sequences), params):
+                        usage = tally.take(piece)
+                        if usage is not None:
+                            self.stats.finish(usage.prompt_tokens, usage.completion_tokens, usage.finish_reasons)
+                            outcome = None
+                        yield piece
+                finally:
+                    if self.driver.end_unfinished(sequences):  # cancelled: their slots and blocks are free at once
+                        self.driver.wake.set()
+        except OverloadedError:
+            outcome = None  # counted by check_room
+            raise
+        except (GeneratorExit, asyncio.CancelledError):  # the caller stopped before the last piece
+            outcome = "aborted" if outcome is not None else None
+            raise
+        except Exception as exc:
+            if outcome == "aborted" or (outcome == "refused" and not isinstance(exc, RequestError)):
+                outcome = "failed"
+            raise
+        finally:
+            if outcome is not None:
+                self.stats.end(outcome)
 
     def generate_sync(
         self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False

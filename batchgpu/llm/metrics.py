@@ -1,21 +1,35 @@
-"""An engine's Prometheus metrics. The engine keeps plain counts (:class:`EngineStats`: prompt and generated
-tokens, time to first token and between tokens, recorded by each request's output processor as its tokens
-are delivered); :func:`metrics_registry` gives a prometheus_client registry of the engine's own (never the
-process-wide default, so two servers in one process do not mix) whose collector reads those counts, the
-scheduler's queues and the KV block pool at each scrape: no work on the engine's side between scrapes, and
-a scrape reads a few dozen numbers on the event loop.
+"""An engine's Prometheus metrics. The engine keeps plain counts (:class:`EngineStats`: requests by outcome,
+their prompt and generated tokens, time to first token and between tokens); :func:`metrics_registry` gives a
+prometheus_client registry of the engine's own (never the process-wide default, so two servers in one
+process do not mix) whose collector reads those counts, the scheduler's queues and the KV block pool at each
+scrape: no work on the engine's side between scrapes, and a scrape reads a few dozen numbers on the event
+loop.
+
+The request counters agree with the answers: every generation request ends with one outcome, counted once
+where it is decided, and the token counters are the sums of the ``usage`` the finished requests' answers
+report (counted as a request's last piece goes to its caller, from the usage that piece carries).
 
 - gauges: ``batchgpu_requests_running``, ``batchgpu_requests_waiting``, ``batchgpu_kv_blocks_used_ratio``;
-- counters: ``batchgpu_prompt_tokens_total``, ``batchgpu_generation_tokens_total``,
-  ``batchgpu_prefix_cache_hit_tokens_total``, ``batchgpu_preemptions_total``,
-  ``batchgpu_requests_overloaded_total``, ``batchgpu_requests_aborted_total`` (counted by the server:
-  requests whose client left before their answer was whole, each cancelled at once),
-  ``batchgpu_steps_total`` (label ``kind``: ``decode``, ``mixed``, ``verify``),
-  ``batchgpu_spec_decode_num_draft_tokens_total``, ``batchgpu_spec_decode_num_accepted_tokens_total``
-  (speculative decoding: tokens drafted into verify steps, and of them those accepted; vLLM's names);
-- histograms: ``batchgpu_time_to_first_token_seconds``, ``batchgpu_inter_token_latency_seconds``,
-  ``batchgpu_iteration_tokens`` (token rows per step: vLLM's ``iteration_tokens_total``; vLLM's bucket
-  bounds).
+- counters of requests by outcome: ``batchgpu_requests_finished_total`` (answered whole: a response, or a
+  stream to its end), ``batchgpu_requests_aborted_total`` (cancelled by their caller before they finished:
+  a client that left, each cancelled at once), ``batchgpu_requests_overloaded_total`` (refused because the
+  engine was full: 429), ``batchgpu_requests_refused_total`` (refused as invalid: the engine's RequestError
+  before it queued them, and the server's 400/404/413 for a body it would not take),
+  ``batchgpu_requests_failed_total`` (an error ended them after they were queued: a grammar that could not
+  go on, a step that failed); ``batchgpu_request_success_total`` (label ``finished_reason``: ``stop``,
+  ``length``, ``tool_calls``): the choices the finished requests returned, by finish reason (a request of
+  ``n`` counts ``n``, as vLLM v1 counts each parallel sample);
+- counters of tokens: ``batchgpu_prompt_tokens_total`` and ``batchgpu_generation_tokens_total`` (the
+  finished requests' ``usage.prompt_tokens`` and ``usage.completion_tokens``: the prompt once per request,
+  every returned choice's tokens; an aborted or failed request's tokens are in neither),
+  ``batchgpu_prefix_cache_hit_tokens_total``, ``batchgpu_preemptions_total``, ``batchgpu_steps_total``
+  (label ``kind``: ``decode``, ``mixed``, ``verify``), ``batchgpu_spec_decode_num_draft_tokens_total`` and
+  ``batchgpu_spec_decode_num_accepted_tokens_total`` (speculative decoding: tokens drafted into verify steps,
+  and of them those accepted; vLLM's names);
+- histograms: ``batchgpu_time_to_first_token_seconds`` (one per request that got its first token, or with
+  ``max_tokens`` 0 its prompt scored), ``batchgpu_inter_token_latency_seconds`` (these two as tokens are
+  delivered, so also for requests aborted later), ``batchgpu_iteration_tokens`` (token rows per step: vLLM's
+  ``iteration_tokens_total``; vLLM's bucket bounds).
 """
 
 from __future__ import annotations
@@ -46,6 +60,12 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 STEP_KINDS = ("decode", "mixed", "verify")
 """The step kinds counted (:class:`~batchgpu.llm.scheduler.StepKind`'s values)."""
+
+OUTCOMES = ("finished", "aborted", "overloaded", "refused", "failed")
+"""How a generation request ends (the ``batchgpu_requests_<outcome>_total`` counters)."""
+
+FINISH_REASONS = ("stop", "length", "tool_calls")
+"""The finish reasons of returned choices (``batchgpu_request_success_total``'s ``finished_reason``)."""
 
 
 def clock() -> float:
@@ -78,29 +98,44 @@ class Histogram:
 
 @dataclass
 class EngineStats:
-    """What an engine's requests got since it started: prompt tokens (counted at each request's first
-    token), generated tokens delivered, the seconds from a request's arrival to its first token and
-    between its following tokens; the steps it ran per kind and their token rows."""
+    """What an engine's requests got since it started: requests by outcome (:data:`OUTCOMES`), the prompt and
+    generated tokens the finished ones' answers report and their choices by finish reason, the seconds from
+    a request's arrival to its first token and between its following tokens; the steps it ran per kind and
+    their token rows."""
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    finished: int = 0  # requests answered whole (their usage is in the token counts)
+    aborted: int = 0  # requests cancelled by their caller before they finished (a client that left)
     overloaded: int = 0  # requests refused because the engine was full (OverloadedError: the server's 429)
-    aborted: int = 0  # requests the server cancelled because their client left (disconnected, or a send failed)
+    refused: int = 0  # requests refused as invalid (a RequestError before they were queued; the server's 4xx)
+    failed: int = 0  # requests an error ended after they were queued
+    finish_reasons: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TIME_TO_FIRST_TOKEN_BUCKETS))
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(INTER_TOKEN_LATENCY_BUCKETS))
     steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
     iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKEN_BUCKETS))
 
-    def first_token(self, prompt_tokens: int, seconds: float) -> None:
-        """A request's first token, ``seconds`` after it arrived, for a prompt of ``prompt_tokens``."""
-        self.prompt_tokens += prompt_tokens
-        self.generation_tokens += 1
+    def first_token(self, seconds: float) -> None:
+        """A request's first token (with ``max_tokens`` 0: its prompt scored), ``seconds`` after it arrived."""
         self.time_to_first_token.observe(seconds)
 
     def next_token(self, seconds: float) -> None:
         """A later token of a request, ``seconds`` after its previous one."""
-        self.generation_tokens += 1
         self.inter_token_latency.observe(seconds)
+
+    def finish(self, prompt_tokens: int, completion_tokens: int, reasons: Sequence[str]) -> None:
+        """A request answered whole, with the usage its answer reports and its choices' finish reasons."""
+        self.finished += 1
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += completion_tokens
+        for reason in reasons:
+            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+
+    def end(self, outcome: str) -> None:
+        """A request that ended otherwise: ``aborted``, ``overloaded``, ``refused`` or ``failed``."""
+        assert outcome in OUTCOMES and outcome != "finished", outcome
+        setattr(self, outcome, getattr(self, outcome) + 1)
 
     def step(self, kind: str, rows: int) -> None:
         """A step of ``kind`` submitted, over ``rows`` token rows."""
@@ -135,18 +170,27 @@ class EngineCollector:
         for name, text, value in gauges:
             yield GaugeMetricFamily(f"batchgpu_{name}", text, value=value)
         counters = (
-            ("prompt_tokens", "Prompt tokens of requests that got their first token.", stats.prompt_tokens),
-            ("generation_tokens", "Generated tokens delivered to requests.", stats.generation_tokens),
+            ("prompt_tokens", "Prompt tokens the finished requests' usage reports.", stats.prompt_tokens),
+            ("generation_tokens", "Completion tokens the finished requests' usage reports.", stats.generation_tokens),
             ("prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache.", prefix_hits),
             ("preemptions", "Sequences preempted (KV blocks freed, recomputed later).", preemptions),
+            ("requests_finished", "Requests answered whole.", stats.finished),
+            ("requests_aborted", "Requests cancelled before they finished (their client left).", stats.aborted),
             ("requests_overloaded", "Requests refused because the engine was full (429).", stats.overloaded),
+            ("requests_refused", "Requests refused as invalid (400, 404, 413).", stats.refused),
+            ("requests_failed", "Requests an error ended after they were queued.", stats.failed),
             ("spec_decode_num_draft_tokens", "Tokens drafted into verify steps read back.", counts.drafted_tokens),
             ("spec_decode_num_accepted_tokens", "Drafted tokens accepted.", counts.accepted_tokens),
-            ("requests_aborted", "Requests cancelled because their client disconnected.", stats.aborted),
         )
         for name, text, value in counters:
             yield CounterMetricFamily(f"batchgpu_{name}", text, value=value)
-        steps = CounterMetricFamily("batchgpu_steps", "Steps run, by kind (decode only, or mixed).", labels=["kind"])
+        success = CounterMetricFamily(
+            "batchgpu_request_success", "Choices of finished requests, by finish reason.", labels=["finished_reason"]
+        )
+        for reason, count in stats.finish_reasons.items():
+            success.add_metric([reason], count)
+        yield success
+        steps = CounterMetricFamily("batchgpu_steps", "Steps run, by kind (decode, mixed, verify).", labels=["kind"])
         for kind, count in stats.steps.items():
             steps.add_metric([kind], count)
         yield steps

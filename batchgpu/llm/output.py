@@ -1,8 +1,12 @@
 """The output processor: one per request, outside the scheduler, it turns each token read back into a
 :class:`Piece` of text (streaming detokenization through :class:`~batchgpu.llm.text.TextStream`) and
 decides where the generation ends: the model's end-of-sequence token, a stop token id, a stop string
-(its text left out) or ``max_tokens`` (as vLLM v1's output processor does beside its engine core); it
-records each token's latency in the engine's :class:`~batchgpu.llm.metrics.EngineStats`."""
+(its text left out) or ``max_tokens`` (as vLLM v1's output processor does beside its engine core; with
+``max_tokens`` 0 the prompt alone: the token sampled after it is dropped, neither reported nor counted); it
+records each token's latency in the engine's :class:`~batchgpu.llm.metrics.EngineStats` and gives each
+logprob entry the bytes its token (and each top id) adds to the text there
+(:class:`~batchgpu.models.token_bytes.TokenReader`). A request's tokens are counted once, from what its
+answer reports (:class:`Tally`)."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..models.token_bytes import TokenReader
 from .metrics import EngineStats, clock
 from .params import SamplingParams
 from .scheduler import Chunk, Sequence
@@ -25,10 +30,14 @@ class Piece:
     """Part of a generation's output: new text and token ids, and on the last piece why it ended
     (``finish_reason``: ``"stop"``, ``"length"`` or ``"cancelled"``) and the token counts. Where the
     request asked (``SamplingParams.logprobs``), ``logprobs`` has one entry per token of ``token_ids``; the
-    first piece carries ``prompt_logprobs`` where asked: one per prompt token, the first with logprob None.
+    first piece carries ``prompt_logprobs`` where asked: one per prompt token, the first with logprob None;
+    each entry has the bytes its token and top ids add to the text (:class:`~batchgpu.llm.step.TokenLogprob`),
+    and ``token_texts`` each of their ids' own text (:meth:`~batchgpu.models.token_bytes.TokenBytes.alone`).
     ``index``: which of the request's ``n`` samples (choices) it belongs to. A request with ``tools`` gets
     its text whole on the last piece: the message's content (None where it is only calls) and the
-    ``tool_calls`` parsed from it, with ``finish_reason`` ``"tool_calls"`` where there are any."""
+    ``tool_calls`` parsed from it, with ``finish_reason`` ``"tool_calls"`` where there are any. The last
+    piece a request's caller gets carries the request's ``usage`` (what its answer reports, and what the
+    engine's metrics count)."""
 
     text: str
     token_ids: list[int]
@@ -40,6 +49,46 @@ class Piece:
     token_texts: dict[int, str] | None = None
     index: int = 0
     tool_calls: list[ToolCall] | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a request's answer reports: its prompt's tokens (once, however many samples), the tokens of the
+    samples it returns (``best_of``'s others are not returned) and each returned sample's finish reason."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reasons: tuple[str, ...] = ()
+
+    def openai(self) -> dict[str, int]:
+        """OpenAI's ``usage`` object."""
+        total = self.prompt_tokens + self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+
+
+class Tally:
+    """The pieces a request's caller gets, ``samples`` of them ending: :meth:`take` each before it is handed
+    over; the last gets the request's :class:`Usage` (from the counts the samples' last pieces carry)."""
+
+    __slots__ = ("left", "prompt_tokens", "completion_tokens", "reasons")
+
+    def __init__(self, samples: int) -> None:
+        self.left, self.prompt_tokens, self.completion_tokens = samples, 0, 0
+        self.reasons: list[str] = []
+
+    def take(self, piece: Piece) -> Usage | None:
+        """The request's usage where ``piece`` is its last (set on the piece too), else None."""
+        if piece.finish_reason is None:
+            return None
+        self.left -= 1
+        self.prompt_tokens = max(self.prompt_tokens, piece.prompt_tokens)
+        self.completion_tokens += piece.completion_tokens
+        self.reasons.append(piece.finish_reason)
+        if self.left:
+            return None
+        piece.usage = Usage(self.prompt_tokens, self.completion_tokens, tuple(self.reasons))
+        return piece.usage
 
 
 class PieceQueue:
@@ -71,13 +120,13 @@ class PieceQueue:
 
 def joined(pieces: list[Piece]) -> Piece:
     """The pieces of one generation as one: their text, ids and logprobs in order, the first's prompt
-    logprobs, the last's end and counts."""
+    logprobs, the last's end, counts and usage."""
     last, logprobs = pieces[-1], [entry for piece in pieces for entry in piece.logprobs or ()]
     texts = {i: text for piece in pieces for i, text in (piece.token_texts or {}).items()}
     return Piece(
         "".join(piece.text for piece in pieces), [i for piece in pieces for i in piece.token_ids],
         last.finish_reason, last.prompt_tokens, last.completion_tokens, logprobs or None,
-        pieces[0].prompt_logprobs, texts or None, last.index, last.tool_calls,
+        pieces[0].prompt_logprobs, texts or None, last.index, last.tool_calls, last.usage,
     )  # fmt: skip
 
 
@@ -99,9 +148,10 @@ class OutputProcessor:
     back with its ``finish_reason``; text held back (an unfinished character, the possible start of a stop
     string) comes out on the last piece. ``queue`` takes the pieces (or the error that ends the request)
     on their way to its caller (``queue``: one that the request's other samples share; their pieces carry
-    their ``index``). Each token pushed counts in ``stats`` (the engine's; None: a private
-    one) with its latency: the first since ``arrival`` (a :func:`~batchgpu.llm.metrics.clock` time; None:
-    now), the others since the token before."""
+    their ``index``). Each token pushed has its latency recorded in ``stats`` (the engine's; None: a private
+    one): the first since ``arrival`` (a :func:`~batchgpu.llm.metrics.clock` time; None: now), the others
+    since the token before. Where the request asks for logprobs, each entry gets the bytes of its token and
+    top ids at their place in the output (or the prompt)."""
 
     def __init__(
         self,
@@ -127,6 +177,7 @@ class OutputProcessor:
         self.prompt_logprobs: list[TokenLogprob] | None = None  # gathered over the prompt's pieces
         self.guide = guide  # a structured output's grammar state (batchgpu.llm.grammar.Guide): takes each token
         self.held: list[str] | None = [] if params.tools is not None else None  # a tool request's text, until its end
+        self.reader: TokenReader | None = None  # the output's tokens read for their bytes (logprobs asked)
 
     def add_prompt_logprobs(self, prompt: list[int], entries: list[TokenLogprob], start: int) -> None:
         """The logprobs of the prompt tokens after positions ``start``, ``start + 1``, ... (a mixed step's
@@ -140,7 +191,11 @@ class OutputProcessor:
     def push(self, token: int, logprob: TokenLogprob | None = None, now: float | None = None) -> Piece:
         """The piece of ``token`` (with its ``logprob`` where the request asked), read back at ``now`` (a
         :func:`~batchgpu.llm.metrics.clock` time; None: now): its new text, and whether (and why) the
-        generation ends with it. RequestError where the request's grammar refuses the token."""
+        generation ends with it. RequestError where the request's grammar refuses the token. With
+        ``max_tokens`` 0 the token (the one sampled after the prompt) is dropped: the piece is the prompt's
+        alone, ended by length, with no token."""
+        if self.params.max_tokens == 0:
+            return self._prompt_piece(clock() if now is None else now)
         if self.guide is not None:
             self.guide.accept(token)
         piece = self._piece(token, clock() if now is None else now)
@@ -149,14 +204,37 @@ class OutputProcessor:
         if logprob is None and (self.prompt_logprobs is None or self.completion_tokens != 1):
             return piece  # nothing asked: no logprobs, no token texts
         if logprob is not None:
-            piece.logprobs = [logprob]
+            if self.reader is None:
+                self.reader = self.codec.token_bytes.reader()
+            piece.logprobs = [placed(logprob, self.reader)]
         if self.completion_tokens == 1:
-            piece.prompt_logprobs = self.prompt_logprobs
+            piece.prompt_logprobs = self._prompt_entries()
+        self._add_texts(piece)
+        return piece
+
+    def _prompt_piece(self, now: float) -> Piece:
+        """The whole answer of a request with ``max_tokens`` 0: its prompt's logprobs where asked."""
+        self.record_latency(now)
+        piece = Piece("", [], "length", self.prompt_tokens, 0, None, self._prompt_entries(), None, self.index)
+        if self.held is not None:
+            self.hold(piece)
+        self._add_texts(piece)
+        return piece
+
+    def _prompt_entries(self) -> list[TokenLogprob] | None:
+        """The prompt's logprob entries (where asked), each with its bytes at its place in the prompt."""
+        if self.prompt_logprobs is None:
+            return None
+        reader = self.codec.token_bytes.reader()
+        return [placed(entry, reader) for entry in self.prompt_logprobs]
+
+    def _add_texts(self, piece: Piece) -> None:
+        """``piece.token_texts``: the own text of each id among its entries (none without entries)."""
         entries = [*(piece.logprobs or ()), *(piece.prompt_logprobs or ())]
         if entries:
+            table = self.codec.token_bytes
             ids = {i for entry in entries for i in (entry.token, *(t for t, _ in entry.top))}
-            piece.token_texts = {i: self.codec.decode([i]) for i in ids}
-        return piece
+            piece.token_texts = {i: table.alone(i) for i in ids}
 
     def hold(self, piece: Piece) -> None:
         """A tool request's piece: its text held until the last piece, which gets the content and calls."""
@@ -189,14 +267,20 @@ class OutputProcessor:
         return Piece(text, [token], reason, self.prompt_tokens, self.completion_tokens, None, None, None, self.index)
 
     def record_latency(self, now: float) -> None:
-        """Count the token just pushed (read back at ``now``) in ``stats``: the first with the prompt (a
-        request's first sample alone counts it: its samples share it) and the time to it, the others with the
-        time since the one before."""
-        if self.completion_tokens == 1:
-            self.stats.first_token(self.prompt_tokens if self.index == 0 else 0, now - self.latest)
+        """Record the latency of the token just pushed (read back at ``now``) in ``stats``: the first's since
+        the arrival (with ``max_tokens`` 0, the prompt's end), the others' since the one before."""
+        if self.completion_tokens <= 1:
+            self.stats.first_token(now - self.latest)
         else:
             self.stats.next_token(now - self.latest)
         self.latest = now
+
+
+def placed(entry: TokenLogprob, reader: TokenReader) -> TokenLogprob:
+    """``entry`` with the bytes its top ids would add at the reader's next place and those its token adds
+    there, which the token then takes."""
+    top = tuple(reader.place(token) for token, _ in entry.top)
+    return TokenLogprob(entry.token, entry.logprob, entry.top, reader.take(entry.token), top)
 
 
 def hand_prompt_logprobs(

@@ -49,7 +49,8 @@ class SamplingParams:
     per generated token kind / per occurrence). ``seed`` makes draws reproducible (same seed, prompt and
     parameters: same output); None draws a fresh seed. Generation stops at ``max_tokens``, at the model's
     end-of-sequence token (unless ``ignore_eos``), at ``stop_token_ids`` or when the text contains one of
-    ``stop`` (which is left out of the text).
+    ``stop`` (which is left out of the text). ``max_tokens`` 0: the prompt alone (its ``prompt_logprobs``
+    where asked; an echo that scores it), nothing generated: the token sampled after the prompt is dropped.
 
     ``logprobs`` (0 to :data:`MAX_LOGPROBS`; None: off): each output token's log-probability and that many
     of the most likely tokens at its position; ``prompt_logprobs`` likewise for every prompt token after
@@ -89,7 +90,7 @@ class SamplingParams:
     tools: ToolCalling | None = None
 
     def __post_init__(self) -> None:
-        _whole("max_tokens", self.max_tokens, 1)
+        _whole("max_tokens", self.max_tokens, 0)
         _real("temperature", self.temperature, 0.0, FLOAT32_MAX)
         if self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)

@@ -134,7 +134,7 @@ CHOSEN_FIELDS = {"name": "string"}  # tool_choice's function
 class ParsedRequest:
     """What a valid request asks for: the model name (None: not given), the prompt (text, token ids or
     chat messages), the sampling parameters, and how to answer (streamed; with a usage event; the prompt
-    echoed before the output, or alone)."""
+    echoed before the output, or alone with ``max_tokens`` 0)."""
 
     model: str | None
     prompt: str | list[int] | list[dict[str, Any]]
@@ -142,7 +142,6 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     echo: bool = False
-    prompt_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token generated is dropped)
     names: dict[str, str] = field(default_factory=dict)  # the request's name of an engine refusal's param
 
     def request_field(self, param: str | None) -> str | None:
@@ -249,13 +248,14 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     _check_keys(options, STREAM_OPTIONS, "stream_options")
     prompt = chat_messages(values.get("messages")) if endpoint == CHAT else _prompt(values.get("prompt"))
     echo = values.get("echo", False)
-    prompt_only = echo and values.get("max_tokens") == 0
     if values.get("max_tokens") == 0 and not echo:
         raise RequestError(
             "max_tokens=0 is only served with echo (the prompt scored); otherwise at least 1", "max_tokens"
         )
+    if values.get("max_completion_tokens") == 0:  # chat: no echo, so at least one token
+        raise RequestError(f"max_completion_tokens must be an int >= 1, got {brief(0)}", "max_completion_tokens")
     constraints = {"structured": _response_format(values.get("response_format")), "tools": _tools(values)}
-    params = _sampling(values, {**_logprobs(values, endpoint), **constraints}, prompt_only)
+    params = _sampling(values, {**_logprobs(values, endpoint), **constraints})
     _check_samples(params, stream, echo)
     names = {"prompt": "messages"} if endpoint == CHAT else {}
     if "max_completion_tokens" in values:
@@ -267,7 +267,6 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         stream=stream,
         include_usage=bool(options.get("include_usage")),
         echo=echo,
-        prompt_only=prompt_only,
         names=names,
     )
 
@@ -386,10 +385,8 @@ def _function(tool: Any, where: str) -> Function:
     return Function(function.get("name"), function.get("description"), parameters)
 
 
-def _sampling(values: dict[str, Any], settings: dict[str, Any], prompt_only: bool) -> SamplingParams:
+def _sampling(values: dict[str, Any], settings: dict[str, Any]) -> SamplingParams:
     settings = {**{FIELDS[name].sampling: value for name, value in values.items() if FIELDS[name].sampling}, **settings}
-    if prompt_only:  # the prompt's logprobs come with the first token: one is generated, then dropped
-        settings["max_tokens"] = 1
     if "max_completion_tokens" in values:  # chat: OpenAI's newer name wins
         settings["max_tokens"] = values["max_completion_tokens"]
     stop = settings.get("stop")

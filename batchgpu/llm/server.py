@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 
 from ..errors import GrammarError, OverloadedError, RequestError
 from .embeddings import embeddings_response, read_embeddings_request
-from .logprobs import chat_logprobs, completion_logprobs, merge_completion_logprobs
+from .logprobs import CompletionTokens, chat_logprobs, merge_completion_logprobs
 from .metrics import EngineStats, exposition, metrics_registry
-from .output import Piece, choices
+from .output import Piece, Usage, choices
 from .schema import (
     CHAT,
     COMPLETIONS,
@@ -75,8 +75,12 @@ def create_app(
     fails) is aborted at once, streamed or not, running or waiting: the task iterating its ``generate`` is
     cancelled and the iterator closed (an :class:`~batchgpu.llm.Engine` frees its slot and KV blocks before its
     next step, a :class:`~batchgpu.llm.ray_serve.RemoteEngine` cancels the replica's call) and, where the engine
-    has ``stats``, ``batchgpu_requests_aborted_total`` counts it; a request ended on purpose (max_tokens 0 with
-    echo) is no abort."""
+    counts it as aborted (``batchgpu_requests_aborted_total``, where the engine keeps ``stats``).
+
+    The ``usage`` of an answer is the one its last piece carries (:class:`~batchgpu.llm.output.Usage`), which
+    the engine's metrics count as that piece goes out; the engine counts each request's outcome, and this
+    server the requests it refuses itself (400, 404, 413: ``batchgpu_requests_refused_total``) and those whose
+    client left while their body was read (aborted)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect, Request
@@ -122,13 +126,14 @@ def create_app(
         return await _serve(request, CHAT)
 
     async def _parsed(request: Request, parse: Callable[[bytes], Any]) -> Any:
-        """The request ``parse`` makes of the body (off the event loop), or the Response refusing it."""
+        """The request ``parse`` makes of the body (off the event loop), or the Response refusing it (499: the
+        client left while its body was read)."""
         try:
             body = await asyncio.wait_for(_read_body(request, max_request_bytes), body_timeout)
         except RequestError as exc:  # over the limit
             return _error(413, str(exc), code="request_too_large")
         except ClientDisconnect:
-            return Response(status_code=400)  # nobody to answer
+            return Response(status_code=499)  # nobody to answer
         except asyncio.TimeoutError:  # a body trickled in: the rest is not waited for, the connection closed
             message = f"the request body did not all arrive within {body_timeout:g} s"
             return _error(408, message, code="request_timeout", headers={"Connection": "close"})
@@ -164,13 +169,15 @@ def create_app(
             return full
         call = await _parsed(request, lambda body: read_request(body, endpoint))
         if isinstance(call, Response):
+            _count(engine, "aborted" if call.status_code == 499 else "refused")
             return call
         codec = getattr(engine, "codec", None)
         if call.echo and not isinstance(call.prompt, str) and codec is None and call.params.prompt_logprobs is None:
+            _count(engine, "refused")
             message = "echo of a token-id prompt needs logprobs on this server (no tokenizer here)"
             return _error(400, message, param="echo")
         pieces = engine.generate(call.prompt, call.params, trusted=trusted_messages)
-        client = _Client(request.receive, lambda: _count_abort(engine))  # watched from here on
+        client = _Client(request.receive)  # watched from here on
         answer: Any = None
         try:
             answer = await _answer(call, pieces, client, endpoint == CHAT, codec)
@@ -204,13 +211,12 @@ def create_app(
             )  # fmt: skip
             return _EventStream(events, pieces, client)
         collected = [first]
-        if echo is None or not echo.prompt_only:
+        if first.usage is None:  # more to come (the last piece carries the request's usage)
             try:
                 collected += await client.run(_rest(pieces))
             except GrammarError as exc:  # its grammar could not go on (the grammar engine's limits)
                 return _error(400, str(exc), param=call.request_field(exc.param))
-        samples = choices(collected)  # a prompt-only answer: the caller closes the generation (not an abort)
-        answers = [_choice(whole, chat, echo) for whole in samples]
+        answers = [_choice(whole, chat, echo) for whole in choices(collected)]
         return JSONResponse(
             {
                 "id": ident,
@@ -218,7 +224,7 @@ def create_app(
                 "created": created,
                 "model": model_name,
                 "choices": answers,
-                "usage": _usage(*([echo.usage(samples[0])] if echo is not None else samples)),
+                "usage": _usage(collected[-1]),
             }
         )
 
@@ -326,16 +332,14 @@ class _ClientGone(Exception):
 class _Client:
     """The client of a generation request, watched from when its body has been read: a task waits for its
     ``http.disconnect`` (whatever else the server does meanwhile), so that :meth:`run` cancels the request's
-    work at once when it leaves. ``on_abort`` runs once for a request aborted so (:meth:`abort`)."""
+    work at once when it leaves (the engine counts the request aborted)."""
 
-    def __init__(self, receive: Callable[[], Awaitable[Mapping[str, Any]]], on_abort: Callable[[], None]) -> None:
+    def __init__(self, receive: Callable[[], Awaitable[Mapping[str, Any]]]) -> None:
         self.left = asyncio.ensure_future(_disconnected(receive))
-        self.on_abort = on_abort
-        self.aborted = False
 
     async def run(self, work: Awaitable[_T]) -> _T:
         """``work``'s result; run as a task, cancelled (and waited for: its clean-up runs) when the client
-        leaves first (then :class:`_ClientGone`, the request counted by :meth:`abort`) or this call is."""
+        leaves first (then :class:`_ClientGone`) or this call is."""
         task = asyncio.ensure_future(work)
         try:
             await asyncio.wait((task, self.left), return_when=asyncio.FIRST_COMPLETED)
@@ -344,18 +348,11 @@ class _Client:
             raise
         if not task.done():  # the client left first
             await _cancel(task)
-            self.abort()
             raise _ClientGone
         try:
             return task.result()
         finally:  # an error raised here keeps this frame: without the task, which keeps the error (no cycle)
             del task
-
-    def abort(self) -> None:
-        """The request ends because its client left: ``on_abort``, once."""
-        if not self.aborted:
-            self.aborted = True
-            self.on_abort()
 
     def close(self) -> None:
         """Stop watching: the request is answered or over."""
@@ -382,12 +379,13 @@ async def _rest(pieces: AsyncIterator[Piece]) -> list[Piece]:
     return [piece async for piece in pieces]
 
 
-def _count_abort(engine: Any) -> None:
-    """One more request aborted because its client left, counted where ``engine`` keeps :class:`EngineStats`
-    (``batchgpu_requests_aborted_total``; a :class:`~batchgpu.llm.ray_serve.RemoteEngine` keeps none here)."""
+def _count(engine: Any, outcome: str) -> None:
+    """One more request that ended so before it reached the engine (``refused``: a body this server would not
+    take; ``aborted``: a client that left while its body was read), counted where ``engine`` keeps
+    :class:`EngineStats` (a :class:`~batchgpu.llm.ray_serve.RemoteEngine` keeps none here)."""
     stats = getattr(engine, "stats", None)
     if isinstance(stats, EngineStats):
-        stats.aborted += 1
+        stats.end(outcome)
 
 
 class _EventStream:
@@ -404,7 +402,7 @@ class _EventStream:
             with contextlib.suppress(OSError):  # the client left after the whole answer: nothing to abort
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except _ClientGone:
-            self.client.abort()
+            pass  # the generation is cancelled as it closes: the engine counts it aborted
         finally:
             self.client.close()
             await self.events.aclose()
@@ -426,26 +424,21 @@ async def _sent(send: Callable[[dict[str, Any]], Awaitable[None]], message: dict
 
 
 class _Echo:
-    """A completions request with ``echo``: the prompt's text (as given, or its ids decoded) and logprobs
-    go before the output; with ``prompt_only`` (max_tokens 0) they are the whole answer."""
+    """A completions request with ``echo``: the prompt's text (as given, or its ids decoded) and logprobs go
+    before the output (with ``max_tokens`` 0, the whole answer: the engine's one piece has no token)."""
 
     def __init__(self, call: ParsedRequest, first: Piece, codec: Any) -> None:
-        self.prompt_only = call.prompt_only
-        self.logprobs = first.prompt_logprobs
-        texts = first.token_texts or {}
-        if isinstance(call.prompt, str):
-            self.text = call.prompt
+        given = call.prompt if isinstance(call.prompt, str) else None
+        self.logprobs = None
+        if first.prompt_logprobs is not None:
+            tokens = CompletionTokens(given=given)
+            self.logprobs = tokens.logprobs(first.prompt_logprobs, first.token_texts or {}, end=True)
+        if given is not None:
+            self.text = given
         elif codec is not None:
             self.text = codec.decode(call.prompt)
         else:
-            self.text = "".join(texts.get(entry.token, "") for entry in self.logprobs or ())
-
-    def prompt_piece(self, first: Piece) -> Piece:
-        """The answer of a ``prompt_only`` request: the prompt, its logprobs, ended by length."""
-        return Piece("", [], "length", first.prompt_tokens, 0, None, None, first.token_texts)
-
-    def usage(self, last: Piece) -> Piece:
-        return self.prompt_piece(last) if self.prompt_only else last
+            self.text = "".join(self.logprobs["tokens"]) if self.logprobs is not None else ""
 
 
 def _choice(whole: Piece, chat: bool, echo: _Echo | None) -> dict[str, Any]:
@@ -456,24 +449,28 @@ def _choice(whole: Piece, chat: bool, echo: _Echo | None) -> dict[str, Any]:
         if whole.tool_calls:  # the calls, and the text before them where there is any
             message.update(content=whole.text or None, tool_calls=[call.openai() for call in whole.tool_calls])
         choice["message"] = message
-        choice["logprobs"] = chat_logprobs(whole.logprobs, whole.token_texts or {}) if whole.logprobs else None
+        choice["logprobs"] = chat_logprobs(whole.logprobs) if whole.logprobs else None
     else:
-        choice.update(_completion_choice(whole, echo))
+        choice.update(_completion_choice(whole, echo, _output_tokens(echo)))
     return choice
 
 
-def _completion_choice(piece: Piece, echo: _Echo | None, *, first: bool = True) -> dict[str, Any]:
+def _output_tokens(echo: _Echo | None) -> CompletionTokens:
+    """The completions tokens of a choice's output, which starts after the echoed prompt where there is one."""
+    return CompletionTokens(len(echo.text) if echo is not None else 0)
+
+
+def _completion_choice(
+    piece: Piece, echo: _Echo | None, tokens: CompletionTokens, *, first: bool = True
+) -> dict[str, Any]:
     """A completions choice's ``text`` and ``logprobs`` for ``piece`` (with the echoed prompt before it on
-    the ``first`` piece; only the prompt when the request has max_tokens 0)."""
-    texts = piece.token_texts or {}
-    if echo is not None and echo.prompt_only:
-        piece = echo.prompt_piece(piece)
-    echoed = echo is not None and first
-    prefix = echo.text if echo is not None and echoed else ""
-    logprobs = completion_logprobs(piece.logprobs, texts, len(prefix)) if piece.logprobs is not None else None
-    if echoed and echo is not None and echo.logprobs is not None:
-        prompt = completion_logprobs(echo.logprobs, texts)
-        logprobs = merge_completion_logprobs(prompt, logprobs) if logprobs is not None else prompt
+    the ``first`` piece); ``tokens``: the choice's output tokens so far."""
+    prefix = echo.text if echo is not None and first else ""
+    logprobs = None
+    if piece.logprobs is not None:
+        logprobs = tokens.logprobs(piece.logprobs, piece.token_texts or {}, end=piece.finish_reason is not None)
+    if echo is not None and first and echo.logprobs is not None:
+        logprobs = merge_completion_logprobs(echo.logprobs, logprobs) if logprobs is not None else echo.logprobs
     return {"text": prefix + piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
 
 
@@ -499,33 +496,30 @@ async def _events(
         data = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice], **(extra or {})}
         return f"data: {json.dumps(data)}\n\n"
 
-    started: set[int] = set()  # the samples whose first chunk went out (a chat chunk with the role)
+    outputs: dict[int, CompletionTokens] = {}  # each sample's output tokens so far (completions)
 
     def chunk(piece: Piece) -> str:
-        role = piece.index not in started
-        started.add(piece.index)
+        role = piece.index not in outputs
+        tokens = outputs.setdefault(piece.index, _output_tokens(echo))
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if piece.text or not (role or held) or (held and piece.finish_reason and not piece.tool_calls):
                 delta["content"] = piece.text
             if piece.tool_calls:  # the calls come whole, with the last piece
                 delta["tool_calls"] = [{"index": i, **call.openai()} for i, call in enumerate(piece.tool_calls)]
-            logprobs = chat_logprobs(piece.logprobs, piece.token_texts or {}) if piece.logprobs else None
+            logprobs = chat_logprobs(piece.logprobs) if piece.logprobs else None
             if not (delta or logprobs or piece.finish_reason):  # a tool request's text, held: no event
                 return ""
             choice = {"index": piece.index, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
             return event(choice)
-        return event({"index": piece.index, **_completion_choice(piece, echo, first=role)})
+        return event({"index": piece.index, **_completion_choice(piece, echo, tokens, first=role)})
 
     try:
-        last = {first.index: first}  # each sample's latest piece: the last ones count the usage
+        last = first  # the request's last piece carries its usage
         yield chunk(first)
-        if echo is not None and echo.prompt_only:
-            pieces = _none(pieces)
-            last = {0: echo.prompt_piece(first)}
         try:
             async for piece in pieces:
-                last[piece.index] = piece
+                last = piece
                 if data := chunk(piece):
                     yield data
         except RequestError as exc:  # failed mid-stream (a replica lost): an error event, then the end
@@ -533,23 +527,16 @@ async def _events(
             return
         if usage:
             summary = {"id": ident, "object": kind, "created": created, "model": model, "choices": []}
-            yield f"data: {json.dumps({**summary, 'usage': _usage(*last.values())})}\n\n"
+            yield f"data: {json.dumps({**summary, 'usage': _usage(last)})}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         await pieces.aclose()
 
 
-async def _none(pieces: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
-    """No more pieces: ``pieces`` closed (a prompt-only request ends with its first piece)."""
-    await pieces.aclose()
-    return
-    yield
-
-
-def _usage(*samples: Piece) -> dict[str, int]:
-    """The usage of a request from each sample's last piece: the prompt once, the completions summed."""
-    prompt, completion = samples[0].prompt_tokens, sum(piece.completion_tokens for piece in samples)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(last: Piece) -> dict[str, int]:
+    """The usage of a request: the one its last piece carries (the engine counted it in its metrics)."""
+    usage = last.usage if last.usage is not None else Usage(last.prompt_tokens, last.completion_tokens)
+    return usage.openai()
 
 
 def _error(

@@ -39,11 +39,16 @@ from .scheduler import SCORING_ROWS, StepKind, StepPlan
 class TokenLogprob:
     """A token's log-probability under the model's raw distribution (log-softmax of the logits, before
     temperature, penalties and truncation, as vLLM reports it) and the ``top`` (id, logprob) pairs of that
-    position, most likely first. ``logprob`` is None for a prompt's first token (nothing precedes it)."""
+    position, most likely first. ``logprob`` is None for a prompt's first token (nothing precedes it).
+    ``token_bytes`` and ``top_bytes``: what the token and each top id add to the text at that place (the output's
+    or the prompt's; :class:`~batchgpu.models.token_bytes.TokenReader`), filled in by the request's output
+    processor."""
 
     token: int
     logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
+    token_bytes: bytes = b""
+    top_bytes: tuple[bytes, ...] = ()
 
 
 def token_logprob(row: np.ndarray, token: int) -> TokenLogprob:

@@ -19,6 +19,7 @@ from .control import ControlTokens
 from .fields import Fields
 from .files import optional_file, read_json, read_text
 from .gguf_tokenizer import gguf_tokenizer, token_id
+from .token_bytes import TokenBytes
 
 if TYPE_CHECKING:
     from .gguf_reader import GGUFFile
@@ -92,6 +93,12 @@ class TextCodec:
     def control(self) -> ControlTokens:
         """The tokenizer's control (special) tokens, kept apart from message text in :meth:`encode_chat`."""
         return ControlTokens(self.tokenizer)
+
+    @cached_property
+    def token_bytes(self) -> TokenBytes:
+        """Each token's bytes in decoded text (:mod:`batchgpu.models.token_bytes`), checked against
+        :meth:`decode` when first asked."""
+        return TokenBytes(self.tokenizer)
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of ``text``, a control token wherever its text appears; ``special``: with the tokens

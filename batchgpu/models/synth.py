@@ -34,6 +34,7 @@ from ..progress import Stages
 from ..quant import FORMATS
 from ..quantize import quantize
 from .config import llama3_rope_factors
+from .token_bytes import byte_characters
 from .weights import LAYER_TENSORS
 
 
@@ -197,19 +198,6 @@ class Vocabulary:
         self.tokens = self.tokens + [f"[PAD{i}]" for i in pads]
         self.types = self.types + [UNUSED] * len(pads)
         return self
-
-
-def byte_characters() -> list[str]:
-    """GPT-2's byte-level alphabet: the character standing for each byte 0..255."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[byte] = chr(byte)
-        else:
-            chars[byte] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
 
 
 def byte_vocabulary(pre: str) -> Vocabulary:
