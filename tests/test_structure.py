@@ -276,7 +276,7 @@ KEPT_SYNC_NAMES: dict[str, dict[str, str]] = {
     "runtime.py": {"Submission.read_sync": "the deprecated name of read, kept for one release (it warns)"},
     # the engine's public pair predates the rule (generate is its async iterator); renaming it changes the
     # serving API, so it comes with its own deprecation
-    "llm/engine.py": {"Engine.generate_sync": "generate's blocking twin"},
+    "llm/sync_calls.py": {"SyncCalls.generate_sync": "the engine's generate's blocking twin"},
 }
 """The only ``*_sync`` names allowed, with the reason."""
 

@@ -30,7 +30,7 @@ from .draft_model import DraftModel
 from .driver import Driver
 from .grammar import GrammarEngine, Guide
 from .metrics import EngineStats, clock
-from .output import OutputProcessor, Piece, PieceQueue, Tally, choices, joined
+from .output import OutputProcessor, Piece, PieceQueue, Tally
 from .params import SamplingParams
 from .prompt import INLINE_PROMPT, Prompt, prepare, prompt_size
 from .samples import add_samples, request_pieces
@@ -38,9 +38,10 @@ from .scheduler import Scheduler, StepKind, check_step_tokens
 from .scheduler import Sequence as ScheduledSequence
 from .speculation import Drafter, PromptLookup, Speculator, check_speculative, verify_rows
 from .step import KVCache, StepRunner, default_step_tokens
+from .sync_calls import SyncCalls
 
 
-class Engine:
+class Engine(SyncCalls):
     """Serve generations of a Llama-family model (a GGUF file or a Hugging Face directory) on one device.
 
     ``max_batch`` slots decode together; ``max_context`` bounds prompt + output tokens (at most the
@@ -128,8 +129,6 @@ class Engine:
         self.steps = self.stats.steps  # steps run per kind ("decode", "mixed", "verify")
         self.decode_sizes = self.runner.runs[StepKind.DECODE]  # decode steps run per recorded batch size
         self.mixed_sizes = self.runner.runs[StepKind.MIXED]  # mixed steps run per recorded row count
-        self._sync_loop: asyncio.AbstractEventLoop | None = None  # generate_sync's, while calls are in progress
-        self._sync_calls = 0
         # one thread: a prompt's tokenizer memory (about 150 bytes per character) is held once at a time
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgpu-tokenize")
         self.grammar = GrammarEngine(self.codec, self.config.vocab)  # structured outputs' grammars
@@ -185,47 +184,6 @@ class Engine:
         finally:
             if outcome is not None:
                 self.stats.end(outcome)
-
-    def generate_sync(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False
-    ) -> Iterator[Piece]:
-        """:meth:`generate` for synchronous code: runs the engine on a private event loop meanwhile, one that
-        the calls in progress at once share (one driver task runs all their requests), its driver stopped
-        and the loop closed when the last of them ends (or is closed, as an iterator left open is when it
-        is collected)."""
-        if self._sync_loop is None:
-            self._sync_loop = asyncio.new_event_loop()
-        loop = self._sync_loop
-        self._sync_calls += 1
-        stream = self.generate(prompt, params, trusted=trusted)
-        try:
-            while True:
-                try:
-                    yield loop.run_until_complete(stream.__anext__())
-                except StopAsyncIteration:
-                    return
-        finally:
-            try:
-                loop.run_until_complete(stream.aclose())
-            finally:
-                self._sync_calls -= 1
-                if self._sync_calls == 0:
-                    self._sync_loop = None
-                    self.driver.stop(loop)
-                    loop.close()
-
-    def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False) -> Piece:
-        """The whole generation as one :class:`Piece` (synchronous); a request with ``n`` > 1 is refused
-        (RequestError): :meth:`complete_choices` returns its samples."""
-        if params is not None and isinstance(params, SamplingParams) and params.n > 1:
-            raise RequestError(f"complete returns one generation, got n={params.n}: use complete_choices", "n")
-        return joined(list(self.generate_sync(prompt, params, trusted=trusted)))
-
-    def complete_choices(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False
-    ) -> list[Piece]:
-        """The ``n`` samples of a request, each as one :class:`Piece`, in index order (synchronous)."""
-        return choices(list(self.generate_sync(prompt, params, trusted=trusted)))
 
     def memory(self) -> dict[str, Any]:
         """The paged KV cache (blocks in use and free, ``blocks_cached``: those registered in the prefix
