@@ -119,7 +119,7 @@ class Engine(SyncCalls):
         self.runner = StepRunner(
             self.device, self.config, self.weights, self.cache, max_batch=max_batch, max_step_tokens=max_step_tokens,
             max_blocks=self.pool.needed(max_context), scoring_rows=self.scheduler.scoring_rows,
-            verify_rows=verify_rows(speculative, max_batch),
+            verify=verify_rows(speculative, max_batch),
         )  # fmt: skip
         self.slots = self.scheduler.slots  # the sequence in each slot (None: free)
         self.stats = EngineStats()  # tokens, steps and latencies so far (the server's /metrics)

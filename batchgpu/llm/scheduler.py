@@ -100,6 +100,8 @@ class Sequence:
     registered: int = 0  # its first blocks that are registered in the prefix cache
     parent: Sequence | None = None  # a parallel sample's first sibling, whose prompt blocks it shares
     draft_limit: int = 0  # tokens its next draft may have (speculative decoding; 0: not speculated yet)
+    draft_misses: int = 0  # its drafts in a row that had nothing accepted
+    draft_pause: int = 0  # steps it decodes without drafting before it drafts again
     guide: Any = (
         None  # a structured output's grammar state (batchgpu.llm.grammar.Guide): its masks need every token read
     )

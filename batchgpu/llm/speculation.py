@@ -9,9 +9,11 @@ take the drafted tokens) and without a grammar, while at most ``Speculative.max_
 that a decode step is full without drafts). How much: each sequence's limit starts at
 ``Speculative.tokens``, grows by one after a draft accepted whole and falls to one more than what was
 accepted after one that was not (so a sequence whose drafts fail drafts one token, and one that copies its
-input drafts the most). A step where nothing was drafted stays a decode step: free text with no match costs
-nothing. Every token must be read before its sequence drafts again, so the engine runs steps one at a time
-(``ahead`` 0)."""
+input drafts the most). After a draft with nothing accepted it drafts nothing for 6 steps, then 14, 30 and
+62 after more such drafts in a row, until one is accepted (a rejected draft makes a step that gives one token
+cost more rows: on the CPU devices, about what two decode steps cost). A step where nothing was drafted stays
+a decode step: free text with no match costs nothing. Every token must be read before its sequence drafts
+again, so the engine runs steps one at a time (``ahead`` 0)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from typing import Protocol
 from ..errors import ArgumentError
 from ..models.speculative import Speculative, accepted, prompt_lookup
 from .scheduler import Chunk, Scheduler, Sequence, StepKind, StepPlan, penalized
+
+MAX_MISSES = 4
+"""Drafts in a row with nothing accepted that lengthen a sequence's pause (at most 62 steps)."""
 
 
 class Drafter(Protocol):
@@ -76,10 +81,20 @@ class Speculator:
         sequence = chunk.sequence
         if penalized(sequence.params) or sequence.guide is not None:
             return 0
+        if sequence.draft_pause:
+            sequence.draft_pause -= 1
+            return 0
         limit = min(sequence.draft_limit or self.settings.tokens, sequence.params.max_tokens - sequence.sampled)
         if limit <= 0 or not self.scheduler.pool.grow(sequence.blocks, chunk.start + 1 + limit):
             return 0
         return limit
+
+    def adapt(self, sequence: Sequence, drafted: int, accepted: int) -> None:
+        """``sequence``'s next draft limit and pause after a draft of ``drafted`` tokens, ``accepted`` of them."""
+        limit = sequence.draft_limit or self.settings.tokens
+        sequence.draft_limit = min(self.settings.tokens, limit + 1) if accepted == drafted else accepted + 1
+        sequence.draft_misses = 0 if accepted else min(sequence.draft_misses + 1, MAX_MISSES)
+        sequence.draft_pause = (4 << sequence.draft_misses) - 2 if sequence.draft_misses else 0
 
     def verified(self, plan: StepPlan, samples: list[list[int]]) -> list[tuple[Sequence, list[int]]]:
         """Take a verify step's samples (per chunk, one per row): each current sequence's accepted tokens join
@@ -96,9 +111,7 @@ class Speculator:
             stats.drafted_tokens += len(chunk.draft)
             stats.accepted_tokens += len(tokens) - 1
             if chunk.draft:
-                whole = len(tokens) > len(chunk.draft)
-                limit = sequence.draft_limit or self.settings.tokens
-                sequence.draft_limit = min(self.settings.tokens, limit + 1) if whole else len(tokens)
+                self.adapt(sequence, len(chunk.draft), len(tokens) - 1)
             if self.scheduler.prefix_caching:
                 self.scheduler.register(sequence, sequence.computed)
             taken.append((sequence, tokens))
@@ -115,6 +128,10 @@ def check_speculative(settings: Speculative | None, ahead: int) -> None:
         raise ArgumentError(f"Engine: speculative decoding runs steps one at a time (ahead 0), got ahead={ahead}")
 
 
-def verify_rows(settings: Speculative | None, max_batch: int) -> int:
-    """The rows of the largest verify step: every sequence that may draft, with all its drafted tokens."""
-    return 0 if settings is None else min(settings.max_batch, max_batch) * (settings.tokens + 1)
+def verify_rows(settings: Speculative | None, max_batch: int) -> tuple[int, int]:
+    """The rows of the largest verify step (every sequence that may draft, with all its drafted tokens), and
+    up to how many rows every count has a step of its own (two sequences' drafts: a padded row costs what a
+    drafted one does); (0, 0) without speculation."""
+    if settings is None:
+        return 0, 0
+    return min(settings.max_batch, max_batch) * (settings.tokens + 1), 2 * (settings.tokens + 1)

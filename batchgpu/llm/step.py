@@ -315,11 +315,13 @@ def record_sampling(
 # running a plan ------------------------------------------------------------------------------------------
 
 
-def step_sizes(largest: int) -> list[int]:
-    """The row counts a step is recorded at: powers of two below ``largest``, and ``largest``. A step
+def step_sizes(largest: int, every: int = 0) -> list[int]:
+    """The row counts a step is recorded at: powers of two below ``largest``, and ``largest`` (and every count
+    up to ``every``: a verify step's few rows, where a padded row costs as much as a drafted one). A step
     runs the smallest that holds its rows, so one request decodes in a one-row step and a short prompt
     runs in a short mixed step (vLLM captures its CUDA graphs at a like ladder of batch sizes)."""
-    return sorted({1 << i for i in range(largest.bit_length()) if 1 << i < largest} | {largest})
+    powers = {1 << i for i in range(largest.bit_length()) if 1 << i < largest}
+    return sorted(powers | {largest} | set(range(1, min(every, largest) + 1)))
 
 
 def default_step_tokens(device: Device, max_batch: int) -> int:
@@ -411,28 +413,28 @@ class StepRunner:
         max_step_tokens: int,
         max_blocks: int,
         scoring_rows: int = SCORING_ROWS,
-        verify_rows: int = 0,
+        verify: tuple[int, int] = (0, 0),
         greedy: bool = False,
     ) -> None:
         self.device, self.cache, self.max_batch, self.scoring_rows = device, cache, max_batch, scoring_rows
         self.table = SlotTable(max_batch, max_blocks, cache.block_size, greedy)
         record = functools.partial(
-            record_step, device, config, weights, cache, max_blocks=max_blocks, store_rows=max(max_batch, verify_rows)
+            record_step, device, config, weights, cache, max_blocks=max_blocks, store_rows=max(max_batch, verify[0])
         )
         self.record = record
         self.recorded = {
             StepKind.DECODE: self.ladder(record, StepKind.DECODE, max_batch),
             StepKind.MIXED: self.ladder(record, StepKind.MIXED, max_step_tokens),
         }
-        if verify_rows:  # speculative decoding's verify steps
-            self.recorded[StepKind.VERIFY] = self.ladder(record, StepKind.VERIFY, verify_rows)
+        if verify[0]:  # speculative decoding's verify steps: the most rows, and rows counted one by one
+            self.recorded[StepKind.VERIFY] = self.ladder(record, StepKind.VERIFY, *verify)
         self.putter: tuple[GpuCommandBatch, Tensor, Tensor] | None = None  # put_tokens' batch: on first use
         self.variants: dict[tuple[StepKind, int, bool, bool], Step] = {}  # scoring or masked: on first use
         self.runs = {kind: dict.fromkeys(steps, 0) for kind, steps in self.recorded.items()}
 
-    def ladder(self, record: Callable[..., Step], kind: StepKind, largest: int) -> dict[int, Step]:
-        """Steps of ``kind`` recorded at each row count of :func:`step_sizes` (``largest``)."""
-        return {size: self.record_size(record, kind, size) for size in step_sizes(largest)}
+    def ladder(self, record: Callable[..., Step], kind: StepKind, largest: int, every: int = 0) -> dict[int, Step]:
+        """Steps of ``kind`` recorded at each row count of :func:`step_sizes` (``largest``, ``every``)."""
+        return {size: self.record_size(record, kind, size) for size in step_sizes(largest, every)}
 
     def record_size(
         self, record: Callable[..., Step], kind: StepKind, size: int, scoring: bool = False, masked: bool = False

@@ -37,8 +37,8 @@ class Speculative:
 
     method: str = "ngram"
     tokens: int = 4
-    min_ngram: int = 1
-    max_ngram: int = 3
+    min_ngram: int = 2
+    max_ngram: int = 4
     draft: str | Path | None = None
     max_batch: int = 16
 

@@ -80,6 +80,8 @@ PRESETS: dict[str, Preset] = {
         Preset("tiny-llama", "llama", 256, 2, 4, 2, 512, 512, 5e5, 1e-5, 256, True, False, (8.0, 1.0, 4.0, 64),
                "llama-bpe"),
         Preset("tiny-qwen2", "qwen2", 160, 2, 5, 1, 256, 384, 1e6, 1e-6, 256, False, True, None, "qwen2"),
+        # a tiny draft with SmolLM2's vocabulary (speculative decoding's mechanics: --vocab smollm2)
+        Preset("tiny-smollm2", "llama", 128, 2, 4, 2, 256, 49152, 1e5, 1e-5, 8192, True, False, None, "smollm"),
     )
 }  # fmt: skip
 """The presets by name: the real models' published ``config.json`` values (Qwen2.5 Instruct's context)."""
