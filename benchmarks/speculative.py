@@ -170,21 +170,32 @@ def steps_of(url: str) -> int:
 
 
 def http_device(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The copy task and free chat through ``batchgpu serve`` without and with ``--speculative ngram:4``."""
+    """The copy task and free chat through two ``batchgpu serve`` at once, without and with ``--speculative
+    ngram:4``, their requests interleaved round by round (the machine's load hits both alike)."""
+    from contextlib import ExitStack
+
     from serve_load import servers
 
-    rows, base = [], ["--device", kind, "--max-batch", str(max(args.batch)), "--max-context", "512"]
-    for speculative in (None, "ngram:4"):
-        options = [*base, *(["--speculative", speculative] if speculative else []), *(["--fp32"] if args.fp32 else [])]
-        with servers().serve_process(*options) as (url, _):
-            for task in ("copy", "chat"):
-                for batch in args.batch:
+    base = ["--device", kind, "--max-batch", str(max(args.batch)), "--max-context", "512"]
+    base += ["--fp32"] if args.fp32 else []
+    methods, rows = {"none": base, "ngram:4": [*base, "--speculative", "ngram:4"]}, []
+    with ExitStack() as stack:
+        urls = {name: stack.enter_context(servers().serve_process(*options))[0] for name, options in methods.items()}
+        for task in ("copy", "chat"):
+            for batch in args.batch:
+                runs: dict[str, list[tuple[list[str], float, float]]] = {name: [] for name in urls}
+                for url in urls.values():
                     http_run(url, TASKS[task], batch, args.tokens)  # warm-up
-                    steps = steps_of(url)
-                    texts, wall = http_run(url, TASKS[task], batch, args.tokens)
-                    per_token = (steps_of(url) - steps) / args.tokens
-                    rows.append({"task": task, "batch": batch, "method": speculative or "none", "texts": texts,
-                                 "tokens_per_s": batch * args.tokens / wall, "steps_per_token": per_token})  # fmt: skip
+                for _ in range(args.rounds):
+                    for name, url in urls.items():
+                        steps = steps_of(url)
+                        texts, wall = http_run(url, TASKS[task], batch, args.tokens)
+                        runs[name].append((texts, batch * args.tokens / wall, (steps_of(url) - steps) / args.tokens))
+                for name, done in runs.items():
+                    rows.append({
+                        "task": task, "batch": batch, "method": name, "texts": done[-1][0],
+                        "tokens_per_s": statistics.median(r[1] for r in done), "steps_per_token": done[-1][2],
+                    })  # fmt: skip
     plain = {(r["task"], r["batch"]): r for r in rows if r["method"] == "none"}
     for row in rows:
         other = plain[(row["task"], row["batch"])]
