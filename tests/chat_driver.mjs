@@ -52,3 +52,23 @@ export async function converse(base, { turns }) {
   }
   return { runs };
 }
+
+/** The f16 self-test (precision.js) of the export at ``base`` with its ``steps`` only (Dawn here offers no
+ * shader-f16: "f32" checks the f32 kernels against the export's values); ``expected``: another file of expected
+ * values in the folder. Returns selfTest's {passed, reason, cases}. */
+export async function selfTest(base, { steps = ["f32"], expected = null }) {
+  const { selfTest: run } = await import(new URL("precision.js", base));
+  const { openDevice, requestAdapter } = await import(new URL("plan.js", base));
+  const { fetchJson } = await import(new URL("io.js", base));
+  const { getGpu, releaseGpu } = await import(new URL("node_gpu.js", base));
+  const manifest = await fetchJson(new URL("model.json", base));
+  const test = expected ? { ...manifest.self_test, expected: { ...manifest.self_test.expected, file: expected } } : manifest.self_test;
+  const { adapter } = await requestAdapter(await getGpu());
+  const device = await openDevice(adapter, [{ ...test, features: steps.includes("f16") ? test.features : [] }]);
+  try {
+    return await run(device, test, (name) => new URL(name, base), { steps });
+  } finally {
+    device.destroy();
+    releaseGpu();
+  }
+}
