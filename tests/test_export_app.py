@@ -11,6 +11,7 @@ generates."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -20,9 +21,10 @@ import pytest
 
 from batchgpu.export.browser import Chromium, ServeLog, find_chromium, serve
 from batchgpu.export.chat import export_chat
-from batchgpu.export.node import NodeUnavailableError, run_node, webgpu_package
+from batchgpu.export.node import NodeUnavailableError, find_node, node_environment, run_node, webgpu_package
 from batchgpu.models.llama import open_weights
 
+from .test_export import readme_block
 from .test_export_chat import DRIVER, PROMPTS, ids_query, python_ids, tiny_model
 
 STEPS = {"max_context": 48, "chunk": 4}
@@ -278,3 +280,32 @@ def test_self_test_machinery_under_node(tmp_path: Path, app: tuple[Path, Path]) 
     failed = run_node(DRIVER, out, function="selfTest", args={"expected": "self_test/moved.bin"}, timeout=300)
     assert not failed["passed"]
     assert failed["reason"].startswith("attention: the f32 kernels give ") and "at element 3" in failed["reason"]
+
+
+def test_readme_engine_block_runs_under_node(app: tuple[Path, Path]) -> None:
+    """README's engine block, run as written under Node in the export's folder (no Worker there: the engine runs
+    on Node's thread; its file: URL is read from disk, not stored): the reply is Python's chat greedy text, and
+    the stream of chunks accumulates to it."""
+    try:
+        webgpu_package()
+    except NodeUnavailableError as exc:
+        pytest.skip(f"WebGPU under Node is unavailable: {exc}")
+    path, out = app
+    script = out / "readme_engine.mjs"
+    script.write_text(readme_block("chat_engine_js", "js"), encoding="utf-8")
+    ran = subprocess.run(
+        [find_node(), str(script)], cwd=out, env=node_environment(), capture_output=True, text=True, timeout=300
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    result = json.loads(ran.stdout.strip().splitlines()[-1])
+    codec = open_weights(path).codec()
+    ids = codec.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    reply = python_ids(path, ids, 16, stop=codec.eos_ids, **STEPS)
+    assert result["text"] == result["streamed"] == codec.decode(reply)
+    assert result["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(reply),
+        "total_tokens": len(ids) + len(reply),
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    assert result["worker"] is False

@@ -967,5 +967,5 @@ def test_attention_over_a_half_cache(gpu, ref, small_bounds, rows, pos, window):
     assert out.dtype == np.float32
     actual = check(gpu, ref, [q, k, v], lambda b, tq, tk, tv: b.attention(tq, tk, tv, pos, window=window), np.float32)
     assert_close(actual, attention_float64(q, k, v, pos, window=window).astype(np.float32), np.float32, scale=10)
-    with pytest.raises(bg.BatchError, match="v_cache .* has dtype float32, but k_cache has float16"):
+    with pytest.raises(bg.BatchError, match=r"v_cache .* has dtype float32, but k_cache has float16"):
         batch.attention(batch.upload(q), batch.upload(k), batch.upload(v.astype(np.float32)), pos)

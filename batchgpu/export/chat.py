@@ -4,15 +4,21 @@ The folder it writes::
 
     out/
       index.html      the chat page: a chat box, or a run set by URL parameters (prompt, max_tokens,
-                      temperature, top_k, top_p, seed, raw=1), whose result ``window.batchgpuChat`` resolves to
-      batchgpu.js     ES module: loadModel(base, {onProgress}) -> model; model.generate(ids, options)
+                      temperature, top_k, top_p, seed, raw=1, api=1, worker=0, cache=...), whose result
+                      ``window.batchgpuChat`` resolves to
+      engine.js       ES module: createEngine(base, {worker, cache, f16}) -> an engine with an OpenAI-shaped API
+                      (engine.chat.completions.create, engine.completions.create) running the model in worker.js
+      batchgpu.js     ES module, the low level: loadModel(base, {onProgress}) -> model; model.generate(ids, options)
+      storage.js      the model file kept in browser storage (OPFS, else the Cache API), resumed downloads, SHA-256
+      precision.js    the f16 kernels chosen after their self-test, where the adapter offers shader-f16
       plan.js         the program runtime: buffers, pipelines, bind groups, one submit per step
       io.js           file reading (fetch, or the disk under Node)
       tokenizer.js    the model's tokenizer and chat template in JavaScript, with vendor/ (its libraries)
       model.json      the plan: buffers (each weight's place in model.gguf), shaders, pipelines, and per step
-                      (decode, prefill_1 ... prefill_<chunk>) its dispatches, inputs, scalars and outputs
-      shaders/*.wgsl  the WGSL of every kernel the steps run, as the wgpu executor compiles them
-      params.bin      every launch's uniform parameters
+                      (decode, prefill_1 ... prefill_<chunk>) its dispatches, inputs, scalars and outputs; the f16
+                      variant (variants.f16) and its self-test (self_test); the model file's size and SHA-256
+      shaders/*.wgsl  the WGSL of every kernel the programs run, as the wgpu executor compiles them
+      params.bin      every launch's uniform parameters (f16/, self_test/: the variant's and the self-test's)
       data.bin        the few buffers not taken from the GGUF file as it is (constants, derived weights)
       model.gguf      the model file itself: the page fetches it once and builds each weight buffer from it
       tokenizer.json, chat.json   the vocabulary and the chat template

@@ -108,7 +108,7 @@ export class Backend {
       else throw new Error(`batchgpu: the engine has no operation ${op}`);
       this.post({ id, op: "result", value });
     } catch (error) {
-      this.post({ id, op: "error", message: String(error?.message ?? error) });
+      this.post({ id, op: "error", message: String(error?.message ?? error), param: error?.param ?? null });
     }
   }
 
@@ -184,7 +184,7 @@ export class Backend {
       const usage = { prompt_tokens: ids.length, completion_tokens: count, total_tokens: ids.length + count, prompt_tokens_details: { cached_tokens: stats.cached_tokens } };
       this.post({ id, op: "done", text: rest, finish_reason: finish, prompt_ids: ids, stats, usage });
     } catch (error) {
-      this.post({ id, op: "error", message: String(error?.message ?? error) });
+      this.post({ id, op: "error", message: String(error?.message ?? error), param: error?.param ?? null });
     } finally {
       this.runs.delete(id);
     }
@@ -234,8 +234,14 @@ function localPort(gpu) {
   };
 }
 
+function randomBytes(count) {
+  const bytes = new Uint8Array(count);
+  if (globalThis.crypto?.getRandomValues) return globalThis.crypto.getRandomValues(bytes);
+  return bytes.map(() => Math.floor(Math.random() * 256)); // Node 18 without the global webcrypto
+}
+
 function randomId(prefix) {
-  const bytes = crypto.getRandomValues(new Uint8Array(12));
+  const bytes = randomBytes(12);
   return prefix + Array.from(bytes, (b) => b.toString(36).padStart(2, "0")).join("").slice(0, 24);
 }
 
@@ -269,7 +275,7 @@ function settingsOf(body) {
   let stop = body.stop ?? [];
   if (typeof stop === "string") stop = [stop];
   if (!Array.isArray(stop) || stop.length > 4 || stop.some((s) => typeof s !== "string")) throw new RequestError("stop must be a string or up to 4 strings", "stop");
-  const seed = body.seed ?? crypto.getRandomValues(new Uint32Array(1))[0];
+  const seed = body.seed ?? new Uint32Array(randomBytes(4).buffer)[0];
   if (!Number.isInteger(seed) || seed < 0 || seed >= 2 ** 32) throw new RequestError(`seed must be an integer in [0, 2**32), got ${JSON.stringify(body.seed)}`, "seed");
   if (body.stream !== undefined && body.stream !== null && typeof body.stream !== "boolean") throw new RequestError("stream must be a boolean", "stream");
   return {
@@ -346,7 +352,9 @@ class Engine {
     if (!pending) return;
     if (message.op === "error") {
       this.#pending.delete(message.id);
-      pending.reject(new Error(message.message));
+      const error = new Error(message.message);
+      if (message.param) Object.assign(error, { name: "RequestError", param: message.param, status: 400 });
+      pending.reject(error);
     } else if (message.op === "result" || message.op === "done") {
       this.#pending.delete(message.id);
       pending.resolve(message);
