@@ -89,6 +89,29 @@ def test_half_forms_render_f16_products() -> None:
     assert "enable f16" not in plain and "const HALF: bool = false;" in plain
 
 
+def test_self_test_takes_the_models_attention_path(tmp_path: Path) -> None:
+    """The self-test's attention has the model's head size and one group of its query heads; its cache is short
+    where the model's context takes one pass, one block and more where the model's is split into blocks."""
+    from batchgpu.export.precision import CACHE_ROWS, self_test_shapes
+    from batchgpu.ops.attention import split_rows
+
+    path = tiny_model(tmp_path, "llama-q8_0")
+    weights = open_weights(path)
+    config = weights.config
+    uploaded = upload_weights(bg.Device("reference"), weights, fuse=True)
+    short = self_test_shapes(config, uploaded, 24)
+    assert (short.cache_rows, short.kv_heads, short.heads, short.head_dim) == (
+        24,
+        1,
+        config.heads // config.kv_heads,
+        config.head_dim,
+    )
+    block = split_rows(config.head_dim)
+    assert self_test_shapes(config, uploaded, block).cache_rows == min(block, CACHE_ROWS)
+    assert self_test_shapes(config, uploaded, block + 1).cache_rows == block + CACHE_ROWS
+    assert short.qtypes == ("q8_0",) and short.swiglu == ("q8_0",)
+
+
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_self_test_passes_on_wgpu(tmp_path: Path, half_adapter: None, name: str) -> None:
     """The exported self-test of each tiny model (q8_0, q4_0, q4_1, q6_k; joined and separate q/k/v, SwiGLU
@@ -119,7 +142,7 @@ def test_half_kernels_at_odd_shapes(tmp_path: Path, half_adapter: None, small_bo
             heads=6,
             kv_heads=2,
             head_dim=38,
-            max_context=300,
+            cache_rows=300,
             rope={"theta": 10000.0, "factors": None},
             attention={"window": 50, "scale": None},
             eps=1e-6,

@@ -9,10 +9,10 @@ p.v products, norms their scaling by the weight; every sum over a row stays f32.
 
 The self-test runs each kernel the variant changes on fixed inputs, in both forms: a matmul per block format the
 model's matmuls use (and its SwiGLU epilogue where the model joins gate and up), RoPE with the KV write into the
-f16 cache followed by attention over the model's context (the split path where the model's is), an RMS norm and
-an add-and-RMS-norm of the model's width. The page accepts the variant when the f32 kernels give the values
-computed here (``SELF_TEST_TOLERANCE["f32"]``), and the f16 kernels those of the f32 kernels on the same device
-(``SELF_TEST_TOLERANCE["f16"]``), every value finite.
+f16 cache followed by attention of one group of query heads over the model's head size (over a cache split into
+blocks where the model's context is), an RMS norm and an add-and-RMS-norm of the model's width. The page accepts
+the variant when the f32 kernels give the values computed here (``SELF_TEST_TOLERANCE["f32"]``), and the f16
+kernels those of the f32 kernels on the same device (``SELF_TEST_TOLERANCE["f16"]``), every value finite.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ..device import Device
 from ..models.decoder import attention_settings
 from ..models.llama import LlamaConfig
 from ..models.row_pieces import Weight, project
+from ..ops.attention import split_rows
 from ..quant import FORMATS
 from ..quantize import quantize
 from ..tensor import Storage, Tensor
@@ -46,6 +47,9 @@ MATMUL_ROWS = 37
 one takes 38: whole pairs)."""
 MATMUL_K = 512
 """The self-test matmuls' inner size: two 256-weight super-blocks of the K-quants, 16 blocks of the others."""
+CACHE_ROWS = 257
+"""Cache rows of the self-test's attention where the model's context takes one pass; past that, one block of
+rows and this many more (the split path: partials and their combination), so its data stays small."""
 INPUT_SCALE = 4.0
 """The self-test's activations are standard normal times this: values past 10 in magnitude, as hidden states
 reach, so that an f16 product or sum that overflows or loses its range shows."""
@@ -54,7 +58,8 @@ reach, so that an f16 product or sum that overflows or loses its range shows."""
 @dataclass(frozen=True)
 class SelfTestShapes:
     """What the self-test runs, from the model: the block formats of its matmul weights (``swiglu``: those of its
-    joined gate/up weights), its width, its heads and its context (whether attention takes the split path)."""
+    joined gate/up weights), its width, its query heads per kv head, its head size and the attention cache's rows
+    (split into blocks where the model's context is)."""
 
     qtypes: tuple[str, ...]
     swiglu: tuple[str, ...]
@@ -62,7 +67,7 @@ class SelfTestShapes:
     heads: int
     kv_heads: int
     head_dim: int
-    max_context: int
+    cache_rows: int
     rope: Mapping[str, Any]
     attention: Mapping[str, Any]
     eps: float
@@ -83,14 +88,15 @@ def self_test_shapes(config: LlamaConfig, weights: Mapping[str, Weight], max_con
         return tuple(sorted(found))
 
     joined = {name: w for name, w in used.items() if name.endswith("ffn_gate_up.weight")}
+    block = split_rows(config.head_dim)  # cache rows one attention workgroup takes
     return SelfTestShapes(
         qtypes=qtypes(used),
         swiglu=qtypes(joined),
         hidden=config.hidden,
-        heads=config.heads,
-        kv_heads=config.kv_heads,
+        heads=config.heads // config.kv_heads,  # one kv head and its group: every head computes alike
+        kv_heads=1,
         head_dim=config.head_dim,
-        max_context=max_context,
+        cache_rows=min(max_context, CACHE_ROWS) if max_context <= block else block + CACHE_ROWS,
         rope=config.rope(0),
         attention=attention_settings(config, 0),
         eps=config.eps,
@@ -132,7 +138,7 @@ def record_self_test(device: Device, shapes: SelfTestShapes, kv_dtype: Any) -> P
         rows, k = _matmul_shape(device, qtype, MATMUL_ROWS + 1)
         x = activations((1, k), f"x_swiglu_{qtype}")
         outputs[f"swiglu {qtype}"] = project(batch, x, _quantized(device, rng, qtype, rows, k), epilogue="swiglu")
-    rows, width = shapes.max_context, shapes.heads + 2 * shapes.kv_heads
+    rows, width = shapes.cache_rows, shapes.heads + 2 * shapes.kv_heads
     cache = rng.standard_normal((rows, shapes.kv_heads, shapes.head_dim)).astype(np.float16)
     keys = batch.upload(cache.astype(kv_dtype), name="keys")
     values = batch.upload(np.flip(cache, axis=0).astype(kv_dtype), name="values")
