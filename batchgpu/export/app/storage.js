@@ -128,6 +128,11 @@ class OpfsStore {
     }
   }
 
+  /** The bytes a later load finds kept, were this one to stop now. */
+  keptBytes() {
+    return this.position;
+  }
+
   async commit(sha256) {
     await this.pause();
     const marker = await this.handle(`${this.key}.json`, true);
@@ -237,6 +242,10 @@ class CacheStore {
   async pause() {
     // the whole pieces are kept already; the partial one stays in memory for this load's next write (the next
     // load resumes at the first piece not kept)
+  }
+
+  keptBytes() {
+    return this.pieces * PIECE_BYTES;
   }
 
   async commit() {
@@ -433,7 +442,7 @@ export class ModelSource {
           await store?.pause().catch(() => {}); // the bytes in stay for the next load to resume from
           if (error.status === 416) throw this.sizeError(`fewer than ${offset + 1}`);
           if (!retryable(error)) throw error;
-          const kept = store && offset ? `; the ${offset} bytes in are kept, so the next load resumes from there` : "";
+          const kept = store?.keptBytes() ? `; the ${store.keptBytes()} bytes in are kept, so the next load resumes from there` : "";
           throw new Error(`batchgpu: downloading ${this.url} stopped at byte ${offset} of ${this.bytes} after ${failures + 1} attempt(s): ${error.message}${kept}`);
         }
         failures += 1;
