@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-kernels", action="store_true", help="the CPU-driver kernel forms (for a CPU WebGPU such as SwiftShader)"
     )
     chat.add_argument("--link", action="store_true", help="hard-link the model file instead of copying it")
+    chat.add_argument(
+        "--no-f16", action="store_true", help="no f16 variant: the page runs the f32 kernels even where shader-f16 is"
+    )
     add_check_command(command("check", "the test suite and the GPU benchmarks on every GPU executor: one report"))
     return parser
 
@@ -787,6 +790,7 @@ def cmd_export_chat(args: argparse.Namespace) -> int:
             chunk=args.chunk,
             gpu_kernels=not args.cpu_kernels,
             copy_model=not args.link,
+            f16=not args.no_f16,
         )
     except BatchError as exc:
         print(exc, file=sys.stderr)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -20,6 +20,10 @@ MAX_DIMS = 8
 
 DEFAULT_WORKGROUP = 256
 """Invocations per workgroup of the built-in 1-D kernels (the WebGPU minimum for this limit)."""
+
+HALF_ALIAS = "H"
+"""The type alias of a half-capable family's products: ``f32``, or ``f16`` in a launch's :meth:`Launch.for_half`
+form (a source also gets the const ``HALF``: whether it is f16)."""
 
 
 class Kernel:
@@ -202,6 +206,16 @@ class Launch:
     def for_gpu(self) -> Launch:
         """The launch wgpu runs on a GPU adapter: :attr:`gpu` where set, else this one."""
         return self.gpu or self
+
+    def for_half(self) -> Launch:
+        """This launch's half form: the same kernel with its product type ``H`` f16 (``enable f16``; WebGPU's
+        ``shader-f16``) where its family declares one (:attr:`~batchgpu.ops.interface.Family.half`: quantized
+        matmuls, attention, norms), else this one. What the form computes in f16 is written in each family's
+        source under ``if HALF``."""
+        if (HALF_ALIAS, "f32") not in self.types:
+            return self
+        types = tuple((alias, "f16" if alias == HALF_ALIAS else wgsl) for alias, wgsl in self.types)
+        return replace(self, types=types, native=None, gpu=None)
 
     def describe(self) -> str:
         name = self.kernel.name if self.kernel else f"{self.family}.{self.entry}"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from .errors import UnsupportedError
+from .kernels import HALF_ALIAS
 from .ops import fused
 from .ops.elementwise import EXPRESSIONS
 from .ops.interface import FAMILIES
@@ -109,10 +110,14 @@ def _template(family: str) -> string.Template:
 
 @functools.cache
 def render_wgsl(family: str, types: tuple[tuple[str, str], ...], snippets: tuple[tuple[str, str], ...]) -> str:
-    """WGSL source of ``family`` with ``alias`` lines for ``types`` and each ``${NAME}`` placeholder of
-    ``snippets`` (NAME, op name) filled with the op's WGSL expression."""
+    """WGSL source of ``family`` with ``alias`` lines for ``types`` (and, with the product alias ``H``, the const
+    ``HALF``: whether it is f16) and each ``${NAME}`` placeholder of ``snippets`` (NAME, op name) filled with the
+    op's WGSL expression."""
     header = "enable f16;\n" if any(t == "f16" for _, t in types) else ""
     header += "".join(f"alias {name} = {wgsl_type};\n" for name, wgsl_type in types)
+    half = dict(types).get(HALF_ALIAS)
+    if half is not None:  # a half-capable family: whether its products are f16 (Launch.for_half)
+        header += f"const HALF: bool = {'true' if half == 'f16' else 'false'};\n"
     defaults = {**DEFAULT_SNIPPETS, FORMAT_SNIPPET: format_source(DEFAULT_FORMAT, "wgsl")}
     filled = {**defaults, **{name: snippet(name, value, "wgsl") for name, value in snippets}}
     return header + _template(family).substitute(filled)

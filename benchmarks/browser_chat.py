@@ -15,7 +15,11 @@ rounds of:
   equal ids are a correctness check; where they differ the first index is reported.
 
 Both are timed from their page's first request after the load (nothing warmed up), the way a user meets
-them. wllama runs on its CPU backend (``n_gpu_layers`` 0; 2.x has no other); its ids are fed as they are
+them. batchgpu's page loads with ``cache=none`` (its model fetched every time, as wllama's); ``--stored`` adds a
+row of the page loading the model from the browser's storage (OPFS, kept by one load before the rounds, not
+timed), ``--main-thread`` one of the page running the model on its own thread (``worker=0``) instead of its
+worker; their details hold ``loaded_from``, ``network_bytes`` and the main thread's long tasks while generating.
+wllama runs on its CPU backend (``n_gpu_layers`` 0; 2.x has no other); its ids are fed as they are
 through its token API (no tokenizer, no BOS added), sampled greedily (top_k 1, temperature 0), and decoding
 goes on past end-of-generation ids (batchgpu's page stops at its tokenizer's stop ids: ids are compared
 over the shorter list). ``--python`` adds batchgpu's Python side on the numpy reference executor: the very
@@ -30,6 +34,7 @@ copied into this repository (its wasm files are ~10 MB).
     python benchmarks/browser_chat.py                                  # SmolLM2-135M, 32-token prompt, 32 tokens
     python benchmarks/browser_chat.py --model FILE.gguf --prompt-tokens 600 --max-tokens 16 --python
     python benchmarks/browser_chat.py --prompt-ids 1,4093,314 --threads 1 --cpu-kernels --json out.json
+    python benchmarks/browser_chat.py --threads '' --cpu-kernels --stored --main-thread   # batchgpu's loads only
 """
 
 from __future__ import annotations
@@ -162,7 +167,11 @@ def page_run(engine: str, result: Any, prompt: Sequence[int], threads: int | Non
     if list(result["prompt_ids"]) != list(prompt):
         raise RuntimeError(f"{engine}: the page ran prompt {result['prompt_ids'][:8]}..., not {list(prompt)[:8]}...")
     prefill = len(prompt) / (result["prefill_ms"] / 1000) if result["prefill_ms"] > 0 else float("inf")
-    keep = ("adapter", "multithread", "cross_origin_isolated", "prefill_ms", "decode_ms")
+    keep = ("adapter", "multithread", "cross_origin_isolated", "prefill_ms", "decode_ms", "worker", "loaded_from")
+    keep += ("weights_s", "network_bytes", "shader_f16", "self_test")
+    detail = {k: result[k] for k in keep if k in result}
+    if "long_tasks" in result:
+        detail["long_tasks_ms"] = [round(task["duration"]) for task in result["long_tasks"]]
     return Run(
         engine,
         result["load_s"],
@@ -170,7 +179,7 @@ def page_run(engine: str, result: Any, prompt: Sequence[int], threads: int | Non
         result["tokens_per_s"],
         [int(i) for i in result["token_ids"]],
         threads if threads is None else int(result["threads"]),
-        {k: result[k] for k in keep if k in result},
+        detail,
     )
 
 
@@ -184,17 +193,29 @@ def measure(
     n_ctx: int,
     timeout: float,
     log: Callable[[str], None] = print,
+    stored: bool = False,
+    main_thread: bool = False,
 ) -> list[Run]:
-    """``rounds`` rounds of batchgpu's page and wllama's (once per thread count) in one headless Chromium."""
+    """``rounds`` rounds of batchgpu's page (``stored``: also loading the model from storage; ``main_thread``: also
+    without its worker) and wllama's (once per thread count) in one headless Chromium."""
     from batchgpu.export.browser import CROSS_ORIGIN_ISOLATION, Chromium, serve
 
     ids = ",".join(str(i) for i in prompt)
     runs = []
+    pages = [("batchgpu", "cache=none")]
+    pages += [("batchgpu stored", "cache=opfs")] if stored else []
+    pages += [("batchgpu main thread", "cache=none&worker=0")] if main_thread else []
     with serve(site, headers=CROSS_ORIGIN_ISOLATION) as base, Chromium() as browser:
+        if stored:  # keep the model in OPFS first (a load like any first one: not timed)
+            keep = browser.evaluate(f"{base}chat/index.html?cache=opfs", "window.batchgpuChat", timeout)
+            if not isinstance(keep, dict) or not keep.get("stored"):
+                raise RuntimeError(f"batchgpu: the page did not keep the model: {json.dumps(keep)[:2000]}")
         for round_ in range(rounds):
-            page = f"{base}chat/index.html?ids={ids}&max_tokens={max_tokens}"
-            runs.append(page_run("batchgpu", browser.evaluate(page, "window.batchgpuChat", timeout), prompt))
-            log(f"round {round_ + 1}: batchgpu {runs[-1].decode_tokens_per_s:.2f} tokens/s")
+            for engine, query in pages:
+                page = f"{base}chat/index.html?ids={ids}&max_tokens={max_tokens}&{query}"
+                runs.append(page_run(engine, browser.evaluate(page, "window.batchgpuChat", timeout), prompt))
+                speed = runs[-1].decode_tokens_per_s
+                log(f"round {round_ + 1}: {engine} load {runs[-1].load_s:.2f} s, {speed:.2f} tokens/s")
             for count in threads:
                 page = f"{base}wllama.html?model=chat/model.gguf&ids={ids}&max_tokens={max_tokens}"
                 page += f"&threads={count}&n_ctx={n_ctx}"
@@ -372,6 +393,8 @@ def benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) -> d
             n_ctx=max_context,
             timeout=args.timeout,
             log=log,
+            stored=args.stored,
+            main_thread=args.main_thread,
         )
     llama = None
     if args.python:
@@ -420,6 +443,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunk", type=int, default=64, help="the export's largest prefill step")
     parser.add_argument("--max-context", type=int, default=0, help="default: prompt + max tokens, to a power of 2")
     parser.add_argument("--python", action="store_true", help="also batchgpu's Python side (reference executor)")
+    parser.add_argument("--stored", action="store_true", help="also batchgpu's page loading the model from storage")
+    parser.add_argument("--main-thread", action="store_true", help="also batchgpu's page without its worker")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per page")
     parser.add_argument("--json", help="write the report as JSON to this file")
     args = parser.parse_args(argv)

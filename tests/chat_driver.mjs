@@ -52,3 +52,28 @@ export async function converse(base, { turns }) {
   }
   return { runs };
 }
+
+/** The f16 self-test (precision.js) of the export at ``base`` with its ``steps`` only (Dawn here offers no
+ * shader-f16: "f32" checks the f32 kernels against the export's values), once per file of expected values in
+ * ``expected`` (null: the export's own). Returns selfTest's {passed, reason, cases} for each. */
+export async function selfTest(base, { steps = ["f32"], expected = [null] }) {
+  const { selfTest: run } = await import(new URL("precision.js", base));
+  const { openDevice, requestAdapter } = await import(new URL("plan.js", base));
+  const { fetchJson } = await import(new URL("io.js", base));
+  const { getGpu, releaseGpu } = await import(new URL("node_gpu.js", base));
+  const manifest = await fetchJson(new URL("model.json", base));
+  const { adapter } = await requestAdapter(await getGpu());
+  const test = manifest.self_test;
+  const device = await openDevice(adapter, [{ ...test, features: steps.includes("f16") ? test.features : [] }]);
+  try {
+    const results = [];
+    for (const file of expected) {
+      const checked = file ? { ...test, expected: { ...test.expected, file } } : test;
+      results.push(await run(device, checked, (name) => new URL(name, base), { steps }));
+    }
+    return results;
+  } finally {
+    device.destroy();
+    releaseGpu();
+  }
+}

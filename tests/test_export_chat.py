@@ -7,6 +7,7 @@ of each other (WGSL's exp/log latitude), which random data makes vanishingly rar
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -453,3 +454,9 @@ def test_command_line_exports_and_refuses(tmp_path: Path, capsys: pytest.Capture
         "prefill_8",
     ]
     assert (out / "model.gguf").read_bytes() == path.read_bytes() and (out / "vendor" / "jinja.js").is_file()
+    assert (out / "vendor" / "noble-hashes" / "sha2.js").is_file() and (out / "worker.js").is_file()
+    assert manifest["weights"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert manifest["variants"]["f16"]["features"] == ["shader-f16"] and (out / "self_test" / "expected.bin").is_file()
+    assert cli.main([*args, "--no-f16"]) == 0  # again over the earlier export, without the f16 variant
+    manifest = json.loads((out / "model.json").read_text())
+    assert "variants" not in manifest and "self_test" not in manifest and not (out / "f16").exists()

@@ -954,3 +954,18 @@ def test_kv_cache_state_survives_re_recording(gpu, ref):
         results.append(batch.read(doubled)[:5])
     assert_close(results[0], 2 * np.concatenate(rows))
     assert_close(results[1], 2 * np.concatenate(rows))
+
+
+@pytest.mark.parametrize("rows,pos,window", [(40, 30, 0), (300, 290, 131)])  # one pass; blocks of rows
+def test_attention_over_a_half_cache(gpu, ref, small_bounds, rows, pos, window):
+    """float32 queries over float16 caches (an exported chat app's f16 variant keeps its KV cache so): each
+    cached value is read as the float16 it is, computed in f32, the output float32; against float64."""
+    q, k, v = _attention_inputs(77, 3, 4, 2, rows, 8, np.float32)
+    k, v = k.astype(np.float16), v.astype(np.float16)
+    batch = bg.GpuCommandBatch(ref)
+    out = batch.attention(batch.upload(q), batch.upload(k), batch.upload(v), pos, window=window)
+    assert out.dtype == np.float32
+    actual = check(gpu, ref, [q, k, v], lambda b, tq, tk, tv: b.attention(tq, tk, tv, pos, window=window), np.float32)
+    assert_close(actual, attention_float64(q, k, v, pos, window=window).astype(np.float32), np.float32, scale=10)
+    with pytest.raises(bg.BatchError, match=r"v_cache .* has dtype float32, but k_cache has float16"):
+        batch.attention(batch.upload(q), batch.upload(k), batch.upload(v.astype(np.float32)), pos)

@@ -76,6 +76,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "export/text_assets.py",
         "export/weight_sources.py",
         "export/chat_steps.py",
+        "export/precision.py",
         "export/chat.py",
     ),
     "llm": ("llm/",),  # the serving engine and its HTTP server

@@ -22,6 +22,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -48,6 +49,9 @@ without a GPU) and keep it off the network."""
 
 RESULT_EXPRESSION = "window.batchgpuResult"
 
+CUT_PAUSE_S = 0.3
+"""How long a response that :class:`ServeLog` cuts stalls before its connection drops."""
+
 CROSS_ORIGIN_ISOLATION = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp"}
 """Headers that make a same-origin page cross-origin isolated (``self.crossOriginIsolated``): what
 ``SharedArrayBuffer``, and so WebAssembly threads, need. For :func:`serve`'s ``headers``."""
@@ -69,7 +73,59 @@ def find_chromium() -> str | None:
     return None
 
 
+class ServeLog:
+    """What :func:`serve` answered, request by request, and the faults it was asked to inject: ``cut`` maps a
+    file's path in the folder (``"model.gguf"``) to a byte count, after which the first response for that file
+    is cut off (its connection closed early, as a dropped download). Pass one as ``serve(..., log=...)``."""
+
+    def __init__(self, cut: Mapping[str, int] | None = None) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.cut = dict(cut or {})
+        self._lock = threading.Lock()
+
+    def add(self, entry: dict[str, Any]) -> None:
+        with self._lock:
+            self.requests.append(entry)
+
+    def take_cut(self, name: str) -> int | None:
+        """The byte count at which to cut this response for ``name`` (only once)."""
+        with self._lock:
+            return self.cut.pop(name, None)
+
+    def sent(self, name: str) -> int:
+        """Body bytes sent for the file ``name`` so far, over every request."""
+        with self._lock:
+            return sum(r["bytes"] for r in self.requests if r["path"] == name)
+
+    def of(self, name: str) -> list[dict[str, Any]]:
+        """The requests for ``name``: ``{"path", "range", "status", "bytes"}`` each."""
+        with self._lock:
+            return [dict(r) for r in self.requests if r["path"] == name]
+
+
+def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """``[start, end)`` of a single ``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` range of a ``size``-byte file;
+    None for no (or an unsupported) range, which is answered with the whole file; ValueError for a range that
+    starts past the end (416)."""
+    if not header or not header.startswith("bytes=") or "," in header:
+        return None
+    first, _, last = header[len("bytes=") :].strip().partition("-")
+    try:
+        if not first:  # the last n bytes
+            return max(size - int(last), 0), size
+        start = int(first)
+        end = min(int(last) + 1, size) if last else size
+    except ValueError:
+        return None
+    if start >= size or end <= start:
+        raise ValueError(header)
+    return start, end
+
+
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """Static files with single byte ranges (``Range: bytes=a-``: 206 Partial Content, which a resumed
+    download asks for), each file request logged to the server's :class:`ServeLog` where it has one."""
+
     extensions_map = {  # noqa: RUF012 - the base class's mapping, extended
         **http.server.SimpleHTTPRequestHandler.extensions_map,
         ".js": "text/javascript",
@@ -86,9 +142,64 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
             self.send_header(name, value)
         super().end_headers()
 
+    def do_GET(self) -> None:
+        path = self.translate_path(self.path)
+        if not os.path.isfile(path):
+            super().do_GET()  # folders, 404s
+            return
+        name = os.path.relpath(path, self.directory).replace(os.sep, "/")
+        size = os.path.getsize(path)
+        header = self.headers.get("Range")
+        entry: dict[str, Any] = {"path": name, "range": header, "status": 200, "bytes": 0}
+        try:
+            span = byte_range(header, size)
+        except ValueError:
+            entry["status"] = 416
+            self._log(entry)
+            self.send_response(416)
+            self.send_header("Content-Range", f"bytes */{size}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        start, end = span or (0, size)
+        entry["status"] = 206 if span else 200
+        self.send_response(entry["status"])
+        self.send_header("Content-Type", self.guess_type(path))
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Accept-Ranges", "bytes")
+        if span:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+        self.end_headers()
+        log = self.server.log
+        cut = log.take_cut(name) if log is not None else None
+        try:
+            with open(path, "rb") as file:
+                file.seek(start)
+                left = end - start if cut is None else min(cut, end - start)
+                while left > 0:
+                    data = file.read(min(left, 1 << 16))
+                    if not data:
+                        break
+                    self.wfile.write(data)
+                    entry["bytes"] += len(data)
+                    left -= len(data)
+            if cut is not None:  # a dropped download: fewer bytes than Content-Length, then the connection ends
+                self.wfile.flush()
+                time.sleep(CUT_PAUSE_S)  # the bytes sent reach the page before the connection drops
+                self.close_connection = True
+                with contextlib.suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_RDWR)
+        finally:
+            self._log(entry)
+
+    def _log(self, entry: dict[str, Any]) -> None:
+        if self.server.log is not None:
+            self.server.log.add(entry)
+
 
 class _Server(http.server.ThreadingHTTPServer):
     extra_headers: Mapping[str, str] = {}
+    log: ServeLog | None = None
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Quiet about connections the browser dropped (a closed tab cancels its requests)."""
@@ -97,13 +208,18 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 @contextlib.contextmanager
-def serve(folder: str | Path, *, headers: Mapping[str, str] | None = None) -> Iterator[str]:
+def serve(
+    folder: str | Path, *, headers: Mapping[str, str] | None = None, log: ServeLog | None = None
+) -> Iterator[str]:
     """Serve ``folder`` over HTTP on 127.0.0.1 (a free port) in a thread; yields the base URL.
     localhost is a secure context, so pages there get ``navigator.gpu``. ``headers``: sent with every
-    response besides the defaults (for instance :data:`CROSS_ORIGIN_ISOLATION`)."""
+    response besides the defaults (for instance :data:`CROSS_ORIGIN_ISOLATION`). Files are served with single
+    byte ranges (a resumed download's ``Range: bytes=a-``); ``log`` records each file request and injects its
+    ``cut`` faults."""
     handler = functools.partial(_QuietHandler, directory=str(folder))
     server = _Server(("127.0.0.1", 0), handler)
     server.extra_headers = dict(headers or {})
+    server.log = log
     thread = threading.Thread(target=server.serve_forever, name="batchgpu-export-http", daemon=True)
     thread.start()
     try:
@@ -197,14 +313,24 @@ class Chromium:
                 return reply.get("result", {})
 
     def evaluate(
-        self, url: str, expression: str = RESULT_EXPRESSION, timeout: float = 60.0, *, before: str | None = None
+        self,
+        url: str,
+        expression: str = RESULT_EXPRESSION,
+        timeout: float = 60.0,
+        *,
+        before: str | None = None,
+        commands: Sequence[tuple[str, dict[str, Any]]] = (),
     ) -> Any:
         """Open ``url`` in a new tab, then await ``expression`` (a Promise, or a value) there; returns
         its JSON value. Waits for the page to define the expression's root object. ``before``: a script run in
-        the page before its own scripts."""
+        the page before its own scripts; ``commands``: DevTools commands (method, params) sent in the tab's
+        session first, lasting as long as it (``("Storage.overrideQuotaForOrigin", {"origin": ..., "quotaSize":
+        n})``: a nearly full disk)."""
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         try:
             session = self._attach(target)
+            for method, params in commands:
+                self.send(method, params, session)
             if before is not None:  # e.g. a test taking a browser feature away
                 self.send("Page.enable", {}, session)
                 self.send("Page.addScriptToEvaluateOnNewDocument", {"source": before}, session)
@@ -227,6 +353,17 @@ class Chromium:
             shot = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session)
             Path(path).write_bytes(base64.b64decode(shot["data"]))
             return value
+        finally:
+            with contextlib.suppress(BrowserError):
+                self.send("Target.closeTarget", {"targetId": target}, timeout=10)
+
+    def clear_storage(self, origin: str) -> None:
+        """Remove everything ``origin`` (``http://127.0.0.1:PORT``) keeps in this browser's profile: its origin
+        private file system, Cache API, IndexedDB, ... (an OS may hand a freed port out again)."""
+        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        try:
+            params = {"origin": origin.rstrip("/"), "storageTypes": "all"}
+            self.send("Storage.clearDataForOrigin", params, self._attach(target))
         finally:
             with contextlib.suppress(BrowserError):
                 self.send("Target.closeTarget", {"targetId": target}, timeout=10)

@@ -4,15 +4,21 @@ The folder it writes::
 
     out/
       index.html      the chat page: a chat box, or a run set by URL parameters (prompt, max_tokens,
-                      temperature, top_k, top_p, seed, raw=1), whose result ``window.batchgpuChat`` resolves to
-      batchgpu.js     ES module: loadModel(base, {onProgress}) -> model; model.generate(ids, options)
+                      temperature, top_k, top_p, seed, raw=1, api=1, worker=0, cache=...), whose result
+                      ``window.batchgpuChat`` resolves to
+      engine.js       ES module: createEngine(base, {worker, cache, f16}) -> an engine with an OpenAI-shaped API
+                      (engine.chat.completions.create, engine.completions.create) running the model in worker.js
+      batchgpu.js     ES module, the low level: loadModel(base, {onProgress}) -> model; model.generate(ids, options)
+      storage.js      the model file kept in browser storage (OPFS, else the Cache API), resumed downloads, SHA-256
+      precision.js    the f16 kernels chosen after their self-test, where the adapter offers shader-f16
       plan.js         the program runtime: buffers, pipelines, bind groups, one submit per step
       io.js           file reading (fetch, or the disk under Node)
       tokenizer.js    the model's tokenizer and chat template in JavaScript, with vendor/ (its libraries)
       model.json      the plan: buffers (each weight's place in model.gguf), shaders, pipelines, and per step
-                      (decode, prefill_1 ... prefill_<chunk>) its dispatches, inputs, scalars and outputs
-      shaders/*.wgsl  the WGSL of every kernel the steps run, as the wgpu executor compiles them
-      params.bin      every launch's uniform parameters
+                      (decode, prefill_1 ... prefill_<chunk>) its dispatches, inputs, scalars and outputs; the f16
+                      variant (variants.f16) and its self-test (self_test); the model file's size and SHA-256
+      shaders/*.wgsl  the WGSL of every kernel the programs run, as the wgpu executor compiles them
+      params.bin      every launch's uniform parameters (f16/, self_test/: the variant's and the self-test's)
       data.bin        the few buffers not taken from the GGUF file as it is (constants, derived weights)
       model.gguf      the model file itself: the page fetches it once and builds each weight buffer from it
       tokenizer.json, chat.json   the vocabulary and the chat template
@@ -23,6 +29,7 @@ adapter has them) on the numpy reference device; the same batches run in Python 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -36,20 +43,17 @@ import numpy as np
 from ..arguments import linked_within, within
 from ..device import Device
 from ..errors import ArgumentError, UnsupportedError
-from ..executors.wgpu_plan import plan_launches
-from ..fusion import fuse
-from ..memory import share_buffers
 from ..models.gguf_file import GGUFWeights
 from ..models.llama import loading, upload_weights
 from ..models.loader import open_weights
 from ..progress import Stages
-from ..scalars import SCALAR_BYTES
-from ..tensor import Storage
 from .chat_steps import ChatSteps
-from .plan import PARAMS_ALIGN, WEBGPU_DEFAULT_LIMITS, ProgramPlan
+from .plan import WEBGPU_DEFAULT_LIMITS
+from .precision import self_test_program, self_test_shapes
+from .program import Program, ProgramStep, build_program, write_programs
 from .text_assets import write_text_assets
-from .webgpu import check_out_dir, required_features, storage_names
-from .weight_sources import Source, weight_sources
+from .webgpu import check_out_dir
+from .weight_sources import weight_sources
 
 FORMAT = "batchgpu-chat/1"
 APP_FILES = (
@@ -61,6 +65,10 @@ APP_FILES = (
     "package.json",
     "tokenizer.js",
     "chat_template.js",
+    "storage.js",
+    "precision.js",
+    "engine.js",
+    "worker.js",
 )
 """The app's own files, copied from the package as they are (``batchgpu/export/app``), with its ``vendor/``."""
 MODEL_FILE = "model.gguf"
@@ -78,6 +86,7 @@ def export_chat(
     gpu_kernels: bool = True,
     copy_model: bool = True,
     limits: Mapping[str, int] | None = None,
+    f16: bool = True,
 ) -> Path:
     """Write the chat app of the GGUF file ``model`` into ``out_dir`` (empty, or an earlier export) and return
     its path. ``max_context``: the KV cache's positions (prompt and reply); ``chunk``: the largest prefill
@@ -85,7 +94,9 @@ def export_chat(
     WebGPU); ``gpu_kernels``: the GPU forms of kernels that have one (``False``: the CPU-driver forms, faster on
     a CPU WebGPU such as SwiftShader); ``copy_model``: copy the GGUF file in (``False``: a hard link where the
     file system allows, else a copy); ``limits``: WebGPU limits (``max_*``, underscored) lower than its defaults
-    that the target devices have (a matrix over ``max_storage_buffer_binding_size`` is held as row pieces).
+    that the target devices have (a matrix over ``max_storage_buffer_binding_size`` is held as row pieces);
+    ``f16``: also write the f16 variant and its self-test (:mod:`batchgpu.export.precision`), which the page
+    runs where the adapter offers ``shader-f16`` and the self-test passes.
 
     Bad arguments raise ArgumentError, a non-GGUF model UnsupportedError, before anything is written; so does
     a model that writing into ``out`` would reach (:func:`check_model_apart`): an export never deletes or
@@ -112,15 +123,32 @@ def export_chat(
         if max_context > trained:
             raise ArgumentError(f"export_chat: max_context must be <= {trained} (the model's trained length)")
         uploaded = upload_weights(device, weights, fuse=True, stages=stages)
-        steps = ChatSteps(device, weights.config, uploaded, max_context=max_context, chunk=chunk)
+        shape = {"max_context": max_context, "chunk": chunk}
+        steps = ChatSteps(device, weights.config, uploaded, **shape)
         stages.phase("planning the steps", name="planning")
         read = device.executor.read_resident
         sources = weight_sources(weights.file, weights.config, uploaded, lambda s: read(s).tobytes())
-        manifest, plan, data = _manifest(steps, sources, {str(f) for f in features}, gpu_kernels)
+        offered = {str(f) for f in features}
+        plan = dict(sources=sources, offered=offered, gpu_kernels=gpu_kernels)
+        main = build_program(_program_steps(steps), device.limits, read, **plan)  # type: ignore[arg-type]
+        programs = [("", main)]
+        manifest: dict[str, Any] = {"format": FORMAT, **main.entry}
+        expected = b""
+        if f16:
+            stages.phase("planning the f16 variant", name="planning f16")
+            halves = ChatSteps(device, weights.config, uploaded, **shape, kv_dtype=np.float16)
+            plan["offered"] = offered | {"shader-f16"}
+            variant = build_program(_program_steps(halves, half=True), device.limits, read, **plan)  # type: ignore[arg-type]
+            variant.entry["kv_dtype"] = "float16"
+            shapes = self_test_shapes(weights.config, uploaded, max_context)
+            test, expected = self_test_program(device, shapes, read, gpu_kernels=gpu_kernels, offered=plan["offered"])
+            programs += [("f16/", variant), ("self_test/", test)]
+            manifest["variants"] = {"f16": variant.entry}
+            manifest["self_test"] = test.entry
         manifest["model"] = _model_entry(weights, max_context, chunk)
-        manifest["weights"] = {"file": MODEL_FILE, "bytes": path.stat().st_size}
+        manifest["weights"] = {"file": MODEL_FILE, "bytes": path.stat().st_size, "sha256": _sha256(path, stages)}
         codec = weights.codec()
-        _write(out, manifest, plan, data)
+        _write(out, manifest, programs, expected)
         write_text_assets(codec, out)
         _place_model(path, out / MODEL_FILE, copy=copy_model, stages=stages)
     return out
@@ -142,6 +170,13 @@ def check_model_apart(model: Path, out: Path) -> None:
                             f"export to another folder, or remove {linked} first")  # fmt: skip
 
 
+def _program_steps(steps: ChatSteps, *, half: bool = False) -> dict[str, ProgramStep]:
+    return {
+        name: ProgramStep(step.batch, step.inputs, {"next_id": step.next_id}, step.tokens, half=half)
+        for name, step in steps.steps.items()
+    }
+
+
 def _model_entry(weights: GGUFWeights, max_context: int, chunk: int) -> dict[str, Any]:
     config = weights.config
     return {
@@ -155,96 +190,43 @@ def _model_entry(weights: GGUFWeights, max_context: int, chunk: int) -> dict[str
     }
 
 
-# the plan ------------------------------------------------------------------------------------------
-
-
-def _manifest(
-    steps: ChatSteps, sources: Mapping[Storage, Source], offered: set[str], gpu_kernels: bool
-) -> tuple[dict[str, Any], ProgramPlan, bytearray]:
-    """model.json's plan of every step, the shared program and data.bin's bytes."""
-    plan = ProgramPlan()
-    required: set[str] = set()
-    plans: dict[str, Any] = {}
-    host: dict[Storage, np.ndarray] = {}
-    names: dict[Storage, str] = {}
-    for name, step in steps.steps.items():
-        view = step.batch.view()
-        keep = frozenset({step.next_id.storage})
-        fused = fuse(view.nodes, keep, steps.device.limits, "wgpu", view.host)  # as the executors run it
-        shared = share_buffers(fused.nodes, [s for s in view.storages if s not in fused.eliminated], keep)
-        launches = [launch.for_gpu() if gpu_kernels else launch for node in fused.nodes for launch in node.launches]
-        layout = plan_launches(launches, PARAMS_ALIGN)
-        required |= required_features(layout.launches, offered, "export_chat")
-        for storage in view.storages:
-            if storage.kind in ("input", "const"):
-                host[storage] = view.host[storage]
-        for storage, label in storage_names(view, step.inputs.values(), [step.next_id]).items():
-            names.setdefault(storage, label)
-        plans[name] = {
-            "tokens": step.tokens,
-            "dispatches": plan.add(layout, shared.aliases),
-            "inputs": {
-                key: {"buffer": plan.buffer(t.storage), "dtype": t.dtype.name, "shape": list(t.shape)}
-                for key, t in step.inputs.items()
-            },
-            "scalars": [{"name": s.name, "dtype": s.dtype, "slot": s.slot} for s in view.scalars],
-            "outputs": {
-                "next_id": {"buffer": plan.buffer(step.next_id.storage), "dtype": "int32", "bytes": step.next_id.nbytes}
-            },
-        }
-    buffers = plan.buffer_entries(names)
-    data = bytearray()
-    executor = steps.device.executor
-    for entry, storage in zip(buffers, plan.storages):
-        if storage in sources:
-            entry["source"] = sources[storage]
-            continue
-        if storage in host:
-            initial = np.ascontiguousarray(host[storage])
-        elif storage.kind == "resident":
-            initial = executor.read_resident(storage)
-        else:
-            continue  # a step's own buffer: zeros, as WebGPU creates it
-        raw = initial.reshape(-1).view(np.uint8)[: storage.nbytes]
-        if raw.any():
-            entry["data"] = {"offset": len(data), "bytes": int(raw.size)}
-            data += raw.tobytes() + bytes(-raw.size % 4)
-    manifest = {
-        "format": FORMAT,
-        "features": sorted(required),
-        "limits": plan.limits(),
-        "buffers": buffers,
-        "shaders": plan.shaders,
-        "pipelines": plan.pipelines,
-        "params": {"file": "params.bin", "size": len(plan.params)},
-        "data": {"file": "data.bin", "size": len(data)},
-        "scalar_bytes": SCALAR_BYTES,
-        "steps": plans,
-    }
-    return manifest, plan, data
-
-
 # writing ---------------------------------------------------------------------------------------------
 
 
-def _write(out: Path, manifest: dict[str, Any], plan: ProgramPlan, data: bytearray) -> None:
+def _write(out: Path, manifest: dict[str, Any], programs: list[tuple[str, Program]], expected: bytes) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out / "shaders", ignore_errors=True)
-    (out / "shaders").mkdir()
-    for shader, source in zip(plan.shaders, plan.sources):
-        (out / shader["file"]).write_text(source, encoding="utf-8")
-    (out / "params.bin").write_bytes(bytes(plan.params))
-    (out / "data.bin").write_bytes(bytes(data))
+    for stale in ("f16", "self_test"):  # an earlier export's variant
+        shutil.rmtree(out / stale, ignore_errors=True)
+    write_programs(out, programs)
+    if expected:
+        (out / manifest["self_test"]["expected"]["file"]).write_bytes(expected)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     app = resources.files("batchgpu.export") / "app"
     for name in APP_FILES:
         (out / name).write_text((app / name).read_text(encoding="utf-8"), encoding="utf-8")
     vendor = out / "vendor"
     shutil.rmtree(vendor, ignore_errors=True)
-    vendor.mkdir()
-    for item in (app / "vendor").iterdir():
+    _copy_tree(app / "vendor", vendor)
+
+
+def _copy_tree(source: Any, target: Path) -> None:
+    """``source`` (a folder of the package's resources) copied to ``target``."""
+    target.mkdir()
+    for item in source.iterdir():
         if item.is_file():
-            (vendor / item.name).write_bytes(item.read_bytes())
+            (target / item.name).write_bytes(item.read_bytes())
+        elif item.is_dir() and not item.name.startswith((".", "__")):
+            _copy_tree(item, target / item.name)
+
+
+def _sha256(path: Path, stages: Stages) -> str:
+    """The file's SHA-256 (hex): the page checks the bytes it downloads against it before keeping them."""
+    stages.phase(f"hashing {path.name}", name="hashing")
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while block := file.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _place_model(source: Path, target: Path, *, copy: bool, stages: Stages) -> None:

@@ -86,10 +86,18 @@ def chunks(length: int, chunk: int) -> list[int]:
 
 class ChatSteps:
     """The recorded steps of one sequence over ``config``'s decoder with ``weights`` resident on ``device``,
-    a KV cache of ``max_context`` positions and prefill chunks of up to ``chunk`` tokens (a power of two)."""
+    a KV cache of ``max_context`` positions (``kv_dtype``: float32, or float16 as the f16 variant of an export
+    keeps it) and prefill chunks of up to ``chunk`` tokens (a power of two)."""
 
     def __init__(
-        self, device: Device, config: LlamaConfig, weights: dict[str, Weight], *, max_context: int, chunk: int
+        self,
+        device: Device,
+        config: LlamaConfig,
+        weights: dict[str, Weight],
+        *,
+        max_context: int,
+        chunk: int,
+        kv_dtype: Any = np.float32,
     ) -> None:
         if chunk < 1 or chunk & (chunk - 1):
             raise ArgumentError(f"ChatSteps: chunk must be a power of two >= 1, got {chunk!r}")
@@ -97,7 +105,10 @@ class ChatSteps:
             raise ArgumentError(f"ChatSteps: max_context must be in [1, {config.context}], got {max_context!r}")
         self.device, self.config, self.weights = device, config, weights
         self.max_context, self.chunk = max_context, chunk
-        zeros = np.zeros((max_context, config.kv_heads, config.head_dim), np.float32)
+        self.kv_dtype = np.dtype(kv_dtype)
+        if self.kv_dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
+            raise ArgumentError(f"ChatSteps: kv_dtype must be float32 or float16, got {kv_dtype!r}")
+        zeros = np.zeros((max_context, config.kv_heads, config.head_dim), self.kv_dtype)
         self.caches = [
             (device.tensor(zeros, name=f"k{i}"), device.tensor(zeros, name=f"v{i}")) for i in range(config.layers)
         ]

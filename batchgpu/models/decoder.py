@@ -134,8 +134,9 @@ class KVLayout(Protocol):
 
 @dataclass(frozen=True)
 class ContiguousKV:
-    """One sequence's caches, per layer a (keys, values) pair of (max_context, kv_heads, head_dim): the
-    rows are tokens at positions ``pos``, ``pos + 1``, ... and attend causally over rows ``[0, pos + t]``."""
+    """One sequence's caches, per layer a (keys, values) pair of (max_context, kv_heads, head_dim), float32 or
+    float16: the rows are tokens at positions ``pos``, ``pos + 1``, ... and attend causally over rows
+    ``[0, pos + t]``."""
 
     caches: Sequence[tuple[Tensor, Tensor]]
     pos: Scalar
@@ -150,6 +151,8 @@ class ContiguousKV:
 
     def write_kv(self, batch: GpuCommandBatch, layer: int, k: Tensor, v: Tensor) -> None:
         keys, values = self.caches[layer]
+        if keys.dtype != k.dtype:  # a float16 cache
+            k, v = batch.cast(k, keys.dtype), batch.cast(v, values.dtype)
         batch.kv_write(keys, k, self.pos)
         batch.kv_write(values, v, self.pos)
 

@@ -449,8 +449,9 @@ def check_scale(op: str, params: dict[str, Any]) -> None:
 
 def _attention_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
     q, k, v = inputs
-    dtype = same_dtype("attention", inputs, ("q", "k_cache", "v_cache"))
     check_dtype("attention", "float", q, "q")
+    check_dtype("attention", "float", k, "k_cache")
+    same_dtype("attention", (k, v), ("k_cache", "v_cache"))  # a half cache under float32 queries: the caches' own
     check_heads("attention", q, k, v, ("q", "k_cache", "v_cache"))
     check_scale("attention", params)
     check_window("attention", params)
@@ -466,7 +467,7 @@ def _attention_infer(inputs: Sequence[Tensor], params: dict[str, Any]) -> tuple[
             f"attention: pos {pos!r} + {tokens} tokens of q {q.describe()} exceeds the {rows} rows of k_cache "
             f"{k.describe()}"
         )
-    return q.shape, dtype
+    return q.shape, q.dtype
 
 
 def _attention_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.ndarray:

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..kernels import DEFAULT_WORKGROUP, MAX_DIMS, Binding, BindingKind, Launch
+from ..kernels import DEFAULT_WORKGROUP, HALF_ALIAS, MAX_DIMS, Binding, BindingKind, Launch
 from ..scalars import MAX_SCALARS, NO_SLOT, SCALAR_BYTES
 from ..tensor import Storage, Tensor
 from . import bounds
@@ -213,7 +213,9 @@ class Family:
     """One shader family's interface: ``bindings`` in slot order, ``params`` (the ``Params`` struct, in
     order; padding is added), ``constants``, and ``workgroup``: the default of the ``WG`` override of
     1-D families (the block size of its launches), None for families without one. ``native_only``:
-    entry points only the CUDA source has (forms the native executors launch)."""
+    entry points only the CUDA source has (forms the native executors launch). ``half``: its WGSL kernels take
+    the product type alias ``H`` (``f32`` in every launch; ``f16`` in the half form,
+    :meth:`~batchgpu.kernels.Launch.for_half`), and compute under ``if HALF`` what that form does in f16."""
 
     name: str
     bindings: tuple[Slot, ...]
@@ -221,6 +223,7 @@ class Family:
     constants: tuple[Constant, ...] = ()
     workgroup: int | None = None
     native_only: frozenset[str] = frozenset()
+    half: bool = False
     layout: tuple[Field, ...] = field(init=False)
     _struct: struct.Struct = field(init=False, repr=False)
 
@@ -318,6 +321,8 @@ class Family:
         packed = self.pack(**params)
         if workgroup_size is None:
             workgroup_size = (self.workgroup or DEFAULT_WORKGROUP, 1, 1)
+        if self.half:
+            fields["types"] = (*fields.get("types", ()), (HALF_ALIAS, "f32"))
         return Launch(
             family=self.name,
             params=packed,
@@ -515,6 +520,7 @@ QMATMUL = Family(
         *GEMV,
     ),
     workgroup=64,
+    half=True,
 )
 
 NORM = Family(
@@ -530,6 +536,7 @@ NORM = Family(
     ),
     params=(Field("rows"), Field("d"), Field("eps", "f32"), Field("chunk", note="piece length of long rows")),
     workgroup=DEFAULT_WORKGROUP,
+    half=True,
 )
 
 ATTENTION_WG = 64
@@ -589,6 +596,7 @@ ATTENTION = Family(
         ),
     ),
     workgroup=ATTENTION_WG,
+    half=True,
 )
 
 GATHER = Family(

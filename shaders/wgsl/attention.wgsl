@@ -19,7 +19,9 @@
 // attention_combine: folds all of a (token, head)'s partials and writes its output.
 // paged_attention / paged_attention_partial: attention and attention_partial for query rows n over
 // the positions of a paged KV pool (see "Paged attention" below); merge and combine are shared.
-// Aliases: A (tensor storage type: x, q, output, caches written), B (keys and values read), C.
+// Aliases: A (tensor storage type: x, q, output, caches written), B (keys and values read), C, H (f32; f16 in
+// the half form, HALF: a launch's Launch.for_half, where key_score and weighted_values multiply in f16 and sum
+// in f32).
 
 //!interface
 
@@ -189,10 +191,23 @@ fn load_query(lid: u32, item: u32) {
     workgroupBarrier();
 }
 
-// q_row . the key of cache (pool) row r at kv-head offset `offset`.
+// q_row . the key of cache (pool) row r at kv-head offset `offset`. The half form: four elements at a time
+// dotted in f16, summed in f32.
 fn key_score(r: u32, offset: u32) -> f32 {
     let base = r * p.kv_heads * p.head_dim + offset;
     var s = 0.0;
+    if HALF {
+        var d = 0u;
+        for (; d + 4u <= p.head_dim; d += 4u) {
+            let q = vec4<H>(H(q_row[d]), H(q_row[d + 1u]), H(q_row[d + 2u]), H(q_row[d + 3u]));
+            let k = vec4<H>(H(keys[base + d]), H(keys[base + d + 1u]), H(keys[base + d + 2u]), H(keys[base + d + 3u]));
+            s += f32(dot(q, k));
+        }
+        for (; d < p.head_dim; d++) {
+            s += f32(H(q_row[d]) * H(keys[base + d]));
+        }
+        return s;
+    }
     for (var d = 0u; d < p.head_dim; d++) {
         s += q_row[d] * f32(keys[base + d]);
     }
@@ -227,11 +242,18 @@ fn softmax_rows(lid: u32, item: u32, first: u32, last: u32) -> vec2<f32> {
     return normalize_scores(lid, first, last, best);
 }
 
-// Sum over cache rows [first, last) of scores[j - first] * v[j][d] for item's kv head.
+// Sum over cache rows [first, last) of scores[j - first] * v[j][d] for item's kv head (the half form: each
+// product in f16, the sum in f32).
 fn weighted_values(item: u32, first: u32, last: u32, d: u32) -> f32 {
     let row = p.kv_heads * p.head_dim;
     let column = kv_offset(item) + d;
     var acc = 0.0;
+    if HALF {
+        for (var j = first; j < last; j++) {
+            acc += f32(H(scores[j - first]) * H(values[j * row + column]));
+        }
+        return acc;
+    }
     for (var j = first; j < last; j++) {
         acc += scores[j - first] * f32(values[j * row + column]);
     }

@@ -6,12 +6,19 @@
 // Longer rows, in pieces of p.chunk elements, one workgroup per (row, piece) in two passes: *_partials
 // write each piece's statistics to `partials` (rms: the sum of squares; layer_norm: the sum and the sum of
 // squared deviations from the piece's mean), *_chunks combine the row's partials and write their piece.
-// Aliases: A (storage type of every tensor), C (f32).
+// Aliases: A (storage type of every tensor), C (f32), H (f32; f16 in the half form, HALF: see scaled).
 
 //!interface
 
 //!include tree
 //!include nan
+
+// An output element: a normalized value times its weight; in the half form (HALF, a launch's Launch.for_half:
+// alias H = f16) the product is f16. The statistics stay f32 in both forms.
+fn scaled(normed: f32, weight: f32) -> f32 {
+    if HALF { return f32(H(normed) * H(weight)); }
+    return normed * weight;
+}
 
 fn row_of(wid: vec3<u32>, groups: vec3<u32>) -> u32 {
     return wid.x + wid.y * groups.x;
@@ -30,7 +37,7 @@ fn rms_norm_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgrou
     let scale = inverseSqrt(tree_sum(lid.x, squares) / f32(p.d) + p.eps);
     if row >= p.rows { return; }
     for (var k = lid.x; k < p.d; k += WG) {
-        out[base + k] = A(f32(x[base + k]) * scale * f32(w[k]));
+        out[base + k] = A(scaled(f32(x[base + k]) * scale, f32(w[k])));
     }
 }
 
@@ -50,7 +57,7 @@ fn add_rms_norm_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(work
     if !valid { return; }
     for (var k = lid.x; k < p.d; k += WG) {
         let v = f32(x[base + k]) + f32(extra[base + k]);
-        out[base + k] = A(v * scale * f32(w[k]));
+        out[base + k] = A(scaled(v * scale, f32(w[k])));
     }
 }
 
@@ -70,7 +77,7 @@ fn layer_norm_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgr
     let scale = inverseSqrt(tree_sum(lid.x, deviations) / f32(p.d) + p.eps);
     if row >= p.rows { return; }
     for (var k = lid.x; k < p.d; k += WG) {
-        out[base + k] = A((f32(x[base + k]) - mean) * scale * f32(w[k]) + f32(extra[k]));
+        out[base + k] = A(scaled((f32(x[base + k]) - mean) * scale, f32(w[k])) + f32(extra[k]));
     }
 }
 
@@ -131,7 +138,7 @@ fn rms_norm_chunks(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgr
     if !piece.valid { return; }
     let base = piece.row * p.d + piece.first;
     for (var k = lid.x; k < piece.count; k += WG) {
-        out[base + k] = A(f32(x[base + k]) * scale * f32(w[piece.first + k]));
+        out[base + k] = A(scaled(f32(x[base + k]) * scale, f32(w[piece.first + k])));
     }
 }
 
@@ -144,7 +151,7 @@ fn add_rms_norm_chunks(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(wo
     let base = piece.row * p.d + piece.first;
     for (var k = lid.x; k < piece.count; k += WG) {
         let v = f32(x[base + k]) + f32(extra[base + k]);
-        out[base + k] = A(v * scale * f32(w[piece.first + k]));
+        out[base + k] = A(scaled(v * scale, f32(w[piece.first + k])));
     }
 }
 
@@ -194,6 +201,6 @@ fn layer_norm_chunks(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(work
     let base = piece.row * p.d + piece.first;
     for (var k = lid.x; k < piece.count; k += WG) {
         let c = piece.first + k;
-        out[base + k] = A((f32(x[base + k]) - stats.x) * stats.y * f32(w[c]) + f32(extra[c]));
+        out[base + k] = A(scaled((f32(x[base + k]) - stats.x) * stats.y, f32(w[c])) + f32(extra[c]));
     }
 }

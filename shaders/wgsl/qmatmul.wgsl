@@ -9,7 +9,8 @@
 // memory (a vec4 lane per row of x instead). Split-K (batchgpu/ops/matmul.py): split s of p.splits takes blocks [s * block_chunk, min(blocks,
 // (s + 1) * block_chunk)) and writes its partial sums to slice s of a (splits, m, n) output that a sum pass
 // reduces; only split 0 adds the bias. One split covers all blocks. SWIGLU (one split, no bias): rows come in
-// (gate, up) pairs and the output is (m, n / 2) of silu(gate) * up. Aliases: A (x type), O (output), C (f32).
+// (gate, up) pairs and the output is (m, n / 2) of silu(gate) * up. Aliases: A (x type), O (output), C (f32),
+// H (f32; f16 in the half form, HALF: see half_dot).
 
 //!interface
 
@@ -93,9 +94,34 @@ fn weights_of(kind: u32, n: u32, b: u32) -> QBlock {
     return load_block(p.blocks, row, b);
 }
 
+// The half form (HALF, a launch's Launch.for_half: alias H = f16): four weights of a block dequantized to f16
+// (d q + m) and dotted with four values of x in f16; a block's eight such dots and the sums over blocks stay
+// f32. The weights are scaled before the products (the f32 form factors d out of the block's sum), so neither
+// an f16 product nor a four-term sum overflows on activations of large magnitude.
+fn half_dot(q: vec4<f32>, d: f32, m: f32, x: vec4<f32>) -> f32 {
+    return f32(dot(vec4<H>(q) * H(d) + H(m), vec4<H>(x)));
+}
+
+// block_dot in the half form: the first 16 weights take (d0, m0), the last 16 (d1, m1) for the rendered FORMAT
+// and (d0, m0) for Q4_1 and Q8_0 (whose m0 is 0).
+fn half_block_dot(kind: u32, qb: QBlock, xb: XBlock) -> f32 {
+    var d1 = qb.d1;
+    var m1 = qb.m1;
+    if kind != FORMAT {
+        d1 = qb.d0;
+        m1 = qb.m0;
+    }
+    let first = half_dot(qb.q0, qb.d0, qb.m0, xb.v0) + half_dot(qb.q1, qb.d0, qb.m0, xb.v1)
+              + half_dot(qb.q2, qb.d0, qb.m0, xb.v2) + half_dot(qb.q3, qb.d0, qb.m0, xb.v3);
+    let second = half_dot(qb.q4, d1, m1, xb.v4) + half_dot(qb.q5, d1, m1, xb.v5)
+               + half_dot(qb.q6, d1, m1, xb.v6) + half_dot(qb.q7, d1, m1, xb.v7);
+    return first + second;
+}
+
 // A dequantized block of `kind` dotted with xb. Q4_1: d * sum(q x) + m * sum(x); Q8_0: d * sum(q x); the
 // rendered FORMAT: d0 * sum(q x) + m0 * sum(x) over each half.
 fn block_dot(kind: u32, qb: QBlock, xb: XBlock) -> f32 {
+    if HALF { return half_block_dot(kind, qb, xb); }
     if kind == FORMAT {
         let first = dot(qb.q0, xb.v0) + dot(qb.q1, xb.v1) + dot(qb.q2, xb.v2) + dot(qb.q3, xb.v3);
         let second = dot(qb.q4, xb.v4) + dot(qb.q5, xb.v5) + dot(qb.q6, xb.v6) + dot(qb.q7, xb.v7);
@@ -265,7 +291,11 @@ fn q4_1_unit(row: u32, m0: u32, rows: u32, u: u32) -> vec4<f32> {
     for (var j = 0u; j < rows; j++) {
         let lo = x[(m0 + j) * (p.k / 4u) + b * 8u + i];
         let hi = x[(m0 + j) * (p.k / 4u) + b * 8u + 4u + i];
-        dots[j] = scale.x * (dot(q_lo, lo) + dot(q_hi, hi)) + scale.y * (dot(lo, ones) + dot(hi, ones));
+        if HALF {
+            dots[j] = half_dot(q_lo, scale.x, scale.y, lo) + half_dot(q_hi, scale.x, scale.y, hi);
+        } else {
+            dots[j] = scale.x * (dot(q_lo, lo) + dot(q_hi, hi)) + scale.y * (dot(lo, ones) + dot(hi, ones));
+        }
     }
     return dots;
 }
@@ -277,7 +307,12 @@ fn q8_0_unit(row: u32, m0: u32, rows: u32, u: u32) -> vec4<f32> {
     let q = signed(w[at + 1u + u % 8u]);
     var dots = vec4<f32>(0.0);
     for (var j = 0u; j < rows; j++) {
-        dots[j] = d * dot(q, x[(m0 + j) * (p.k / 4u) + b * 8u + u % 8u]);
+        let xs = x[(m0 + j) * (p.k / 4u) + b * 8u + u % 8u];
+        if HALF {
+            dots[j] = half_dot(q, d, 0.0, xs);
+        } else {
+            dots[j] = d * dot(q, xs);
+        }
     }
     return dots;
 }

@@ -1,47 +1,60 @@
 // A batchgpu chat model exported for WebGPU (python -m batchgpu export-chat): the decoder's recorded steps run on
-// the page's GPU, the weights built from the model's GGUF file, fetched once.
+// the page's GPU, the weights built from the model's GGUF file as it streams in (from the network, or from the
+// browser's storage where an earlier load kept it: ./storage.js).
 //
 //   import { loadModel } from "./batchgpu.js";
 //   const model = await loadModel(new URL(".", import.meta.url), { onProgress: (p) => console.log(p.phase, p.done / p.total) });
 //   const ids = model.codec.encodeChat([{ role: "user", content: "Hi!" }]);
 //   for await (const id of model.generate(ids, { maxTokens: 64, temperature: 0.7, seed: 1 })) ...
 //
-// The next turn's prompt (the conversation so far) prefills only what follows the ids the KV cache holds
-// (model.cachedIds; model.stats.cached_tokens counts them), unless generate(ids, { reuse: false }).
+// This is the low level, on the thread that calls it; ./engine.js runs it in a Web Worker behind an OpenAI-shaped
+// API (createEngine). The next turn's prompt (the conversation so far) prefills only what follows the ids the KV
+// cache holds (model.cachedIds; model.stats.cached_tokens counts them), unless generate(ids, { reuse: false }).
 //
 // Under Node the GPU comes from the `webgpu` npm package (./node_gpu.js), or pass one: loadModel(base, { gpu }).
 // Call model.destroy() and node_gpu.js's releaseGpu() when done, so the process can exit.
 
-import { fetchBytes, fetchChunks, fetchJson, fetchText } from "./io.js";
+import { fetchJson } from "./io.js";
 import { getGpu } from "./node_gpu.js";
-import { Program, requestDevice, withErrors } from "./plan.js";
+import { Program, requestAdapter, withErrors } from "./plan.js";
+import { choosePrecision, planFiles } from "./precision.js";
+import { ModelSource } from "./storage.js";
 
 const FORMAT = "batchgpu-chat/1";
 
-/** Load the exported model at ``base`` (the folder's URL): plan, shaders, weights (with ``onProgress({phase,
- * done, total})`` as the GGUF file arrives, written ``slabBytes`` at a time), and its tokenizer unless
- * ``tokenizer`` is false. */
-export async function loadModel(base = new URL(".", import.meta.url), { onProgress = null, gpu = null, tokenizer = true, slabBytes = 1 << 22 } = {}) {
+/** Load the exported model at ``base`` (the folder's URL): plan, shaders, weights (``onProgress({phase, done,
+ * total, network, storage})`` as the GGUF file arrives, written ``slabBytes`` at a time), and its tokenizer
+ * unless ``tokenizer`` is false.
+ *
+ * ``cache``: where the GGUF file is kept between loads: "none" (fetched every time), "opfs" (the origin private
+ * file system, else the Cache API) or "cache" (the Cache API); ``retries``: how often a download cut off resumes
+ * (HTTP Range) before the load fails; ``verify``: hash a stored copy again (its SHA-256 is checked when it is
+ * downloaded). ``f16``: "auto" (the f16 kernels where the adapter offers shader-f16 and their self-test passes),
+ * true (insist), false (f32). ``model.loading`` and ``model.precision`` then say what happened. */
+export async function loadModel(
+  base = new URL(".", import.meta.url),
+  { onProgress = null, gpu = null, tokenizer = true, slabBytes = 1 << 22, cache = "none", retries = 4, verify = false, f16 = "auto" } = {},
+) {
   const at = (name) => new URL(name, base);
   const manifest = await fetchJson(at("model.json"));
   if (manifest.format !== FORMAT) throw new Error(`batchgpu: ${at("model.json")} is not a chat export (format ${manifest.format})`);
-  const [shaders, params, data] = await Promise.all([
-    Promise.all(manifest.shaders.map((s) => fetchText(at(s.file)))),
-    fetchBytes(at(manifest.params.file)),
-    fetchBytes(at(manifest.data.file)),
-  ]);
-  const { device, adapter } = await requestDevice(manifest, gpu ?? (await getGpu()));
-  const program = await Program.create(device, manifest, { shaders, params, data });
+  const { adapter, description } = await requestAdapter(gpu ?? (await getGpu()));
+  const choice = await choosePrecision(adapter, manifest, at, { f16 });
+  const { plan, device } = choice;
+  const program = await Program.create(device, plan, await planFiles(plan, at));
   const started = performance.now();
-  const loading = await withErrors(device, "writing the weights", () => loadWeights(program, at(manifest.weights.file), onProgress, slabBytes));
+  const { file, bytes, sha256 = null } = manifest.weights;
+  const source = new ModelSource(at(file), { bytes, sha256, cache, retries, verify, onProgress });
+  const loading = await withErrors(device, "writing the weights", () => loadWeights(program, source, slabBytes));
   loading.seconds = (performance.now() - started) / 1000;
   let codec = null;
   if (tokenizer) {
     const { loadCodec } = await import("./tokenizer.js");
     codec = await loadCodec(base);
   }
-  const model = new ChatModel(manifest, program, codec, adapter);
+  const model = new ChatModel(plan, program, codec, description);
   model.loading = loading;
+  model.precision = { shader_f16: choice.shader_f16, self_test: choice.self_test, cases: choice.cases };
   return model;
 }
 
@@ -169,24 +182,20 @@ class PendingWeight {
   }
 }
 
-/** Stream the GGUF file once; each weight buffer is written as its bytes arrive (``slabBytes`` at a time where
- * it is one range of the file), and the bytes no pending buffer needs are let go. */
-async function loadWeights(program, url, onProgress, slabBytes) {
+/** Stream the GGUF file once (``source``: a ModelSource); each weight buffer is written as its bytes arrive
+ * (``slabBytes`` at a time where it is one range of the file), and the bytes no pending buffer needs are let go. */
+async function loadWeights(program, source, slabBytes) {
   let pending = program.manifest.buffers
     .map((entry, index) => (entry.source ? new PendingWeight(index, entry.source, slabBytes) : null))
     .filter(Boolean);
   const window = new ByteWindow();
-  const progress = onProgress ? (done, total) => onProgress({ phase: "weights", done, total: total || program.manifest.weights.bytes }) : null;
-  for await (const chunk of fetchChunks(url, progress)) {
+  for await (const chunk of source.chunks()) {
     window.push(chunk);
     pending = pending.filter((weight) => weight.source.span[0] >= window.end || !weight.advance(program, window));
     window.dropBefore(pending.reduce((needed, weight) => Math.min(needed, weight.next), window.end));
   }
-  const expected = program.manifest.weights.bytes;
-  if (window.end !== expected) {
-    throw new Error(`batchgpu: ${url} is ${window.end} bytes; the export was made from a file of ${expected} bytes (export again)`);
-  }
-  return { file_bytes: window.end, window_peak_bytes: window.peak ?? 0 };
+  if (window.end !== source.bytes) throw source.sizeError(window.end);
+  return { file_bytes: window.end, window_peak_bytes: window.peak ?? 0, ...source.report };
 }
 
 // generating -----------------------------------------------------------------------------------------------
@@ -232,7 +241,9 @@ export class ChatModel {
     this.adapter = adapter;
     this.maxContext = manifest.model.max_context;
     this.stats = null;
-    this.loading = null; // {file_bytes, window_peak_bytes (the most file bytes held at once), seconds}
+    this.loading = null; // {file_bytes, window_peak_bytes (the most file bytes held at once), seconds, and
+    // storage.js's report: loaded_from, network_bytes, storage_bytes, storage, stored, storage_message, ...}
+    this.precision = null; // {shader_f16, self_test, cases}: which kernels run (precision.js)
     this.busy = false;
     this.memory = bufferBytes(manifest);
   }

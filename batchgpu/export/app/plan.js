@@ -42,16 +42,32 @@ export function requiredLimits(manifest) {
   return wanted;
 }
 
-/** A device with the features and limits ``manifest`` needs, and its adapter's description. */
-export async function requestDevice(manifest, gpu) {
+/** The adapter of ``gpu`` (navigator.gpu) and its description. */
+export async function requestAdapter(gpu) {
   if (!gpu) throw new Error("batchgpu: WebGPU is not available here (navigator.gpu is missing)");
   const adapter = await gpu.requestAdapter({ powerPreference: "high-performance" });
   if (!adapter) throw new Error("batchgpu: WebGPU found no adapter (requestAdapter() gave null)");
-  checkOffers("adapter", adapter, manifest);
-  const device = await adapter.requestDevice({ requiredFeatures: manifest.features, requiredLimits: requiredLimits(manifest), label: "batchgpu chat" });
   const info = adapter.info ?? {};
-  const adapterText = [info.vendor, info.architecture, info.device, info.description].filter(Boolean).join(" ") || "unknown";
-  return { device, adapter: adapterText };
+  const description = [info.vendor, info.architecture, info.device, info.description].filter(Boolean).join(" ") || "unknown";
+  return { adapter, description };
+}
+
+/** A device of ``adapter`` with the features and limits every plan of ``plans`` needs (each with ``features``
+ * and ``limits``, as model.json has them); throws naming what the adapter lacks. */
+export async function openDevice(adapter, plans, label = "batchgpu chat") {
+  for (const plan of plans) checkOffers("adapter", adapter, plan);
+  const features = [...new Set(plans.flatMap((plan) => plan.features))];
+  const limits = {};
+  for (const plan of plans) {
+    for (const [name, need] of Object.entries(requiredLimits(plan))) limits[name] = Math.max(limits[name] ?? 0, need);
+  }
+  return adapter.requestDevice({ requiredFeatures: features, requiredLimits: limits, label });
+}
+
+/** A device with the features and limits ``manifest`` needs, and its adapter's description. */
+export async function requestDevice(manifest, gpu) {
+  const { adapter, description } = await requestAdapter(gpu);
+  return { device: await openDevice(adapter, [manifest]), adapter: description };
 }
 
 /** A 1-D workgroup count over x and y, like batchgpu.limits.split_groups. */
@@ -104,16 +120,22 @@ function padded(bytes) {
   return out;
 }
 
+/** The pipelines (indices into ``manifest.pipelines``) the dispatches of ``steps`` (names) use. */
+function usedPipelines(manifest, steps) {
+  return new Set(steps.flatMap((name) => manifest.steps[name].dispatches.map((d) => d.pipeline)));
+}
+
 export class Program {
-  /** Buffers (zeros, or their bytes from ``data``), pipelines and every step's bind groups on ``device``. */
-  static async create(device, manifest, { shaders, params, data }) {
+  /** Buffers (zeros, or their bytes from ``data``), pipelines and bind groups of ``steps`` (default: every step
+   * of ``manifest``; the shader modules and pipelines other steps use alone are not built) on ``device``. */
+  static async create(device, manifest, { shaders, params, data }, { steps = Object.keys(manifest.steps), what = "the model" } = {}) {
     checkOffers("device", device, manifest);
-    return withErrors(device, "building the model's buffers, pipelines and bind groups", async () => {
+    return withErrors(device, `building ${what}'s buffers, pipelines and bind groups`, async () => {
       const program = new Program(device, manifest);
       program.buffers = manifest.buffers.map((b) => program.buffer(b, b.data ? data.subarray(b.data.offset, b.data.offset + b.data.bytes) : null));
       program.params = manifest.params.size ? program.uniform("params", params) : null;
-      const pipelines = await program.pipelines(shaders);
-      for (const [name, step] of Object.entries(manifest.steps)) program.steps.set(name, program.step(name, step, pipelines));
+      const pipelines = await program.pipelines(shaders, usedPipelines(manifest, steps));
+      for (const name of steps) program.steps.set(name, program.step(name, manifest.steps[name], pipelines));
       return program;
     });
   }
@@ -132,11 +154,14 @@ export class Program {
     return initialBuffer(this.device, { size: Math.max(bytes.byteLength, 16), name: label }, bytes, GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST);
   }
 
-  async pipelines(shaders) {
+  /** The pipelines of ``manifest`` (those in ``used``, else null), compiled concurrently. */
+  async pipelines(shaders, used) {
     const { device, manifest } = this;
-    const modules = manifest.shaders.map((s, i) => device.createShaderModule({ code: shaders[i], label: s.label }));
+    const needed = new Set([...used].map((i) => manifest.pipelines[i].shader));
+    const modules = manifest.shaders.map((s, i) => (needed.has(i) ? device.createShaderModule({ code: shaders[i], label: s.label }) : null));
     return Promise.all(
-      manifest.pipelines.map(async (p) => {
+      manifest.pipelines.map(async (p, index) => {
+        if (!used.has(index)) return null;
         if (p.layout !== "auto") throw new Error(`batchgpu: pipeline ${p.label} has an explicit layout, which chat models do not use`);
         try {
           return await device.createComputePipelineAsync({ label: p.label, layout: "auto", compute: { module: modules[p.shader], entryPoint: p.entry, constants: p.constants } });
