@@ -28,6 +28,7 @@ import tempfile
 import time
 import urllib.request
 from datetime import datetime, timezone
+from math import isnan, nan
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ def measure(engine: Engine, prompts: list[Any], tokens: int, rounds: int) -> dic
     return {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
         "steps_per_token": last["steps"] / (last["generated"] / len(prompts)),
-        "acceptance": last["accepted"] / last["drafted"] if last["drafted"] else float("nan"),
+        "acceptance": last["accepted"] / last["drafted"] if last["drafted"] else nan,
         "ids": last["ids"],
     }
 
@@ -140,8 +141,9 @@ def print_table(kind: str, name: str, rows: list[dict[str, Any]]) -> None:
     for row in rows:
         speedup = f"{row['speedup']:.2f}" if "speedup" in row else "1"
         same = {True: "yes", False: "**no**"}.get(row.get("same_ids"), "-")
+        acceptance = "-" if isnan(row["acceptance"]) else f"{row['acceptance']:.2f}"
         print(f"| {row['task']} | {row['batch']} | {row['method']} | {row['tokens_per_s']:.1f} | {speedup} | "
-              f"{row['steps_per_token']:.2f} | {row['acceptance']:.2f} | {same} |")  # fmt: skip
+              f"{row['steps_per_token']:.2f} | {acceptance} | {same} |")  # fmt: skip
 
 
 # over HTTP ---------------------------------------------------------------------------------------------
@@ -164,9 +166,15 @@ def http_run(url: str, messages: list[dict[str, str]], batch: int, tokens: int) 
     return texts, time.perf_counter() - started
 
 
-def steps_of(url: str) -> int:
+def counts_of(url: str) -> tuple[int, float, float]:
+    """The server's steps so far (``/v1/engine``), and its drafted and accepted tokens (``/metrics``)."""
     with urllib.request.urlopen(f"{url}/v1/engine", timeout=60) as response:
-        return sum(json.load(response)["steps"].values())
+        steps = sum(json.load(response)["steps"].values())
+    with urllib.request.urlopen(f"{url.removesuffix('/v1')}/metrics", timeout=60) as response:
+        lines = response.read().decode().splitlines()
+    total = {name: sum(float(line.split()[-1]) for line in lines if line.startswith(f"batchgpu_{name}_total"))
+             for name in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")}  # fmt: skip
+    return steps, total["spec_decode_num_draft_tokens"], total["spec_decode_num_accepted_tokens"]
 
 
 def http_device(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -183,24 +191,27 @@ def http_device(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         urls = {name: stack.enter_context(servers().serve_process(*options))[0] for name, options in methods.items()}
         for task in ("copy", "chat"):
             for batch in args.batch:
-                runs: dict[str, list[tuple[list[str], float, float]]] = {name: [] for name in urls}
+                runs: dict[str, list[tuple[list[str], float, float, float]]] = {name: [] for name in urls}
                 for url in urls.values():
                     http_run(url, TASKS[task], batch, args.tokens)  # warm-up
                 for _ in range(args.rounds):
                     for name, url in urls.items():
-                        steps = steps_of(url)
+                        steps, drafted, accepted = counts_of(url)
                         texts, wall = http_run(url, TASKS[task], batch, args.tokens)
-                        runs[name].append((texts, batch * args.tokens / wall, (steps_of(url) - steps) / args.tokens))
+                        after = counts_of(url)
+                        acceptance = (after[2] - accepted) / (after[1] - drafted) if after[1] > drafted else nan
+                        runs[name].append((texts, batch * args.tokens / wall, (after[0] - steps) / args.tokens,
+                                           acceptance))  # fmt: skip
                 for name, done in runs.items():
                     rows.append({
                         "task": task, "batch": batch, "method": name, "texts": done[-1][0],
                         "tokens_per_s": statistics.median(r[1] for r in done), "steps_per_token": done[-1][2],
+                        "acceptance": done[-1][3],
                     })  # fmt: skip
     plain = {(r["task"], r["batch"]): r for r in rows if r["method"] == "none"}
     for row in rows:
         other = plain[(row["task"], row["batch"])]
         row.update(speedup=row["tokens_per_s"] / other["tokens_per_s"], same_ids=row["texts"] == other["texts"])
-        row["acceptance"] = float("nan")
     return rows
 
 

@@ -162,6 +162,27 @@ def test_the_engine_speculates_the_tokens_it_samples_without(engines) -> None:
 
 @needs_model
 @pytest.mark.model
+def test_a_verify_steps_accepted_tokens_come_as_one_piece(engines) -> None:
+    """A copy task's pieces: fewer than its tokens (the tokens a verify step accepts reach the caller as one
+    piece, one stream event), each with a logprob entry per token, joined to the plain engine's answer."""
+    import asyncio
+
+    plain, speculating = engines
+    params = sampling(temperature=0.0, logprobs=1, max_tokens=32)
+
+    async def pieces(eng):
+        return [piece async for piece in eng.generate(PROMPTS[0], params)]
+
+    expected, got = asyncio.run(pieces(plain)), asyncio.run(pieces(speculating))
+    assert len(expected) == 32 and len(got) < 32, [len(p.token_ids) for p in got]
+    for piece in got:
+        assert piece.token_ids and len(piece.logprobs) == len(piece.token_ids)
+    assert "".join(p.text for p in got) == "".join(p.text for p in expected)
+    assert [i for p in got for i in p.token_ids] == [i for p in expected for i in p.token_ids]
+
+
+@needs_model
+@pytest.mark.model
 def test_speculation_keeps_stops_penalties_samples_and_grammars(engines) -> None:
     """A stop string inside an accepted draft ends the text where it ends without speculation; penalized
     requests and structured outputs run beside speculating ones undrafted; n = 2 samples each speculate."""

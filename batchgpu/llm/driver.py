@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import BatchError
 from .metrics import EngineStats, clock
-from .output import OutputProcessor, Piece, hand_prompt_logprobs
+from .output import OutputProcessor, Piece, hand_prompt_logprobs, joined
 from .scheduler import Scheduler, Sequence, SequenceState, StepKind, StepPlan
 from .speculation import Speculator
 from .step import StepRunner, Submitted, TokenLogprob
@@ -172,16 +172,20 @@ class Driver:
 
     def deliver(self, sequence: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None, now: float) -> None:
         """Hand ``tokens`` (with their ``logprobs`` where asked), read back at ``now``, to ``sequence``'s output
-        processor, one by one; a piece that ends its generation ends the request (the tokens after it are
-        dropped)."""
-        output = self.outputs[sequence]
+        processor: one piece for them all (a verify step's accepted tokens reach the caller at once, as one
+        stream event); a token that ends the generation ends the request (the tokens after it are dropped)."""
+        output, pieces = self.outputs[sequence], []
         for index, token in enumerate(tokens):
             try:
                 piece = output.push(token, logprobs[index] if logprobs else None, now)
             except BatchError as exc:  # a token its grammar refuses: that request fails alone
+                if pieces:
+                    output.queue.put_nowait(joined(pieces))
                 self.end(sequence, exc)
                 return
+            pieces.append(piece)
             if piece.finish_reason is not None:
-                self.end(sequence, piece)
+                self.end(sequence, joined(pieces))
                 return
-            output.queue.put_nowait(piece)
+        if pieces:
+            output.queue.put_nowait(joined(pieces))

@@ -121,6 +121,8 @@ class PieceQueue:
 def joined(pieces: list[Piece]) -> Piece:
     """The pieces of one generation as one: their text, ids and logprobs in order, the first's prompt
     logprobs, the last's end, counts and usage."""
+    if len(pieces) == 1:
+        return pieces[0]
     last, logprobs = pieces[-1], [entry for piece in pieces for entry in piece.logprobs or ()]
     texts = {i: text for piece in pieces for i, text in (piece.token_texts or {}).items()}
     return Piece(
