@@ -1,5 +1,5 @@
 """Bad inputs beyond tests/test_errors.py (issue 7): NaN/inf data propagates exactly like numpy on both
-executors (never crashing; README: "NaN and inf"); wrong per-execute scalar names and types; every
+executors (never crashing; docs/reliability.md: "NaN and inf"); wrong per-execute scalar names and types; every
 public method of a released batch. After each error the same batch and device run a correct batch."""
 
 from __future__ import annotations

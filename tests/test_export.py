@@ -7,7 +7,6 @@ import base64
 import importlib.util
 import json
 import math
-import re
 import runpy
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,10 +21,9 @@ from batchgpu.limits import Limits, split_groups
 from batchgpu.shaders import render_wgsl
 
 from .conftest import load_script
+from .doc_blocks import named_block
 from .op_examples import record_all
 from .test_custom_kernels import saxpy_kernel, square_plus_kernel
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load_example(name: str) -> Any:
@@ -420,7 +418,7 @@ def test_page_reports_a_module_that_fails_to_load(ref: bg.Device, browser: Chrom
     assert state["status"] in state["visible"]
 
 
-# the README's example --------------------------------------------------------------------------
+# the guide's export example (docs/browser.md) ----------------------------------------------------------
 
 README_CHECK_PAGE = """<!doctype html>
 <script>
@@ -438,22 +436,14 @@ window.readmeResult = {
 """
 
 
-def readme_block(name: str, language: str) -> str:
-    """The README code block marked ``<!-- readme-test: NAME -->`` (tests/test_readme.py's convention)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    found = re.search(rf"<!-- readme-test: {name} -->\n```{language}\n(.*?)```", text, re.DOTALL)
-    assert found, f"README.md has no {language} block marked readme-test: {name}"
-    return found.group(1)
-
-
 def test_readme_export_example_runs_as_written(
     browser: Chromium, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The README's Python block exports a batch with named inputs and outputs; its JS block, run in a
-    page of that folder, gets the outputs by those names, equal to numpy's."""
+    """The guide's Python block (docs/browser.md) exports a batch with named inputs and outputs; its JS block,
+    run in a page of that folder, gets the outputs by those names, equal to numpy's."""
     monkeypatch.chdir(tmp_path)  # the block writes out/classify relative to the working directory
     script = tmp_path / "readme_export.py"
-    script.write_text(readme_block("export", "python"), encoding="utf-8")
+    script.write_text(named_block("export", "python"), encoding="utf-8")
     example = runpy.run_path(str(script), run_name="__main__")
     out = tmp_path / "out" / "classify"
     info = manifest(out)
@@ -464,7 +454,7 @@ def test_readme_export_example_runs_as_written(
     assert_passed(page)
     assert [o["name"] for o in page["outputs"]] == ["logits", "probs"]
 
-    (out / "readme.js").write_text(readme_block("export_js", "js") + README_CAPTURE, encoding="utf-8")
+    (out / "readme.js").write_text(named_block("export_js", "js") + README_CAPTURE, encoding="utf-8")
     (out / "readme.html").write_text(README_CHECK_PAGE, encoding="utf-8")
     result = open_page(browser, out, "readme.html", "window.readmeResult")
     assert "error" not in result, result

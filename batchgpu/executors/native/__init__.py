@@ -24,7 +24,7 @@ Modules:
 
 The CUDA executor has run on an NVIDIA H100 (2026-11-23): the native test modules passed there (312
 passed: the op suites, SmolLM2 greedy ids, event profiling, graph replay, DLPack/CAI interop), and
-SmolLM2-135M decoded at 1.46 ms/token quantized with graph replay (README, "Native CUDA and HIP";
+SmolLM2-135M decoded at 1.46 ms/token quantized with graph replay (docs/executors.md, "Native CUDA and HIP";
 benchmarks/RESULTS.md). HIP has not run on AMD hardware: its table is checked against
 ``hip_runtime_api.h`` and ``libamdhip64``, and hipRTC compiles every kernel, without a GPU.
 """
