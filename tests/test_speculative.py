@@ -5,6 +5,7 @@ their refusals, and ``Llama.generate(speculative=...)`` giving exactly the greed
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 
@@ -185,7 +186,8 @@ def test_a_verify_steps_accepted_tokens_come_as_one_piece(engines) -> None:
 @pytest.mark.model
 def test_speculation_keeps_stops_penalties_samples_and_grammars(engines) -> None:
     """A stop string inside an accepted draft ends the text where it ends without speculation; penalized
-    requests and structured outputs run beside speculating ones undrafted; n = 2 samples each speculate."""
+    requests run beside speculating ones undrafted, a structured output drafts within its grammar; n = 2
+    samples each speculate."""
     from batchgpu.llm import StructuredOutput
 
     plain, speculating = engines
@@ -202,6 +204,31 @@ def test_speculation_keeps_stops_penalties_samples_and_grammars(engines) -> None
         [(s.text, s.token_ids, s.finish_reason) for s in p] for p in expected
     ]
     assert got[0][0].finish_reason == "stop" and not got[0][0].text.endswith(" figs") and len(got[3]) == 2
+
+
+@needs_model
+@pytest.mark.model
+def test_structured_outputs_speculate_within_their_grammar(engines) -> None:
+    """A structured output that copies its prompt drafts and has drafts accepted (each verify row masked by
+    the grammar's state after the drafted tokens before it, drafts cut where the grammar refuses them): the
+    plain engine's text and ids."""
+    from batchgpu.llm import StructuredOutput
+
+    plain, speculating = engines
+    record = '{"name": "plums", "count": 12, "ripe": true, "origin": "the northern hills"}'
+    schema = StructuredOutput(json_schema={
+        "type": "object", "required": ["name", "count", "ripe", "origin"], "additionalProperties": False,
+        "properties": {"name": {"type": "string"}, "count": {"type": "integer"}, "ripe": {"type": "boolean"},
+                       "origin": {"type": "string"}},
+    })  # fmt: skip
+    prompt = f"Copy the record.\nRecord: {record}\nCopy: {record}\nRecord: {record}\nCopy:"
+    params = [sampling(temperature=0.0, structured=schema, ignore_eos=False, max_tokens=48)]
+    stats = speculating.scheduler.stats
+    before = (stats.drafted_tokens, stats.accepted_tokens)
+    expected, got = together(plain, [prompt], params), together(speculating, [prompt], params)
+    assert [(s.text, s.token_ids) for (s,) in got] == [(s.text, s.token_ids) for (s,) in expected]
+    assert json.loads(got[0][0].text)["name"] == "plums"
+    assert stats.accepted_tokens - before[1] >= 8 and stats.drafted_tokens > before[0]
 
 
 @needs_model

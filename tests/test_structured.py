@@ -564,3 +564,36 @@ def test_a_steps_masks_filled_together_equal_each_filled_alone() -> None:
         twin.fill(alone[row])
     np.testing.assert_array_equal(together, alone)
     assert together[1].sum() == 0 and len({together[r].tobytes() for r in (0, 2, 3)}) == 3
+
+
+@needs_model
+def test_a_draft_is_cut_where_its_grammar_refuses_it_or_ends() -> None:
+    """Speculative decoding's drafts under a grammar: ``draftable`` keeps the prefix the grammar allows that
+    leaves it open, ``fill_draft`` writes each row's mask as the guide would after the drafted tokens before
+    it; neither moves the guide."""
+    engine_ = grammars()
+    guide, twin = engine_.guides(engine_.compile(StructuredOutput(json_schema=PERSON)), 2)
+    codec = smollm2_codec()
+    start = codec.encode('{"name": "Bo', special=False)
+    for token in start:
+        guide.accept(token)
+        twin.accept(token)
+    good = tuple(codec.encode('b", "age": 4', special=False))
+    bad = tuple(codec.encode('b", "height": 4', special=False))  # PERSON has no height
+    assert guide.draftable(good) == good
+    cut = guide.draftable(bad)
+    assert 0 < len(cut) < len(bad) and cut == bad[: len(cut)]
+    rows = np.zeros((len(good) + 1, mask_words(49152)), np.uint32)
+    guide.fill_draft(rows, good)
+    alone = np.zeros(mask_words(49152), np.uint32)
+    for index, token in enumerate((*good, None)):
+        twin.fill(alone)
+        np.testing.assert_array_equal(rows[index], alone)
+        if token is not None:
+            twin.accept(token)
+    again = np.zeros_like(alone)
+    guide.fill(again)  # the guide is where it was: after '{"name": "Bo'
+    assert allowed_ids(again).tolist() != allowed_ids(alone).tolist() and good[0] in allowed_ids(again)
+    regex, _ = engine_.guides(engine_.compile(StructuredOutput(regex="(ab)+")), 2)
+    ab = tuple(codec.encode("ababab", special=False))
+    assert regex.draftable((*ab, 2)) == ab  # end of sequence (2) ends the grammar: sampled, not drafted

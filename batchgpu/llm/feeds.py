@@ -138,15 +138,22 @@ def guided(chunk: Chunk) -> bool:
     return chunk.sampled and chunk.sequence.guide is not None
 
 
-def pack_masks(arrays: dict[str, np.ndarray], chunks: list[Chunk], samples: list[int]) -> None:
-    """A masked step's grammar rows: sample ``samples[i]`` of a guided chunk ``i`` gets its guide's
-    allowed-token bitmask (``allowed``) and the flag that applies it (``sampling[:, 3]``); the other rows keep
-    theirs off, and so does a chunk whose sequence ended or was preempted since the plan (its token is
+def pack_masks(arrays: dict[str, np.ndarray], chunks: list[Chunk], samples: list[range]) -> None:
+    """A masked step's grammar rows: the samples ``samples[i]`` of a guided chunk ``i`` get its guide's
+    allowed-token bitmasks (``allowed``; a verify step's drafted chunk, one per row: the grammar's state after
+    the drafted tokens before that row) and the flag that applies them (``sampling[:, 3]``); the other rows
+    keep theirs off, and so does a chunk whose sequence ended or was preempted since the plan (its tokens are
     dropped). Packing resets the flags with the rest."""
-    rows = [(chunk.sequence.guide, sample) for chunk, sample in zip(chunks, samples) if guided(chunk) and chunk.current]
-    fill_masks(rows, arrays["allowed"])
-    for _, sample in rows:
-        arrays["sampling"][sample, 3] = 1.0
+    plain = []
+    for chunk, rows in zip(chunks, samples):
+        if not (guided(chunk) and chunk.current):
+            continue
+        if chunk.draft:
+            chunk.sequence.guide.fill_draft(arrays["allowed"][rows.start : rows.stop], chunk.draft)
+        else:
+            plain.append((chunk.sequence.guide, rows.start))
+        arrays["sampling"][rows.start : rows.stop, 3] = 1.0
+    fill_masks(plain, arrays["allowed"])
 
 
 def wants_prompt_logprobs(chunk: Chunk) -> bool:

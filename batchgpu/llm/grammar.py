@@ -101,6 +101,34 @@ class Guide:
             message = "the output's grammar failed: it ended short of a whole output (nothing it allows comes next)"
             raise GrammarError(message, self.param)
 
+    def draftable(self, draft: tuple[int, ...]) -> tuple[int, ...]:
+        """The longest prefix of ``draft`` (speculative decoding's drafted tokens) that the grammar allows
+        from its state now and that leaves it open (a token that ends it is sampled, never drafted)."""
+        with panics(self.param, GrammarError):
+            valid = self.matcher.validate_tokens(list(draft))
+            taken = 0
+            while taken < valid and self.matcher.consume_token(draft[taken]) and not self.matcher.is_stopped():
+                taken += 1
+            consumed = min(taken + 1, valid)  # the token that failed or stopped it was consumed too
+            self.matcher.rollback(consumed)
+        return draft[:taken]
+
+    def fill_draft(self, rows: np.ndarray, draft: tuple[int, ...]) -> None:
+        """The allowed-token bitmasks of a verify step's rows: ``rows[0]`` the next token's, ``rows[i]`` the
+        one after ``draft[:i]`` (a :meth:`draftable` draft); the grammar's state is left as it was."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        self.first = None  # a verify step follows a token read back: the first mask is behind
+        with panics(self.param, GrammarError):
+            masks = rows.view(np.int32)
+            fill_next_token_bitmask(self.matcher, masks, 0)
+            for index, token in enumerate(draft, start=1):
+                if not self.matcher.consume_token(token):
+                    self.matcher.rollback(index - 1)
+                    raise GrammarError(f"the output's grammar refused drafted token {token}", self.param)
+                fill_next_token_bitmask(self.matcher, masks, index)
+            self.matcher.rollback(len(draft))
+
     @property
     def stopped(self) -> bool:
         return bool(self.matcher.is_stopped())

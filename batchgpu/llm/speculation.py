@@ -5,7 +5,7 @@ row would at that output position, and the step's read keeps each sequence's acc
 token; the KV rows past it are left to be overwritten (its block table keeps the blocks).
 
 Which sequences draft: those without repetition, presence or frequency penalties (the device's counts would
-take the drafted tokens) and without a grammar, while at most ``Speculative.max_batch`` sequences decode (past
+take the drafted tokens), while at most ``Speculative.max_batch`` sequences decode (past
 that a decode step is full without drafts). How much: each sequence's limit starts at
 ``Speculative.tokens``, grows by one after a draft accepted whole and falls to one more than what was
 accepted after one that was not (so a sequence whose drafts fail drafts one token, and one that copies its
@@ -63,12 +63,16 @@ class Speculator:
         limits = [self.limit(chunk) for chunk in plan.chunks]
         if not any(limits):
             return plan
-        drafts = await self.drafter.propose(plan.chunks, limits)
+        proposed = await self.drafter.propose(plan.chunks, limits)
+        drafts = [
+            allowed(chunk.sequence, tuple(tokens[:limit]))
+            for chunk, limit, tokens in zip(plan.chunks, limits, proposed)
+        ]
         if not any(drafts):
             return plan
         chunks = []
-        for chunk, limit, proposed in zip(plan.chunks, limits, drafts):
-            sequence, draft = chunk.sequence, tuple(proposed[:limit])
+        for chunk, draft in zip(plan.chunks, drafts):
+            sequence = chunk.sequence
             sequence.computed += len(draft)
             sequence.sampled += len(draft)
             count = 1 + len(draft)
@@ -76,10 +80,10 @@ class Speculator:
         return StepPlan(StepKind.VERIFY, chunks, sum(chunk.count for chunk in chunks))
 
     def limit(self, chunk: Chunk) -> int:
-        """Tokens ``chunk``'s sequence may draft: 0 where it may not (penalties, a grammar) or the pool has no
+        """Tokens ``chunk``'s sequence may draft: 0 where it may not (penalties) or the pool has no
         block for its drafted rows; else its limit, within its ``max_tokens``."""
         sequence = chunk.sequence
-        if penalized(sequence.params) or sequence.guide is not None:
+        if penalized(sequence.params):
             return 0
         if sequence.draft_pause:
             sequence.draft_pause -= 1
@@ -116,6 +120,12 @@ class Speculator:
                 self.scheduler.register(sequence, sequence.computed)
             taken.append((sequence, tokens))
         return taken
+
+
+def allowed(sequence: Sequence, draft: tuple[int, ...]) -> tuple[int, ...]:
+    """``draft`` as far as ``sequence``'s grammar (where it has one) allows it: tokens the grammar forbids are
+    never verified, so each row's mask is the grammar's state after the drafted tokens before it."""
+    return sequence.guide.draftable(draft) if sequence.guide is not None and draft else draft
 
 
 def check_speculative(settings: Speculative | None, ahead: int) -> None:

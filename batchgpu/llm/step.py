@@ -505,7 +505,7 @@ class StepRunner:
         every token before this step: read the steps before it first); returns ``submitted``."""
         assert submitted.pending, "sample: the step is not split or its sampling part already runs"
         step = submitted.step
-        pack_masks(step.feeds.arrays, submitted.plan.chunks, submitted.token_rows)
+        pack_masks(step.feeds.arrays, submitted.plan.chunks, submitted.samples)
         submitted.submission = step.sample_packed()
         submitted.pending = False
         return submitted
