@@ -1,4 +1,5 @@
-"""Shared fixtures: one real wgpu device (lavapipe on CPU machines) and the numpy reference device."""
+"""Shared fixtures: one real wgpu device (lavapipe on CPU machines), the numpy reference device, and a headless
+Chromium per module for the browser tests."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import asyncio
 import contextlib
 import importlib.util
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 import batchgpu as bg
+from batchgpu.export.browser import Chromium, find_chromium
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -207,3 +209,12 @@ def check_smollm2_greedy_ids(device: bg.Device, quantized: bool, tokens: int | N
     expected = test_smollm2.GREEDY[:tokens]
     model = llama.Llama(device, quantized=quantized, max_context=64)
     assert list(model.generate(test_smollm2.PROMPT, len(expected))) == expected
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Chromium]:
+    """One headless Chromium for the module's browser tests."""
+    if find_chromium() is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium): the browser tests need it")
+    with Chromium() as chromium:
+        yield chromium

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import math
 import runpy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 
 import batchgpu as bg
-from batchgpu.export.browser import Chromium, find_chromium, serve
+from batchgpu.export.browser import Chromium, serve
 from batchgpu.limits import Limits, split_groups
 from batchgpu.shaders import render_wgsl
 
@@ -31,15 +30,6 @@ def _load_example(name: str) -> Any:
 
 
 ffn = _load_example("ffn_layer")
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Chromium]:
-    """One headless Chromium for the module's browser tests."""
-    if find_chromium() is None:
-        pytest.skip("chromium is not installed (apt-get install -y chromium): the browser tests need it")
-    with Chromium() as chromium:
-        yield chromium
 
 
 def open_page(browser: Chromium, folder: Path, page: str, expression: str = "window.batchgpuResult") -> Any:

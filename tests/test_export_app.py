@@ -19,7 +19,7 @@ from urllib.parse import quote
 import numpy as np
 import pytest
 
-from batchgpu.export.browser import Chromium, ServeLog, find_chromium, serve
+from batchgpu.export.browser import Chromium, ServeLog, serve
 from batchgpu.export.chat import export_chat
 from batchgpu.export.node import NodeUnavailableError, find_node, node_environment, run_node, webgpu_package
 from batchgpu.models.llama import open_weights
@@ -30,14 +30,6 @@ from .test_export_chat import DRIVER, PROMPTS, ids_query, python_ids, tiny_model
 STEPS = {"max_context": 48, "chunk": 4}
 MODEL = "model.gguf"
 CHAT = "window.batchgpuChat"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if find_chromium() is None:
-        pytest.skip("chromium is not installed (apt-get install -y chromium): the browser tests need it")
-    with Chromium() as chromium:
-        yield chromium
 
 
 @pytest.fixture(scope="module")

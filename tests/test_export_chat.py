@@ -19,7 +19,7 @@ import pytest
 import batchgpu as bg
 from batchgpu.arguments import linked_within, within
 from batchgpu.errors import ArgumentError, BatchError
-from batchgpu.export.browser import Chromium, find_chromium, serve
+from batchgpu.export.browser import Chromium, serve
 from batchgpu.export.chat import export_chat
 from batchgpu.export.chat_steps import ChatSteps, Sampling, chunks
 from batchgpu.export.node import NodeUnavailableError, find_node, node_environment, run_node, webgpu_package
@@ -59,14 +59,6 @@ def python_ids(
     weights = open_weights(path)
     uploaded = upload_weights(device, weights, fuse=True)
     return list(ChatSteps(device, weights.config, uploaded, **steps).generate(prompt, n, sampling, stop))
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if find_chromium() is None:
-        pytest.skip("chromium is not installed (apt-get install -y chromium): the browser tests need it")
-    with Chromium() as chromium:
-        yield chromium
 
 
 def open_app(browser: Chromium, folder: Path, query: str, timeout: float = 300) -> dict[str, Any]:
