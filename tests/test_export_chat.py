@@ -457,6 +457,7 @@ def test_command_line_exports_and_refuses(tmp_path: Path, capsys: pytest.Capture
     assert (out / "vendor" / "noble-hashes" / "sha2.js").is_file() and (out / "worker.js").is_file()
     assert manifest["weights"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert manifest["variants"]["f16"]["features"] == ["shader-f16"] and (out / "self_test" / "expected.bin").is_file()
+    (out / "model.gguf").unlink()  # the model's hard link: an export over it is refused (it would be the model)
     assert cli.main([*args, "--no-f16"]) == 0  # again over the earlier export, without the f16 variant
     manifest = json.loads((out / "model.json").read_text())
     assert "variants" not in manifest and "self_test" not in manifest and not (out / "f16").exists()
