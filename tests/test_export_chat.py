@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import batchgpu as bg
@@ -26,6 +27,7 @@ from batchgpu.export.node import NodeUnavailableError, find_node, node_environme
 from batchgpu.export.weight_sources import assemble
 from batchgpu.models.gguf_reader import GGUFFile
 from batchgpu.models.llama import Llama, open_weights, upload_weights
+from batchgpu.models.speculative import Speculative
 
 from .test_export import readme_block
 from .test_llama_variants import K_DIMS, VARIANTS, random_weights, write_gguf
@@ -93,7 +95,7 @@ def test_every_weight_buffer_is_built_from_the_gguf_file(tmp_path: Path, name: s
     path = tiny_model(tmp_path, name)
     kv_bytes = 16 * VARIANTS[TINY[name][0]]["kv_heads"] * {**VARIANTS[TINY[name][0]], **TINY[name][2]}["head_dim"] * 4
     limit = {"max_storage_buffer_binding_size": max(kv_bytes, 2048)}  # the embedding (at least) in row pieces
-    out = export_chat(path, tmp_path / "app", max_context=16, chunk=1, limits=limit)
+    out = export_chat(path, tmp_path / "app", max_context=16, chunk=1, limits=limit, speculative_tokens=1)
     manifest = json.loads((out / "model.json").read_text())
     weights = [b for b in manifest["buffers"] if b["kind"] == "resident" and not b["name"].startswith(("k", "v"))]
     weights = [b for b in weights if b["name"] != "token"]
@@ -208,8 +210,10 @@ def test_node_generates_pythons_ids(tmp_path: Path) -> None:
     except NodeUnavailableError as exc:
         pytest.skip(f"WebGPU under Node is unavailable: {exc}")
     path = tiny_model(tmp_path, "qwen2-q4_1")
-    limits = {"max_storage_buffer_binding_size": 2048}
-    out = export_chat(path, tmp_path / "app", max_context=16, chunk=1, gpu_kernels=False, limits=limits)
+    limits = {"max_storage_buffer_binding_size": 2048}  # activations of 2 rows fit: chunk 1, verify steps of 2 rows
+    out = export_chat(
+        path, tmp_path / "app", max_context=16, chunk=1, gpu_kernels=False, limits=limits, speculative_tokens=1
+    )
     assert any("[" in b["name"] for b in json.loads((out / "model.json").read_text())["buffers"])  # pieces
     args = {"prompts": PROMPTS, "maxTokens": 4, "slabBytes": 64}
     result = run_node(DRIVER, out, function="generate", args=args, timeout=300)
@@ -217,6 +221,45 @@ def test_node_generates_pythons_ids(tmp_path: Path) -> None:
         assert run["token_ids"] == python_ids(path, prompt, 4, max_context=16, chunk=1)
     assert result["loading"]["file_bytes"] == path.stat().st_size
     check_readme_block(path, export_chat(path, tmp_path / "readme", max_context=64, chunk=16, gpu_kernels=False))
+
+
+COPY = [3, 17, 42, 8, 29, 11, 5, 3, 17, 42, 8, 29, 11, 5, 3, 17]
+"""A prompt that repeats itself: prompt lookup drafts from its first copy."""
+NGRAM = Speculative("ngram", 4)
+
+
+def test_verify_steps_give_llamas_ids(tmp_path: Path) -> None:
+    """A verify step (every row's greedy id) gives the ids of Llama's verify step of the same rows at the same
+    position; ChatSteps' speculative generation (the page's algorithm: prompt lookup, the accepted prefix and one
+    more) gives Llama.speculate's ids and counts, which are greedy decoding's ids, with drafts accepted. Greedy only,
+    up to the verify steps recorded, prompt lookup only: else refused."""
+    path = tiny_model(tmp_path, "llama-q8_0")
+    device = bg.Device("reference")
+    weights = open_weights(path)
+    steps = ChatSteps(device, weights.config, upload_weights(device, weights, fuse=True), max_context=32, chunk=4)
+    llama = Llama(bg.Device("reference"), path, max_context=32)
+    rows = [7, 12, 3, 40, 9]
+    list(steps.generate(PROMPTS[0], 1))  # the prompt's rows, in both caches
+    llama.prefill(PROMPTS[0])
+    step = steps.steps["verify_5"]
+    ours = steps._run(step, len(PROMPTS[0]), {"ids": np.asarray(rows, np.int32)}).read(step.next_id)
+    theirs, next_tokens = llama._submit_prefill(rows, every_row=True)
+    assert ours.tolist() == theirs.read(next_tokens).tolist()
+    for prompt in (PROMPTS[0], COPY):
+        plain = list(steps.generate(prompt, 12))
+        assert list(steps.generate(prompt, 12, speculative=NGRAM)) == plain == list(llama.generate(prompt, 12))
+        assert list(llama.generate(prompt, 12, speculative=NGRAM)) == plain
+        assert steps.speculation == llama.speculation and steps.speculation["accepted"] > 0, steps.speculation
+        assert 1 + steps.speculation["verify_steps"] + steps.speculation["accepted"] == len(plain)
+    for speculative, sampling, message in [
+        (NGRAM, Sampling(temperature=0.5), "greedy only"),
+        (Speculative("ngram", 5), None, "speculative tokens must be at most 4"),
+        (Speculative("draft", 2, draft="draft.gguf"), None, "must be Speculative"),
+    ]:
+        with pytest.raises(ArgumentError, match=message):
+            list(steps.generate(PROMPTS[0], 4, sampling, speculative=speculative))
+    with pytest.raises(ArgumentError, match=r"speculative_tokens must be an int in \[0, 31\]"):
+        ChatSteps(device, weights.config, steps.weights, max_context=32, chunk=4, speculative_tokens=32)
 
 
 GEMMA_PROMPT = [3, 17, 42, 8, 29, 11, 5, 23, 40]
@@ -446,18 +489,20 @@ def test_command_line_exports_and_refuses(tmp_path: Path, capsys: pytest.Capture
     assert cli.main(args) == 0
     assert "python -m http.server" in capsys.readouterr().out
     manifest = json.loads((out / "model.json").read_text())
-    assert manifest["model"]["max_context"] == 32 and sorted(manifest["steps"]) == [
-        "decode",
-        "prefill_1",
-        "prefill_2",
-        "prefill_4",
-        "prefill_8",
-    ]
+    steps = ["decode", "prefill_1", "prefill_2", "prefill_4", "prefill_8", *(f"verify_{n}" for n in range(2, 6))]
+    assert manifest["model"]["max_context"] == 32 and sorted(manifest["steps"]) == steps
+    assert manifest["model"]["speculative_tokens"] == 4 and sorted(manifest["variants"]["f16"]["steps"]) == steps
+    verify = manifest["steps"]["verify_5"]
+    assert verify["tokens"] == 5 and list(verify["inputs"]) == ["ids"] and verify["inputs"]["ids"]["shape"] == [5]
+    assert verify["outputs"]["next_ids"]["bytes"] == 5 * 4
     assert (out / "model.gguf").read_bytes() == path.read_bytes() and (out / "vendor" / "jinja.js").is_file()
     assert (out / "vendor" / "noble-hashes" / "sha2.js").is_file() and (out / "worker.js").is_file()
     assert manifest["weights"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert manifest["variants"]["f16"]["features"] == ["shader-f16"] and (out / "self_test" / "expected.bin").is_file()
     (out / "model.gguf").unlink()  # the model's hard link: an export over it is refused (it would be the model)
-    assert cli.main([*args, "--no-f16"]) == 0  # again over the earlier export, without the f16 variant
+    assert cli.main([*args, "--no-f16", "--speculative-tokens", "0"]) == 0  # again over it: no f16, no verify steps
     manifest = json.loads((out / "model.json").read_text())
     assert "variants" not in manifest and "self_test" not in manifest and not (out / "f16").exists()
+    assert manifest["model"]["speculative_tokens"] == 0 and not [n for n in manifest["steps"] if "verify" in n]
+    assert cli.main([*args, "--speculative-tokens", "32"]) == 2  # 33 rows past the context
+    assert "--speculative-tokens must be less than --max-context (32)" in capsys.readouterr().err
