@@ -187,7 +187,8 @@ def refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 @pytest.mark.parametrize(("argv", "flag"), SERVE + COMMANDS, ids=lambda v: " ".join(v) if isinstance(v, list) else v)
 def test_each_command_refuses_a_hostile_flag_in_one_line(files, capsys, argv, flag):
-    argv = filled(["serve", "--model", "{model}", *argv] if argv[0].startswith("--") else argv, files)
+    port = str(free_port())  # a row's own --port comes later and wins; the others do not meet a port in use
+    argv = filled(["serve", "--model", "{model}", "--port", port, *argv] if argv[0].startswith("--") else argv, files)
     before = fingerprint(files["root"])
     line = refusal(argv, capsys)
     assert line.startswith("batchgpu"), line
@@ -203,13 +204,30 @@ def test_flag_refusals_say_what_the_value_must_be(files, capsys):
     assert refusal(["serve", "--model", model, "--device", "tpu"], capsys) == (
         "batchgpu serve: --device must be one of wgpu, reference, cuda, hip, got 'tpu'"
     )
-    assert refusal(["serve", "--model", model], capsys) == (
+    port = str(free_port())  # the rules after --port's run on a free one
+    assert refusal(["serve", "--model", model, "--port", port, "--max-context", "2048"], capsys) == (
         f"batchgpu serve: --max-context must be at most {CONTEXT} (the model's trained context), got 2048"
     )
-    assert refusal(["serve", "--model", str(files["empty"])], capsys).endswith("(a directory without config.json)")
+    assert refusal(["serve", "--model", str(files["empty"]), "--port", port], capsys).endswith(
+        "(a directory without config.json)"
+    )
     assert refusal(["serve", "--model", model, "--port", "x"], capsys).startswith(
         "batchgpu serve: argument --port: invalid int value: 'x'"
     )
+
+
+def test_the_default_context_is_lowered_to_the_trained_one(files):
+    """Without --max-context, serve and export-chat take their default lowered to the model's trained context
+    (checked on the parsed flags: serving it would run until stopped)."""
+    model = str(files["model"])
+    for argv, expected in [
+        (["serve", "--model", model, "--port", str(free_port())], CONTEXT),
+        (["serve", "--model", model, "--port", str(free_port()), "--max-context", "64"], 64),
+        (["export-chat", str(files["root"] / "new"), "--model", model], CONTEXT),
+    ]:
+        args = cli.build_parser().parse_args(argv)
+        flags.check(args)
+        assert flags.max_context(args) == expected, argv
 
 
 def test_an_unknown_device_in_the_environment_is_named(files, capsys, monkeypatch):

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import subprocess
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from batchgpu.export.node import NodeUnavailableError, find_node, node_environme
 from batchgpu.export.weight_sources import assemble
 from batchgpu.models.gguf_reader import GGUFFile
 from batchgpu.models.llama import Llama, open_weights, upload_weights
-from batchgpu.models.speculative import Speculative
+from batchgpu.models.speculative import Speculative, accepted, prompt_lookup
 
 from .test_export import readme_block
 from .test_llama_variants import K_DIMS, VARIANTS, random_weights, write_gguf
@@ -260,6 +261,122 @@ def test_verify_steps_give_llamas_ids(tmp_path: Path) -> None:
             list(steps.generate(PROMPTS[0], 4, sampling, speculative=speculative))
     with pytest.raises(ArgumentError, match=r"speculative_tokens must be an int in \[0, 31\]"):
         ChatSteps(device, weights.config, steps.weights, max_context=32, chunk=4, speculative_tokens=32)
+
+
+def test_speculative_decoding_under_node(tmp_path: Path) -> None:
+    """The page's speculative decoding (``generate(ids, {speculative})``) under Node on a tiny model whose replies
+    repeat themselves: every turn's ids are greedy decoding's (Python's steps without speculation), in fewer steps
+    than tokens, drafts accepted, and its verify steps, drafted and accepted ids are Python's (the same rules:
+    batchgpu.js's prompt lookup and acceptance also give Python's on random cases). Across turns the KV cache keeps
+    only the rows of ids it holds (never a rejected draft's): a turn extending the last one, one without
+    speculation, fewer drafted tokens, one that runs to the end of the context, one stopped mid-way and the next
+    one continuing it. Refused: speculation with temperature > 0, past the export's verify steps, an unknown
+    field."""
+    try:
+        webgpu_package()
+    except NodeUnavailableError as exc:
+        pytest.skip(f"WebGPU under Node is unavailable: {exc}")
+    rng = np.random.default_rng(42)
+    lookups = []
+    for _ in range(300):
+        low, high, limit = map(int, rng.integers(1, 4, 3))
+        lookups.append([rng.integers(0, 4, rng.integers(0, 30)).tolist(), limit - 1, low, low + high - 1])
+    lookups += [  # no ids, one, a match only of fewer than min_ngram, past the end, the latest match, long n-grams
+        [[], 4, 2, 4],
+        [[7], 4, 1, 1],
+        [[7, 7], 4, 1, 4],
+        [[1, 2, 3, 1], 4, 2, 4],
+        [[1, 2, 3, 1, 2], 9, 2, 4],
+        [[1, 2, 9, 1, 2, 8, 1, 2], 3, 2, 4],
+        [[5, 6, 7, 8, 5, 6, 7, 8], 2, 4, 4],
+        [[5, 6, 7, 8, 5, 6, 7, 8], 2, 5, 9],
+        [[1, 2, 3, 1, 2, 3], 0, 1, 3],
+        [[3, 1, 2, 3, 4, 1, 2, 3], 2, 1, 3],
+    ]
+    verdicts = [[rng.integers(0, 3, n).tolist(), rng.integers(0, 3, n + 1).tolist()] for n in range(6) for _ in "ab"]
+    verdicts += [[[], [4]], [[1, 2, 3], [1, 2, 3, 4]], [[1, 2, 3], [0, 2, 3, 4]], [[1, 2, 3], [1, 2, 0, 4]]]
+    app = Path(str(resources.files("batchgpu.export") / "app"))
+    result = run_node(DRIVER, app, function="speculation", args={"lookups": lookups, "verdicts": verdicts})
+    assert result["drafts"] == [prompt_lookup(*case) for case in lookups]
+    assert result["kept"] == [accepted(*case) for case in verdicts]
+
+    path = tiny_model(tmp_path, "llama-q8_0")
+    steps = {"max_context": 48, "chunk": 4}
+    out = export_chat(path, tmp_path / "app", gpu_kernels=False, **steps)  # verify steps for up to 4 drafted ids
+    device = bg.Device("reference")
+    weights = open_weights(path)
+    python = ChatSteps(device, weights.config, upload_weights(device, weights, fuse=True), **steps)
+    first, stopped = list(python.generate(PROMPTS[0], 24)), list(python.generate(COPY, 24))
+    near_end = [*COPY, *COPY, 1, 2, 3, 4, 5, 6, 7, 8]  # 40 ids: 9 more reach the context's 48
+    two = Speculative("ngram", 2, min_ngram=1)
+    turns = [  # (the page's turn, the settings of Python's speculative run)
+        ({"ids": PROMPTS[0], "options": {"maxTokens": 24, "speculative": {"tokens": 4}}}, NGRAM),
+        ({"ids": [*PROMPTS[0], *first, 21, 4, 33], "options": {"maxTokens": 12, "speculative": True}}, NGRAM),
+        ({"ids": PROMPTS[0], "options": {"maxTokens": 24, "reuse": False}}, None),
+        ({"ids": COPY, "options": {"maxTokens": 24, "speculative": {"tokens": 2, "minNgram": 1}}}, two),
+        ({"ids": near_end, "options": {"maxTokens": 50, "speculative": True}}, NGRAM),  # to the context's end
+        ({"ids": COPY, "options": {"maxTokens": 24, "speculative": True}, "abortAfter": 5}, NGRAM),
+        ({"ids": [*COPY, *stopped[:5], 9, 30], "options": {"maxTokens": 8, "speculative": True}}, NGRAM),
+    ]
+    refused = [{"speculative": True, "temperature": 0.5}, {"speculative": {"tokens": 5}}, {"speculative": {"ngram": 3}}]
+    args = {"turns": [turn for turn, _ in turns] + [{"ids": [3], "options": options} for options in refused]}
+    runs = run_node(DRIVER, out, function="converse", args=args, timeout=300)["runs"]
+    for n, ((turn, speculative), run) in enumerate(zip(turns, runs), 1):
+        ids = list(python.generate(turn["ids"], turn["options"]["maxTokens"]))  # greedy, without speculation
+        assert run["error"] is None and run["token_ids"] == ids[: turn.get("abortAfter", len(ids))], n
+        assert run["cached_ids"] == [*turn["ids"], *ids][: len(run["cached_ids"])], n  # no rejected draft's row
+        figures = {key: run["stats"][key] for key in ("verify_steps", "drafted", "accepted")}
+        if speculative is None:
+            assert figures == {"verify_steps": 0, "drafted": 0, "accepted": 0}
+        elif "abortAfter" not in turn:
+            assert list(python.generate(turn["ids"], turn["options"]["maxTokens"], speculative=speculative)) == ids
+            assert figures == python.speculation, n
+    assert runs[0]["stats"]["accepted"] > 0 and runs[0]["stats"]["verify_steps"] < len(runs[0]["token_ids"]) == 24
+    assert runs[0]["cached_ids"] == [*PROMPTS[0], *first[:-1]]  # as without speculation: the last id has no row
+    assert runs[1]["stats"]["cached_tokens"] == len(PROMPTS[0]) + 24 - 1
+    assert len(runs[4]["token_ids"]) == 48 - len(near_end) + 1
+    assert runs[6]["stats"]["cached_tokens"] >= len(COPY) + 4  # the stopped reply's rows were kept
+    assert "greedy only: it needs temperature 0, got temperature 0.5" in runs[7]["error"]
+    assert "tokens must be an integer in [1, 4] (the export's verify steps), got 5" in runs[8]["error"]
+    assert "speculative has no field ngram" in runs[9]["error"]
+
+
+def test_export_without_verify_steps_refuses_speculation(tmp_path: Path) -> None:
+    """``export-chat --speculative-tokens 0`` exports no verify step, and its app refuses speculative decoding
+    naming it: ``generate(ids, {speculative})`` and the engine's requests with ``speculative`` (the error's param);
+    the same requests without it run, and give Python's greedy ids."""
+    from batchgpu import cli
+
+    try:
+        webgpu_package()
+    except NodeUnavailableError as exc:
+        pytest.skip(f"WebGPU under Node is unavailable: {exc}")
+    path = tiny_model(tmp_path, "llama-q8_0")
+    out = tmp_path / "app"
+    shape = ["--max-context", "32", "--chunk", "4"]
+    args = ["export-chat", str(out), "--model", str(path), *shape, "--cpu-kernels", "--no-f16"]
+    assert cli.main([*args, "--speculative-tokens", "0"]) == 0
+    assert not [name for name in json.loads((out / "model.json").read_text())["steps"] if "verify" in name]
+    speculative = {"max_tokens": 4, "temperature": 0, "speculative": True}
+    requests = [
+        {"ids": PROMPTS[0], "options": {"maxTokens": 6, "speculative": True}},
+        {"ids": PROMPTS[0], "options": {"maxTokens": 6, "speculative": {"tokens": 1}}},
+        {"body": {"prompt": "abc", **speculative}},
+        {"body": {"prompt": "abc", **speculative, "speculative": {"tokens": 1}}},
+        {"ids": PROMPTS[0], "options": {"maxTokens": 6}},
+        {"body": {"prompt": "abc", "max_tokens": 4, "temperature": 0, "speculative": False}},
+    ]
+    result = run_node(DRIVER, out, function="engineRequests", args={"requests": requests}, timeout=300)
+    runs = result["results"]
+    assert result["info"]["speculative_tokens"] == 0
+    for run in runs[:2]:
+        assert run["error"][1].startswith("batchgpu: speculative decoding needs verify steps"), run
+        assert "--speculative-tokens 0" in run["error"][1]
+    for run in runs[2:4]:
+        assert run["error"][0] == "speculative" and "--speculative-tokens 0" in run["error"][1], run
+    assert runs[4]["error"] is None and runs[4]["token_ids"] == python_ids(path, PROMPTS[0], 6, max_context=32, chunk=4)
+    assert runs[4]["stats"]["verify_steps"] == 0
+    assert runs[5]["error"] is None and runs[5]["stats"]["verify_steps"] == 0
 
 
 GEMMA_PROMPT = [3, 17, 42, 8, 29, 11, 5, 23, 40]

@@ -4,8 +4,8 @@ The folder it writes::
 
     out/
       index.html      the chat page: a chat box, or a run set by URL parameters (prompt, max_tokens,
-                      temperature, top_k, top_p, seed, raw=1, api=1, worker=0, cache=...), whose result
-                      ``window.batchgpuChat`` resolves to
+                      temperature, top_k, top_p, seed, raw=1, api=1, speculative=K, worker=0, cache=...), whose
+                      result ``window.batchgpuChat`` resolves to
       engine.js       ES module: createEngine(base, {worker, cache, f16}) -> an engine with an OpenAI-shaped API
                       (engine.chat.completions.create, engine.completions.create) running the model in worker.js
       batchgpu.js     ES module, the low level: loadModel(base, {onProgress}) -> model; model.generate(ids, options)
