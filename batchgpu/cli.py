@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__, cache, check, coldstart, flags, profiling
 from .errors import BatchError, DeviceError, UnsupportedError
+from .export.chat_steps import SPECULATIVE_TOKENS
 from .progress import progress
 
 if TYPE_CHECKING:
@@ -240,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache positions: prompt + reply (default 1024, or the model's trained context if shorter)",
     )
     chat.add_argument("--chunk", type=int, default=64, help="the largest prefill step, a power of two (default 64)")
+    chat.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=SPECULATIVE_TOKENS,
+        help="the most tokens the page's speculative decoding (prompt lookup) drafts per step: its verify steps of "
+        f"2 to K + 1 rows are exported (default {SPECULATIVE_TOKENS}; 0: none, no speculative option)",
+    )
     chat.add_argument(
         "--cpu-kernels", action="store_true", help="the CPU-driver kernel forms (for a CPU WebGPU such as SwiftShader)"
     )
@@ -791,6 +799,7 @@ def cmd_export_chat(args: argparse.Namespace) -> int:
             gpu_kernels=not args.cpu_kernels,
             copy_model=not args.link,
             f16=not args.no_f16,
+            speculative_tokens=args.speculative_tokens,
         )
     except BatchError as exc:
         print(exc, file=sys.stderr)

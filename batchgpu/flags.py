@@ -29,6 +29,7 @@ from .arguments import brief, linked_within, within
 from .errors import ArgumentError, BatchError
 from .executors import KINDS
 from .export.chat import MANIFEST
+from .export.chat_steps import MAX_SPECULATIVE_TOKENS
 from .export.webgpu import out_dir_problem
 from .models.gguf_reader import MAGIC
 from .models.synth import FILE_TYPES, PRESETS, VOCABULARIES
@@ -171,6 +172,13 @@ def power_of_two_to(other: str) -> Check:
         return None if value & (value - 1) == 0 and value <= bound else Refusal(f"a power of two <= {other} ({bound})")
 
     return check
+
+
+def fewer_than_context(value: int, args: argparse.Namespace) -> Refusal | None:
+    """Fewer than ``--max-context`` (as resolved): a verify step's rows, the latest token and this many drafted
+    ones, fit in the KV cache."""
+    bound = max_context(args)
+    return None if value < bound else Refusal(f"less than --max-context ({bound}): a verify step takes it + 1 rows")
 
 
 def device_kind(value: str, args: argparse.Namespace) -> Refusal | None:
@@ -501,6 +509,8 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Rule("--max-context", ints(1, MAX_CONTEXT)),
         Rule("--chunk", ints(1, MAX_CONTEXT)),
         Rule("--chunk", power_of_two_to("--max-context")),
+        Rule("--speculative-tokens", ints(0, MAX_SPECULATIVE_TOKENS)),
+        Rule("--speculative-tokens", fewer_than_context),
         Rule("--model", outside("out")),
         Rule("out", export_folder),
         Rule("--model", unlinked("out")),

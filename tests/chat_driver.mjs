@@ -77,3 +77,40 @@ export async function selfTest(base, { steps = ["f32"], expected = [null] }) {
     releaseGpu();
   }
 }
+
+/** batchgpu.js's prompt lookup and acceptance rule on ``lookups`` ([ids, limit, minNgram, maxNgram]) and
+ * ``verdicts`` ([draft, sampled]), for comparison with batchgpu/models/speculative.py; no GPU. */
+export async function speculation(base, { lookups, verdicts }) {
+  const { promptLookup, accepted } = await import(new URL("batchgpu.js", base));
+  return { drafts: lookups.map((args) => promptLookup(...args)), kept: verdicts.map(([draft, sampled]) => accepted(draft, sampled)) };
+}
+
+/** An engine (engine.js's createEngine, on Node's thread: no Worker here) answering ``requests`` in turn: each
+ * {body} through completions.create, or {ids, options} through engine.generate. Returns each one's {text} or
+ * {token_ids}, with engine.stats and its error ([param, message], or null), and engine.info. */
+export async function engineRequests(base, { requests }) {
+  const { createEngine } = await import(new URL("engine.js", base));
+  const { releaseGpu } = await import(new URL("node_gpu.js", base));
+  const engine = await createEngine(base, { worker: false, cache: "none" });
+  const results = [];
+  try {
+    for (const { body = null, ids = null, options = {} } of requests) {
+      try {
+        if (body) {
+          const reply = await engine.completions.create(body);
+          results.push({ text: reply.choices[0].text, stats: engine.stats, error: null });
+        } else {
+          const token_ids = [];
+          for await (const id of engine.generate(ids, options)) token_ids.push(id);
+          results.push({ token_ids, stats: engine.stats, error: null });
+        }
+      } catch (error) {
+        results.push({ error: [error.param ?? null, String(error.message)] });
+      }
+    }
+  } finally {
+    await engine.unload();
+    releaseGpu();
+  }
+  return { results, info: engine.info };
+}

@@ -113,6 +113,13 @@ COMMANDS = [  # (a whole command line, the flag the refusal names)
     (["export-chat", "{root}/new", "--model", "{model}", "--max-context", "64", "--chunk", "3"], "--chunk"),
     (["export-chat", "{root}/new", "--model", "{model}", "--max-context", "64", "--chunk", "128"], "--chunk"),
     (["export-chat", "{root}/new", "--model", "{model}", "--max-context", "64", "--chunk", "-8"], "--chunk"),
+    (["export-chat", "{root}/new", "--model", "{model}", "--speculative-tokens", "-1"], "--speculative-tokens"),
+    (["export-chat", "{root}/new", "--model", "{model}", "--speculative-tokens", "65"], "--speculative-tokens"),
+    (
+        ["export-chat", "{root}/new", "--model", "{model}", "--max-context", "64", "--speculative-tokens", "64"],
+        "--speculative-tokens",
+    ),
+    (["export-chat", "{root}/new", "--model", "{model}", "--speculative-tokens", "2.5"], "--speculative-tokens"),
     (["export-chat", "{root}/new", "--model", "{root}/missing.gguf", "--max-context", "64"], "--model"),
     (["export-chat", "{root}/new", "--model", "{text}", "--max-context", "64"], "--model"),
     (["export-chat", "{root}/new", "--model", "{empty}", "--max-context", "64"], "--model"),

@@ -19,10 +19,13 @@ from urllib.parse import quote
 import numpy as np
 import pytest
 
+import batchgpu as bg
 from batchgpu.export.browser import Chromium, ServeLog, serve
 from batchgpu.export.chat import export_chat
+from batchgpu.export.chat_steps import ChatSteps
 from batchgpu.export.node import NodeUnavailableError, find_node, node_environment, run_node, webgpu_package
-from batchgpu.models.llama import open_weights
+from batchgpu.models.llama import open_weights, upload_weights
+from batchgpu.models.speculative import Speculative
 
 from .doc_blocks import named_block
 from .test_export_chat import DRIVER, PROMPTS, ids_query, python_ids, tiny_model
@@ -174,6 +177,72 @@ def test_openai_shaped_api(browser: Chromium, app: tuple[Path, Path]) -> None:
     assert result["both"] == [expected[: len(result["both"][0])]] * 2 and result["both"][0]
     for (body, param, message), error in zip(BAD_BODIES, result["errors"]):
         assert error is not None and error[0] == param and message in error[1], (body, error)
+
+
+SPECULATIVE = """window.batchgpuChat.then(async (page) => {
+  const engine = window.batchgpuEngine;
+  const messages = [{ role: "user", content: PROMPT }];
+  const reply = await engine.chat.completions.create({ messages, max_tokens: 12, temperature: 0, speculative: true });
+  const stats = engine.stats;
+  const plain = [];
+  for await (const id of engine.generate(COPIED, { maxTokens: 16, reuse: false })) plain.push(id);
+  const plainStats = engine.stats;
+  const errors = [];
+  for (const body of BAD) {
+    try {
+      await engine.chat.completions.create({ messages, max_tokens: 4, ...body });
+      errors.push(null);
+    } catch (error) {
+      errors.push([error.param, error.message]);
+    }
+  }
+  return { page, text: reply.choices[0].message.content, stats, plain, plainStats, errors };
+})"""
+COPIED = [22, 21] * 4
+"""A prompt whose greedy reply (the tiny Qwen2's) copies it: 22, 21, 22, 21, ..."""
+BAD_SPECULATIVE = [
+    ({"speculative": True}, "greedy only: set temperature to 0 (got none: the default is 1)"),
+    ({"speculative": True, "temperature": 0.7}, "greedy only: set temperature to 0 (got 0.7)"),
+    ({"speculative": {"tokens": 5}, "temperature": 0}, "tokens must be an integer in [1, 4] (the export's verify"),
+    ({"speculative": "yes", "temperature": 0}, "must be true or an object {tokens, min_ngram, max_ngram}"),
+    ({"speculative": {"min_ngram": 3, "max_ngram": 2}, "temperature": 0}, "max_ngram must be an integer >= min_ngram"),
+]
+
+
+def test_speculative_decoding_in_the_page(browser: Chromium, app: tuple[Path, Path]) -> None:
+    """``speculative=4``: each prompt's greedy ids by speculative decoding (prompt lookup, up to 4 drafted ids a
+    step) in the page's worker are Python's ids without it, and the page's verify steps, drafted and accepted ids
+    are those of Python's steps run the same way; on a prompt its reply copies, the page's ids are those of the same
+    page without speculation in a third of the steps. ``chat.completions.create`` with ``speculative: true`` gives
+    Python's greedy text. Bad ``speculative`` values, and speculation with temperature > 0 (the API's default is 1),
+    are refused naming the field."""
+    path, out = app
+    device = bg.Device("reference")
+    weights = open_weights(path)
+    steps = ChatSteps(device, weights.config, upload_weights(device, weights, fuse=True), **STEPS)
+    codec = weights.codec()
+    prompt = "Hello"
+    chat_ids = codec.encode_chat([{"role": "user", "content": prompt}])
+    expected = codec.decode(list(steps.generate(chat_ids, 12, stop=codec.eos_ids)))
+    bad = json.dumps([body for body, _ in BAD_SPECULATIVE])
+    script = SPECULATIVE.replace("PROMPT", json.dumps(prompt)).replace("BAD", bad).replace("COPIED", str(COPIED))
+    prompts = [*PROMPTS, COPIED]
+    with serve(out) as base:
+        result = page(browser, base, ids_query(prompts, max_tokens=16, speculative=4), script)
+    assert "error" not in result["page"], result["page"]["error"]
+    runs = result["page"]["runs"]
+    assert [run["prompt_ids"] for run in runs] == prompts
+    for run, ids in zip(runs, prompts):
+        greedy = list(steps.generate(ids, 16))
+        assert run["token_ids"] == greedy == list(steps.generate(ids, 16, speculative=Speculative("ngram", 4)))
+        assert {key: run[key] for key in ("verify_steps", "drafted", "accepted")} == steps.speculation
+    copied, plain = runs[-1], result["plainStats"]
+    assert copied["token_ids"] == result["plain"] == (COPIED * 2)[:16]  # the reply copies the prompt
+    assert (plain["verify_steps"], plain["generated"]) == (0, 16)  # without: 15 decode steps after the prompt
+    assert copied["verify_steps"] <= 15 // 3 and copied["accepted"] == 15 - copied["verify_steps"]
+    assert result["text"] == expected and result["stats"]["verify_steps"] > 0
+    for (body, message), error in zip(BAD_SPECULATIVE, result["errors"]):
+        assert error is not None and error[0] == "speculative" and message in error[1], (body, error)
 
 
 def test_cut_download_resumes(browser: Chromium, app: tuple[Path, Path], greedy: Any) -> None:

@@ -11,9 +11,11 @@ import hashlib
 import json
 import os
 import subprocess
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import batchgpu as bg
@@ -26,6 +28,7 @@ from batchgpu.export.node import NodeUnavailableError, find_node, node_environme
 from batchgpu.export.weight_sources import assemble
 from batchgpu.models.gguf_reader import GGUFFile
 from batchgpu.models.llama import Llama, open_weights, upload_weights
+from batchgpu.models.speculative import Speculative, accepted, prompt_lookup
 
 from .doc_blocks import named_block
 from .test_llama_variants import K_DIMS, VARIANTS, random_weights, write_gguf
@@ -85,7 +88,7 @@ def test_every_weight_buffer_is_built_from_the_gguf_file(tmp_path: Path, name: s
     path = tiny_model(tmp_path, name)
     kv_bytes = 16 * VARIANTS[TINY[name][0]]["kv_heads"] * {**VARIANTS[TINY[name][0]], **TINY[name][2]}["head_dim"] * 4
     limit = {"max_storage_buffer_binding_size": max(kv_bytes, 2048)}  # the embedding (at least) in row pieces
-    out = export_chat(path, tmp_path / "app", max_context=16, chunk=1, limits=limit)
+    out = export_chat(path, tmp_path / "app", max_context=16, chunk=1, limits=limit, speculative_tokens=1)
     manifest = json.loads((out / "model.json").read_text())
     weights = [b for b in manifest["buffers"] if b["kind"] == "resident" and not b["name"].startswith(("k", "v"))]
     weights = [b for b in weights if b["name"] != "token"]
@@ -200,8 +203,10 @@ def test_node_generates_pythons_ids(tmp_path: Path) -> None:
     except NodeUnavailableError as exc:
         pytest.skip(f"WebGPU under Node is unavailable: {exc}")
     path = tiny_model(tmp_path, "qwen2-q4_1")
-    limits = {"max_storage_buffer_binding_size": 2048}
-    out = export_chat(path, tmp_path / "app", max_context=16, chunk=1, gpu_kernels=False, limits=limits)
+    limits = {"max_storage_buffer_binding_size": 2048}  # activations of 2 rows fit: chunk 1, verify steps of 2 rows
+    out = export_chat(
+        path, tmp_path / "app", max_context=16, chunk=1, gpu_kernels=False, limits=limits, speculative_tokens=1
+    )
     assert any("[" in b["name"] for b in json.loads((out / "model.json").read_text())["buffers"])  # pieces
     args = {"prompts": PROMPTS, "maxTokens": 4, "slabBytes": 64}
     result = run_node(DRIVER, out, function="generate", args=args, timeout=300)
@@ -209,6 +214,161 @@ def test_node_generates_pythons_ids(tmp_path: Path) -> None:
         assert run["token_ids"] == python_ids(path, prompt, 4, max_context=16, chunk=1)
     assert result["loading"]["file_bytes"] == path.stat().st_size
     check_readme_block(path, export_chat(path, tmp_path / "readme", max_context=64, chunk=16, gpu_kernels=False))
+
+
+COPY = [3, 17, 42, 8, 29, 11, 5, 3, 17, 42, 8, 29, 11, 5, 3, 17]
+"""A prompt that repeats itself: prompt lookup drafts from its first copy."""
+NGRAM = Speculative("ngram", 4)
+
+
+def test_verify_steps_give_llamas_ids(tmp_path: Path) -> None:
+    """A verify step (every row's greedy id) gives the ids of Llama's verify step of the same rows at the same
+    position; ChatSteps' speculative generation (the page's algorithm: prompt lookup, the accepted prefix and one
+    more) gives Llama.speculate's ids and counts, which are greedy decoding's ids, with drafts accepted. Greedy only,
+    up to the verify steps recorded, prompt lookup only: else refused."""
+    path = tiny_model(tmp_path, "llama-q8_0")
+    device = bg.Device("reference")
+    weights = open_weights(path)
+    steps = ChatSteps(device, weights.config, upload_weights(device, weights, fuse=True), max_context=32, chunk=4)
+    llama = Llama(bg.Device("reference"), path, max_context=32)
+    rows = [7, 12, 3, 40, 9]
+    list(steps.generate(PROMPTS[0], 1))  # the prompt's rows, in both caches
+    llama.prefill(PROMPTS[0])
+    step = steps.steps["verify_5"]
+    ours = steps._run(step, len(PROMPTS[0]), {"ids": np.asarray(rows, np.int32)}).read(step.next_id)
+    theirs, next_tokens = llama._submit_prefill(rows, every_row=True)
+    assert ours.tolist() == theirs.read(next_tokens).tolist()
+    for prompt in (PROMPTS[0], COPY):
+        plain = list(steps.generate(prompt, 12))
+        assert list(steps.generate(prompt, 12, speculative=NGRAM)) == plain == list(llama.generate(prompt, 12))
+        assert list(llama.generate(prompt, 12, speculative=NGRAM)) == plain
+        assert steps.speculation == llama.speculation and steps.speculation["accepted"] > 0, steps.speculation
+        assert 1 + steps.speculation["verify_steps"] + steps.speculation["accepted"] == len(plain)
+    for speculative, sampling, message in [
+        (NGRAM, Sampling(temperature=0.5), "greedy only"),
+        (Speculative("ngram", 5), None, "speculative tokens must be at most 4"),
+        (Speculative("draft", 2, draft="draft.gguf"), None, "must be Speculative"),
+    ]:
+        with pytest.raises(ArgumentError, match=message):
+            list(steps.generate(PROMPTS[0], 4, sampling, speculative=speculative))
+    with pytest.raises(ArgumentError, match=r"speculative_tokens must be an int in \[0, 31\]"):
+        ChatSteps(device, weights.config, steps.weights, max_context=32, chunk=4, speculative_tokens=32)
+
+
+def test_speculative_decoding_under_node(tmp_path: Path) -> None:
+    """The page's speculative decoding (``generate(ids, {speculative})``) under Node on a tiny model whose replies
+    repeat themselves: every turn's ids are greedy decoding's (Python's steps without speculation), in fewer steps
+    than tokens, drafts accepted, and its verify steps, drafted and accepted ids are Python's (the same rules:
+    batchgpu.js's prompt lookup and acceptance also give Python's on random cases). Across turns the KV cache keeps
+    only the rows of ids it holds (never a rejected draft's): a turn extending the last one, one without
+    speculation, fewer drafted tokens, one that runs to the end of the context, one stopped mid-way and the next
+    one continuing it. Refused: speculation with temperature > 0, past the export's verify steps, an unknown
+    field."""
+    try:
+        webgpu_package()
+    except NodeUnavailableError as exc:
+        pytest.skip(f"WebGPU under Node is unavailable: {exc}")
+    rng = np.random.default_rng(42)
+    lookups = []
+    for _ in range(300):
+        low, high, limit = map(int, rng.integers(1, 4, 3))
+        lookups.append([rng.integers(0, 4, rng.integers(0, 30)).tolist(), limit - 1, low, low + high - 1])
+    lookups += [  # no ids, one, a match only of fewer than min_ngram, past the end, the latest match, long n-grams
+        [[], 4, 2, 4],
+        [[7], 4, 1, 1],
+        [[7, 7], 4, 1, 4],
+        [[1, 2, 3, 1], 4, 2, 4],
+        [[1, 2, 3, 1, 2], 9, 2, 4],
+        [[1, 2, 9, 1, 2, 8, 1, 2], 3, 2, 4],
+        [[5, 6, 7, 8, 5, 6, 7, 8], 2, 4, 4],
+        [[5, 6, 7, 8, 5, 6, 7, 8], 2, 5, 9],
+        [[1, 2, 3, 1, 2, 3], 0, 1, 3],
+        [[3, 1, 2, 3, 4, 1, 2, 3], 2, 1, 3],
+    ]
+    verdicts = [[rng.integers(0, 3, n).tolist(), rng.integers(0, 3, n + 1).tolist()] for n in range(6) for _ in "ab"]
+    verdicts += [[[], [4]], [[1, 2, 3], [1, 2, 3, 4]], [[1, 2, 3], [0, 2, 3, 4]], [[1, 2, 3], [1, 2, 0, 4]]]
+    app = Path(str(resources.files("batchgpu.export") / "app"))
+    result = run_node(DRIVER, app, function="speculation", args={"lookups": lookups, "verdicts": verdicts})
+    assert result["drafts"] == [prompt_lookup(*case) for case in lookups]
+    assert result["kept"] == [accepted(*case) for case in verdicts]
+
+    path = tiny_model(tmp_path, "llama-q8_0")
+    steps = {"max_context": 48, "chunk": 4}
+    out = export_chat(path, tmp_path / "app", gpu_kernels=False, **steps)  # verify steps for up to 4 drafted ids
+    device = bg.Device("reference")
+    weights = open_weights(path)
+    python = ChatSteps(device, weights.config, upload_weights(device, weights, fuse=True), **steps)
+    first, stopped = list(python.generate(PROMPTS[0], 24)), list(python.generate(COPY, 24))
+    near_end = [*COPY, *COPY, 1, 2, 3, 4, 5, 6, 7, 8]  # 40 ids: 9 more reach the context's 48
+    two = Speculative("ngram", 2, min_ngram=1)
+    turns = [  # (the page's turn, the settings of Python's speculative run)
+        ({"ids": PROMPTS[0], "options": {"maxTokens": 24, "speculative": {"tokens": 4}}}, NGRAM),
+        ({"ids": [*PROMPTS[0], *first, 21, 4, 33], "options": {"maxTokens": 12, "speculative": True}}, NGRAM),
+        ({"ids": PROMPTS[0], "options": {"maxTokens": 24, "reuse": False}}, None),
+        ({"ids": COPY, "options": {"maxTokens": 24, "speculative": {"tokens": 2, "minNgram": 1}}}, two),
+        ({"ids": near_end, "options": {"maxTokens": 50, "speculative": True}}, NGRAM),  # to the context's end
+        ({"ids": COPY, "options": {"maxTokens": 24, "speculative": True}, "abortAfter": 5}, NGRAM),
+        ({"ids": [*COPY, *stopped[:5], 9, 30], "options": {"maxTokens": 8, "speculative": True}}, NGRAM),
+    ]
+    refused = [{"speculative": True, "temperature": 0.5}, {"speculative": {"tokens": 5}}, {"speculative": {"ngram": 3}}]
+    args = {"turns": [turn for turn, _ in turns] + [{"ids": [3], "options": options} for options in refused]}
+    runs = run_node(DRIVER, out, function="converse", args=args, timeout=300)["runs"]
+    for n, ((turn, speculative), run) in enumerate(zip(turns, runs), 1):
+        ids = list(python.generate(turn["ids"], turn["options"]["maxTokens"]))  # greedy, without speculation
+        assert run["error"] is None and run["token_ids"] == ids[: turn.get("abortAfter", len(ids))], n
+        assert run["cached_ids"] == [*turn["ids"], *ids][: len(run["cached_ids"])], n  # no rejected draft's row
+        figures = {key: run["stats"][key] for key in ("verify_steps", "drafted", "accepted")}
+        if speculative is None:
+            assert figures == {"verify_steps": 0, "drafted": 0, "accepted": 0}
+        elif "abortAfter" not in turn:
+            assert list(python.generate(turn["ids"], turn["options"]["maxTokens"], speculative=speculative)) == ids
+            assert figures == python.speculation, n
+    assert runs[0]["stats"]["accepted"] > 0 and runs[0]["stats"]["verify_steps"] < len(runs[0]["token_ids"]) == 24
+    assert runs[0]["cached_ids"] == [*PROMPTS[0], *first[:-1]]  # as without speculation: the last id has no row
+    assert runs[1]["stats"]["cached_tokens"] == len(PROMPTS[0]) + 24 - 1
+    assert len(runs[4]["token_ids"]) == 48 - len(near_end) + 1
+    assert runs[6]["stats"]["cached_tokens"] >= len(COPY) + 4  # the stopped reply's rows were kept
+    assert "greedy only: it needs temperature 0, got temperature 0.5" in runs[7]["error"]
+    assert "tokens must be an integer in [1, 4] (the export's verify steps), got 5" in runs[8]["error"]
+    assert "speculative has no field ngram" in runs[9]["error"]
+
+
+def test_export_without_verify_steps_refuses_speculation(tmp_path: Path) -> None:
+    """``export-chat --speculative-tokens 0`` exports no verify step, and its app refuses speculative decoding
+    naming it: ``generate(ids, {speculative})`` and the engine's requests with ``speculative`` (the error's param);
+    the same requests without it run, and give Python's greedy ids."""
+    from batchgpu import cli
+
+    try:
+        webgpu_package()
+    except NodeUnavailableError as exc:
+        pytest.skip(f"WebGPU under Node is unavailable: {exc}")
+    path = tiny_model(tmp_path, "llama-q8_0")
+    out = tmp_path / "app"
+    shape = ["--max-context", "32", "--chunk", "4"]
+    args = ["export-chat", str(out), "--model", str(path), *shape, "--cpu-kernels", "--no-f16"]
+    assert cli.main([*args, "--speculative-tokens", "0"]) == 0
+    assert not [name for name in json.loads((out / "model.json").read_text())["steps"] if "verify" in name]
+    speculative = {"max_tokens": 4, "temperature": 0, "speculative": True}
+    requests = [
+        {"ids": PROMPTS[0], "options": {"maxTokens": 6, "speculative": True}},
+        {"ids": PROMPTS[0], "options": {"maxTokens": 6, "speculative": {"tokens": 1}}},
+        {"body": {"prompt": "abc", **speculative}},
+        {"body": {"prompt": "abc", **speculative, "speculative": {"tokens": 1}}},
+        {"ids": PROMPTS[0], "options": {"maxTokens": 6}},
+        {"body": {"prompt": "abc", "max_tokens": 4, "temperature": 0, "speculative": False}},
+    ]
+    result = run_node(DRIVER, out, function="engineRequests", args={"requests": requests}, timeout=300)
+    runs = result["results"]
+    assert result["info"]["speculative_tokens"] == 0
+    for run in runs[:2]:
+        assert run["error"][1].startswith("batchgpu: speculative decoding needs verify steps"), run
+        assert "--speculative-tokens 0" in run["error"][1]
+    for run in runs[2:4]:
+        assert run["error"][0] == "speculative" and "--speculative-tokens 0" in run["error"][1], run
+    assert runs[4]["error"] is None and runs[4]["token_ids"] == python_ids(path, PROMPTS[0], 6, max_context=32, chunk=4)
+    assert runs[4]["stats"]["verify_steps"] == 0
+    assert runs[5]["error"] is None and runs[5]["stats"]["verify_steps"] == 0
 
 
 GEMMA_PROMPT = [3, 17, 42, 8, 29, 11, 5, 23, 40]
@@ -439,18 +599,20 @@ def test_command_line_exports_and_refuses(tmp_path: Path, capsys: pytest.Capture
     assert cli.main(args) == 0
     assert "python -m http.server" in capsys.readouterr().out
     manifest = json.loads((out / "model.json").read_text())
-    assert manifest["model"]["max_context"] == 32 and sorted(manifest["steps"]) == [
-        "decode",
-        "prefill_1",
-        "prefill_2",
-        "prefill_4",
-        "prefill_8",
-    ]
+    steps = ["decode", "prefill_1", "prefill_2", "prefill_4", "prefill_8", *(f"verify_{n}" for n in range(2, 6))]
+    assert manifest["model"]["max_context"] == 32 and sorted(manifest["steps"]) == steps
+    assert manifest["model"]["speculative_tokens"] == 4 and sorted(manifest["variants"]["f16"]["steps"]) == steps
+    verify = manifest["steps"]["verify_5"]
+    assert verify["tokens"] == 5 and list(verify["inputs"]) == ["ids"] and verify["inputs"]["ids"]["shape"] == [5]
+    assert verify["outputs"]["next_ids"]["bytes"] == 5 * 4
     assert (out / "model.gguf").read_bytes() == path.read_bytes() and (out / "vendor" / "jinja.js").is_file()
     assert (out / "vendor" / "noble-hashes" / "sha2.js").is_file() and (out / "worker.js").is_file()
     assert manifest["weights"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert manifest["variants"]["f16"]["features"] == ["shader-f16"] and (out / "self_test" / "expected.bin").is_file()
     (out / "model.gguf").unlink()  # the model's hard link: an export over it is refused (it would be the model)
-    assert cli.main([*args, "--no-f16"]) == 0  # again over the earlier export, without the f16 variant
+    assert cli.main([*args, "--no-f16", "--speculative-tokens", "0"]) == 0  # again over it: no f16, no verify steps
     manifest = json.loads((out / "model.json").read_text())
     assert "variants" not in manifest and "self_test" not in manifest and not (out / "f16").exists()
+    assert manifest["model"]["speculative_tokens"] == 0 and not [n for n in manifest["steps"] if "verify" in n]
+    assert cli.main([*args, "--speculative-tokens", "32"]) == 2  # 33 rows past the context
+    assert "--speculative-tokens must be less than --max-context (32)" in capsys.readouterr().err

@@ -4,8 +4,8 @@ The folder it writes::
 
     out/
       index.html      the chat page: a chat box, or a run set by URL parameters (prompt, max_tokens,
-                      temperature, top_k, top_p, seed, raw=1, api=1, worker=0, cache=...), whose result
-                      ``window.batchgpuChat`` resolves to
+                      temperature, top_k, top_p, seed, raw=1, api=1, speculative=K, worker=0, cache=...), whose
+                      result ``window.batchgpuChat`` resolves to
       engine.js       ES module: createEngine(base, {worker, cache, f16}) -> an engine with an OpenAI-shaped API
                       (engine.chat.completions.create, engine.completions.create) running the model in worker.js
       batchgpu.js     ES module, the low level: loadModel(base, {onProgress}) -> model; model.generate(ids, options)
@@ -15,7 +15,8 @@ The folder it writes::
       io.js           file reading (fetch, or the disk under Node)
       tokenizer.js    the model's tokenizer and chat template in JavaScript, with vendor/ (its libraries)
       model.json      the plan: buffers (each weight's place in model.gguf), shaders, pipelines, and per step
-                      (decode, prefill_1 ... prefill_<chunk>) its dispatches, inputs, scalars and outputs; the f16
+                      (decode, prefill_1 ... prefill_<chunk>, verify_2 ... verify_<K+1>) its dispatches, inputs,
+                      scalars and outputs; the f16
                       variant (variants.f16) and its self-test (self_test); the model file's size and SHA-256
       shaders/*.wgsl  the WGSL of every kernel the programs run, as the wgpu executor compiles them
       params.bin      every launch's uniform parameters (f16/, self_test/: the variant's and the self-test's)
@@ -47,7 +48,7 @@ from ..models.gguf_file import GGUFWeights
 from ..models.llama import loading, upload_weights
 from ..models.loader import open_weights
 from ..progress import Stages
-from .chat_steps import ChatSteps
+from .chat_steps import SPECULATIVE_TOKENS, ChatSteps, check_speculative_tokens
 from .plan import WEBGPU_DEFAULT_LIMITS
 from .precision import self_test_program, self_test_shapes
 from .program import Program, ProgramStep, build_program, write_programs
@@ -87,6 +88,7 @@ def export_chat(
     copy_model: bool = True,
     limits: Mapping[str, int] | None = None,
     f16: bool = True,
+    speculative_tokens: int = SPECULATIVE_TOKENS,
 ) -> Path:
     """Write the chat app of the GGUF file ``model`` into ``out_dir`` (empty, or an earlier export) and return
     its path. ``max_context``: the KV cache's positions (prompt and reply); ``chunk``: the largest prefill
@@ -96,7 +98,9 @@ def export_chat(
     file system allows, else a copy); ``limits``: WebGPU limits (``max_*``, underscored) lower than its defaults
     that the target devices have (a matrix over ``max_storage_buffer_binding_size`` is held as row pieces);
     ``f16``: also write the f16 variant and its self-test (:mod:`batchgpu.export.precision`), which the page
-    runs where the adapter offers ``shader-f16`` and the self-test passes.
+    runs where the adapter offers ``shader-f16`` and the self-test passes; ``speculative_tokens``: the most tokens
+    the page's speculative decoding (prompt lookup) drafts per step, whose verify steps of 2 to
+    ``speculative_tokens`` + 1 rows the export holds (0: none, and no ``speculative`` option in the page).
 
     Bad arguments raise ArgumentError, a non-GGUF model UnsupportedError, before anything is written; so does
     a model that writing into ``out`` would reach (:func:`check_model_apart`): an export never deletes or
@@ -111,6 +115,7 @@ def export_chat(
             raise ArgumentError(f"export_chat: {name} must be an int >= 1, got {value!r}")
     if chunk > max_context or chunk & (chunk - 1):
         raise ArgumentError(f"export_chat: chunk must be a power of two <= max_context={max_context}, got {chunk}")
+    check_speculative_tokens(speculative_tokens, max_context, "export_chat")
     lowered = {**WEBGPU_DEFAULT_LIMITS, **(limits or {})}
     if any(lowered[name] > WEBGPU_DEFAULT_LIMITS.get(name, lowered[name]) for name in lowered):
         raise ArgumentError(f"export_chat: limits may only lower WebGPU's defaults {WEBGPU_DEFAULT_LIMITS}")
@@ -123,7 +128,7 @@ def export_chat(
         if max_context > trained:
             raise ArgumentError(f"export_chat: max_context must be <= {trained} (the model's trained length)")
         uploaded = upload_weights(device, weights, fuse=True, stages=stages)
-        shape = {"max_context": max_context, "chunk": chunk}
+        shape = {"max_context": max_context, "chunk": chunk, "speculative_tokens": speculative_tokens}
         steps = ChatSteps(device, weights.config, uploaded, **shape)
         stages.phase("planning the steps", name="planning")
         read = device.executor.read_resident
@@ -145,7 +150,7 @@ def export_chat(
             programs += [("f16/", variant), ("self_test/", test)]
             manifest["variants"] = {"f16": variant.entry}
             manifest["self_test"] = test.entry
-        manifest["model"] = _model_entry(weights, max_context, chunk)
+        manifest["model"] = {**_model_entry(weights, max_context, chunk), "speculative_tokens": speculative_tokens}
         manifest["weights"] = {"file": MODEL_FILE, "bytes": path.stat().st_size, "sha256": _sha256(path, stages)}
         codec = weights.codec()
         _write(out, manifest, programs, expected)
@@ -172,7 +177,7 @@ def check_model_apart(model: Path, out: Path) -> None:
 
 def _program_steps(steps: ChatSteps, *, half: bool = False) -> dict[str, ProgramStep]:
     return {
-        name: ProgramStep(step.batch, step.inputs, {"next_id": step.next_id}, step.tokens, half=half)
+        name: ProgramStep(step.batch, step.inputs, {step.output: step.next_id}, step.tokens, half=half)
         for name, step in steps.steps.items()
     }
 

@@ -10,6 +10,7 @@
 // This is the low level, on the thread that calls it; ./engine.js runs it in a Web Worker behind an OpenAI-shaped
 // API (createEngine). The next turn's prompt (the conversation so far) prefills only what follows the ids the KV
 // cache holds (model.cachedIds; model.stats.cached_tokens counts them), unless generate(ids, { reuse: false }).
+// generate(ids, { speculative: true }) decodes greedily by prompt lookup: the same ids, fewer steps where drafts hold.
 //
 // Under Node the GPU comes from the `webgpu` npm package (./node_gpu.js), or pass one: loadModel(base, { gpu }).
 // Call model.destroy() and node_gpu.js's releaseGpu() when done, so the process can exit.
@@ -220,6 +221,53 @@ function checkOption(name, value, ok) {
   if (!ok) throw new Error(`batchgpu: ${name} out of range, got ${value}`);
 }
 
+// speculative decoding (prompt lookup): batchgpu/models/speculative.py's rules ------------------------------
+
+/** Up to ``limit`` ids that followed the latest earlier occurrence of the last n ids of ``tokens`` (n from
+ * ``maxNgram`` down to ``minNgram``; the first n that matches anywhere); none without a match. */
+export function promptLookup(tokens, limit, minNgram, maxNgram) {
+  const length = tokens.length;
+  for (let n = Math.min(maxNgram, length - 1); n >= minNgram; n--) {
+    const tail = length - n;
+    for (let start = length - 1 - n; start >= 0; start--) { // every n-gram but the tail, the latest first
+      let k = 0;
+      while (k < n && tokens[start + k] === tokens[tail + k]) k++;
+      if (k === n) return tokens.slice(start + n, start + n + Math.max(limit, 0));
+    }
+  }
+  return [];
+}
+
+/** The ids a verify step gives: ``sampled[i]`` is what row ``i`` (the latest id, then each drafted one) chose;
+ * drafted ids count while they equal what the row before chose, then one more id. */
+export function accepted(draft, sampled) {
+  let count = 0;
+  while (count < draft.length && draft[count] === sampled[count]) count++;
+  return Array.from(sampled.slice(0, count + 1), Number);
+}
+
+const NGRAM = { minNgram: 2, maxNgram: 4 }; // Speculative's min_ngram and max_ngram
+
+/** ``generate``'s ``speculative`` option as {tokens, minNgram, maxNgram}, or null (off): true takes the export's
+ * most (``most``: model.json's speculative_tokens) and n-grams of 4 down to 2 ids; throws naming what is wrong. */
+export function speculativeSettings(option, most, temperature) {
+  if (option === undefined || option === null || option === false) return null;
+  const fail = (why) => {
+    throw new Error(`batchgpu: speculative ${why}`);
+  };
+  if (!most) fail("decoding needs verify steps, and this export has none (it was exported with --speculative-tokens 0)");
+  const given = option === true ? {} : option;
+  if (typeof given !== "object" || Array.isArray(given)) fail(`must be true or {tokens, minNgram, maxNgram}, got ${JSON.stringify(option)}`);
+  const unknown = Object.keys(given).filter((key) => !["tokens", "minNgram", "maxNgram"].includes(key));
+  if (unknown.length) fail(`has no field ${unknown.join(", ")} (its fields: tokens, minNgram, maxNgram)`);
+  const { tokens = most, minNgram = NGRAM.minNgram, maxNgram = NGRAM.maxNgram } = given;
+  if (!(Number.isInteger(tokens) && tokens >= 1 && tokens <= most)) fail(`tokens must be an integer in [1, ${most}] (the export's verify steps), got ${JSON.stringify(tokens)}`);
+  if (!(Number.isInteger(minNgram) && minNgram >= 1)) fail(`minNgram must be an integer >= 1, got ${JSON.stringify(minNgram)}`);
+  if (!(Number.isInteger(maxNgram) && maxNgram >= minNgram)) fail(`maxNgram must be an integer >= minNgram (${minNgram}), got ${JSON.stringify(maxNgram)}`);
+  if (temperature > 0) fail(`decoding is greedy only: it needs temperature 0, got temperature ${temperature}`);
+  return { tokens, minNgram, maxNgram };
+}
+
 /** The bytes of the program's GPU buffers: weights, the KV cache, and the rest (the steps' own buffers). */
 function bufferBytes(manifest) {
   const memory = { weights: 0, kv_cache: 0, other: 0 };
@@ -265,8 +313,18 @@ export class ChatModel {
    * only the rest of the prompt is prefilled, from its position on (at least its last token, whose logits give
    * the first id), as llama.cpp's server reuses a slot's cached prompt: a conversation's next turn computes only
    * its new tokens. A row's keys and values depend only on the ids up to it and its position, so the ids are
-   * those of a run from position 0. ``reuse: false`` prefills the whole prompt. */
-  async *generate(prompt, { maxTokens = 128, temperature = 0, topK = 0, topP = 1, minP = 0, seed = 0, stop = null, signal = null, ahead = 1, reuse = true } = {}) {
+   * those of a run from position 0. ``reuse: false`` prefills the whole prompt.
+   *
+   * ``speculative`` (greedy only; true, or {tokens, minNgram, maxNgram}): speculative decoding by prompt lookup,
+   * as batchgpu's Llama.generate(..., speculative=Speculative("ngram", K)) runs it: each step after the prompt
+   * runs the latest id and up to ``tokens`` ids (default and most: the export's speculative_tokens) that followed
+   * the latest earlier occurrence of the last ``maxNgram`` (4) down to ``minNgram`` (2) ids of the prompt and reply
+   * (a verify step: every row's greedy id), and keeps the drafted ids those confirm, and one more; the KV cache's
+   * rows after them are written again by the next step (and never kept for the next prompt). The ids are those
+   * of a run without it, in fewer steps where drafts are accepted; ``stats.verify_steps`` counts the steps after
+   * the prompt, ``stats.drafted`` and ``stats.accepted`` the drafted ids and those kept. With temperature > 0 it
+   * is refused (the verify steps take greedy ids). */
+  async *generate(prompt, { maxTokens = 128, temperature = 0, topK = 0, topP = 1, minP = 0, seed = 0, stop = null, signal = null, ahead = 1, reuse = true, speculative = null } = {}) {
     const { vocab } = this.manifest.model;
     const ids = Array.from(prompt, Number);
     if (ids.length < 1 || ids.length >= this.maxContext) throw new Error(`batchgpu: the prompt needs 1 to ${this.maxContext - 1} tokens, got ${ids.length}`);
@@ -280,16 +338,17 @@ export class ChatModel {
     checkOption("seed", seed, Number.isInteger(seed) && seed >= 0 && seed < 2 ** 32);
     checkOption("ahead", ahead, Number.isInteger(ahead) && ahead >= 0);
     checkOption("reuse", reuse, typeof reuse === "boolean");
+    const lookup = speculativeSettings(speculative, this.manifest.model.speculative_tokens ?? 0, temperature);
     if (this.busy) throw new Error("batchgpu: the model is generating already (one sequence at a time: its KV cache is one); finish or stop that first");
     this.busy = true;
     try {
-      yield* this.steps(ids, { maxTokens, temperature, topK, topP, minP, seed, stop, signal, ahead, reuse });
+      yield* this.steps(ids, { maxTokens, temperature, topK, topP, minP, seed, stop, signal, ahead, reuse, lookup });
     } finally {
       this.busy = false;
     }
   }
 
-  async *steps(ids, { maxTokens, temperature, topK, topP, minP, seed, stop, signal, ahead, reuse }) {
+  async *steps(ids, { maxTokens, temperature, topK, topP, minP, seed, stop, signal, ahead, reuse, lookup }) {
     const { chunk } = this.manifest.model;
     const stopIds = stop ?? this.codec?.stopIds ?? new Set();
     const sampling = Float32Array.of(temperature, topP, minP, 0);
@@ -304,7 +363,15 @@ export class ChatModel {
     let failed = false;
     let pos = cached;
     const inFlight = []; // each submitted step's outputs (a promise) and the positions written once it is done
-    this.stats = { prompt_tokens: ids.length, cached_tokens: cached, prefill_tokens: ids.length - cached, generated: 0, prefill_ms: 0, decode_ms: 0, tokens_per_s: 0 };
+    const stats = { prompt_tokens: ids.length, cached_tokens: cached, prefill_tokens: ids.length - cached, generated: 0, prefill_ms: 0, decode_ms: 0, tokens_per_s: 0, verify_steps: 0, drafted: 0, accepted: 0 };
+    this.stats = stats;
+    let first = null;
+    const tick = (generated) => { // the figures once ``generated`` tokens are read
+      const now = performance.now();
+      first ??= now;
+      Object.assign(stats, { generated, prefill_ms: first - started, decode_ms: now - first });
+      stats.tokens_per_s = generated > 1 && stats.decode_ms > 0 ? (1000 * (generated - 1)) / stats.decode_ms : 0;
+    };
     try {
       const prefill = [];
       for (const size of promptChunks(ids.length - cached, chunk)) {
@@ -313,8 +380,34 @@ export class ChatModel {
         pos += size;
       }
       inFlight.push({ outputs: Promise.all(prefill).then((outputs) => outputs.at(-1)), end: pos }); // the last chunk's token
+      if (lookup) {
+        // Speculative: each step is drafted from the ids read before it, so none runs ahead. A step writes the rows
+        // of the latest id and the drafted ones from ``pos``; those of the ids it keeps count, the rest are written
+        // again by the next step.
+        let out = [(await inFlight.shift().outputs).next_id[0]];
+        for (let generated = 0; ;) {
+          known.push(...out);
+          kept = pos; // the last id read has no row yet
+          for (const token of out) {
+            tick(++generated);
+            yield token;
+            if (stopIds.has(token) || signal?.aborted || generated === maxTokens) return;
+          }
+          if (pos >= this.maxContext) return; // the context is full
+          const limit = Math.min(lookup.tokens, maxTokens - generated - 1, this.maxContext - pos - 1);
+          const draft = limit > 0 ? promptLookup(known, limit, lookup.minNgram, lookup.maxNgram) : [];
+          const rows = Int32Array.from([known.at(-1), ...draft]);
+          const sampled = draft.length
+            ? (await this.program.run(`verify_${rows.length}`, { ids: rows }, { pos })).next_ids
+            : (await this.program.run("prefill_1", { ids: rows, sampling, top_k, keys: keys(generated) }, { pos })).next_id;
+          out = accepted(draft, sampled);
+          pos += out.length; // the latest id's row and the accepted drafted ids'
+          stats.verify_steps += 1;
+          stats.drafted += draft.length;
+          stats.accepted += out.length - 1;
+        }
+      }
       let submitted = 1; // tokens whose step is submitted
-      let first = null;
       for (let index = 0; index < maxTokens; index++) {
         while (inFlight.length <= ahead && submitted < maxTokens && pos < this.maxContext) {
           inFlight.push({ outputs: this.program.run("decode", { sampling, top_k, keys: keys(submitted) }, { pos }), end: pos + 1 });
@@ -326,10 +419,7 @@ export class ChatModel {
         const token = (await step.outputs).next_id[0];
         known.push(token);
         kept = step.end;
-        const now = performance.now();
-        first ??= now;
-        Object.assign(this.stats, { generated: index + 1, prefill_ms: first - started, decode_ms: now - first });
-        this.stats.tokens_per_s = index ? (1000 * index) / this.stats.decode_ms : 0;
+        tick(index + 1);
         yield token;
         if (stopIds.has(token) || signal?.aborted) return;
       }

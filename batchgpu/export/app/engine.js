@@ -19,6 +19,9 @@
 // network, storage}). Requests run one at a time, in order (the model has one KV cache, and keeps the rows a new
 // prompt shares with the last one). engine.generate(ids, options) is the low level of ./batchgpu.js's
 // ChatModel.generate (ids in, ids out) through the worker; engine.stream(input, options) yields {tokens, text}.
+// A request's speculative (true, or {tokens, min_ngram, max_ngram}; greedy only: temperature 0) runs speculative
+// decoding by prompt lookup (ChatModel.generate's speculative): the same text, in fewer steps where the reply copies
+// the prompt; engine.stats then counts verify_steps, drafted and accepted.
 
 const BUSY = "batchgpu: the model is generating already (one sequence at a time: its KV cache is one); finish or stop that first";
 const PROGRESS_MS = 50; // the worker posts load progress at most this often
@@ -130,6 +133,7 @@ export class Backend {
       model: manifest.model.name,
       max_context: manifest.model.max_context,
       vocab: manifest.model.vocab,
+      speculative_tokens: manifest.model.speculative_tokens ?? 0,
       has_chat_template: Boolean(codec?.hasChatTemplate),
       adapter,
       load_s: (performance.now() - started) / 1000,
@@ -260,8 +264,33 @@ function number(body, name, fallback, ok, range) {
   return value;
 }
 
-/** The generation settings of an OpenAI request body (chat or completion), checked. */
-function settingsOf(body) {
+/** A request's ``speculative`` (true, or {tokens, min_ngram, max_ngram}) as ChatModel.generate's option, or null;
+ * ``most``: the export's speculative_tokens. Greedy only: with temperature > 0 it is refused. */
+function speculativeOf(body, most, temperature) {
+  const option = body.speculative;
+  if (option === undefined || option === null || option === false) return null;
+  const fail = (why) => {
+    throw new RequestError(`speculative ${why}`, "speculative");
+  };
+  if (!most) fail("decoding needs verify steps, and this model's export has none (exported with --speculative-tokens 0)");
+  const given = option === true ? {} : option;
+  if (typeof given !== "object" || Array.isArray(given)) fail(`must be true or an object {tokens, min_ngram, max_ngram}, got ${JSON.stringify(option)}`);
+  const unknown = Object.keys(given).filter((key) => !["tokens", "min_ngram", "max_ngram"].includes(key));
+  if (unknown.length) fail(`has no field ${unknown.join(", ")} (its fields: tokens, min_ngram, max_ngram)`);
+  const { tokens = most, min_ngram: minNgram = 2, max_ngram: maxNgram = 4 } = given;
+  if (!(Number.isInteger(tokens) && tokens >= 1 && tokens <= most)) fail(`tokens must be an integer in [1, ${most}] (the export's verify steps), got ${JSON.stringify(tokens)}`);
+  if (!(Number.isInteger(minNgram) && minNgram >= 1)) fail(`min_ngram must be an integer >= 1, got ${JSON.stringify(minNgram)}`);
+  if (!(Number.isInteger(maxNgram) && maxNgram >= minNgram)) fail(`max_ngram must be an integer >= min_ngram (${minNgram}), got ${JSON.stringify(maxNgram)}`);
+  if (temperature > 0) {
+    const asked = body.temperature ?? null;
+    fail(`decoding is greedy only: set temperature to 0 (got ${asked === null ? "none: the default is 1" : asked})`);
+  }
+  return { tokens, minNgram, maxNgram };
+}
+
+/** The generation settings of an OpenAI request body (chat or completion), checked; ``info``: the engine's (the
+ * export's speculative_tokens). */
+function settingsOf(body, info = null) {
   if (typeof body !== "object" || body === null || Array.isArray(body)) throw new RequestError("the request must be an object");
   for (const [name, what] of Object.entries(UNSUPPORTED)) {
     const value = body[name];
@@ -278,15 +307,18 @@ function settingsOf(body) {
   const seed = body.seed ?? new Uint32Array(randomBytes(4).buffer)[0];
   if (!Number.isInteger(seed) || seed < 0 || seed >= 2 ** 32) throw new RequestError(`seed must be an integer in [0, 2**32), got ${JSON.stringify(body.seed)}`, "seed");
   if (body.stream !== undefined && body.stream !== null && typeof body.stream !== "boolean") throw new RequestError("stream must be a boolean", "stream");
+  const temperature = number(body, "temperature", 1, (v) => v >= 0 && v <= 2, "a number in [0, 2]");
+  const speculative = speculativeOf(body, info?.speculative_tokens ?? 0, temperature);
   return {
     settings: {
       maxTokens: cap,
-      temperature: number(body, "temperature", 1, (v) => v >= 0 && v <= 2, "a number in [0, 2]"),
+      temperature,
       topP: number(body, "top_p", 1, (v) => v > 0 && v <= 1, "a number in (0, 1]"),
       topK: number(body, "top_k", 0, (v) => Number.isInteger(v) && v >= 0, "an integer >= 0"),
       minP: number(body, "min_p", 0, (v) => v >= 0 && v <= 1, "a number in [0, 1]"),
       seed,
       stop,
+      ...(speculative ? { speculative } : {}),
     },
     stream: Boolean(body.stream),
     includeUsage: Boolean(body.stream_options?.include_usage),
@@ -426,8 +458,8 @@ class Engine {
   }
 
   /** The ids generated for the prompt ``ids``, one at a time, as ChatModel.generate gives them (the same options:
-   * maxTokens, temperature, topK, topP, minP, seed, stop (ids), signal, ahead, reuse); ``this.stats`` then holds
-   * the generation's figures. */
+   * maxTokens, temperature, topK, topP, minP, seed, stop (ids), signal, ahead, reuse, speculative); ``this.stats``
+   * then holds the generation's figures. */
   async *generate(ids, { signal = null, stop = null, ...options } = {}) {
     const settings = stop ? { ...options, stopIds: [...stop] } : options;
     for await (const message of this.#run({ ids: Array.from(ids, Number) }, settings, signal)) {
@@ -461,7 +493,7 @@ class Engine {
   #create(kind, body, { signal = null } = {}) {
     let request;
     try {
-      const { settings, stream, includeUsage } = settingsOf(body);
+      const { settings, stream, includeUsage } = settingsOf(body, this.info);
       const input = kind === "chat.completion" ? { messages: messagesOf(body) } : promptOf(body);
       request = { settings, stream, includeUsage, input };
     } catch (error) {
