@@ -169,11 +169,12 @@ def _paged_reference(arrays: list[np.ndarray], params: dict[str, Any]) -> np.nda
         size = max(1, _PADDED_POSITIONS // int(widths[alike].max()))
         for group in (alike[start : start + size] for start in range(0, alike.size, size)):
             rows, mask = attended_rows(tables, seq[group], lengths[group], block_size, k_pool.shape[0], window)
-            # (rows, kv_heads, group, head_dim) x (rows, kv_heads, head_dim, positions)
-            queries = _grouped(q[group], k_pool.shape[1])
-            keys = k_pool[rows].astype(np.float64).transpose(0, 2, 3, 1)
-            weights = _masked_softmax((queries @ keys) * scale, mask[:, None, None, :])
-            attended = weights @ v_pool[rows].astype(np.float64).transpose(0, 2, 1, 3)  # (rows, kv_heads, group, dim)
+            queries = _grouped(q[group], k_pool.shape[1])  # (rows, kv_heads, group, head_dim)
+            attended = np.empty(queries.shape)
+            for head in range(k_pool.shape[1]):  # one kv head's keys at a time: contiguous (rows, positions, dim)
+                keys = k_pool[:, head][rows].astype(np.float64)
+                weights = _masked_softmax((queries[:, head] @ keys.transpose(0, 2, 1)) * scale, mask[:, None, :])
+                attended[:, head] = weights @ v_pool[:, head][rows].astype(np.float64)
             out[group] = attended.reshape(q[group].shape)
     return out
 
