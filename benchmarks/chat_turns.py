@@ -70,13 +70,19 @@ def run(
     return {"rounds": results, "adapter": results[0]["adapter"]}
 
 
-def speculative_summary(result: dict) -> list[dict[str, Any]]:
-    """Per turn: tokens, the median decode tokens/s with and without speculative decoding, the speculative run's
-    verify steps, drafted and accepted ids, and whether the ids agree."""
+def turns_by(result: dict, mode: str) -> dict[bool, list[list[dict]]]:
+    """Every round's conversations' turns, grouped by whether the conversation ran with ``mode`` on."""
     by_mode: dict[bool, list[list[dict]]] = {True: [], False: []}
     for round_ in result["rounds"]:
         for conversation in round_["conversations"]:
-            by_mode[bool(conversation["speculative"])].append(conversation["turns"])
+            by_mode[bool(conversation[mode])].append(conversation["turns"])
+    return by_mode
+
+
+def speculative_summary(result: dict) -> list[dict[str, Any]]:
+    """Per turn: tokens, the median decode tokens/s with and without speculative decoding, the speculative run's
+    verify steps, drafted and accepted ids, and whether the ids agree."""
+    by_mode = turns_by(result, "speculative")
     rows = []
     for n, (fast, plain) in enumerate(zip(by_mode[True][0], by_mode[False][0]), 1):
         rate = {mode: statistics.median(turns[n - 1]["tokens_per_s"] for turns in by_mode[mode]) for mode in by_mode}
@@ -98,10 +104,7 @@ def speculative_summary(result: dict) -> list[dict[str, Any]]:
 
 def summary(result: dict) -> list[dict[str, Any]]:
     """Per turn: tokens and the median wall time with and without reuse, and whether the ids agree."""
-    by_mode: dict[bool, list[list[dict]]] = {True: [], False: []}
-    for round_ in result["rounds"]:
-        for conversation in round_["conversations"]:
-            by_mode[conversation["reuse"]].append(conversation["turns"])
+    by_mode = turns_by(result, "reuse")
     rows = []
     for n, (kept, full) in enumerate(zip(by_mode[True][0], by_mode[False][0]), 1):
         wall = {mode: statistics.median(turns[n - 1]["wall_ms"] for turns in by_mode[mode]) for mode in by_mode}
