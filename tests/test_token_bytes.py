@@ -25,6 +25,7 @@ from batchgpu.llm.logprobs import CompletionTokens, chat_logprobs, completed
 from batchgpu.llm.output import OutputProcessor, joined
 from batchgpu.llm.params import SamplingParams
 from batchgpu.llm.step import TokenLogprob
+from batchgpu.llm.text import REPLACEMENT, TextStream
 from batchgpu.models.codec import TextCodec
 from batchgpu.models.token_bytes import BYTE_TOKEN, TokenBytes, byte_characters, shown
 
@@ -173,6 +174,39 @@ def test_token_bytes_join_to_the_decoding(codec: TextCodec) -> None:
             assert data.decode("utf-8") == codec.decode(ids), ids
         else:
             assert one_replacement(decoded_from_bytes(codec, ids)) == one_replacement(codec.decode(ids)), ids
+
+
+def stream_deltas(codec: TextCodec, ids: list[int], stop: list[str], bytewise: bool) -> list[tuple[str, bool]]:
+    """Each delta a TextStream gives for ``ids`` pushed in turn, then at finish."""
+    stream = TextStream(codec, stop, bytewise=bytewise)
+    return [tuple(stream.push(token)) for token in ids] + [tuple(stream.finish())]
+
+
+@pytest.mark.parametrize("codec", KINDS, indirect=True)
+def test_a_stream_read_from_bytes_gives_the_windows_deltas(codec: TextCodec) -> None:
+    """A stream that reads its tokens' bytes gives, push by push, what decoding windows gives (the same text
+    held back and released at the same tokens, stop strings found at the same place): for every text
+    (characters split over tokens, a literal U+FFFD), random ids (control tokens, partial and invalid UTF-8
+    among them), with and without stop strings."""
+    table = codec.token_bytes
+    assert table.exact
+    rng = random.Random(5)
+    specials = sorted(table.special)
+    cases = [codec.encode(text) for text in [*TEXTS, f"held {REPLACEMENT} back"]]
+    for _ in range(150):
+        ids = [rng.randrange(codec.vocab_size) for _ in range(rng.randrange(1, 20))]
+        if rng.random() < 0.5:
+            ids[rng.randrange(len(ids))] = rng.choice(specials)
+        cases.append(ids)
+    released = 0
+    for ids in cases:
+        text = codec.decode(ids)
+        words = [word for word in text.split() if word]
+        for stop in ([], [rng.choice(words)[:3]] if words else ["a"], ["\n", REPLACEMENT]):
+            bytewise = stream_deltas(codec, ids, stop, bytewise=True)
+            assert bytewise == stream_deltas(codec, ids, stop, bytewise=False), (ids, stop)
+            released += sum(1 for delta, _ in bytewise[:-1] if delta)
+    assert released > len(cases)  # text comes out before the end
 
 
 @pytest.mark.parametrize("codec", ["smollm2", "gemma3", "sentencepiece"], indirect=True)

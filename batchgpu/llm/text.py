@@ -43,9 +43,15 @@ class TextStream:
     stop string; a stop string ends the stream, its text and anything after it left out (as OpenAI's API
     does). Nothing is lost: the pushed pieces and :meth:`finish` together are ``decode`` of all the ids, up
     to the stop string that ended the stream (U+FFFD included, where the ids end in invalid or unfinished
-    UTF-8)."""
+    UTF-8).
 
-    def __init__(self, codec: TextCodec, stop: Sequence[str] = ()) -> None:
+    Where the codec's decoding is the concatenation of its tokens' bytes
+    (:attr:`~batchgpu.models.token_bytes.TokenBytes.exact`: the byte-level and SentencePiece decoders), the
+    new text is read from the tokens' bytes instead (one table lookup for a token of whole characters),
+    held and released where a window's would be; from invalid UTF-8 until the window's text is released,
+    the stream decodes windows (whose U+FFFD are the decoder's own). ``bytewise`` False: windows always."""
+
+    def __init__(self, codec: TextCodec, stop: Sequence[str] = (), *, bytewise: bool = True) -> None:
         self.codec = codec
         self.decode = codec.decode
         self.single = token_texts(codec)
@@ -54,15 +60,44 @@ class TextStream:
         self.ids: list[int] = []
         self.prefix = 0  # the decoding window starts here ...
         self.read = 0  # ... and its text up to here is already in ``text``
-        self.text = ""  # with stop strings, the generation's text so far (whole characters only, until finish)
+        self.text = ""  # with stop strings, the text not yet returned and what it follows (whole characters)
         self.sent = 0  # characters of ``text`` already returned
         self.stopped = False
+        table = codec.token_bytes if bytewise else None
+        self.reader = table.reader() if table is not None and table.exact else None  # None: windows always
+        self.held = b""  # read from bytes: the bytes of the tokens since the last release
+        self.windowed = False  # decoding windows since invalid UTF-8, until a window's text is released
 
     def push(self, token: int) -> Delta:
         if self.stopped:
             return STOPPED
         self.ids.append(token)
-        return self._advance(final=False)
+        reader = self.reader
+        if reader is None:
+            return self._advance(final=False)
+        if reader.started and not reader.strip and not self.held and not self.windowed:  # one table lookup
+            text = reader.table.later_text(token)
+            if text and text[-1] != REPLACEMENT:
+                self.prefix, self.read = self.read, len(self.ids)
+                return self._released(text, final=False) if self.stop else Delta(text)
+        data = self.held + reader.take(token)
+        if not self.windowed:
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as error:
+                self.windowed = error.reason != "unexpected end of data"  # invalid: windows, else unfinished
+                text = ""
+            if not self.windowed:
+                if not text or text[-1] == REPLACEMENT:  # held as a window's text would be
+                    self.held = data
+                    return NOTHING
+                self.held = b""
+                self.prefix, self.read = self.read, len(self.ids)
+                return self._released(text, final=False)
+        delta = self._advance(final=False)
+        if self.read == len(self.ids):  # released: whole characters up to here, bytes from here on
+            self.held, self.windowed = b"", False
+        return delta
 
     def finish(self) -> Delta:
         """Everything still held back when the generation ends for another reason (EOS, max_tokens): the
@@ -70,6 +105,8 @@ class TextStream:
         have begun a stop string (cut at a stop string that this completes)."""
         if self.stopped:
             return STOPPED
+        if self.reader is not None and not self.held and not self.windowed:
+            return self._released("", final=True)
         return self._advance(final=True)
 
     def _advance(self, *, final: bool) -> Delta:
@@ -84,10 +121,15 @@ class TextStream:
         if not final and (len(window) <= len(known) or window[-1] == REPLACEMENT):
             return NOTHING  # a character split over tokens (or nothing visible yet): wait
         self.prefix, self.read = self.read, len(self.ids)
+        return self._released(window[len(known) :], final=final)
+
+    def _released(self, new: str, *, final: bool) -> Delta:
+        """What of the text so far and ``new`` can no longer be part of a stop string (all of it where the
+        stream has none, or ``final``), cut at a stop string it completes."""
         if not self.stop:
-            return Delta(window[len(known) :])
+            return Delta(new) if new else NOTHING
         searched_from = max(0, len(self.text) - self.holdback)
-        self.text += window[len(known) :]
+        self.text += new
         found = [at for at in (self.text.find(stop, searched_from) for stop in self.stop) if at >= 0]
         if found:
             self.stopped = True
@@ -105,6 +147,8 @@ class TextStream:
         return text
 
     def _release(self, end: int, *, stopped: bool = False) -> Delta:
+        """The text up to ``end`` not yet given; ``text`` keeps what is not (a stop string begins past it)."""
         piece = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
+        self.text, self.sent = self.text[self.sent :], 0
         return Delta(piece, stopped)

@@ -165,6 +165,7 @@ class TokenBytes:
         self._first: dict[int, bytes] = {}
         self._skipped: dict[int, bool] = {}
         self._alone: dict[int, str] = {}
+        self._later_text: dict[int, str | None] = {}
         self.exact = self.decoding is not None and self._check()
         if not self.exact:
             self.decoding = None
@@ -185,6 +186,16 @@ class TokenBytes:
         if data is None:
             data = self._later[token] = self._bytes(token, first=False)
         return data
+
+    def later_text(self, token: int) -> str | None:
+        """The text ``token`` adds after a text's first token where its bytes are whole UTF-8 characters
+        (None where they are not: part of a character, or invalid)."""
+        try:
+            return self._later_text[token]
+        except KeyError:
+            data = self.later(token)
+            text = self._later_text[token] = data.decode("utf-8") if _valid(data) else None
+            return text
 
     def first(self, token: int) -> bytes:
         """The bytes ``token`` adds as a text's first token (before the text's leading strip)."""
