@@ -315,21 +315,22 @@ class Scheduler:
         (:meth:`admit`) in the budget left."""
         while True:
             preemptions = self.stats.preemptions
-            chunks = self.plan_running()
-            rows = sum(chunk.count for chunk in chunks)
+            chunks, pieces = self.plan_running()
+            rows = len(chunks) - len(pieces) + sum(piece.count for piece in pieces)
             if self.stats.preemptions == preemptions:
-                scoring = self.scoring_rows - sum(c.count for c in chunks if scores_prompt(c.sequence, c.start))
-                chunks += self.admit(self.max_step_tokens - rows, scoring)
-                rows = sum(chunk.count for chunk in chunks)
+                scoring = self.scoring_rows - sum(c.count for c in pieces if scores_prompt(c.sequence, c.start))
+                admitted = self.admit(self.max_step_tokens - rows, scoring)
+                chunks += admitted
+                rows += sum(chunk.count for chunk in admitted)
             if chunks:  # decode rows first: the last is one where every chunk is
                 return StepPlan(StepKind.DECODE if chunks[-1].decode else StepKind.MIXED, chunks, rows)
             if self.stats.preemptions == preemptions:  # nothing runs until the reads end sequences
                 return None
 
-    def plan_running(self) -> list[Chunk]:
+    def plan_running(self) -> tuple[list[Chunk], list[Chunk]]:
         """A decode row for each decode-ready running sequence (slot order), then the next pieces of the
         prompts being prefilled (oldest first) while the step's budget lasts; preempts where the pool lacks
-        blocks for them (:meth:`allocate`)."""
+        blocks for them (:meth:`allocate`). Returns all the chunks, and the prompt pieces among them."""
         running = self.running()
         decoding = [s for s in running if s.wants_token]
         budget, scoring = self.max_step_tokens - len(decoding), self.scoring_rows
@@ -346,11 +347,13 @@ class Scheduler:
         if denied or self.stats.preemptions != preemptions:  # some wait for blocks, or were preempted
             decoding = [s for s in decoding if s.state is SequenceState.DECODING and s not in denied]
             pieces = [(s, count) for s, count in pieces if s.state is SequenceState.PREFILLING and s not in denied]
-        chunks = [Chunk(s, s.computed, 1, s.sampled, True, s.preemptions, True) for s in decoding]
+        chunks = []
         for sequence in decoding:
+            chunks.append(Chunk(sequence, sequence.computed, 1, sequence.sampled, True, sequence.preemptions, True))
             sequence.computed += 1
             sequence.sampled += 1
-        return chunks + [self.prompt_chunk(sequence, count) for sequence, count in pieces]
+        prompts = [self.prompt_chunk(sequence, count) for sequence, count in pieces]
+        return chunks + prompts, prompts
 
     def piece(self, sequence: Sequence, start: int, budget: int, scoring: int) -> int:
         """The rows of ``sequence``'s next prompt piece from ``start`` that a step with ``budget`` rows left (and

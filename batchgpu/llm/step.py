@@ -366,6 +366,8 @@ class Submitted:
         """The step's tokens for each chunk of its plan (one, or a verify step's one per row; awaits the
         device)."""
         ids = await self.submission.read_async(self.step.next_ids)
+        if self.plan.kind is not StepKind.VERIFY:  # one token per chunk: one gather
+            return [[token] for token in ids[self.token_rows].tolist()]
         return [ids[rows].tolist() for rows in self.samples]
 
     async def logprobs_async(self, tokens: list[list[int]]) -> list[ChunkLogprobs] | None:
@@ -374,7 +376,8 @@ class Submitted:
         the ``logprobs`` op."""
         chunks = self.plan.chunks
         sampled = [c.sampled and c.sequence.params.logprobs is not None for c in chunks]
-        prompt = [self.step.prompt_logprobs is not None and wants_prompt_logprobs(c) for c in chunks]
+        scoring = self.step.prompt_logprobs is not None
+        prompt = [scoring and wants_prompt_logprobs(c) for c in chunks] if scoring else [False]
         if not any(sampled) and not any(prompt):
             return None
         rows = await self.submission.read_async(self.step.logprobs) if any(sampled) else None
