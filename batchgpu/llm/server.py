@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import json
 import time
@@ -581,11 +582,14 @@ def serve(
     max_request_bytes``. ``header_timeout``: seconds a request's line and headers may take to arrive
     (:func:`timed_protocol`; None: no limit, as uvicorn's own). The engine is made first, before the port is
     bound, in this thread (where uvicorn then runs its event loop): an engine that cannot be made raises
-    here, and nothing ever listened."""
+    here, and nothing ever listened. What exists then is frozen out of the garbage collector's scans
+    (``gc.freeze``): the collections a serving loop's many small objects set off then skip it."""
     import uvicorn
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     engine = make_engine()
+    gc.collect()
+    gc.freeze()  # the model's and engine's long-lived objects out of the collector's later scans (vLLM does so)
     app = create_app(
         lambda: engine,
         model_name,
