@@ -21,14 +21,22 @@ sequences too: per sequence. CPU time, not wall time: a core taken by another pr
 nothing, so the figure does not swing with the shared machine's load (the wall-time ms per step is
 printed beside it).
 
-Only public, long-standing API is used (``Engine.generate``, ``Engine.steps``, ``Device.executor``), so the
-script runs against older checkouts too: the tree is whatever ``batchgpu`` imports (``PYTHONPATH``).
+Within it, on the reference device, the engine's own part (:data:`ENGINE_WORK`: planning, packing and
+submitting, reading back and handing the pieces over, timed the same way): the rest is the requests'
+consumers waking to take their pieces (asyncio's task switches, the request's generator) and the event
+loop's bookkeeping.
+
+The host time uses only public, long-standing API (``Engine.generate``, ``Engine.steps``,
+``Device.executor``), so the script runs against older checkouts too (the tree is whatever ``batchgpu``
+imports, ``PYTHONPATH``); the engine's own part needs the parts :data:`ENGINE_WORK` names ("-" where a tree
+lacks them). ``--model``: a GGUF file or model directory instead of the engine's default model.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import statistics
@@ -46,39 +54,79 @@ except ImportError:  # loaded by path from elsewhere
     from machine_load import load_average
 
 DEVICE_WORK = {"reference": "run"}
-"""Per executor kind, the executor method in which the device's work runs on the calling thread."""
+"""Per executor kind, the executor method in which the device's work runs on the calling thread (and whose
+reads return at once, without waiting: the engine's part below is measured on these kinds only)."""
+
+ENGINE_WORK = (("scheduler", "schedule"), ("runner", "run"), ("driver", "complete"))
+"""The engine's own work per step (attribute of the engine, method): planning the step, packing and
+submitting it (the device's work inside it subtracted), reading its tokens back and handing each to its
+request (the scheduler's update, detokenization, stop checks, the pieces put on the requests' queues)."""
 
 
-class DeviceClock:
-    """CPU time of the calling thread inside the executor's device work (see :data:`DEVICE_WORK`)."""
+class Clock:
+    """CPU time of the calling thread inside methods patched on their instances (:meth:`time`)."""
 
-    def __init__(self, executor: Any, kind: str) -> None:
+    def __init__(self) -> None:
         self.spent = 0.0
-        method = DEVICE_WORK.get(kind)
-        if method is not None:
-            inner = getattr(executor, method)
 
-            def timed(*args: Any, **kwargs: Any) -> Any:
+    def time(self, owner: Any, method: str) -> None:
+        inner = getattr(owner, method)
+        if inspect.iscoroutinefunction(inner):
+
+            async def timed_async(*args: Any, **kwargs: Any) -> Any:
                 started = time.thread_time()
                 try:
-                    return inner(*args, **kwargs)
+                    return await inner(*args, **kwargs)
                 finally:
                     self.spent += time.thread_time() - started
 
-            setattr(executor, method, timed)
+            setattr(owner, method, timed_async)
+            return
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.spent += time.thread_time() - started
+
+        setattr(owner, method, timed)
+
+
+def device_clock(executor: Any, kind: str) -> Clock:
+    """CPU time of the calling thread inside the executor's device work (see :data:`DEVICE_WORK`)."""
+    clock = Clock()
+    if kind in DEVICE_WORK:
+        clock.time(executor, DEVICE_WORK[kind])
+    return clock
+
+
+def engine_clock(engine: Any, kind: str) -> Clock | None:
+    """CPU time of the calling thread in the engine's own work (:data:`ENGINE_WORK`, the device's in it
+    included); None on a kind whose reads wait (the consumers would run inside) or on an older engine
+    without these parts."""
+    owners = [getattr(engine, name, None) for name, _ in ENGINE_WORK]
+    if kind not in DEVICE_WORK or any(owner is None for owner in owners):
+        return None
+    clock = Clock()
+    for owner, (_, method) in zip(owners, ENGINE_WORK):
+        clock.time(owner, method)
+    return clock
 
 
 class Window:
     """The window in which every request decodes: opened when the last one has its first token, closed
-    when the first one ends; CPU time (less the device's), wall time and decode steps inside it."""
+    when the first one ends; CPU time (less the device's; and the engine's own part where measured), wall
+    time and decode steps inside it."""
 
-    def __init__(self, engine: Any, clock: DeviceClock, sequences: int) -> None:
-        self.engine, self.clock, self.waiting = engine, clock, sequences
-        self.start: tuple[float, float, float, int] | None = None
-        self.end: tuple[float, float, float, int] | None = None
+    def __init__(self, engine: Any, device: Clock, own: Clock | None, sequences: int) -> None:
+        self.engine, self.device, self.own, self.waiting = engine, device, own, sequences
+        self.start: tuple[float, float, float, float, int] | None = None
+        self.end: tuple[float, float, float, float, int] | None = None
 
-    def mark(self) -> tuple[float, float, float, int]:
-        return time.thread_time(), self.clock.spent, time.perf_counter(), self.engine.steps["decode"]
+    def mark(self) -> tuple[float, float, float, float, int]:
+        own = self.own.spent if self.own is not None else 0.0
+        return time.thread_time(), self.device.spent, own, time.perf_counter(), self.engine.steps["decode"]
 
     def first_token(self) -> None:
         self.waiting -= 1
@@ -89,11 +137,15 @@ class Window:
         if self.end is None and self.start is not None:
             self.end = self.mark()
 
-    def per_step(self) -> dict[str, float]:
+    def per_step(self) -> dict[str, float | None]:
         assert self.start is not None and self.end is not None
-        steps = self.end[3] - self.start[3]
-        host = (self.end[0] - self.start[0]) - (self.end[1] - self.start[1])
-        return {"steps": steps, "host_s": host, "wall_s": self.end[2] - self.start[2]}
+        thread, device, own, wall, steps = (end - start for start, end in zip(self.start, self.end))
+        return {
+            "steps": steps,
+            "host_s": thread - device,
+            "engine_s": own - device if self.own is not None else None,
+            "wall_s": wall,
+        }
 
 
 async def request(engine: Any, prompt: str, tokens: int, window: Window) -> None:
@@ -113,23 +165,25 @@ async def crowd(engine: Any, window: Window, sequences: int, tokens: int) -> Non
     await asyncio.gather(*(request(engine, f"Once upon a time ({i})", tokens, window) for i in range(sequences)))
 
 
-def measure(kind: str, sequences: int, tokens: int, repeats: int) -> dict[str, Any]:
-    """In this process: the engine of whatever ``batchgpu`` imports, warmed up, then ``repeats`` crowds."""
+def measure(kind: str, sequences: int, tokens: int, repeats: int, model: str | None = None) -> dict[str, Any]:
+    """In this process: the engine of whatever ``batchgpu`` imports (on ``model``; None: the default model),
+    warmed up, then ``repeats`` crowds."""
     import batchgpu as bg
     from batchgpu.llm import Engine
 
     device = bg.Device(kind)
     blocks = sequences * -(-(16 + tokens) // 16)
-    engine = Engine(device=device, max_batch=sequences, max_context=256, kv_blocks=blocks)
-    clock = DeviceClock(device.executor, kind)
-    asyncio.run(crowd(engine, Window(engine, clock, sequences), sequences, 4))  # records and plans every step
+    engine = Engine(model, device=device, max_batch=sequences, max_context=256, kv_blocks=blocks)
+    clock, own = device_clock(device.executor, kind), engine_clock(engine, kind)
+    asyncio.run(crowd(engine, Window(engine, clock, own, sequences), sequences, 4))  # records and plans every step
     runs = []
     for _ in range(repeats):
-        window = Window(engine, clock, sequences)
+        window = Window(engine, clock, own, sequences)
         asyncio.run(crowd(engine, window, sequences, tokens))
         runs.append(window.per_step())
     steps = sum(r["steps"] for r in runs)
     host_us = 1e6 * sum(r["host_s"] for r in runs) / steps
+    engine_us = 1e6 * sum(r["engine_s"] for r in runs) / steps if own is not None else None
     return {
         "tree": str(Path(bg.__file__).resolve().parents[1]),
         "device": device.name,
@@ -138,6 +192,7 @@ def measure(kind: str, sequences: int, tokens: int, repeats: int) -> dict[str, A
         "steps": steps,
         "host_us_per_step": host_us,
         "host_us_per_sequence": host_us / sequences,
+        "engine_us_per_step": engine_us,
         "wall_ms_per_step": 1e3 * sum(r["wall_s"] for r in runs) / steps,
     }
 
@@ -146,6 +201,7 @@ def run_tree(tree: Path, kind: str, args: argparse.Namespace) -> dict[str, Any]:
     """:func:`measure` in a fresh subprocess importing ``batchgpu`` from ``tree``."""
     command = [sys.executable, __file__, "--measure", "--device", kind, "--sequences", str(args.sequences)]
     command += ["--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+    command += ["--model", str(args.model.resolve())] if args.model else []
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, cwd=tree)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -159,11 +215,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="crowds per subprocess")
     parser.add_argument("--rounds", type=int, default=3, help="subprocesses per tree (alternating trees)")
     parser.add_argument("--baseline-tree", type=Path, help="another checkout's root, measured in the same run")
+    parser.add_argument("--model", type=Path, help="a GGUF file or model directory (default: the engine's)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one tree, in this process
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.device, args.sequences, args.tokens, args.repeats)))
+        print(json.dumps(measure(args.device, args.sequences, args.tokens, args.repeats, args.model)))
         return
     this = Path(__file__).resolve().parents[1]
     trees = {"this": this, **({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})}
@@ -177,15 +234,18 @@ def main() -> None:
         print(
             f"\n{results['this'][0]['device']} ({kind}), {args.sequences} sequences decoding; load {load_average():.2f}"
         )
-        print("| tree | host µs per step | host µs per sequence | wall ms per step | rounds |")
-        print("|---|---:|---:|---:|---:|")
+        print("| tree | host µs per step | host µs per sequence | engine's own µs per step | wall ms per step | runs |")
+        print("|---|---:|---:|---:|---:|---:|")
         medians = {}
         for name, runs in results.items():
             host = statistics.median(r["host_us_per_step"] for r in runs)
             wall = statistics.median(r["wall_ms_per_step"] for r in runs)
+            own = [r["engine_us_per_step"] for r in runs if r.get("engine_us_per_step") is not None]
+            engine = f"{statistics.median(own):.0f}" if own else "-"
             medians[name] = host
             print(
-                f"| {name} ({runs[0]['tree']}) | {host:.0f} | {host / args.sequences:.1f} | {wall:.1f} | {len(runs)} |"
+                f"| {name} ({runs[0]['tree']}) | {host:.0f} | {host / args.sequences:.1f} | {engine} | {wall:.1f} | "
+                f"{len(runs)} |"
             )
         if "baseline" in medians:
             print(f"host time per step, baseline / this: {medians['baseline'] / medians['this']:.2f}x")

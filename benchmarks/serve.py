@@ -37,7 +37,7 @@ try:
 except ImportError:  # loaded by path from elsewhere
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from machine_load import load_average
-from host_step import DeviceClock, Window
+from host_step import Clock, Window, device_clock
 
 import batchgpu as bg
 from batchgpu.llm import Engine, SamplingParams
@@ -68,8 +68,8 @@ async def one_request(engine: Engine, prompt: str, tokens: int, window: Window |
     return {"ttft": arrivals[0] - started, "gaps": np.diff(arrivals).tolist(), "tokens": len(arrivals)}
 
 
-async def level(engine: Engine, clock: DeviceClock, concurrency: int, tokens: int) -> dict[str, float]:
-    window = Window(engine, clock, concurrency)
+async def level(engine: Engine, clock: Clock, concurrency: int, tokens: int) -> dict[str, float]:
+    window = Window(engine, clock, None, concurrency)
     started = time.perf_counter()
     results = await asyncio.gather(
         *(one_request(engine, PROMPTS[i % len(PROMPTS)] + f" ({i})", tokens, window) for i in range(concurrency))
@@ -108,7 +108,7 @@ def run_device(kind: str, levels: list[int], tokens: int) -> dict[str, object]:
     baseline = sequential_llama(device, min(tokens, 24))
     blocks = max(levels) * -(-(16 + tokens) // 16)  # every request's prompt (<= 16 tokens) and output at once
     engine = Engine(device=device, max_batch=max(levels), max_context=256, kv_blocks=blocks)
-    clock = DeviceClock(device.executor, kind)
+    clock = device_clock(device.executor, kind)
     asyncio.run(one_request(engine, "warm up", 4))
     rows = [asyncio.run(level(engine, clock, c, tokens)) for c in levels]
     return {"device": device.name, "kind": kind, "llama_tokens_per_s": baseline, "levels": rows}

@@ -80,7 +80,7 @@ try:
 except ImportError:  # loaded by path from elsewhere
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from machine_load import load_average
-from host_step import DeviceClock
+from host_step import Clock, device_clock
 
 TOKEN_IDS = (16, 256)
 """Prompt token ids are drawn from this range: valid in every vocabulary, byte tokens in a byte-level one."""
@@ -318,7 +318,7 @@ async def in_process_client(engine: Any, request: Request, started: float) -> Re
     return record
 
 
-async def in_process_run(engine: Any, clock: DeviceClock, requests: list[Request]) -> dict[str, Any]:
+async def in_process_run(engine: Any, clock: Clock, requests: list[Request]) -> dict[str, Any]:
     """Every request on this event loop; the clients' figures, and the loop thread's CPU time (less the
     device's) and the process's CPU time over the run."""
     thread, device, process = time.thread_time(), clock.spent, time.process_time()
@@ -339,7 +339,7 @@ def measure_in_process(kind: str, model: Path, trace: Trace, settings: Settings,
         model, device, max_batch=settings.max_batch, max_context=settings.max_context,
         kv_blocks=settings.kv_blocks, **budget,
     )  # fmt: skip
-    clock = DeviceClock(device.executor, kind)
+    clock = device_clock(device.executor, kind)
     log = StepLog(engine.scheduler)
     warmup = [Request(r.prompt, r.max_tokens, 0.0) for r in trace.draw(seed + WARMUP_SEED)]
     asyncio.run(in_process_run(engine, clock, warmup))
