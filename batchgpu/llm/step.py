@@ -348,7 +348,7 @@ class Submitted:
     step's chunk samples ``next_ids[samples[i]]``, one per row; other chunks one, ``token_rows[i]``); the
     step's ``logprobs`` rows likewise, and (a scoring step's) ``prompt_rows[i]`` the rows of chunk ``i`` in
     ``prompt_logprobs``. A split step is ``pending`` until :meth:`StepRunner.sample` submits its sampling
-    part."""
+    part. ``logprobs``: whether any of the step's samples computes token logprobs (False: none asked)."""
 
     plan: StepPlan
     submission: Submission
@@ -356,17 +356,21 @@ class Submitted:
     token_rows: list[int]
     prompt_rows: list[range]
     pending: bool = False  # a split step whose sampling part is not submitted yet
-    samples: list[range] = field(default_factory=list)  # per chunk, its samples (default: its token row)
+    samples: list[range] | None = None  # per chunk, its samples (None: one each, its token row)
+    logprobs: bool = True
 
-    def __post_init__(self) -> None:
-        if not self.samples:
-            self.samples = [range(row, row + 1) for row in self.token_rows]
+    @property
+    def sample_rows(self) -> list[range]:
+        """Each chunk's samples (rows of ``next_ids`` and ``logprobs``)."""
+        if self.samples is None:
+            return [range(row, row + 1) for row in self.token_rows]
+        return self.samples
 
     async def read_async(self) -> list[list[int]]:
         """The step's tokens for each chunk of its plan (one, or a verify step's one per row; awaits the
         device)."""
         ids = await self.submission.read_async(self.step.next_ids)
-        if self.plan.kind is not StepKind.VERIFY:  # one token per chunk: one gather
+        if self.samples is None:  # one token per chunk: one gather
             return [[token] for token in ids[self.token_rows].tolist()]
         return [ids[rows].tolist() for rows in self.samples]
 
@@ -374,10 +378,11 @@ class Submitted:
         """Per chunk, the logprobs its sequence asked for (of its sampled tokens, ``tokens[i]``, and of its
         prompt's tokens); None when no chunk asked: then nothing more is read. Reads only the small rows of
         the ``logprobs`` op."""
-        chunks = self.plan.chunks
+        chunks, scoring = self.plan.chunks, self.step.prompt_logprobs is not None
+        if not self.logprobs and not scoring:
+            return None
         sampled = [c.sampled and c.sequence.params.logprobs is not None for c in chunks]
-        scoring = self.step.prompt_logprobs is not None
-        prompt = [scoring and wants_prompt_logprobs(c) for c in chunks] if scoring else [False]
+        prompt = [scoring and wants_prompt_logprobs(c) for c in chunks]
         if not any(sampled) and not any(prompt):
             return None
         rows = await self.submission.read_async(self.step.logprobs) if any(sampled) else None
@@ -385,11 +390,11 @@ class Submitted:
         if any(prompt):
             assert self.step.prompt_logprobs is not None
             lines = await self.submission.read_async(self.step.prompt_logprobs)
-        result = []
+        result, samples = [], self.sample_rows
         for index, chunk in enumerate(chunks):
             entry = ChunkLogprobs()
             if rows is not None and sampled[index]:
-                entry.sampled = [token_logprob(rows[r], t) for r, t in zip(self.samples[index], tokens[index])]
+                entry.sampled = [token_logprob(rows[r], t) for r, t in zip(samples[index], tokens[index])]
             if lines is not None and prompt[index]:
                 following = chunk.sequence.prompt[chunk.start + 1 : chunk.start + chunk.count + 1]
                 entry.prompt = [token_logprob(lines[row], t) for row, t in zip(self.prompt_rows[index], following)]
@@ -472,7 +477,7 @@ class StepRunner:
         """Pack ``plan`` into the smallest recorded step of its kind that holds its rows and submit it."""
         size = next(size for size in self.recorded[plan.kind] if size >= plan.rows)
         step = self.step_for(plan, size)
-        samples: list[range] = []
+        samples: list[range] | None = None
         if plan.kind is StepKind.MIXED:
             token_rows = list(range(len(plan.chunks)))
             pack_mixed(step.feeds, self.table, plan.chunks)
@@ -486,7 +491,8 @@ class StepRunner:
         submission = step.run_packed()
         self.runs[plan.kind][size] += 1
         prompt_rows = piece_rows(plan) if step.prompt_logprobs is not None else []
-        return Submitted(plan, submission, step, token_rows, prompt_rows, step.forward is not None, samples)
+        logprobs = bool((self.table.logprob_n >= 0).any())  # a slot's sequence asks (those of this step among them)
+        return Submitted(plan, submission, step, token_rows, prompt_rows, step.forward is not None, samples, logprobs)
 
     def put_tokens(self, slots: list[int], tokens: list[int]) -> None:
         """Write ``tokens[i]`` as slot ``slots[i]``'s latest token on the device, where the next decode row
@@ -508,7 +514,7 @@ class StepRunner:
         every token before this step: read the steps before it first); returns ``submitted``."""
         assert submitted.pending, "sample: the step is not split or its sampling part already runs"
         step = submitted.step
-        pack_masks(step.feeds.arrays, submitted.plan.chunks, submitted.samples)
+        pack_masks(step.feeds.arrays, submitted.plan.chunks, submitted.sample_rows)
         submitted.submission = step.sample_packed()
         submitted.pending = False
         return submitted
