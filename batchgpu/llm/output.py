@@ -274,7 +274,7 @@ class OutputProcessor:
         if self.completion_tokens <= 1:
             self.stats.first_token(now - self.latest)
         else:
-            self.stats.inter_token_latency.observe(now - self.latest)  # next_token's, one call fewer per token
+            self.stats.next_token(now - self.latest)
         self.latest = now
 
 
