@@ -75,29 +75,40 @@ class TextStream:
         reader = self.reader
         if reader is None:
             return self._advance(final=False)
+        text = None
         if reader.started and not reader.strip and not self.held and not self.windowed:  # one table lookup
-            text = reader.table.later_text(token)
-            if text and text[-1] != REPLACEMENT:
-                self.prefix, self.read = self.read, len(self.ids)
-                return self._released(text, final=False) if self.stop else Delta(text)
-        data = self.held + reader.take(token)
-        if not self.windowed:
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError as error:
-                self.windowed = error.reason != "unexpected end of data"  # invalid: windows, else unfinished
-                text = ""
-            if not self.windowed:
-                if not text or text[-1] == REPLACEMENT:  # held as a window's text would be
-                    self.held = data
-                    return NOTHING
-                self.held = b""
-                self.prefix, self.read = self.read, len(self.ids)
-                return self._released(text, final=False)
-        delta = self._advance(final=False)
-        if self.read == len(self.ids):  # released: whole characters up to here, bytes from here on
-            self.held, self.windowed = b"", False
-        return delta
+            text = reader.table.later_text(token)  # the reader's place moves by nothing it keeps
+            if not text or text[-1] == REPLACEMENT:
+                text = None
+        if text is None:
+            text = self._from_bytes(reader.take(token))
+            if self.windowed:  # since invalid UTF-8: the window's text
+                delta = self._advance(final=False)
+                if self.read == len(self.ids):  # released: whole characters up to here, bytes from here on
+                    self.held, self.windowed = b"", False
+                return delta
+            if text is None:
+                return NOTHING
+        self.prefix, self.read = self.read, len(self.ids)
+        return self._released(text, final=False) if self.stop else Delta(text)
+
+    def _from_bytes(self, data: bytes) -> str | None:
+        """The text of the held bytes and ``data`` (a token's) where it is released now; None where it is held
+        (nothing visible, a character unfinished, or a U+FFFD that a window's text would hold) or where the
+        bytes are not UTF-8 (then ``windowed`` is set: the stream decodes windows from here)."""
+        if self.windowed:
+            return None
+        data = self.held + data
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            self.windowed = error.reason != "unexpected end of data"  # invalid, else a character unfinished
+            text = ""
+        if self.windowed or not text or text[-1] == REPLACEMENT:
+            self.held = data
+            return None
+        self.held = b""
+        return text
 
     def finish(self) -> Delta:
         """Everything still held back when the generation ends for another reason (EOS, max_tokens): the
