@@ -211,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"answer 408 and close a connection whose request body takes over S seconds to arrive after its "
         f"headers (default {DEFAULT_BODY_TIMEOUT:g}; 0: no limit)",
     )
+    serve.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine's core (scheduling, steps) in a process of its own; detokenization and the HTTP "
+        "work run in the server's, beside the steps",
+    )
     serve.add_argument("--ray", action="store_true", help="serve on Ray Serve: --replicas engines, one per device")
     serve.add_argument("--replicas", type=int, default=1, help="engine replicas with --ray (default 1)")
     serve.add_argument(
@@ -668,6 +674,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f'batchgpu serve: {exc}; install the server with `pip install "batchgpu[serve]"`', file=sys.stderr)
         return 2
+    from .llm.engine_process import EngineProcess
     from .llm.options import WAITING_PER_SLOT, EngineOptions
     from .models.encoder import is_encoder
     from .models.speculative import Speculative
@@ -694,7 +701,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray:
         return serve_on_ray(args, options, model_name=path.stem)
     try:
-        engine = options.make()  # before the port is bound, in the thread where uvicorn runs its event loop
+        # before the port is bound, in the thread where uvicorn runs its event loop
+        engine = EngineProcess(options) if args.engine_process else options.make()
     except Exception as exc:
         return failed_start("serve", exc)
     serve(

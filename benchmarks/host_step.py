@@ -148,6 +148,45 @@ class Window:
         }
 
 
+CORE_CLOCKS: dict[str, Clock | None] = {}
+"""In an engine's core process: the clocks :func:`install_clocks` put there."""
+
+
+def install_clocks(engine: Any, kind: str) -> None:
+    """In the core process (:meth:`EngineProcess.call`): the device's and the engine's clocks on its engine."""
+    CORE_CLOCKS["device"] = device_clock(engine.device.executor, kind)
+    CORE_CLOCKS["own"] = engine_clock(engine, kind)
+
+
+def core_mark(engine: Any) -> tuple[float, float, float, float, int]:
+    """In the core process: :meth:`Window.mark` of its step loop's thread."""
+    device, own = CORE_CLOCKS["device"], CORE_CLOCKS["own"]
+    assert device is not None
+    spent = own.spent if own is not None else 0.0
+    return time.thread_time(), device.spent, spent, time.perf_counter(), engine.steps["decode"]
+
+
+class CoreWindow(Window):
+    """The window of an engine whose core runs in a process of its own (``EngineProcess``): its marks are
+    the core's step loop thread's, read there (each a message, answered between two steps)."""
+
+    def __init__(self, engine: Any, sequences: int, kind: str) -> None:
+        super().__init__(engine, Clock(), Clock() if kind in DEVICE_WORK else None, sequences)
+        self.marks: list[asyncio.Task[Any]] = []
+
+    def first_token(self) -> None:
+        self.waiting -= 1
+        if self.waiting == 0:
+            self.marks.append(asyncio.ensure_future(self.engine.call(core_mark)))
+
+    def finished(self) -> None:
+        if len(self.marks) == 1:
+            self.marks.append(asyncio.ensure_future(self.engine.call(core_mark)))
+
+    async def read(self) -> None:
+        self.start, self.end = await asyncio.gather(*self.marks)
+
+
 async def request(engine: Any, prompt: str, tokens: int, window: Window) -> None:
     from batchgpu.llm import SamplingParams
 
@@ -163,30 +202,54 @@ async def request(engine: Any, prompt: str, tokens: int, window: Window) -> None
 
 async def crowd(engine: Any, window: Window, sequences: int, tokens: int) -> None:
     await asyncio.gather(*(request(engine, f"Once upon a time ({i})", tokens, window) for i in range(sequences)))
+    if isinstance(window, CoreWindow):
+        await window.read()
 
 
-def measure(kind: str, sequences: int, tokens: int, repeats: int, model: str | None = None) -> dict[str, Any]:
+def measure(
+    kind: str, sequences: int, tokens: int, repeats: int, model: str | None = None, core_process: bool = False
+) -> dict[str, Any]:
     """In this process: the engine of whatever ``batchgpu`` imports (on ``model``; None: the default model),
-    warmed up, then ``repeats`` crowds."""
+    warmed up, then ``repeats`` crowds; ``core_process``: the engine's core in a process of its own, its
+    step loop's thread measured there."""
     import batchgpu as bg
-    from batchgpu.llm import Engine
 
-    device = bg.Device(kind)
     blocks = sequences * -(-(16 + tokens) // 16)
-    engine = Engine(model, device=device, max_batch=sequences, max_context=256, kv_blocks=blocks)
-    clock, own = device_clock(device.executor, kind), engine_clock(engine, kind)
-    asyncio.run(crowd(engine, Window(engine, clock, own, sequences), sequences, 4))  # records and plans every step
+    settings = {"max_batch": sequences, "max_context": 256, "kv_blocks": blocks}
+    if core_process:
+        from batchgpu.llm.engine_process import EngineProcess
+        from batchgpu.llm.options import EngineOptions
+
+        engine = EngineProcess(EngineOptions(model=str(model) if model else None, device=kind, **settings))
+        asyncio.run(engine.call(install_clocks, kind))
+        device_name = asyncio.run(engine.call(device_of))
+
+        def window() -> Window:
+            return CoreWindow(engine, sequences, kind)
+    else:
+        from batchgpu.llm import Engine
+
+        device = bg.Device(kind)
+        engine, device_name = Engine(model, device=device, **settings), device.name
+        clock, own = device_clock(device.executor, kind), engine_clock(engine, kind)
+
+        def window() -> Window:
+            return Window(engine, clock, own, sequences)
+
+    asyncio.run(crowd(engine, window(), sequences, 4))  # records and plans every step
     runs = []
     for _ in range(repeats):
-        window = Window(engine, clock, own, sequences)
-        asyncio.run(crowd(engine, window, sequences, tokens))
-        runs.append(window.per_step())
+        measured = window()
+        asyncio.run(crowd(engine, measured, sequences, tokens))
+        runs.append(measured.per_step())
+    if core_process:
+        engine.close()
     steps = sum(r["steps"] for r in runs)
     host_us = 1e6 * sum(r["host_s"] for r in runs) / steps
-    engine_us = 1e6 * sum(r["engine_s"] for r in runs) / steps if own is not None else None
+    engine_us = 1e6 * sum(r["engine_s"] for r in runs) / steps if runs[0]["engine_s"] is not None else None
     return {
         "tree": str(Path(bg.__file__).resolve().parents[1]),
-        "device": device.name,
+        "device": device_name,
         "kind": kind,
         "sequences": sequences,
         "steps": steps,
@@ -197,9 +260,15 @@ def measure(kind: str, sequences: int, tokens: int, repeats: int, model: str | N
     }
 
 
-def run_tree(tree: Path, kind: str, args: argparse.Namespace) -> dict[str, Any]:
+def device_of(engine: Any) -> str:
+    """In the core process: its device's name."""
+    return engine.device.name
+
+
+def run_tree(tree: Path, kind: str, args: argparse.Namespace, core_process: bool = False) -> dict[str, Any]:
     """:func:`measure` in a fresh subprocess importing ``batchgpu`` from ``tree``."""
     command = [sys.executable, __file__, "--measure", "--device", kind, "--sequences", str(args.sequences)]
+    command += ["--engine-process"] if core_process else []
     command += ["--tokens", str(args.tokens), "--repeats", str(args.repeats)]
     command += ["--model", str(args.model.resolve())] if args.model else []
     env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -216,11 +285,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="subprocesses per tree (alternating trees)")
     parser.add_argument("--baseline-tree", type=Path, help="another checkout's root, measured in the same run")
     parser.add_argument("--model", type=Path, help="a GGUF file or model directory (default: the engine's)")
+    parser.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="this checkout's engine with its core in a process of its own (the core's thread measured); "
+        "--baseline-tree may then be this checkout, in one process",
+    )
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one tree, in this process
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.device, args.sequences, args.tokens, args.repeats, args.model)))
+        print(
+            json.dumps(measure(args.device, args.sequences, args.tokens, args.repeats, args.model, args.engine_process))
+        )
         return
     this = Path(__file__).resolve().parents[1]
     trees = {"this": this, **({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})}
@@ -230,7 +307,7 @@ def main() -> None:
         results: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
         for _ in range(args.rounds):
             for name in reversed(list(trees)):  # the baseline first in each round
-                results[name].append(run_tree(trees[name], kind, args))
+                results[name].append(run_tree(trees[name], kind, args, args.engine_process and name == "this"))
         print(
             f"\n{results['this'][0]['device']} ({kind}), {args.sequences} sequences decoding; load {load_average():.2f}"
         )

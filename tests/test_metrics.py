@@ -15,6 +15,7 @@ from batchgpu.llm.metrics import (
     TIME_TO_FIRST_TOKEN_BUCKETS,
     EngineStats,
     Histogram,
+    Load,
     exposition,
     metrics_registry,
 )
@@ -35,6 +36,9 @@ class Core:
 
     def __post_init__(self) -> None:
         self.scheduler = Scheduler(self.pool, max_batch=2, max_context=40, max_step_tokens=8)
+
+    def load(self) -> Load:
+        return Load.of(self.scheduler, self.pool)
 
 
 def scrape(registry) -> dict[str, float]:

@@ -4,8 +4,10 @@ grammar, tool calls), and an OpenAI-compatible server."""
 
 from __future__ import annotations
 
-from .engine import Engine, Piece, Prompt
+from .engine import Engine
+from .output import Piece
 from .params import SamplingParams
+from .prompt import Prompt
 from .structured import StructuredOutput
 from .tools import Function, ToolCall, ToolCalling
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import BatchError
 from .metrics import EngineStats, clock
-from .output import OutputProcessor, Piece, hand_prompt_logprobs, joined
+from .output import Output, Piece, hand_prompt_logprobs
 from .scheduler import Scheduler, Sequence, SequenceState, StepKind, StepPlan
 from .speculation import Speculator
 from .step import StepRunner, Submitted, TokenLogprob
@@ -37,13 +37,13 @@ class Driver:
     ) -> None:
         self.scheduler, self.runner, self.stats, self.ahead = scheduler, runner, stats, ahead
         self.speculator = speculator  # speculative decoding's (its steps run one at a time: ahead 0)
-        self.outputs: dict[Sequence, OutputProcessor] = {}
+        self.outputs: dict[Sequence, Output] = {}
         self.wake = asyncio.Event()  # a new one with each task (an event is bound to one loop)
         self.task: asyncio.Task | None = None
 
     # sequences ------------------------------------------------------------------------------------------
 
-    def add(self, sequence: Sequence, output: OutputProcessor) -> None:
+    def add(self, sequence: Sequence, output: Output) -> None:
         """Serve ``sequence`` (queued on the scheduler), its pieces going through ``output``; the task starts
         on the running event loop where it does not run there."""
         self.outputs[sequence] = output
@@ -172,20 +172,6 @@ class Driver:
 
     def deliver(self, sequence: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None, now: float) -> None:
         """Hand ``tokens`` (with their ``logprobs`` where asked), read back at ``now``, to ``sequence``'s output
-        processor: one piece for them all (a verify step's accepted tokens reach the caller at once, as one
-        stream event); a token that ends the generation ends the request (the tokens after it are dropped)."""
-        output, pieces = self.outputs[sequence], []
-        for index, token in enumerate(tokens):
-            try:
-                piece = output.push(token, logprobs[index] if logprobs else None, now)
-            except BatchError as exc:  # a token its grammar refuses: that request fails alone
-                if pieces:
-                    output.queue.put_nowait(joined(pieces))
-                self.end(sequence, exc)
-                return
-            pieces.append(piece)
-            if piece.finish_reason is not None:
-                self.end(sequence, joined(pieces))
-                return
-        if pieces:
-            output.queue.put_nowait(joined(pieces))
+        (:meth:`~batchgpu.llm.output.OutputProcessor.take`); where they end its generation, the request ends."""
+        if self.outputs[sequence].take(tokens, logprobs, now):
+            self.end(sequence)

@@ -10,9 +10,8 @@ once."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,19 +20,20 @@ import numpy as np
 
 from ..batch import default_device
 from ..device import Device
-from ..errors import BatchError, OverloadedError, RequestError
+from ..errors import BatchError
 from ..models.llama import load_model, smollm2_path, steps_ahead, weight_bytes
 from ..models.speculative import Speculative
-from .admission import Places, check_max_waiting
+from .admission import check_max_waiting
 from .blocks import BlockPool, default_blocks
 from .draft_model import DraftModel
 from .driver import Driver
+from .front import Front, Started, engine_places
 from .grammar import GrammarEngine, Guide
-from .metrics import EngineStats, clock
-from .output import OutputProcessor, Piece, PieceQueue, Tally
+from .metrics import EngineStats, Load, clock
+from .output import Output, OutputProcessor, PieceQueue
 from .params import SamplingParams
 from .prompt import INLINE_PROMPT, Prompt, prepare, prompt_size
-from .samples import add_samples, request_pieces
+from .samples import add_samples
 from .scheduler import Scheduler, StepKind, check_step_tokens
 from .scheduler import Sequence as ScheduledSequence
 from .speculation import Drafter, PromptLookup, Speculator, check_speculative, verify_rows
@@ -41,7 +41,7 @@ from .step import KVCache, StepRunner, default_step_tokens
 from .sync_calls import SyncCalls
 
 
-class Engine(SyncCalls):
+class Engine(Front, SyncCalls):
     """Serve generations of a Llama-family model (a GGUF file or a Hugging Face directory) on one device.
 
     ``max_batch`` slots decode together; ``max_context`` bounds prompt + output tokens (at most the
@@ -102,11 +102,7 @@ class Engine(SyncCalls):
         )
         self.max_batch, self.max_context, self.max_step_tokens = max_batch, max_context, max_step_tokens
         self.max_waiting = max_waiting
-        self.room = Places(
-            max_batch, max_waiting, owner="the engine", unit="sequences", states="running, waiting or being tokenized",
-            verb="needs", too_many=lambda count, most, bound: RequestError(
-                f"{count} samples; this engine holds at most {most} sequences"),
-        )  # fmt: skip
+        self.room = engine_places(max_batch, max_waiting)
         blocks = kv_blocks if kv_blocks is not None else default_blocks(max_batch, max_context, block_size)
         self.pool = BlockPool(blocks, block_size)
         self.scheduler = Scheduler(
@@ -135,73 +131,11 @@ class Engine(SyncCalls):
 
     # the public API -------------------------------------------------------------------------------------
 
-    async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, trusted: bool = False
-    ) -> AsyncIterator[Piece]:
-        """Stream the generation of ``prompt`` as :class:`Piece` s. Usable from many tasks at once; stopping the
-        iteration (or cancelling the task) cancels the request and frees its slot. Chat messages get control
-        tokens from the chat template alone (text in them that spells one is plain text,
-        :meth:`batchgpu.llm.text.TextCodec.encode_chat`); ``trusted``: the messages' control-token text is
-        control too. A text prompt is the caller's whole prompt: control tokens wherever their text appears.
-
-        The last piece carries the request's :class:`~batchgpu.llm.output.Usage`, which :attr:`stats` counts as
-        that piece goes to the caller; a request that ends otherwise counts by how (:class:`EngineStats`):
-        aborted (the caller stopped before its last piece), overloaded, refused (a RequestError before it was
-        queued) or failed (an error after)."""
-        outcome: str | None = "refused"  # until the request is queued; None once counted
-        try:
-            params = params if params is not None else SamplingParams()
-            if not isinstance(params, SamplingParams):
-                raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
-            with self._places(params):  # OverloadedError before anything is done for the request
-                encode, arrival = (self.codec, self.config.vocab, prompt, trusted, params, self.grammar), clock()
-                if prompt_size(prompt) <= INLINE_PROMPT and params.structured is None and params.tools is None:
-                    ids, guides = prepare(*encode)  # quicker than a hop to the thread
-                else:
-                    ids, guides = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prepare, *encode)
-                sequences, queue = self._add(ids, params, arrival, guides)
-                outcome, tally = "aborted", Tally(params.n)  # queued: it finishes, fails or its caller stops
-                try:
-                    async for piece in request_pieces(queue, len(sequences), params):
-                        usage = tally.take(piece)
-                        if usage is not None:
-                            self.stats.finish(usage.prompt_tokens, usage.completion_tokens, usage.finish_reasons)
-                            outcome = None
-                        yield piece
-                finally:
-                    if self.driver.end_unfinished(sequences):  # cancelled: their slots and blocks are free at once
-                        self.driver.wake.set()
-        except OverloadedError:
-            outcome = None  # counted by check_room
-            raise
-        except (GeneratorExit, asyncio.CancelledError):  # the caller stopped before the last piece
-            outcome = "aborted" if outcome is not None else None
-            raise
-        except Exception as exc:
-            if outcome == "aborted" or (outcome == "refused" and not isinstance(exc, RequestError)):
-                outcome = "failed"
-            raise
-        finally:
-            if outcome is not None:
-                self.stats.end(outcome)
-
     def memory(self) -> dict[str, Any]:
         """The paged KV cache (blocks in use and free, ``blocks_cached``: those registered in the prefix
         cache, held or free; block size, bytes of the pools) and the weights' device bytes per storage
         format (``weight_bytes``: block formats by name, float tensors by dtype)."""
         return {**self.pool.usage(), "kv_bytes": self.cache.nbytes, "weight_bytes": weight_bytes(self.weights)}
-
-    def check_room(self, samples: int = 1, field: str = "n") -> None:
-        """Refuse a request of ``samples`` sequences the engine has no room for now (OverloadedError: it
-        holds ``max_batch + max_waiting`` sequences with them) or ever (RequestError naming ``field``: more
-        samples than that); nothing where ``max_waiting`` is None. A server asks before it reads a body."""
-        try:
-            self.room.check(samples)
-        except OverloadedError:
-            self.stats.overloaded += 1
-            raise
-        except RequestError as exc:  # more samples than the engine ever holds
-            raise RequestError(f"{field}: {exc}", field) from None
 
     @property
     def ahead(self) -> int:
@@ -213,14 +147,13 @@ class Engine(SyncCalls):
         self.driver.ahead = steps_ahead(self.device, steps, "Engine")
 
     @property
-    def held(self) -> int:
-        """Sequences of the requests taken and not ended: running, waiting or being tokenized."""
-        return self.room.held
-
-    @property
     def failure(self) -> BaseException | None:
         """The error that ended the step loop's task, if one did (a health check's question)."""
         return self.driver.failure
+
+    def load(self) -> Load:
+        """Sequences running and waiting, the KV blocks' used share and the scheduler's counters (metrics)."""
+        return Load.of(self.scheduler, self.pool)
 
     def status(self) -> dict[str, Any]:
         """Requests running (holding a slot) and waiting, steps run so far (also per recorded row count),
@@ -240,29 +173,40 @@ class Engine(SyncCalls):
             max_batch=self.max_batch, max_step_tokens=self.max_step_tokens,
         )  # fmt: skip
 
-    @contextlib.contextmanager
-    def _places(self, params: SamplingParams) -> Iterator[None]:
-        """Hold a place per sample of a request while it runs (:attr:`held`), refused by :meth:`check_room`."""
-        needed = params.samples
-        self.check_room(needed, "best_of" if needed > params.n else "n")
-        with self.room.hold(needed):
-            yield
-
-    def _add(
-        self, ids: list[int], params: SamplingParams, arrival: float, guides: list[Guide] | None = None
-    ) -> tuple[list[ScheduledSequence], PieceQueue]:
-        """Queue the samples of a generation of ``ids`` that arrived at ``arrival`` (RequestError where the
-        engine can never serve it), all delivering to one queue, for the step loop (started on this event
-        loop if it does not run there). Sample ``i`` draws with seed ``seed + i``; the later ones share the
-        first's prompt blocks (:meth:`Scheduler.shared_prefix`); sample ``i`` follows ``guides[i]``."""
-        seed = params.seed if params.seed is not None else random.getrandbits(32)
+    async def start(self, prompt: Prompt, params: SamplingParams, trusted: bool) -> Started:
+        """Tokenize ``prompt`` (chat templates rendered, grammars compiled: on the engine's thread for large ones)
+        and queue its samples (:meth:`add_samples`, RequestError where the engine can never serve it)."""
+        encode, arrival = (self.codec, self.config.vocab, prompt, trusted, params, self.grammar), clock()
+        if prompt_size(prompt) <= INLINE_PROMPT and params.structured is None and params.tools is None:
+            ids, guides = prepare(*encode)  # quicker than a hop to the thread
+        else:
+            ids, guides = await asyncio.get_running_loop().run_in_executor(self._tokenizing, prepare, *encode)
         queue = PieceQueue()
-        sequences = add_samples(self.scheduler, ids, params, seed)
-        for index, sequence in enumerate(sequences):
-            sequence.guide = guides[index] if guides is not None else None
-            output = OutputProcessor(
+
+        def output(index: int, sequence: ScheduledSequence) -> OutputProcessor:
+            return OutputProcessor(
                 self.codec, sequence.params, len(ids), self.stats, arrival, queue=queue, index=index,
                 guide=sequence.guide,
             )  # fmt: skip
-            self.driver.add(sequence, output)
-        return sequences, queue
+
+        sequences = self.add_samples(ids, params, guides, output)
+        return queue, len(sequences), lambda: self.end(sequences)
+
+    def add_samples(
+        self, ids: list[int], params: SamplingParams, guides: list[Guide] | None, output: Callable[[int, Any], Output]
+    ) -> list[ScheduledSequence]:
+        """Queue the samples of a generation of ``ids`` for the step loop (started on this event loop if it does
+        not run there; RequestError where the engine can never serve it), sample ``i`` following ``guides[i]``
+        and delivering to ``output(i, its sequence)``. Sample ``i`` draws with seed ``seed + i``; the later ones
+        share the first's prompt blocks (:meth:`Scheduler.shared_prefix`)."""
+        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        sequences = add_samples(self.scheduler, ids, params, seed)
+        for index, sequence in enumerate(sequences):
+            sequence.guide = guides[index] if guides is not None else None
+            self.driver.add(sequence, output(index, sequence))
+        return sequences
+
+    def end(self, sequences: list[ScheduledSequence]) -> None:
+        """Cancel those of ``sequences`` that have not ended: their slots and blocks are free at once."""
+        if self.driver.end_unfinished(sequences):
+            self.driver.wake.set()

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .blocks import BlockPool
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerStats
 
 TIME_TO_FIRST_TOKEN_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
@@ -143,12 +143,28 @@ class EngineStats:
         self.iteration_tokens.observe(rows)
 
 
+@dataclass
+class Load:
+    """What an engine's core holds now: sequences running (holding a slot) and waiting, the share of its KV
+    blocks in use, and its scheduler's counters."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_used_ratio: float = 0.0
+    counts: SchedulerStats = field(default_factory=SchedulerStats)
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, pool: BlockPool) -> Load:
+        return cls(len(scheduler.running()), len(scheduler.waiting), pool.used / pool.blocks, scheduler.stats)
+
+
 class MeteredEngine(Protocol):
-    """What the collector reads of an :class:`~batchgpu.llm.engine.Engine`."""
+    """What the collector reads of an engine (:class:`~batchgpu.llm.engine.Engine`,
+    :class:`~batchgpu.llm.engine_process.EngineProcess`)."""
 
     stats: EngineStats
-    scheduler: Scheduler  # running(), waiting, stats
-    pool: BlockPool  # used, blocks
+
+    def load(self) -> Load: ...
 
 
 class EngineCollector:
@@ -160,12 +176,13 @@ class EngineCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        engine, stats, counts = self.engine, self.engine.stats, self.engine.scheduler.stats
+        load, stats = self.engine.load(), self.engine.stats
+        counts = load.counts
         preemptions, prefix_hits = counts.preemptions, counts.prefix_cache_hit_tokens
         gauges = (
-            ("requests_running", "Requests holding a slot (prefilling or decoding).", len(engine.scheduler.running())),
-            ("requests_waiting", "Requests waiting for a slot and KV blocks.", len(engine.scheduler.waiting)),
-            ("kv_blocks_used_ratio", "KV blocks in use / all KV blocks.", engine.pool.used / engine.pool.blocks),
+            ("requests_running", "Requests holding a slot (prefilling or decoding).", load.running),
+            ("requests_waiting", "Requests waiting for a slot and KV blocks.", load.waiting),
+            ("kv_blocks_used_ratio", "KV blocks in use / all KV blocks.", load.kv_used_ratio),
         )
         for name, text, value in gauges:
             yield GaugeMetricFamily(f"batchgpu_{name}", text, value=value)

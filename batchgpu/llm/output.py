@@ -14,8 +14,9 @@ import asyncio
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from ..errors import BatchError
 from ..models.token_bytes import TokenReader
 from .metrics import EngineStats, clock
 from .params import SamplingParams
@@ -145,6 +146,29 @@ def cumulative_logprob(piece: Piece) -> float:
     return sum(entry.logprob for entry in piece.logprobs if entry.logprob is not None)
 
 
+class ItemQueue(Protocol):
+    """Where a sequence's pieces (or the error that ends it) go: :class:`PieceQueue`, or the core process's."""
+
+    def put_nowait(self, item: Piece | BaseException) -> None: ...
+
+
+class Output(Protocol):
+    """What the step loop hands a sequence's tokens to: :class:`OutputProcessor`, or in the engine's core
+    process :class:`~batchgpu.llm.core_output.CoreOutput`."""
+
+    queue: ItemQueue
+
+    def take(
+        self, tokens: list[int], logprobs: list[TokenLogprob] | None, now: float, grammar_end: bool = False
+    ) -> bool:
+        """Hand over ``tokens``; whether the generation ended with them."""
+        ...
+
+    def add_prompt_logprobs(self, prompt: list[int], entries: list[TokenLogprob], start: int) -> None:
+        """The logprobs of the prompt tokens after positions ``start``, ``start + 1``, ..."""
+        ...
+
+
 class OutputProcessor:
     """One request's output: :meth:`push` each token as it is read back, in order, until a piece comes
     back with its ``finish_reason``; text held back (an unfinished character, the possible start of a stop
@@ -190,17 +214,45 @@ class OutputProcessor:
         del self.prompt_logprobs[start + 1 :]
         self.prompt_logprobs += entries
 
-    def push(self, token: int, logprob: TokenLogprob | None = None, now: float | None = None) -> Piece:
+    def take(
+        self, tokens: list[int], logprobs: list[TokenLogprob] | None, now: float, grammar_end: bool = False
+    ) -> bool:
+        """Hand ``tokens`` (with their ``logprobs`` where asked), read back at ``now``, to the caller as one
+        piece on :attr:`queue` (a verify step's accepted tokens reach it at once, as one stream event);
+        whether the generation ended with them (a token that ends it drops those after it; an error the
+        grammar raised goes on the queue after the piece of the tokens before). ``grammar_end``: the last
+        token ends the request's grammar (decided elsewhere: the engine's core process)."""
+        pieces = []
+        for index, token in enumerate(tokens):
+            try:
+                last = grammar_end and index == len(tokens) - 1
+                piece = self.push(token, logprobs[index] if logprobs else None, now, last)
+            except BatchError as exc:  # a token its grammar refuses: that request fails alone
+                if pieces:
+                    self.queue.put_nowait(joined(pieces))
+                self.queue.put_nowait(exc)
+                return True
+            pieces.append(piece)
+            if piece.finish_reason is not None:
+                break
+        if pieces:
+            self.queue.put_nowait(joined(pieces))
+        return bool(pieces) and pieces[-1].finish_reason is not None
+
+    def push(
+        self, token: int, logprob: TokenLogprob | None = None, now: float | None = None, grammar_end: bool = False
+    ) -> Piece:
         """The piece of ``token`` (with its ``logprob`` where the request asked), read back at ``now`` (a
         :func:`~batchgpu.llm.metrics.clock` time; None: now): its new text, and whether (and why) the
-        generation ends with it. RequestError where the request's grammar refuses the token. With
-        ``max_tokens`` 0 the token (the one sampled after the prompt) is dropped: the piece is the prompt's
-        alone, ended by length, with no token."""
+        generation ends with it (``grammar_end``: the grammar ends with it, as the engine's core process
+        found). RequestError where the request's grammar refuses the token. With ``max_tokens`` 0 the token
+        (the one sampled after the prompt) is dropped: the piece is the prompt's alone, ended by length, with
+        no token."""
         if self.params.max_tokens == 0:
             return self._prompt_piece(clock() if now is None else now)
         if self.guide is not None:
             self.guide.accept(token)
-        piece = self._piece(token, clock() if now is None else now)
+        piece = self._piece(token, clock() if now is None else now, grammar_end)
         if self.held is not None:
             self.hold(piece)
         if logprob is None and (self.prompt_logprobs is None or self.completion_tokens != 1):
@@ -249,7 +301,7 @@ class OutputProcessor:
             if calls:
                 piece.finish_reason = "tool_calls"
 
-    def _piece(self, token: int, now: float) -> Piece:
+    def _piece(self, token: int, now: float, grammar_end: bool = False) -> Piece:
         self.completion_tokens += 1
         self.record_latency(now)
         ends = token in self.ends
@@ -257,7 +309,7 @@ class OutputProcessor:
         text, reason = delta.text, None
         if ends or delta.stopped:
             reason = "stop"
-        elif self.guide is not None and self.guide.stopped:  # the grammar ended: nothing may follow
+        elif grammar_end or (self.guide is not None and self.guide.stopped):  # the grammar ended: nothing may follow
             text += self.stream.finish().text
             reason = "stop"
         elif self.completion_tokens >= self.params.max_tokens:
@@ -286,7 +338,7 @@ def placed(entry: TokenLogprob, reader: TokenReader) -> TokenLogprob:
 
 
 def hand_prompt_logprobs(
-    outputs: Mapping[Sequence, OutputProcessor], chunks: Iterable[Chunk], logprobs: list[ChunkLogprobs] | None
+    outputs: Mapping[Sequence, Output], chunks: Iterable[Chunk], logprobs: list[ChunkLogprobs] | None
 ) -> dict[Sequence, list[TokenLogprob] | None]:
     """Give each chunk's prompt logprobs (a mixed step's prompt rows, where asked) to its request's output, and
     return each chunk's sampled tokens' logprobs by sequence (to push with its tokens)."""

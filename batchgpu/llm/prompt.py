@@ -38,11 +38,14 @@ def prepare(
     """A request's prompt ids (:func:`prompt_ids`, with its tools) and, where its output follows a grammar
     (:func:`~batchgpu.llm.grammar.constraint`), one guide per sample (None: free text). Safe to call from
     another thread."""
-    ids = prompt_ids(codec, vocab, prompt, trusted, params.tools)
+    return prompt_ids(codec, vocab, prompt, trusted, params.tools), request_guides(codec, params, grammars)
+
+
+def request_guides(codec: TextCodec, params: SamplingParams, grammars: GrammarEngine) -> list[Guide] | None:
+    """One guide per sample where the request's output follows a grammar
+    (:func:`~batchgpu.llm.grammar.constraint`), else None. Safe to call from another thread."""
     output = constraint(params, codec.chat_template)
-    if output is None:
-        return ids, None
-    return ids, grammars.guides(grammars.compile(output), params.samples, output.param)
+    return None if output is None else grammars.guides(grammars.compile(output), params.samples, output.param)
 
 
 def prompt_ids(

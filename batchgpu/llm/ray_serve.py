@@ -27,9 +27,10 @@ from dataclasses import asdict
 from typing import Any
 
 from ..errors import OverloadedError, RequestError
-from .engine import Piece, Prompt
 from .options import EngineOptions
+from .output import Piece
 from .params import SamplingParams
+from .prompt import Prompt
 from .schema import DEFAULT_MAX_REQUEST_BYTES
 
 

@@ -1,0 +1,248 @@
+"""An engine whose core runs in a process of its own (vLLM v1's split of ``AsyncLLM`` and ``EngineCore``):
+the core process (:mod:`~batchgpu.llm.core_process`) schedules, runs and reads the steps; this process
+tokenizes, turns each step's tokens into text (:class:`~batchgpu.llm.output.OutputProcessor`: stop
+strings, logprob bytes, tool calls, latencies) and hands the pieces to their callers. On one thread the
+host's per-request work runs between steps; split, it runs beside them, and the core's host time per step
+is its scheduling, packing and reading alone. ``batchgpu serve --engine-process`` serves through it.
+
+A stop string found here ends the request here at once and in the core at its next message (the core may
+have run a step or two past it, which is dropped, as for a request that stops early with steps ahead).
+Where the core process dies, every request in flight fails with a BatchError, as does every later one
+(:attr:`EngineProcess.failure`)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import BatchError
+from ..models.loader import open_weights
+from .core_output import GRAMMAR_END, Item
+from .core_process import CoreCounts, run_core
+from .front import Front, Started, engine_places
+from .metrics import EngineStats, Load, clock
+from .options import EngineOptions
+from .output import OutputProcessor, PieceQueue
+from .params import SamplingParams
+from .prompt import INLINE_PROMPT, Prompt, prompt_ids, prompt_size
+from .samples import sample_params
+
+
+@dataclass
+class ClientRequest:
+    """A request sent to the core: its prompt ids, the output processor of each sample (and which ended), the
+    queue they share, and the core's answer to it (None: queued; or the error that refused it)."""
+
+    ids: list[int]
+    outputs: list[OutputProcessor]
+    queue: PieceQueue
+    taken: asyncio.Future[BaseException | None]
+    ended: list[bool] = field(default_factory=list)
+
+
+class EngineProcess(Front):
+    """An :class:`~batchgpu.llm.Engine` of ``options`` in a process of its own (started here, spawned; the
+    model loads there, and its tokenizer here), with the engine's request API: :meth:`generate`,
+    :meth:`check_room`, :attr:`stats`, :meth:`load`, :meth:`status`. :meth:`close` stops the process (so does
+    this process's exit). ``timeout``: seconds to wait for the core to be ready (None: as long as it takes)."""
+
+    def __init__(self, options: EngineOptions, *, timeout: float | None = None) -> None:
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked device or threads
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=run_core, args=(child, options), name="batchgpu-core", daemon=True)
+        self.process.start()
+        child.close()
+        facts = self._ready(timeout)
+        self.config, self.max_context = facts["config"], facts["max_context"]
+        self.max_batch, self.max_waiting = facts["max_batch"], facts["max_waiting"]
+        self.codec = open_weights(facts["path"]).codec()
+        self.stats, self.room = EngineStats(), engine_places(self.max_batch, self.max_waiting)
+        self.requests: dict[int, ClientRequest] = {}
+        self.calls: dict[int, asyncio.Future[Any]] = {}
+        self.ids = itertools.count()
+        self.latest = Load()
+        self.failure: BaseException | None = None  # why the core process is gone, once it is
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop that reads the core's messages
+        self.outgoing: queue.SimpleQueue[Any] = queue.SimpleQueue()  # sent on a thread: a send never stalls the loop
+        self.sender = threading.Thread(target=self._send_all, name="batchgpu-core-send", daemon=True)
+        self.sender.start()
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgpu-tokenize")
+
+    def _ready(self, timeout: float | None) -> dict[str, Any]:
+        if not self.conn.poll(timeout):
+            self.process.terminate()
+            raise BatchError(f"the engine's core process was not ready after {timeout} s")
+        try:
+            kind, facts = self.conn.recv()
+        except EOFError:
+            raise BatchError(
+                f"the engine's core process exited ({self.process.exitcode}) before it was ready"
+            ) from None
+        if kind == "failed":
+            raise facts
+        return facts
+
+    # the request API -----------------------------------------------------------------------------------
+
+    async def start(self, prompt: Prompt, params: SamplingParams, trusted: bool) -> Started:
+        """Tokenize ``prompt`` (large ones on a thread) and send it to the core, which queues its samples or
+        refuses it (RequestError where it can never serve it)."""
+        self._listen()
+        arrival, loop = clock(), asyncio.get_running_loop()
+        encode = (self.codec, self.config.vocab, prompt, trusted, params.tools)
+        if prompt_size(prompt) <= INLINE_PROMPT:
+            ids = prompt_ids(*encode)
+        else:
+            ids = await loop.run_in_executor(self._tokenizing, prompt_ids, *encode)
+        pieces = PieceQueue()
+        outputs = [
+            OutputProcessor(self.codec, sample, len(ids), self.stats, arrival, queue=pieces, index=index)
+            for index, sample in enumerate(sample_params(params))
+        ]
+        request = ClientRequest(ids, outputs, pieces, loop.create_future(), [False] * len(outputs))
+        number = next(self.ids)
+        self.requests[number] = request
+        self._send(("add", number, ids, params))
+        try:
+            refused = await request.taken
+        except BaseException:  # cancelled meanwhile
+            self._end(number)
+            raise
+        if refused is not None:
+            self.requests.pop(number, None)
+            raise refused
+        return pieces, len(outputs), lambda: self._end(number)
+
+    def _end(self, number: int) -> None:
+        """The request is over for its caller: the core cancels what of it runs and forgets it."""
+        if self.requests.pop(number, None) is not None and self.failure is None:
+            self._send(("end", number, None))
+
+    def load(self) -> Load:
+        """The core's load after its latest step (metrics)."""
+        return self.latest
+
+    async def status(self) -> dict[str, Any]:
+        """The core engine's :meth:`~batchgpu.llm.Engine.status`."""
+        return await self.call(_status)
+
+    async def call(self, function: Callable[..., Any], *arguments: Any) -> Any:
+        """``function(engine, *arguments)`` in the core process (``function`` and its arguments pickled: a
+        module's function), its result here."""
+        self._listen()
+        number = next(self.ids)
+        self.calls[number] = asyncio.get_running_loop().create_future()
+        self._send(("call", number, function, arguments))
+        return await self.calls[number]
+
+    def close(self) -> None:
+        """Stop the core process (and what waits on it here)."""
+        if self.process.is_alive():
+            self.outgoing.put(("close",))
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
+        self._lost()
+        self.outgoing.put(None)
+        self._tokenizing.shutdown(wait=False)
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # the pipe ------------------------------------------------------------------------------------------
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        if self.failure is not None:
+            raise self.failure
+        self.outgoing.put(message)
+
+    def _send_all(self) -> None:
+        while (message := self.outgoing.get()) is not None:
+            try:
+                self.conn.send(message)
+            except OSError:  # the core is gone: the reader finds out
+                return
+
+    def _listen(self) -> None:
+        """Read the core's messages on the running event loop (moved there from another loop)."""
+        if self.failure is not None:
+            raise self.failure
+        loop = asyncio.get_running_loop()
+        if self.loop is not loop:
+            if self.loop is not None and not self.loop.is_closed():
+                self.loop.remove_reader(self.conn.fileno())
+            loop.add_reader(self.conn.fileno(), self._receive)
+            self.loop = loop
+
+    def _receive(self) -> None:
+        try:
+            while self.conn.poll():
+                message = self.conn.recv()
+                if message[0] == "out":
+                    self._deliver(message[1], message[2])
+                else:
+                    _, number, result, error = message
+                    answer = self.calls.pop(number, None)
+                    if answer is not None and not answer.done():
+                        answer.set_exception(error) if error is not None else answer.set_result(result)
+        except (EOFError, OSError):
+            self._lost()
+
+    def _deliver(self, items: list[Item], counts: CoreCounts) -> None:
+        """A step's items: each request's tokens to its samples' output processors (a stop string one finds
+        ends that sample in the core too), errors to their queues, the core's answers to the requests."""
+        now = clock()
+        self.latest, self.stats.steps, self.stats.iteration_tokens = counts.load, counts.steps, counts.iteration_tokens
+        for number, index, *rest in items:
+            request = self.requests.get(number)
+            if request is None:
+                continue
+            if index is None:
+                if not request.taken.done():
+                    request.taken.set_result(rest[0])
+                continue
+            if request.ended[index]:
+                continue
+            output = request.outputs[index]
+            if len(rest) == 1:  # the error that ends the sample
+                request.ended[index] = True
+                output.queue.put_nowait(rest[0])
+            elif len(rest) == 2:
+                output.add_prompt_logprobs(request.ids, rest[1], rest[0])
+            elif output.take(rest[0], rest[1], now, rest[2] == GRAMMAR_END):
+                request.ended[index] = True
+                if rest[2] is None:  # a stop string, found here
+                    self._send(("end", number, index))
+
+    def _lost(self) -> None:
+        """The core process is gone: every request and call waiting on it fails."""
+        if self.failure is None:
+            self.failure = BatchError(f"the engine's core process ended (exit code {self.process.exitcode})")
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.remove_reader(self.conn.fileno())
+        for request in self.requests.values():
+            if not request.taken.done():
+                request.taken.set_result(self.failure)
+            for index, ended in enumerate(request.ended):
+                if not ended:
+                    request.outputs[index].queue.put_nowait(self.failure)
+        for answer in self.calls.values():
+            if not answer.done():
+                answer.set_exception(self.failure)
+        self.requests.clear()
+        self.calls.clear()
+
+
+def _status(engine: Any) -> dict[str, Any]:
+    return engine.status()
