@@ -5,7 +5,7 @@ inter-token latency (p50/p99), the steps the engine ran (by kind), rows per step
 decode-ready sequences each step served, host µs per step and per sequence, and the serving process's CPU
 ms per generated token; with ``--baseline-tree PATH`` the same trace on another checkout in the same run.
 
-    python benchmarks/serve_load.py --trace crowd64 --device reference [--in-process | --http | --both]
+    python benchmarks/serve_load.py --trace crowd64 --device reference [--in-process | --http | --both | --split]
     python benchmarks/serve_load.py --trace poisson --rate 8 --requests 128 --device reference,wgpu --rounds 3
     python benchmarks/serve_load.py --trace system-prompt --model model.gguf --max-step-tokens 256
     git archive 63887b3 | tar -x -C /tmp/base    # an older commit's tree
@@ -392,12 +392,17 @@ def servers() -> Any:
 
 
 def process_cpu(pid: int) -> float:
-    """Seconds of user + system CPU time of process ``pid`` (every thread), from ``/proc``; NaN without it."""
+    """Seconds of user + system CPU time of process ``pid`` (every thread) and of its living child processes
+    (``serve --engine-process``'s core), from ``/proc``; NaN without it."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = [
+            int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()
+        ]
     except OSError:
         return math.nan
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+    return own + sum(process_cpu(child) for child in children)
 
 
 def get(url: str) -> str:
@@ -449,12 +454,15 @@ async def http_run(url: str, model: str, requests: list[Request]) -> dict[str, f
     return client_figures(records, started)
 
 
-def measure_http(kind: str, model: Path, trace: Trace, settings: Settings, seed: int) -> dict[str, Any]:
-    """The trace through ``batchgpu serve`` (whatever ``batchgpu`` imports, in a subprocess) from this
-    process's client, after a warm-up."""
+def measure_http(
+    kind: str, model: Path, trace: Trace, settings: Settings, seed: int, split: bool = False
+) -> dict[str, Any]:
+    """The trace through ``batchgpu serve`` (whatever ``batchgpu`` imports, in a subprocess; ``split``: with
+    ``--engine-process``) from this process's client, after a warm-up."""
     import batchgpu as bg
 
     options, budget = serve_options(kind, model, settings)
+    options += ["--engine-process"] if split else []
     with servers().serve_process(*options) as (url, process):
         pid = process.pid
         warmup = [Request(r.prompt, r.max_tokens, 0.0) for r in trace.draw(seed + WARMUP_SEED)]
@@ -466,7 +474,7 @@ def measure_http(kind: str, model: Path, trace: Trace, settings: Settings, seed:
     steps = sum(kinds.values())
     counted = after["iteration_count"] - before["iteration_count"]
     return {
-        **tree_info(bg, kind, kind, "http"),  # the device is the server's: not opened here
+        **tree_info(bg, kind, kind, "http-split" if split else "http"),  # the device is the server's
         "budget": budget,
         **run,
         "steps": steps,
@@ -483,7 +491,13 @@ def measure_http(kind: str, model: Path, trace: Trace, settings: Settings, seed:
 
 # the rounds and the report ---------------------------------------------------------------------------
 
-MEASURES = {"in-process": measure_in_process, "http": measure_http}
+
+def measure_http_split(kind: str, model: Path, trace: Trace, settings: Settings, seed: int) -> dict[str, Any]:
+    """:func:`measure_http` with the engine's core in a process of its own (``serve --engine-process``)."""
+    return measure_http(kind, model, trace, settings, seed, split=True)
+
+
+MEASURES = {"in-process": measure_in_process, "http": measure_http, "http-split": measure_http_split}
 
 
 def run_tree(tree: Path, kind: str, mode: str, model: Path, trace: Trace, settings: Settings, seed: int) -> dict:
@@ -625,6 +639,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     modes.add_argument("--in-process", dest="modes", action="store_const", const=["in-process"])
     modes.add_argument("--http", dest="modes", action="store_const", const=["http"])
     modes.add_argument("--both", dest="modes", action="store_const", const=["in-process", "http"], help="(default)")
+    modes.add_argument(
+        "--split",
+        dest="modes",
+        action="store_const",
+        const=["http", "http-split"],
+        help="over HTTP, the engine in the server's process and its core in one of its own (serve --engine-process)",
+    )
     parser.add_argument("--max-batch", type=int, help=f"default: the trace's requests, at most {MAX_BATCH}")
     parser.add_argument("--kv-blocks", type=int, help="default: max-batch of the longest request at once")
     parser.add_argument("--max-step-tokens", type=int, help="the engine's step budget, where the tree has one")
