@@ -83,6 +83,12 @@ BENCHMARKS = (
     Benchmark("serve_load", "serve_load.py", ("--model", "smollm2", "--trace", "crowd256", "--rounds", "1"),
               ("--model", "smollm2", "--trace", "crowd16", "--requests", "4", "--output-len", "4", "--rounds", "1"),
               240, model=True, json=True),
+    Benchmark("serve_load", "serve_load.py", ("--model", "smollm2", "--trace", "crowd256", "--rounds", "1", "--split"),
+              ("--model", "smollm2", "--trace", "crowd16", "--requests", "4", "--output-len", "4", "--rounds", "1",
+               "--split"), 240, model=True, json=True, label="core process"),
+    Benchmark("host_step", "host_step.py", ("--sequences", "256", "--rounds", "1", "--engine-process",
+              "--baseline-tree", str(ROOT)), ("--sequences", "4", "--tokens", "8", "--rounds", "1", "--repeats", "1",
+              "--engine-process", "--baseline-tree", str(ROOT)), 180, model=True, label="core process"),
     Benchmark("structured", "structured.py", ("--concurrency", "1,16", "--tokens", "48"),
               ("--concurrency", "1,2", "--tokens", "4", "--rounds", "1"), 120, model=True, json=True),
 )  # fmt: skip
