@@ -136,7 +136,7 @@ class Core:
             return CoreOutput(sequence.params, ends, outbox, request, index, sequence.guide)
 
         try:
-            self.requests[request] = self.engine.add_samples(ids, params, guides, output)
+            self.requests[request] = self.engine.queue_samples(ids, params, guides, output)
         except Exception as exc:
             outbox.put((request, None, portable(exc)))
             return
@@ -146,7 +146,7 @@ class Core:
         if request in self.compiled and index is None:
             self.compiled[request] = True
         sequences = self.requests.pop(request, []) if index is None else self.requests.get(request, [])[index:][:1]
-        self.engine.end(sequences)
+        self.engine.cancel(sequences)
 
     def call(self, call: int, function: Any, arguments: tuple[Any, ...]) -> None:
         try:

@@ -175,7 +175,7 @@ class Engine(Front, SyncCalls):
 
     async def start(self, prompt: Prompt, params: SamplingParams, trusted: bool) -> Started:
         """Tokenize ``prompt`` (chat templates rendered, grammars compiled: on the engine's thread for large ones)
-        and queue its samples (:meth:`add_samples`, RequestError where the engine can never serve it)."""
+        and queue its samples (:meth:`queue_samples`, RequestError where the engine can never serve it)."""
         encode, arrival = (self.codec, self.config.vocab, prompt, trusted, params, self.grammar), clock()
         if prompt_size(prompt) <= INLINE_PROMPT and params.structured is None and params.tools is None:
             ids, guides = prepare(*encode)  # quicker than a hop to the thread
@@ -189,10 +189,10 @@ class Engine(Front, SyncCalls):
                 guide=sequence.guide,
             )  # fmt: skip
 
-        sequences = self.add_samples(ids, params, guides, output)
-        return queue, len(sequences), lambda: self.end(sequences)
+        sequences = self.queue_samples(ids, params, guides, output)
+        return queue, len(sequences), lambda: self.cancel(sequences)
 
-    def add_samples(
+    def queue_samples(
         self, ids: list[int], params: SamplingParams, guides: list[Guide] | None, output: Callable[[int, Any], Output]
     ) -> list[ScheduledSequence]:
         """Queue the samples of a generation of ``ids`` for the step loop (started on this event loop if it does
@@ -206,7 +206,7 @@ class Engine(Front, SyncCalls):
             self.driver.add(sequence, output(index, sequence))
         return sequences
 
-    def end(self, sequences: list[ScheduledSequence]) -> None:
+    def cancel(self, sequences: list[ScheduledSequence]) -> None:
         """Cancel those of ``sequences`` that have not ended: their slots and blocks are free at once."""
         if self.driver.end_unfinished(sequences):
             self.driver.wake.set()

@@ -72,7 +72,9 @@ class EngineProcess(Front):
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop that reads the core's messages
         self.outgoing: queue.SimpleQueue[Any] = queue.SimpleQueue()  # sent on a thread: a send never stalls the loop
         self.sender = threading.Thread(target=self._send_all, name="batchgpu-core-send", daemon=True)
+        self.receiver = threading.Thread(target=self._receive_all, name="batchgpu-core-receive", daemon=True)
         self.sender.start()
+        self.receiver.start()
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgpu-tokenize")
 
     def _ready(self, timeout: float | None) -> dict[str, Any]:
@@ -150,7 +152,7 @@ class EngineProcess(Front):
         if self.process.is_alive():
             self.process.terminate()
             self.process.join()
-        self._lost()
+        self.receiver.join(10)  # it saw the pipe's end: what waited here has failed
         self.outgoing.put(None)
         self._tokenizing.shutdown(wait=False)
 
@@ -175,29 +177,40 @@ class EngineProcess(Front):
                 return
 
     def _listen(self) -> None:
-        """Read the core's messages on the running event loop (moved there from another loop)."""
+        """Hand the core's messages to the running event loop from now on (the requests and calls wait there)."""
         if self.failure is not None:
             raise self.failure
-        loop = asyncio.get_running_loop()
-        if self.loop is not loop:
-            if self.loop is not None and not self.loop.is_closed():
-                self.loop.remove_reader(self.conn.fileno())
-            loop.add_reader(self.conn.fileno(), self._receive)
-            self.loop = loop
+        self.loop = asyncio.get_running_loop()
 
-    def _receive(self) -> None:
-        try:
-            while self.conn.poll():
+    def _receive_all(self) -> None:
+        """The receiving thread: each message of the core (a blocking read: no event loop owns the pipe, and
+        uvloop would make it non-blocking) goes to the event loop; the pipe's end is the core's end."""
+        while True:
+            try:
                 message = self.conn.recv()
-                if message[0] == "out":
-                    self._deliver(message[1], message[2])
-                else:
-                    _, number, result, error = message
-                    answer = self.calls.pop(number, None)
-                    if answer is not None and not answer.done():
-                        answer.set_exception(error) if error is not None else answer.set_result(result)
-        except (EOFError, OSError):
-            self._lost()
+            except (EOFError, OSError):
+                self.process.join(5)
+                self.failure = BatchError(f"the engine's core process ended (exit code {self.process.exitcode})")
+                self._on_loop(self._lost)
+                return
+            self._on_loop(self._receive, message)
+
+    def _on_loop(self, function: Callable[..., None], *arguments: Any) -> None:
+        loop = self.loop
+        try:
+            if loop is not None:
+                loop.call_soon_threadsafe(function, *arguments)
+        except RuntimeError:  # closed: nothing waits there any more
+            pass
+
+    def _receive(self, message: tuple[Any, ...]) -> None:
+        if message[0] == "out":
+            self._deliver(message[1], message[2])
+            return
+        _, number, result, error = message
+        answer = self.calls.pop(number, None)
+        if answer is not None and not answer.done():
+            answer.set_exception(error) if error is not None else answer.set_result(result)
 
     def _deliver(self, items: list[Item], counts: CoreCounts) -> None:
         """A step's items: each request's tokens to its samples' output processors (a stop string one finds
@@ -226,11 +239,8 @@ class EngineProcess(Front):
                     self._send(("end", number, index))
 
     def _lost(self) -> None:
-        """The core process is gone: every request and call waiting on it fails."""
-        if self.failure is None:
-            self.failure = BatchError(f"the engine's core process ended (exit code {self.process.exitcode})")
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.remove_reader(self.conn.fileno())
+        """The core process is gone (:attr:`failure` says how): every request and call waiting on it fails."""
+        assert self.failure is not None
         for request in self.requests.values():
             if not request.taken.done():
                 request.taken.set_result(self.failure)
