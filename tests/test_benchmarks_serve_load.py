@@ -82,3 +82,16 @@ def test_the_step_budget_goes_where_the_engine_takes_it():
     assert module.engine_budget(Old, None) == {} == module.engine_budget(New, None)
     assert module.engine_budget(Old, 64) == {"prefill_chunk": 64}
     assert module.engine_budget(New, 64) == {"max_step_tokens": 64}
+
+
+def test_the_server_with_its_core_in_a_process_of_its_own_serves_the_trace(model):
+    """``--split``'s second mode: ``serve --engine-process``, every token and step counted, and the CPU time
+    of the server and its core process."""
+    pytest.importorskip("openai", reason="the load generator is the openai client")
+    pytest.importorskip("uvicorn", reason="pip install 'batchgpu[serve]'")
+    module = serve_load()
+    settings = module.Settings(max_batch=REQUESTS, max_context=64, kv_blocks=REQUESTS * 4)
+    figures = module.measure_http_split("reference", model, tiny_trace(), settings, seed=0)
+    assert figures["mode"] == "http-split" and figures["tokens"] == REQUESTS * TOKENS
+    assert figures["steps"] > 0 and sum(figures["steps_by_kind"].values()) == figures["steps"]
+    assert figures["cpu_ms_per_token"] > 0 and math.isfinite(figures["cpu_ms_per_token"])

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -107,6 +109,31 @@ def test_a_request_the_core_refuses_raises_and_counts_as_refused(split: EnginePr
     assert pieces(split, PROMPT, SamplingParams(max_tokens=2))[-1].usage.completion_tokens == 2  # it goes on
 
 
+def test_a_burst_that_fills_the_pipe_many_times_passes_under_uvloop_too(split: EngineProcess) -> None:
+    """200 requests at once, each of 3,000 prompt ids (refused by the core: past max_context), about 1.2 MB
+    on their way to the core while it reads what it can: each gets its refusal, and the engine goes on; on
+    uvloop where installed (which makes a file descriptor it watches non-blocking)."""
+    prompt = [16 + i % 200 for i in range(3000)]
+
+    async def refused() -> list[BaseException | None]:
+        async def one() -> BaseException | None:
+            try:
+                await split.generate(prompt, SamplingParams(max_tokens=4)).__anext__()
+            except RequestError as exc:
+                return exc
+            return None
+
+        return await asyncio.gather(*(one() for _ in range(200)))
+
+    try:
+        import uvloop
+    except ImportError:  # not a dependency; uvicorn takes it where it is installed
+        uvloop = None
+    errors = uvloop.run(refused()) if uvloop is not None else asyncio.run(refused())
+    assert all(error is not None and error.param == "prompt" for error in errors)
+    assert pieces(split, PROMPT, SamplingParams(max_tokens=2))[-1].usage.completion_tokens == 2
+
+
 def test_a_caller_that_stops_frees_its_slot_in_the_core(split: EngineProcess) -> None:
     async def run() -> dict[str, Any]:
         aborted = split.stats.aborted
@@ -160,3 +187,16 @@ def test_a_core_that_dies_fails_its_requests_and_later_ones(model: Path) -> None
 def test_an_engine_that_cannot_be_made_raises_its_error_here(tmp_path: Path) -> None:
     with pytest.raises(BatchError, match="no such file"):
         EngineProcess(EngineOptions(model=str(tmp_path / "missing.gguf"), device="reference"))
+
+
+def test_a_call_the_core_cannot_unpickle_fails_alone(split: EngineProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    here_only = types.ModuleType("batchgpu_test_here_only")  # importable in this process, not in the core's
+    exec("def running(engine):\n    return engine.status()['running']\n", here_only.__dict__)
+    monkeypatch.setitem(sys.modules, here_only.__name__, here_only)
+
+    async def run() -> None:
+        with pytest.raises(ModuleNotFoundError, match="batchgpu_test_here_only"):
+            await split.call(here_only.running)
+        assert (await split.status())["running"] == 0
+
+    asyncio.run(run())

@@ -10,8 +10,8 @@ Messages from the client (tuples over a :mod:`multiprocessing` pipe):
 - ``("add", request, ids, params)``: queue a request's samples (its grammar, if any, compiled on a thread
   first); answered by the item ``(request, None, None)``, or ``(request, None, error)`` where it is refused;
 - ``("end", request, index)``: cancel sample ``index`` (None: every sample; the request is forgotten);
-- ``("call", call, function, args)``: ``function(engine, *args)``, answered ``("reply", call, result, error)``
-  (status, memory, and the benchmarks' clocks);
+- ``("call", call, payload)``: ``function(engine, *args)`` where the payload is the pickled ``(function,
+  args)``, answered ``("reply", call, result, error)`` (status, memory, and the benchmarks' clocks);
 - ``("close",)``: stop (so does the client's end of the pipe closing).
 
 To the client: ``("ready", facts)`` or ``("failed", error)`` once, then ``("out", items, counts)`` per step
@@ -148,8 +148,9 @@ class Core:
         sequences = self.requests.pop(request, []) if index is None else self.requests.get(request, [])[index:][:1]
         self.engine.cancel(sequences)
 
-    def call(self, call: int, function: Any, arguments: tuple[Any, ...]) -> None:
+    def call(self, call: int, payload: bytes) -> None:
         try:
+            function, arguments = pickle.loads(payload)  # here: a function this process cannot import is an error
             result, error = function(self.engine, *arguments), None
         except Exception as exc:
             result, error = None, portable(exc)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing
+import pickle
 import queue
 import threading
 from collections.abc import Callable
@@ -141,13 +142,13 @@ class EngineProcess(Front):
         self._listen()
         number = next(self.ids)
         self.calls[number] = asyncio.get_running_loop().create_future()
-        self._send(("call", number, function, arguments))
+        self._send(("call", number, pickle.dumps((function, arguments))))
         return await self.calls[number]
 
     def close(self) -> None:
         """Stop the core process (and what waits on it here)."""
-        if self.process.is_alive():
-            self.outgoing.put(("close",))
+        if self.process.is_alive() and self.failure is None:
+            self._send(("close",))
             self.process.join(10)
         if self.process.is_alive():
             self.process.terminate()
@@ -165,15 +166,16 @@ class EngineProcess(Front):
     # the pipe ------------------------------------------------------------------------------------------
 
     def _send(self, message: tuple[Any, ...]) -> None:
+        """Send ``message`` (pickled here: what cannot be raises to the caller) on the sending thread."""
         if self.failure is not None:
             raise self.failure
-        self.outgoing.put(message)
+        self.outgoing.put(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
 
     def _send_all(self) -> None:
-        while (message := self.outgoing.get()) is not None:
+        while (data := self.outgoing.get()) is not None:
             try:
-                self.conn.send(message)
-            except OSError:  # the core is gone: the reader finds out
+                self.conn.send_bytes(data)
+            except OSError:  # the core is gone: the receiving thread finds out
                 return
 
     def _listen(self) -> None:
