@@ -213,9 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--engine-process",
-        action="store_true",
-        help="run the engine's core (scheduling, steps) in a process of its own; detokenization and the HTTP "
-        "work run in the server's, beside the steps",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's core (scheduling, steps) in a process of its own, detokenization and the HTTP work in "
+        "the server's, beside the steps (default; --no-engine-process: the whole engine in the server's process)",
     )
     serve.add_argument("--ray", action="store_true", help="serve on Ray Serve: --replicas engines, one per device")
     serve.add_argument("--replicas", type=int, default=1, help="engine replicas with --ray (default 1)")

@@ -374,10 +374,14 @@ def serve_options(kind: str, model: Path, settings: Settings) -> tuple[list[str]
     options += ["--max-context", str(settings.max_context), "--kv-blocks", str(settings.kv_blocks)]
     if settings.max_step_tokens is None:
         return options, "default"
-    usage = subprocess.run([sys.executable, "-m", "batchgpu", "serve", "--help"], capture_output=True, text=True)
-    if "--max-step-tokens" not in usage.stdout:
+    if "--max-step-tokens" not in serve_usage():
         return options, "default (serve has no --max-step-tokens)"
     return [*options, "--max-step-tokens", str(settings.max_step_tokens)], f"max_step_tokens={settings.max_step_tokens}"
+
+
+def serve_usage() -> str:
+    """``batchgpu serve --help`` of the tree measured (which flags it has)."""
+    return subprocess.run([sys.executable, "-m", "batchgpu", "serve", "--help"], capture_output=True, text=True).stdout
 
 
 def servers() -> Any:
@@ -462,7 +466,10 @@ def measure_http(
     import batchgpu as bg
 
     options, budget = serve_options(kind, model, settings)
-    options += ["--engine-process"] if split else []
+    if split:
+        options.append("--engine-process")
+    elif "--no-engine-process" in serve_usage():  # the tree's serve splits by default: one process here
+        options.append("--no-engine-process")
     with servers().serve_process(*options) as (url, process):
         pid = process.pid
         warmup = [Request(r.prompt, r.max_tokens, 0.0) for r in trace.draw(seed + WARMUP_SEED)]
@@ -493,7 +500,8 @@ def measure_http(
 
 
 def measure_http_split(kind: str, model: Path, trace: Trace, settings: Settings, seed: int) -> dict[str, Any]:
-    """:func:`measure_http` with the engine's core in a process of its own (``serve --engine-process``)."""
+    """:func:`measure_http` with the engine's core in a process of its own (``serve --engine-process``; the
+    "http" mode keeps it in the server's process, ``--no-engine-process`` where the tree has the flag)."""
     return measure_http(kind, model, trace, settings, seed, split=True)
 
 
@@ -644,7 +652,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="modes",
         action="store_const",
         const=["http", "http-split"],
-        help="over HTTP, the engine in the server's process and its core in one of its own (serve --engine-process)",
+        help="over HTTP, the engine in the server's process (http) and its core in one of its own (http-split)",
     )
     parser.add_argument("--max-batch", type=int, help=f"default: the trace's requests, at most {MAX_BATCH}")
     parser.add_argument("--kv-blocks", type=int, help="default: max-batch of the longest request at once")

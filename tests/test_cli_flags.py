@@ -321,6 +321,7 @@ def test_an_engine_that_cannot_be_made_stops_serve_before_the_port_is_bound(file
 
         monkeypatch.setattr(EngineOptions, "make", make)
         argv = ["serve", "--model", str(files["model"]), "--max-context", "64", "--port", str(port)]
+        argv.append("--no-engine-process")  # made in this process, where make is patched
         assert cli.main(argv) == code
         assert capsys.readouterr().err == f"batchgpu serve: could not start: {error}\n"
     with socket.socket() as probe:

@@ -3,7 +3,8 @@ started here on 127.0.0.1) aborts a request as soon as its client disconnects, s
 still waiting for a slot: the engine drops it (its slot and KV blocks free), long before its ``max_tokens``
 could have been generated, and ``batchgpu_requests_aborted_total`` counts it once; requests that end
 normally (a prompt-only echo too) are not counted, and the server goes on serving; all of it with the
-engine's core in the server's process and in one of its own (``--engine-process``). The clients are raw
+whole engine in the server's process (``--no-engine-process``) and with its core in one of its own (the
+default). The clients are raw
 sockets, closed at the moment each case wants. In-process, a stream whose send fails (an ASGI 2.4 server's
 word for a client gone) is aborted the same way."""
 
@@ -46,13 +47,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["one process", "--engine-process"])
+@pytest.fixture(scope="module", params=["--no-engine-process", "--engine-process"])
 def server(tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     """``SLOTS`` slots and KV blocks for all of them at full length (nothing is preempted); the engine in the
     server's process, or its core in one of its own."""
     sizes = ["--max-batch", str(SLOTS), "--max-context", str(CONTEXT), "--kv-blocks", str(SLOTS * CONTEXT // 16)]
-    split = [request.param] if request.param.startswith("--") else []
-    with batchgpu_server("--model", str(tiny_model), "--device", "reference", *sizes, *split, startup=120) as url:
+    settings = ["--model", str(tiny_model), "--device", "reference", *sizes, request.param]
+    with batchgpu_server(*settings, startup=120) as url:
         yield url
 
 

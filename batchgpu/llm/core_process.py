@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import pickle
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -57,13 +58,16 @@ def portable(error: BaseException) -> BaseException:
 
 def run_core(conn: Connection, options: EngineOptions) -> None:
     """The core process: make the engine of ``options`` and say it is ready (or why not), then serve the
-    client's messages until it closes or leaves."""
+    client's messages until it closes or leaves. Ctrl-C is the client's to handle (its process group gets it
+    too): the core ends with its pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = options.make()
     except BaseException as exc:
         conn.send(("failed", portable(exc)))
         return
     facts = {"config": engine.config, "path": str(engine.path), "max_context": engine.max_context}
+    facts |= {"block_size": engine.pool.block_size, "blocks": engine.pool.blocks}
     conn.send(("ready", {**facts, "max_batch": engine.max_batch, "max_waiting": engine.max_waiting}))
     gc.collect()
     gc.freeze()  # the model's and engine's long-lived objects out of the collector's scans, as batchgpu serve does

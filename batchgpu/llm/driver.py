@@ -20,7 +20,7 @@ from .metrics import EngineStats, clock
 from .output import Output, Piece, hand_prompt_logprobs
 from .scheduler import Scheduler, Sequence, SequenceState, StepKind, StepPlan
 from .speculation import Speculator
-from .step import StepRunner, Submitted, TokenLogprob
+from .step import StepRunner, Submitted
 
 
 class Driver:
@@ -166,12 +166,7 @@ class Driver:
             self.runner.put_tokens([slot for slot, _ in drafted], [token for _, token in drafted])
         else:
             taken = [(sequence, [token]) for sequence, token in self.scheduler.update(plan, [s[0] for s in samples])]
-        now = clock()  # the step's tokens all arrive now
-        for sequence, tokens in taken:
-            self.deliver(sequence, tokens, sampled.get(sequence), now)
-
-    def deliver(self, sequence: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None, now: float) -> None:
-        """Hand ``tokens`` (with their ``logprobs`` where asked), read back at ``now``, to ``sequence``'s output
-        (:meth:`~batchgpu.llm.output.OutputProcessor.take`); where they end its generation, the request ends."""
-        if self.outputs[sequence].take(tokens, logprobs, now):
-            self.end(sequence)
+        now, outputs = clock(), self.outputs  # the step's tokens all arrive now
+        for sequence, tokens in taken:  # each to its output (a piece for them all); those that end it end the request
+            if outputs[sequence].take(tokens, sampled.get(sequence), now):
+                self.end(sequence)

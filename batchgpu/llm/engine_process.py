@@ -3,7 +3,8 @@ the core process (:mod:`~batchgpu.llm.core_process`) schedules, runs and reads t
 tokenizes, turns each step's tokens into text (:class:`~batchgpu.llm.output.OutputProcessor`: stop
 strings, logprob bytes, tool calls, latencies) and hands the pieces to their callers. On one thread the
 host's per-request work runs between steps; split, it runs beside them, and the core's host time per step
-is its scheduling, packing and reading alone. ``batchgpu serve --engine-process`` serves through it.
+is its scheduling, packing and reading alone. ``batchgpu serve`` serves through it (``--no-engine-process``:
+through an :class:`~batchgpu.llm.Engine` in the server's process).
 
 A stop string found here ends the request here at once and in the core at its next message (the core may
 have run a step or two past it, which is dropped, as for a request that stops early with steps ahead).
@@ -34,6 +35,7 @@ from .output import OutputProcessor, PieceQueue
 from .params import SamplingParams
 from .prompt import INLINE_PROMPT, Prompt, prompt_ids, prompt_size
 from .samples import sample_params
+from .scheduler import check_size
 
 
 @dataclass
@@ -63,6 +65,7 @@ class EngineProcess(Front):
         facts = self._ready(timeout)
         self.config, self.max_context = facts["config"], facts["max_context"]
         self.max_batch, self.max_waiting = facts["max_batch"], facts["max_waiting"]
+        self.pool_size = facts["block_size"], facts["blocks"]  # the core's KV blocks: a request must fit them
         self.codec = open_weights(facts["path"]).codec()
         self.stats, self.room = EngineStats(), engine_places(self.max_batch, self.max_waiting)
         self.requests: dict[int, ClientRequest] = {}
@@ -104,6 +107,7 @@ class EngineProcess(Front):
             ids = prompt_ids(*encode)
         else:
             ids = await loop.run_in_executor(self._tokenizing, prompt_ids, *encode)
+        check_size(len(ids), params.max_tokens, self.max_context, *self.pool_size)  # here: no prompt sent to refuse
         pieces = PieceQueue()
         outputs = [
             OutputProcessor(self.codec, sample, len(ids), self.stats, arrival, queue=pieces, index=index)

@@ -193,6 +193,26 @@ def scores_prompt(sequence: Sequence, start: int) -> bool:
     return sequence.params.prompt_logprobs is not None and start < len(sequence.prompt)
 
 
+def check_size(prompt_tokens: int, max_tokens: int, max_context: int, block_size: int, blocks: int) -> None:
+    """RequestError unless a generation of ``prompt_tokens`` + ``max_tokens`` can ever run: within
+    ``max_context``, and alone in a pool of ``blocks`` KV blocks of ``block_size`` tokens."""
+    if prompt_tokens == 0:
+        raise RequestError("the prompt is empty", "prompt")
+    if prompt_tokens + max_tokens > max_context:
+        raise RequestError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceed the engine's max_context "
+            f"({max_context})",
+            "max_tokens" if max_tokens >= max_context else "prompt",  # past it alone, or with the prompt
+        )
+    needed = -(-(prompt_tokens + max_tokens) // block_size)
+    if needed > blocks:
+        raise RequestError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) need {needed} KV blocks of "
+            f"{block_size} tokens; the cache has {blocks}",
+            "max_tokens",
+        )
+
+
 def check_step_tokens(max_batch: int, max_step_tokens: int) -> None:
     """ArgumentError unless ``max_step_tokens`` is an int of at least ``max_batch`` (a step carries a row for
     every decoding sequence)."""
@@ -243,21 +263,7 @@ class Scheduler:
 
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
         """RequestError unless a generation of this size can ever run (alone, in the whole pool)."""
-        if prompt_tokens == 0:
-            raise RequestError("the prompt is empty", "prompt")
-        if prompt_tokens + max_tokens > self.max_context:
-            raise RequestError(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceed the engine's max_context "
-                f"({self.max_context})",
-                "max_tokens" if max_tokens >= self.max_context else "prompt",  # past it alone, or with the prompt
-            )
-        needed = self.pool.needed(prompt_tokens + max_tokens)
-        if needed > self.pool.blocks:
-            raise RequestError(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) need {needed} KV blocks of "
-                f"{self.pool.block_size} tokens; the cache has {self.pool.blocks}",
-                "max_tokens",
-            )
+        check_size(prompt_tokens, max_tokens, self.max_context, self.pool.block_size, self.pool.blocks)
 
     def finish(self, sequence: Sequence) -> None:
         """End ``sequence`` (stopped, cancelled or failed): its slot and blocks are free for the next step,
