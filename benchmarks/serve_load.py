@@ -5,7 +5,7 @@ inter-token latency (p50/p99), the steps the engine ran (by kind), rows per step
 decode-ready sequences each step served, host µs per step and per sequence, and the serving process's CPU
 ms per generated token; with ``--baseline-tree PATH`` the same trace on another checkout in the same run.
 
-    python benchmarks/serve_load.py --trace crowd64 --device reference [--in-process | --http | --both | --split]
+    python benchmarks/serve_load.py --trace crowd64 --device reference [--in-process|--http|--both|--split|--all]
     python benchmarks/serve_load.py --trace poisson --rate 8 --requests 128 --device reference,wgpu --rounds 3
     python benchmarks/serve_load.py --trace system-prompt --model model.gguf --max-step-tokens 256
     git archive 63887b3 | tar -x -C /tmp/base    # an older commit's tree
@@ -379,6 +379,11 @@ def serve_options(kind: str, model: Path, settings: Settings) -> tuple[list[str]
     return [*options, "--max-step-tokens", str(settings.max_step_tokens)], f"max_step_tokens={settings.max_step_tokens}"
 
 
+def splits(tree: Path) -> bool:
+    """Whether ``tree``'s ``serve`` can run the engine's core in a process of its own (the http-split mode)."""
+    return (tree / "batchgpu" / "llm" / "engine_process.py").is_file()
+
+
 def serve_usage() -> str:
     """``batchgpu serve --help`` of the tree measured (which flags it has)."""
     return subprocess.run([sys.executable, "-m", "batchgpu", "serve", "--help"], capture_output=True, text=True).stdout
@@ -608,6 +613,8 @@ def ratios(results: dict[tuple[str, str], list[dict[str, Any]]], modes: list[str
     """this / baseline of the medians of tokens/s, TTFT p50 and steps, per mode."""
     lines = ["| mode | tokens/s this/baseline | TTFT p50 this/baseline | steps this/baseline |", "|---|---:|---:|---:|"]
     for mode in modes:
+        if ("baseline", mode) not in results:  # a tree without it
+            continue
         this, base = results[("this", mode)], results[("baseline", mode)]
         cells = [median(this, key) / median(base, key) for key in ("tokens_per_s", "ttft_p50_ms", "steps")]
         lines.append(f"| {mode} | " + " | ".join(f"{c:.2f}x" for c in cells) + " |")
@@ -648,6 +655,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     modes.add_argument("--http", dest="modes", action="store_const", const=["http"])
     modes.add_argument("--both", dest="modes", action="store_const", const=["in-process", "http"], help="(default)")
     modes.add_argument(
+        "--all", dest="modes", action="store_const", const=["in-process", "http", "http-split"], help="every mode"
+    )
+    modes.add_argument(
         "--split",
         dest="modes",
         action="store_const",
@@ -680,10 +690,11 @@ def report(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
     print(", ".join(f"{k} {v}" for k, v in asdict(settings).items()))
     runs = []
     for kind in args.device.split(","):
-        results: dict[tuple[str, str], list[dict[str, Any]]] = {(n, m): [] for n in trees for m in args.modes}
+        modes = {n: [m for m in args.modes if m != "http-split" or splits(tree)] for n, tree in trees.items()}
+        results: dict[tuple[str, str], list[dict[str, Any]]] = {(n, m): [] for n in trees for m in modes[n]}
         for _ in range(args.rounds):
             for name in reversed(list(trees)):  # the baseline first in each round
-                for mode in args.modes:
+                for mode in modes[name]:
                     results[(name, mode)].append(run_tree(trees[name], kind, mode, model, trace, settings, args.seed))
         name = next((r[0]["device"] for (_, m), r in results.items() if m == "in-process"), kind)
         print(f"\n{name} ({kind}); load (1 min) {load_average():.2f}")

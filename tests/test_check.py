@@ -122,7 +122,7 @@ def test_the_gpu_plan_runs_every_benchmark_on_every_gpu_executor():
     assert plan.keys() == {
         "tests", "native (cuda)", "decode (wgpu)", "decode (cuda)", "decode_ahead (wgpu,cuda)", "serve (wgpu,cuda)",
         "formats 2048x2048 (wgpu,cuda)", "formats 16384x8192 (wgpu,cuda)", "fusion (wgpu,cuda)",
-        "serve_load (wgpu,cuda)", "structured (wgpu,cuda)",
+        "serve_load (wgpu,cuda)", "host_step core process (wgpu,cuda)", "structured (wgpu,cuda)",
     }  # fmt: skip
     assert plan["tests"] == "none"
     if check.model_file() is not None:
