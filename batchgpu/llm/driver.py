@@ -1,7 +1,8 @@
 """The engine's step loop (vLLM v1's engine core): one asyncio task per event loop runs ``schedule() ->
 plan``, ``run(plan)``, ``update(plan, tokens)``: :mod:`~batchgpu.llm.scheduler` decides each step,
-:class:`~batchgpu.llm.step.StepRunner` packs and submits it (sampling on the device), each request's
-:class:`~batchgpu.llm.output.OutputProcessor` turns its tokens into pieces of text.
+:class:`~batchgpu.llm.step.StepRunner` packs and submits it (sampling on the device), each sequence's
+:class:`~batchgpu.llm.output.Output` takes its tokens (an output processor turns them into pieces of text; in
+a core process of its own, :class:`~batchgpu.llm.core_output.CoreOutput` sends them to the client's).
 
 Up to ``ahead + 1`` steps are in flight: the host plans, packs and submits step N+1 (and N+2) while the
 device computes step N, and turns step N's tokens into text while the later steps run (on a GPU; on the
