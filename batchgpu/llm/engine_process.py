@@ -115,8 +115,8 @@ class EngineProcess(Front):
         ]
         request = ClientRequest(ids, outputs, pieces, loop.create_future(), [False] * len(outputs))
         number = next(self.ids)
+        self._send(("add", number, ids, params))  # its answer comes on this thread's loop: after this
         self.requests[number] = request
-        self._send(("add", number, ids, params))
         try:
             refused = await request.taken
         except BaseException:  # cancelled meanwhile
@@ -144,10 +144,10 @@ class EngineProcess(Front):
         """``function(engine, *arguments)`` in the core process (``function`` and its arguments pickled: a
         module's function), its result here."""
         self._listen()
-        number = next(self.ids)
-        self.calls[number] = asyncio.get_running_loop().create_future()
+        number, answer = next(self.ids), asyncio.get_running_loop().create_future()
         self._send(("call", number, pickle.dumps((function, arguments))))
-        return await self.calls[number]
+        self.calls[number] = answer
+        return await answer
 
     def close(self) -> None:
         """Stop the core process (and what waits on it here)."""
