@@ -94,3 +94,19 @@ def first_event(connection: socket.socket) -> bytes:
         answer += data
     assert answer.startswith(b"HTTP/1.1 200 "), answer
     return answer
+
+
+def server_pid(server: str) -> int:
+    """The pid of this process's ``batchgpu serve`` child listening at ``server``'s port (its own processes, such
+    as its engine's core process, and processes that ended are not it)."""
+    import psutil
+
+    port = server.rsplit(":", 1)[1]
+    for process in psutil.Process().children(recursive=True):
+        try:
+            command = process.cmdline()
+        except psutil.Error:  # ended meanwhile, or a zombie not yet reaped
+            continue
+        if "serve" in command and port in command:
+            return process.pid
+    raise AssertionError(f"no batchgpu serve at port {port} among this process's children")

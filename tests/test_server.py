@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from .servers import batchgpu_server
+from .servers import batchgpu_server, server_pid
 
 pytestmark = pytest.mark.model
 
@@ -632,8 +632,7 @@ def test_a_large_prompt_does_not_stall_other_streams(server: str, client: openai
 
 def _server_process(server: str) -> Any:
     psutil = pytest.importorskip("psutil")
-    port = server.rsplit(":", 1)[1]
-    return next(p for p in psutil.Process().children(recursive=True) if port in " ".join(p.cmdline()))
+    return psutil.Process(server_pid(server))
 
 
 @pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "malloc_trim"), reason="glibc keeps freed memory otherwise")

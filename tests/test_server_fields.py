@@ -38,7 +38,7 @@ from batchgpu.errors import GrammarError, RequestError
 from batchgpu.llm.schema import CHAT, COMPLETIONS, DETOKENIZE, EMBEDDINGS, FIELDS, TOKENIZE
 from batchgpu.llm.structured import StructuredOutput, infinite_schema
 
-from .servers import batchgpu_server, free_port
+from .servers import batchgpu_server, free_port, server_pid
 from .test_encoder import write_bert
 
 pytest.importorskip("starlette", reason="pip install 'batchgpu[serve]'")
@@ -544,8 +544,7 @@ def test_a_grammar_with_no_output_or_that_gets_stuck_is_refused(tmp_path: Path) 
 
 def server_process(url: str) -> Any:
     """The server's process (a child of this one, listening on ``url``'s port)."""
-    port = url.rsplit(":", 1)[1]
-    return next(p for p in psutil.Process().children(recursive=True) if port in p.cmdline())
+    return psutil.Process(server_pid(url))
 
 
 def slow_client(url: str, kind: str, answers: dict[int, bytes], index: int, stop: threading.Event) -> None:

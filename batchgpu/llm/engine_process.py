@@ -82,16 +82,22 @@ class EngineProcess(Front):
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgpu-tokenize")
 
     def _ready(self, timeout: float | None) -> dict[str, Any]:
-        if not self.conn.poll(timeout):
-            self.process.terminate()
-            raise BatchError(f"the engine's core process was not ready after {timeout} s")
+        """The core's facts once it is ready; where it never is, its error (the process ended and reaped)."""
         try:
-            kind, facts = self.conn.recv()
-        except EOFError:
-            raise BatchError(
-                f"the engine's core process exited ({self.process.exitcode}) before it was ready"
-            ) from None
+            if not self.conn.poll(timeout):
+                self.process.terminate()
+                raise BatchError(f"the engine's core process was not ready after {timeout} s")
+            try:
+                kind, facts = self.conn.recv()
+            except EOFError:
+                self.process.join()
+                code = self.process.exitcode
+                raise BatchError(f"the engine's core process exited ({code}) before it was ready") from None
+        except BaseException:
+            self.process.join()
+            raise
         if kind == "failed":
+            self.process.join()
             raise facts
         return facts
 
