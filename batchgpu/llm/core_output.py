@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import BatchError
-from .output import Piece
+from .output import Piece, end_ids
 from .params import SamplingParams
 from .step import TokenLogprob
 
@@ -30,16 +30,15 @@ class Outbox:
     """The items of the core's step loop on their way to the client: :meth:`put` each; those put in one turn
     of the event loop (a step's tokens) go in one message, with ``extra()`` (the core's counts)."""
 
-    __slots__ = ("items", "send", "extra", "loop")
+    __slots__ = ("items", "send", "extra")
 
     def __init__(self, send: Callable[[Any], None], extra: Callable[[], Any]) -> None:
         self.items: list[Item] = []
         self.send, self.extra = send, extra
-        self.loop: asyncio.AbstractEventLoop | None = None
 
     def put(self, item: Item) -> None:
         if not self.items:
-            (self.loop or asyncio.get_running_loop()).call_soon(self.flush)
+            asyncio.get_running_loop().call_soon(self.flush)
         self.items.append(item)
 
     def flush(self) -> None:
@@ -72,7 +71,7 @@ class CoreOutput:
     def __init__(self, params: SamplingParams, ends: frozenset[int], outbox: Outbox, request: int, index: int,
                  guide: Any = None) -> None:  # fmt: skip
         self.params, self.guide, self.tokens = params, guide, 0
-        self.ends = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else ends)
+        self.ends = end_ids(params, ends)
         self.queue = CoreQueue(outbox, request, index)
 
     def take(

@@ -90,7 +90,6 @@ class Core:
     async def serve(self) -> None:
         """Read the client's messages as they come until it closes or leaves."""
         loop = asyncio.get_running_loop()
-        self.outbox.loop, self.closed = loop, asyncio.Event()
         loop.add_reader(self.conn.fileno(), self.receive)
         try:
             await self.closed.wait()

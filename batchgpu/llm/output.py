@@ -146,6 +146,12 @@ def cumulative_logprob(piece: Piece) -> float:
     return sum(entry.logprob for entry in piece.logprobs if entry.logprob is not None)
 
 
+def end_ids(params: SamplingParams, eos_ids: frozenset[int]) -> frozenset[int]:
+    """The token ids that end a request's generation: its ``stop_token_ids`` and, unless it ignores them, the
+    model's end-of-sequence ids."""
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+
+
 class ItemQueue(Protocol):
     """Where a sequence's pieces (or the error that ends it) go: :class:`PieceQueue`, or the core process's."""
 
@@ -193,7 +199,7 @@ class OutputProcessor:
         self.params = params
         self.codec = codec
         self.stream = TextStream(codec, params.stop)
-        self.ends = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else codec.eos_ids)
+        self.ends = end_ids(params, codec.eos_ids)
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.queue = queue if queue is not None else PieceQueue()
